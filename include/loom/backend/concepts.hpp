@@ -1,0 +1,27 @@
+#pragma once
+//! \file The Backend concept: where tensors live and how kernels run.
+
+#include <concepts>
+#include <cstddef>
+
+#include "loom/core/memory.hpp"
+
+namespace loom {
+
+//! A Backend allocates accounted memory, moves bytes to and from the host, and is the first
+//! argument of every kernel in `loom::kernels` (overloads per backend type). It opts in with
+//! `using loom_backend = void;`. Backends are per-rank values: no process-wide state.
+template <class B>
+concept Backend = requires { typename B::loom_backend; } &&
+                  requires(B& b, const B& cb, std::size_t bytes, void* p, const void* cp,
+                           MemoryCategory c) {
+                    { b.allocate(bytes, c) } -> std::same_as<void*>;
+                    b.deallocate(p, bytes, c);
+                    { cb.memory() } -> std::same_as<const MemoryTracker&>;
+                    b.fill_zero(p, bytes);
+                    b.copy_from_host(p, cp, bytes);
+                    b.copy_to_host(p, cp, bytes);
+                    b.synchronize();
+                  };
+
+}  // namespace loom
