@@ -8,6 +8,12 @@
 
 namespace loom {
 
+//! Kernels are overloads per backend type (`matmul_forward(const cpu&, ...)`). The namespace is
+//! inline so that generic code (models, optimizers, strategies) calls them unqualified and
+//! argument-dependent lookup on the backend type finds the overloads at instantiation, whichever
+//! backend headers were included after the generic code.
+inline namespace kernels {}
+
 //! A Backend allocates accounted memory, moves bytes to and from the host, and is the first
 //! argument of every kernel in `loom::kernels` (overloads per backend type). It opts in with
 //! `using loom_backend = void;`. Backends are per-rank values: no process-wide state.

@@ -1,0 +1,235 @@
+// gpt2_train: trains GPT-2 with loom on one rank.
+//
+//   gpt2_train --demo                                   # the README demo: < 2 minutes on 2 cores
+//   gpt2_train --model small --data tokens.bin --batch 8 --micro-batch 4 --seq 1024 --steps 100
+//   gpt2_train --init gpt2_124M.bin --data tokens.bin --save tuned.bin --metrics run.jsonl
+//
+// One idea: a Trainer composed of a Model, an Optimizer, a Schedule and a Strategy runs a step on
+// a global batch; everything printed comes from the step's metrics and the backend's memory report.
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "loom/io/llmc_checkpoint.hpp"
+#include "loom/io/synthetic.hpp"
+#include "loom/io/token_file.hpp"
+#include "loom/loom.hpp"
+
+namespace {
+
+struct Options {
+  std::string model = "tiny";
+  std::optional<std::int64_t> layers, heads, channels;
+  std::int64_t steps = 100;
+  std::int64_t batch = 8;  // sequences per global batch
+  std::int64_t micro_batch = 0;  // 0 = the whole batch in one micro-batch
+  std::int64_t seq = 64;
+  double lr = 1e-3;
+  std::int64_t warmup = 0;
+  double min_lr_factor = 0.1;
+  double clip = 1.0;
+  double weight_decay = 0.1;
+  std::string optimizer = "adamw";
+  std::uint64_t seed = 1337;
+  std::string data = "synthetic";
+  double jump_probability = 0.1;
+  std::string metrics;
+  std::string init;
+  std::string save;
+  int threads = 0;
+  double peak_tflops = 0;
+  std::int64_t log_every = 1;
+  bool demo = false;
+};
+
+using Source = std::variant<loom::io::SyntheticMarkov, loom::io::TokenFile>;
+
+Source open_data(const Options& o, std::int64_t model_vocab) {
+  if (o.data == "synthetic")
+    return loom::io::SyntheticMarkov({.vocab_size = model_vocab,
+                                      .jump_probability = o.jump_probability,
+                                      .seed = o.seed + 1});
+  if (o.data.starts_with("bytes:")) return loom::io::TokenFile::bytes(o.data.substr(6));
+  return loom::io::TokenFile::open(o.data, model_vocab);
+}
+
+std::int64_t source_vocab(const Source& s) {
+  return std::visit([](const auto& src) { return src.vocab_size(); }, s);
+}
+
+loom::gpt2::Config model_config(const Options& o) {
+  loom::gpt2::Config c = loom::gpt2::config_by_name(o.model);
+  if (o.layers) c.num_layers = *o.layers;
+  if (o.heads) c.num_heads = *o.heads;
+  if (o.channels) c.channels = *o.channels;
+  // Byte-level data and the synthetic task use a 256-token vocabulary.
+  if (o.data == "synthetic" || o.data.starts_with("bytes:")) c.vocab_size = c.padded_vocab_size = 256;
+  c.max_seq_len = std::max(c.max_seq_len, o.seq);
+  if (!o.init.empty()) c = loom::io::read_llmc_config(o.init);
+  c.validate();
+  return c;
+}
+
+nlohmann::json memory_json(const loom::MemoryTracker& m) {
+  nlohmann::json j;
+  for (int i = 0; i < loom::memory_category_count; ++i) {
+    const auto c = static_cast<loom::MemoryCategory>(i);
+    j[std::string(loom::name(c))] = {{"bytes", m.current(c)}, {"peak_bytes", m.peak(c)}};
+  }
+  j["total"] = {{"bytes", m.current_total()}, {"peak_bytes", m.peak_total()}};
+  return j;
+}
+
+template <class Opt>
+int train(const Options& o, Opt optimizer) {
+  using namespace loom;
+  const gpt2::Config config = model_config(o);
+  const Source data = open_data(o, config.vocab_size);
+  LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
+             "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
+  LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
+             "must be in [1, max_seq_len = " + std::to_string(config.max_seq_len) + "]");
+  const std::int64_t micro = o.micro_batch == 0 ? o.batch : o.micro_batch;
+
+  cpu backend(o.threads);
+  const WarmupCosineLr schedule{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps,
+                                .min_lr_factor = o.min_lr_factor};
+  schedule.validate();
+  Trainer<gpt2::Model<cpu, float>, Opt> trainer(
+      backend, gpt2::Model<cpu, float>(config), optimizer,
+      schedule,
+      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed});
+  if (!o.init.empty())
+    io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), trainer.mutable_parameters());
+
+  std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
+              detail::to_text(config).c_str());
+  std::printf("  parameters %lld (stored %lld), %d threads, batch %lld x seq %lld, micro-batch %lld (%lld per step)\n",
+              static_cast<long long>(config.parameter_count()),
+              static_cast<long long>(config.stored_parameter_count()), backend.threads(),
+              static_cast<long long>(o.batch), static_cast<long long>(o.seq),
+              static_cast<long long>(micro), static_cast<long long>(o.batch / std::max<std::int64_t>(micro, 1)));
+  std::visit([&](const auto& src) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>)
+      std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
+                  detail::to_text(src.config()).c_str(), std::log(double(src.vocab_size())),
+                  src.entropy_floor());
+    else
+      std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
+                  static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
+  }, data);
+
+  std::ofstream metrics;
+  if (!o.metrics.empty()) {
+    metrics.open(o.metrics);
+    LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
+  }
+  double first_loss = 0, last_loss = 0;
+  for (std::int64_t s = 0; s < o.steps; ++s) {
+    const io::Batch batch = std::visit([&](const auto& src) { return src.batch_at(s, o.batch, o.seq); }, data);
+    const StepMetrics m = trainer.step(batch);
+    if (s == 0) first_loss = m.loss;
+    last_loss = m.loss;
+    const double tflops = m.flops / m.seconds / 1e12;
+    const MemoryTracker& mem = trainer.memory();
+    if (s % o.log_every == 0 || s + 1 == o.steps) {
+      std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
+                  static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
+      if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
+      std::printf(" | mem %.1f MiB (peak %.1f)\n", MemoryTracker::mib(mem.current_total()),
+                  MemoryTracker::mib(mem.peak_total()));
+      std::fflush(stdout);
+    }
+    if (s == 0) std::cout << "memory by category after step 1:\n" << mem;
+    if (metrics.is_open()) {
+      nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
+                          {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
+                          {"seconds", m.seconds}, {"tokens_per_second", m.tokens_per_second},
+                          {"tflops", tflops}, {"memory", memory_json(mem)}};
+      if (o.peak_tflops > 0) j["mfu"] = tflops / o.peak_tflops;
+      metrics << j.dump() << '\n';
+      metrics.flush();
+    }
+  }
+  std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
+  if (!o.save.empty()) {
+    io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), trainer.parameters());
+    std::printf("saved %s\n", o.save.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"Train GPT-2 with loom (one rank, CPU backend)."};
+  app.add_flag("--demo", o.demo,
+               "The README demo: a 4-layer, 128-channel GPT-2 on the synthetic task; finishes in "
+               "under 2 minutes on 2 cores. Other options given after it still apply.");
+  app.add_option("--model", o.model, "Config: tiny, small (124M), medium (350M), large (774M), xl (1.5B), 2.7B")
+      ->capture_default_str();
+  app.add_option("--layers", o.layers, "Override the config's number of layers");
+  app.add_option("--heads", o.heads, "Override the config's number of heads");
+  app.add_option("--channels", o.channels, "Override the config's hidden size");
+  app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--batch", o.batch, "Sequences per global batch")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--micro-batch", o.micro_batch,
+                 "Sequences per micro-batch; the batch is accumulated over batch/micro-batch of them (0 = batch)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--seq", o.seq, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", o.warmup, "Linear warmup steps from 0")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--min-lr-factor", o.min_lr_factor, "Cosine decay ends at this fraction of --lr")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0 = off)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer", o.optimizer, "adamw or sgd (momentum 0.9)")
+      ->capture_default_str()->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--weight-decay", o.weight_decay, "Weight decay on matrices and embeddings")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();
+  app.add_option("--data", o.data,
+                 "synthetic, an llm.c token file (uint16, magic 20240520), or bytes:FILE (any file, vocab 256)")
+      ->capture_default_str();
+  app.add_option("--jump-probability", o.jump_probability, "Synthetic task: chance a token breaks the chain")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--metrics", o.metrics, "Write one JSON object per step to this file (JSON Lines)");
+  app.add_option("--init", o.init, "Start from an llm.c GPT-2 checkpoint (its header sets the model config)");
+  app.add_option("--save", o.save, "Write the trained weights as an llm.c checkpoint");
+  app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--peak-tflops", o.peak_tflops, "The machine's peak TFLOP/s, to print MFU")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-every", o.log_every, "Print every N steps")->capture_default_str()->check(CLI::PositiveNumber);
+
+  // --demo sets defaults first; explicit options on the command line win.
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--demo") {
+      o.model = "tiny";
+      o.layers = 4;
+      o.heads = 4;
+      o.channels = 128;
+      o.steps = 300;
+      o.batch = 16;
+      o.seq = 64;
+      o.lr = 3e-3;
+      o.warmup = 20;
+      o.log_every = 10;
+    }
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (o.optimizer == "sgd") return train(o, loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
+    return train(o, loom::AdamW({.weight_decay = o.weight_decay}));
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+}

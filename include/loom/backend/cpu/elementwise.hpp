@@ -1,0 +1,35 @@
+#pragma once
+//! \file Plain element-wise helpers on the CPU backend: copy, accumulate, zero.
+
+#include <cstring>
+
+#include "loom/backend/cpu/cpu.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::kernels {
+
+//! dst = src (same element count).
+template <class T>
+void copy(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
+  check_numel(dst, src.numel(), "copy", "dst");
+  if (dst.numel() > 0) std::memcpy(dst.data(), src.data(), sizeof(T) * dst.numel());
+}
+
+//! dst += src (same element count).
+template <class T>
+void add_to(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
+  check_numel(dst, src.numel(), "add_to", "dst");
+  T* d = dst.data();
+  const T* s = src.data();
+  const std::int64_t n = dst.numel();
+#pragma omp parallel for simd num_threads(be.threads()) if (n > (1 << 16))
+  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+}
+
+//! x = 0.
+template <class T>
+void zero(const cpu& be, Tensor<T> x) {
+  if (x.numel() > 0) std::memset(x.data(), 0, sizeof(T) * x.numel());
+}
+
+}  // namespace loom::kernels

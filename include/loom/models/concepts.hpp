@@ -1,0 +1,64 @@
+#pragma once
+//! \file The Model concept and the arguments a layer's forward and backward receive.
+
+#include <concepts>
+#include <cstdint>
+
+#include "loom/core/parameters.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom {
+
+//! The shape of one micro-batch: sequences and tokens per sequence.
+struct MicroBatchShape {
+  std::int64_t batch = 1;
+  std::int64_t seq = 1;
+  friend bool operator==(const MicroBatchShape&, const MicroBatchShape&) = default;
+};
+
+//! What one layer's forward reads and writes. Storage belongs to the caller (the schedule
+//! decides how many micro-batches of it are alive: DESIGN.md invariant 5).
+template <class T>
+struct ForwardArgs {
+  Tensor<const std::int32_t> tokens;   //!< [B, T] input tokens of the micro-batch
+  Tensor<const std::int32_t> targets;  //!< [B, T] next tokens; < 0 = ignored
+  Tensor<const T> input;               //!< [B, T, C] from the previous layer (empty for the first)
+  Tensor<T> output;                    //!< [B, T, C] for the next layer (empty for the last)
+  Tensor<T> saved;                     //!< activation_elements(layer, shape): kept for backward
+};
+
+//! What one layer's backward reads and writes. Gradients accumulate (+=).
+template <class T>
+struct BackwardArgs {
+  Tensor<const std::int32_t> tokens;
+  Tensor<const std::int32_t> targets;
+  Tensor<const T> input;        //!< the forward's input, still alive
+  Tensor<const T> output_grad;  //!< d loss / d output (empty for the last layer)
+  Tensor<T> input_grad;         //!< += d loss / d input (empty for the first layer)
+  Tensor<T> saved;              //!< what forward kept (backward may overwrite it)
+  Tensor<T> workspace;          //!< workspace_elements(layer, shape) of scratch
+  T loss_scale = T(1);          //!< d total loss / d per-token loss (1 / tokens of the global batch)
+};
+
+//! A Model is an ordered list of layers over named parameters in one flat buffer, each layer
+//! with an explicit forward and backward (no tape) and a cost estimate for pipeline balancing.
+//! Opt in with `using loom_model = void;`.
+template <class M>
+concept Model =
+    requires { typename M::loom_model; typename M::backend_type; typename M::scalar_type; } &&
+    requires(const M& m, typename M::backend_type& be, int layer, MicroBatchShape shape,
+             const typename M::scalar_type* params, typename M::scalar_type* grads,
+             const ForwardArgs<typename M::scalar_type>& fwd,
+             const BackwardArgs<typename M::scalar_type>& bwd) {
+      { m.layout() } -> std::same_as<const ParameterLayout&>;
+      { m.num_layers() } -> std::convertible_to<int>;
+      { m.layer_cost(layer) } -> std::convertible_to<double>;
+      { m.hidden_elements(shape) } -> std::convertible_to<std::int64_t>;
+      { m.activation_elements(layer, shape) } -> std::convertible_to<std::int64_t>;
+      { m.workspace_elements(layer, shape) } -> std::convertible_to<std::int64_t>;
+      { m.forward(be, layer, params, fwd) } -> std::convertible_to<double>;
+      m.backward(be, layer, params, grads, bwd);
+      { m.flops_per_token(shape.seq) } -> std::convertible_to<double>;
+    };
+
+}  // namespace loom

@@ -1,0 +1,133 @@
+#pragma once
+//! \file GPT-2 configurations and their parameter specs.
+
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/core/error.hpp"
+#include "loom/core/parameters.hpp"
+
+namespace loom::gpt2 {
+
+//! Shape of a GPT-2: a value, compared with `==` and printed with `<<`.
+struct Config {
+  std::int64_t max_seq_len = 1024;         //!< context length T (rows of wpe)
+  std::int64_t vocab_size = 50257;         //!< real vocabulary V
+  std::int64_t padded_vocab_size = 50304;  //!< rows of wte (V rounded up; padding never reaches the loss)
+  std::int64_t num_layers = 12;            //!< transformer blocks L
+  std::int64_t num_heads = 12;             //!< attention heads per block
+  std::int64_t channels = 768;             //!< hidden size C
+
+  friend bool operator==(const Config&, const Config&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const Config& c) {
+    return out << "{max_seq_len=" << c.max_seq_len << ", vocab_size=" << c.vocab_size
+               << ", padded_vocab_size=" << c.padded_vocab_size << ", num_layers=" << c.num_layers
+               << ", num_heads=" << c.num_heads << ", channels=" << c.channels << "}";
+  }
+
+  //! The published parameter count l·(12h² + 13h) + v·h + s·h + 2h (no vocabulary padding).
+  std::int64_t parameter_count() const noexcept {
+    const std::int64_t l = num_layers, h = channels;
+    return l * (12 * h * h + 13 * h) + vocab_size * h + max_seq_len * h + 2 * h;
+  }
+  //! Elements stored: parameter_count() plus the padded rows of wte.
+  std::int64_t stored_parameter_count() const noexcept {
+    return parameter_count() + (padded_vocab_size - vocab_size) * channels;
+  }
+
+  //! Throws loom::Error naming the first value that breaks a rule.
+  void validate() const {
+    LOOM_CHECK(max_seq_len > 0, "gpt2 config: max_seq_len", max_seq_len, "must be > 0");
+    LOOM_CHECK(vocab_size > 0, "gpt2 config: vocab_size", vocab_size, "must be > 0");
+    LOOM_CHECK(padded_vocab_size >= vocab_size, "gpt2 config: padded_vocab_size",
+               padded_vocab_size, "must be >= vocab_size (" + detail::to_text(vocab_size) + ")");
+    LOOM_CHECK(num_layers > 0, "gpt2 config: num_layers", num_layers, "must be > 0");
+    LOOM_CHECK(num_heads > 0, "gpt2 config: num_heads", num_heads, "must be > 0");
+    LOOM_CHECK(channels > 0 && channels % num_heads == 0, "gpt2 config: channels", channels,
+               "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
+  }
+};
+
+//! Vocabulary rounded up to a multiple of `multiple` (llm.c pads 50257 to 50304 = 128·393).
+constexpr std::int64_t pad_vocab(std::int64_t vocab, std::int64_t multiple = 128) {
+  return (vocab + multiple - 1) / multiple * multiple;
+}
+
+//! A small model for tests and the demo: byte vocabulary, 2 layers, 64 channels.
+inline Config tiny() { return {.max_seq_len = 64, .vocab_size = 256, .padded_vocab_size = 256,
+                               .num_layers = 2, .num_heads = 4, .channels = 64}; }
+//! GPT-2 small, 124M parameters.
+inline Config small() { return {}; }
+//! GPT-2 medium, 350M.
+inline Config medium() { return {.num_layers = 24, .num_heads = 16, .channels = 1024}; }
+//! GPT-2 large, 774M.
+inline Config large() { return {.num_layers = 36, .num_heads = 20, .channels = 1280}; }
+//! GPT-2 XL, 1.5B.
+inline Config xl() { return {.num_layers = 48, .num_heads = 25, .channels = 1600}; }
+//! The 2.7B shape (GPT-3 2.7B's depth and width on GPT-2's vocabulary and context).
+inline Config gpt2_2_7b() { return {.num_layers = 32, .num_heads = 32, .channels = 2560}; }
+
+//! The config called `name`: tiny, small (124M), medium (350M), large (774M), xl (1.5B), 2.7B.
+inline Config config_by_name(std::string_view name) {
+  if (name == "tiny") return tiny();
+  if (name == "small" || name == "124M") return small();
+  if (name == "medium" || name == "350M") return medium();
+  if (name == "large" || name == "774M") return large();
+  if (name == "xl" || name == "1.5B") return xl();
+  if (name == "2.7B") return gpt2_2_7b();
+  throw Error("gpt2 config name", std::string(name),
+              "expected one of tiny, small, medium, large, xl, 2.7B");
+}
+
+//! Layer indices: 0 is the embedding, 1..L the blocks, L+1 the head (final norm, tied
+//! unembedding, cross-entropy).
+constexpr int embedding_layer = 0;
+inline int block_layer(std::int64_t block) { return static_cast<int>(block) + 1; }
+inline int head_layer(const Config& c) { return static_cast<int>(c.num_layers) + 1; }
+
+//! Global name of parameter `what` of block `block`, e.g. block_param(3, "attn.qkv.weight").
+inline std::string block_param(std::int64_t block, std::string_view what) {
+  return "h." + std::to_string(block) + "." + std::string(what);
+}
+
+//! Every parameter of the model, in layer order. Init follows GPT-2 / llm.c: N(0, 0.02) for
+//! matrices and embeddings, residual projections scaled by 1/sqrt(2L), zero biases, unit norms.
+inline std::vector<ParameterSpec> parameter_specs(const Config& c) {
+  c.validate();
+  const std::int64_t C = c.channels;
+  const double std_dev = 0.02, proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(c.num_layers));
+  using P = Partition;
+  std::vector<ParameterSpec> specs;
+  specs.push_back({"wte", {c.padded_vocab_size, C}, embedding_layer, true, P::split_rows,
+                   Init::normal(std_dev, c.vocab_size)});
+  specs.push_back({"wpe", {c.max_seq_len, C}, embedding_layer, true, P::replicated,
+                   Init::normal(std_dev)});
+  for (std::int64_t l = 0; l < c.num_layers; ++l) {
+    const int layer = block_layer(l);
+    auto add = [&](std::string_view what, Shape shape, bool decay, P part, Init init) {
+      specs.push_back({block_param(l, what), shape, layer, decay, part, init});
+    };
+    add("ln_1.weight", {C}, false, P::replicated, Init::ones());
+    add("ln_1.bias", {C}, false, P::replicated, Init::zeros());
+    add("attn.qkv.weight", {3 * C, C}, true, P::split_rows, Init::normal(std_dev));
+    add("attn.qkv.bias", {3 * C}, false, P::split_rows, Init::zeros());
+    add("attn.proj.weight", {C, C}, true, P::split_cols, Init::normal(proj_std));
+    add("attn.proj.bias", {C}, false, P::replicated, Init::zeros());
+    add("ln_2.weight", {C}, false, P::replicated, Init::ones());
+    add("ln_2.bias", {C}, false, P::replicated, Init::zeros());
+    add("mlp.fc.weight", {4 * C, C}, true, P::split_rows, Init::normal(std_dev));
+    add("mlp.fc.bias", {4 * C}, false, P::split_rows, Init::zeros());
+    add("mlp.proj.weight", {C, 4 * C}, true, P::split_cols, Init::normal(proj_std));
+    add("mlp.proj.bias", {C}, false, P::replicated, Init::zeros());
+  }
+  const int head = head_layer(c);
+  specs.push_back({"ln_f.weight", {C}, head, false, P::replicated, Init::ones()});
+  specs.push_back({"ln_f.bias", {C}, head, false, P::replicated, Init::zeros()});
+  return specs;
+}
+
+}  // namespace loom::gpt2

@@ -1,0 +1,54 @@
+#pragma once
+//! \file AdamW: Adam with decoupled weight decay (Loshchilov & Hutter, 2019), bias-corrected.
+
+#include <cstdint>
+#include <ostream>
+
+#include "loom/optim/concepts.hpp"
+#include "loom/optim/update_rules.hpp"
+
+namespace loom {
+
+//! AdamW. Weight decay applies only to segments marked for it (GPT-2: matrices and
+//! embeddings, not biases or layernorm parameters). Two state slots: first and second moment.
+class AdamW {
+ public:
+  using loom_optimizer = void;
+  static constexpr int state_slots = 2;
+
+  //! Hyper-parameters; the learning rate comes from the LR schedule each step.
+  struct Options {
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;
+    friend bool operator==(const Options&, const Options&) = default;
+    friend std::ostream& operator<<(std::ostream& out, const Options& o) {
+      return out << "{beta1=" << o.beta1 << ", beta2=" << o.beta2 << ", eps=" << o.eps
+                 << ", weight_decay=" << o.weight_decay << "}";
+    }
+  };
+
+  AdamW() = default;
+  explicit AdamW(Options options) : options_(options) {}
+  const Options& options() const noexcept { return options_; }
+
+  //! Updates one segment in place.
+  template <class B, class T>
+  void update(B& backend, const OptimizerSegment<T>& s, double lr, std::int64_t step) const {
+    adamw_update<T>(backend, s.params, s.grads, s.state[0], s.state[1],
+                             AdamWUpdate{.lr = lr,
+                                         .beta1 = options_.beta1,
+                                         .beta2 = options_.beta2,
+                                         .eps = options_.eps,
+                                         .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
+                                         .step = step});
+  }
+
+ private:
+  Options options_{};
+};
+
+static_assert(Optimizer<AdamW>);
+
+}  // namespace loom

@@ -1,0 +1,35 @@
+#pragma once
+//! \file The Optimizer concept: an update rule over flat ranges of (params, grads, state).
+
+#include <array>
+#include <concepts>
+#include <cstdint>
+
+#include "loom/core/tensor.hpp"
+
+namespace loom {
+
+//! The most state slots per parameter an optimizer may keep (Adam: two moments).
+inline constexpr int max_optimizer_state_slots = 2;
+
+//! One contiguous range an optimizer updates: part of a parameter tensor (or all of it) with
+//! its gradient and its state slots (each slot a range of the optimizer-state buffer).
+template <class T>
+struct OptimizerSegment {
+  Tensor<T> params;
+  Tensor<const T> grads;
+  std::array<Tensor<T>, max_optimizer_state_slots> state{};
+  bool weight_decay = false;  //!< whether the parameter is decayed (AdamW: matrices only)
+};
+
+//! An Optimizer knows its state slots per parameter and updates one segment at learning rate
+//! `lr` for step `step` (counting from 1). Opt in with `using loom_optimizer = void;`.
+template <class O>
+concept Optimizer = requires { typename O::loom_optimizer; typename O::Options; } &&
+                    requires(const O& o) {
+                      { O::state_slots } -> std::convertible_to<int>;
+                      requires O::state_slots >= 0 && O::state_slots <= max_optimizer_state_slots;
+                      { o.options() } -> std::convertible_to<typename O::Options>;
+                    };
+
+}  // namespace loom

@@ -1,0 +1,50 @@
+#pragma once
+//! \file SGD with momentum (PyTorch's formulation).
+
+#include <cstdint>
+#include <ostream>
+
+#include "loom/optim/concepts.hpp"
+#include "loom/optim/update_rules.hpp"
+
+namespace loom {
+
+//! SGD with momentum; weight decay (L2, added to the gradient) only on decayed segments.
+//! One state slot: the momentum buffer.
+class SgdMomentum {
+ public:
+  using loom_optimizer = void;
+  static constexpr int state_slots = 1;
+
+  struct Options {
+    double momentum = 0.9;
+    double weight_decay = 0.0;
+    bool nesterov = false;
+    friend bool operator==(const Options&, const Options&) = default;
+    friend std::ostream& operator<<(std::ostream& out, const Options& o) {
+      return out << "{momentum=" << o.momentum << ", weight_decay=" << o.weight_decay
+                 << ", nesterov=" << o.nesterov << "}";
+    }
+  };
+
+  SgdMomentum() = default;
+  explicit SgdMomentum(Options options) : options_(options) {}
+  const Options& options() const noexcept { return options_; }
+
+  template <class B, class T>
+  void update(B& backend, const OptimizerSegment<T>& s, double lr, std::int64_t /*step*/) const {
+    sgd_momentum_update<T>(
+        backend, s.params, s.grads, s.state[0],
+        SgdUpdate{.lr = lr,
+                  .momentum = options_.momentum,
+                  .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
+                  .nesterov = options_.nesterov});
+  }
+
+ private:
+  Options options_{};
+};
+
+static_assert(Optimizer<SgdMomentum>);
+
+}  // namespace loom

@@ -1,0 +1,276 @@
+#pragma once
+//! \file Trainer: composes a Model, an Optimizer, a Schedule and a Strategy into a training step
+//! on a global batch (DESIGN.md invariant 2: the loss is the mean over all target tokens of the
+//! global batch, whatever the split into micro-batches).
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <ostream>
+#include <utility>
+#include <vector>
+
+#include "loom/core/buffer.hpp"
+#include "loom/core/error.hpp"
+#include "loom/models/concepts.hpp"
+#include "loom/optim/concepts.hpp"
+#include "loom/optim/lr_schedule.hpp"
+#include "loom/parallel/concepts.hpp"
+#include "loom/parallel/single_rank.hpp"
+#include "loom/schedule/concepts.hpp"
+#include "loom/schedule/gradient_accumulation.hpp"
+
+namespace loom {
+
+//! Run-time settings of a Trainer (structure is in its template arguments).
+struct TrainerOptions {
+  std::int64_t micro_batch_size = 1;  //!< sequences per micro-batch on each rank
+  double clip_grad_norm = 0.0;        //!< clip the global gradient norm to this; 0 = off
+  std::uint64_t seed = 1337;          //!< keys every parameter's initial values
+
+  friend bool operator==(const TrainerOptions&, const TrainerOptions&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const TrainerOptions& o) {
+    return out << "{micro_batch_size=" << o.micro_batch_size
+               << ", clip_grad_norm=" << o.clip_grad_norm << ", seed=" << o.seed << "}";
+  }
+};
+
+//! What one step did.
+struct StepMetrics {
+  std::int64_t step = 0;       //!< steps done, this one included
+  double loss = 0;             //!< mean loss over the global batch's target tokens
+  double lr = 0;               //!< learning rate applied
+  double grad_norm = 0;        //!< global L2 norm of the gradient before clipping
+  std::int64_t tokens = 0;     //!< target tokens in the global batch
+  std::int64_t micro_batches = 0;
+  double seconds = 0;          //!< wall time of the step
+  double tokens_per_second = 0;
+  double flops = 0;            //!< training FLOPs of the step (DESIGN.md formula)
+};
+
+//! Trains `M` with optimizer `O`, micro-batch order `S` and state strategy `St`.
+//! A step takes the global batch (every rank sees the same one) and returns its metrics.
+template <Model M, Optimizer O, Schedule S = GradientAccumulation, Strategy St = SingleRank>
+class Trainer {
+ public:
+  using backend_type = typename M::backend_type;
+  using scalar_type = typename M::scalar_type;
+  using Engine = typename St::template Engine<backend_type, scalar_type>;
+  static_assert(StrategyEngine<Engine, scalar_type>,
+                "loom: the strategy's Engine does not offer the hooks the Trainer drives");
+
+  //! `lr` is any LrSchedule (ConstantLr, WarmupCosineLr, or a type of yours with `at(step)`).
+  template <LrSchedule L>
+  Trainer(backend_type& backend, M model, O optimizer, L lr, TrainerOptions options = {},
+          S schedule = {})
+      : backend_(&backend),
+        model_(std::move(model)),
+        optimizer_(std::move(optimizer)),
+        schedule_(std::move(schedule)),
+        lr_([lr = std::move(lr)](std::int64_t step) { return static_cast<double>(lr.at(step)); }),
+        options_(options),
+        engine_((validate(options), backend), model_.layout(), O::state_slots, options.seed) {}
+
+  //! One optimizer step on `global`, anything with `tokens_view()` and `targets_view()`
+  //! returning [batch, seq] int32 tensors (io::Batch).
+  template <class Batch>
+  StepMetrics step(const Batch& global) {
+    return step(global.tokens_view(), global.targets_view());
+  }
+
+  //! One optimizer step on the global batch given as [batch, seq] tokens and targets.
+  StepMetrics step(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::int64_t micro_batches = plan(tokens, targets);
+    const std::int64_t target_tokens = count_targets(targets);
+    LOOM_CHECK(target_tokens > 0, "trainer step: target tokens", target_tokens,
+               "a global batch needs at least one target >= 0");
+    const auto loss_scale = static_cast<scalar_type>(1.0 / static_cast<double>(target_tokens));
+
+    engine_.begin_step();
+    double loss_sum = 0;
+    for (const Action& a : schedule_.actions({.stages = 1, .stage = 0, .micro_batches = micro_batches})) {
+      const std::int64_t slot = a.micro_batch % slots_;
+      if (a.kind == Action::Kind::forward)
+        loss_sum += forward(slot, micro(tokens, a.micro_batch), micro(targets, a.micro_batch));
+      else
+        backward(slot, micro(tokens, a.micro_batch), micro(targets, a.micro_batch), loss_scale,
+                 a.micro_batch + 1 == micro_batches);
+    }
+    engine_.finish_gradients();
+
+    StepMetrics m;
+    m.loss = engine_.global_sum(loss_sum) / static_cast<double>(target_tokens);
+    m.grad_norm = std::sqrt(engine_.grad_sum_of_squares());
+    double grad_scale = 1.0;
+    if (options_.clip_grad_norm > 0 && m.grad_norm > options_.clip_grad_norm)
+      grad_scale = options_.clip_grad_norm / (m.grad_norm + 1e-6);
+    m.lr = lr_(step_);
+    engine_.update(optimizer_, m.lr, step_ + 1, grad_scale);
+    backend_->synchronize();
+    ++step_;
+
+    m.step = step_;
+    m.tokens = tokens.numel();
+    m.micro_batches = micro_batches;
+    m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    m.tokens_per_second = static_cast<double>(m.tokens) / m.seconds;
+    m.flops = model_.flops_per_token(tokens.extent(1)) * static_cast<double>(m.tokens);
+    return m;
+  }
+
+  //! Mean loss on a batch without changing anything (forward only).
+  template <class Batch>
+  double evaluate(const Batch& global) {
+    Tensor<const std::int32_t> tokens = global.tokens_view(), targets = global.targets_view();
+    const std::int64_t micro_batches = plan(tokens, targets);
+    double loss_sum = 0;
+    for (std::int64_t mb = 0; mb < micro_batches; ++mb)
+      loss_sum += forward(0, micro(tokens, mb), micro(targets, mb));
+    return engine_.global_sum(loss_sum) / static_cast<double>(count_targets(targets));
+  }
+
+  const M& model() const noexcept { return model_; }
+  //! Steps done.
+  std::int64_t steps() const noexcept { return step_; }
+  //! The flat parameters (layout: model().layout()).
+  const scalar_type* parameters() const noexcept { return engine_.params(); }
+  //! Writable parameters, e.g. to load a checkpoint before the first step.
+  scalar_type* mutable_parameters() noexcept { return engine_.mutable_params(); }
+  //! The flat gradients of the last step (after clipping).
+  const scalar_type* gradients() noexcept { return engine_.grads(); }
+  const MemoryTracker& memory() const noexcept { return backend_->memory(); }
+  const TrainerOptions& options() const noexcept { return options_; }
+
+ private:
+  using T = scalar_type;
+
+  static void validate(const TrainerOptions& o) {
+    LOOM_CHECK(o.micro_batch_size >= 1, "trainer options: micro_batch_size", o.micro_batch_size,
+               "must be >= 1");
+    LOOM_CHECK(o.clip_grad_norm >= 0, "trainer options: clip_grad_norm", o.clip_grad_norm,
+               "must be >= 0 (0 disables clipping)");
+  }
+
+  //! Checks the batch and (re)allocates activation storage for its shape; returns the number
+  //! of micro-batches.
+  std::int64_t plan(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
+    LOOM_CHECK(tokens.shape().rank() == 2, "trainer step: tokens shape", tokens.shape(),
+               "expected [batch, seq]");
+    LOOM_CHECK(targets.shape() == tokens.shape(), "trainer step: targets shape", targets.shape(),
+               "must equal the tokens' shape " + detail::to_text(tokens.shape()));
+    const std::int64_t rows = tokens.extent(0), mbs = options_.micro_batch_size;
+    LOOM_CHECK(rows % mbs == 0, "trainer step: global batch size", rows,
+               "must be a multiple of micro_batch_size (" + detail::to_text(mbs) + ")");
+    const std::int64_t micro_batches = rows / mbs;
+    allocate({mbs, tokens.extent(1)}, micro_batches);
+    return micro_batches;
+  }
+
+  //! Activation slots for `shape`: the schedule says how many micro-batches live at once.
+  void allocate(MicroBatchShape shape, std::int64_t micro_batches) {
+    const std::int64_t slots =
+        schedule_.live_micro_batches({.stages = 1, .stage = 0, .micro_batches = micro_batches});
+    if (shape == shape_ && slots == slots_) return;
+    shape_ = shape;
+    slots_ = slots;
+    const int layers = model_.num_layers();
+    saved_offset_.assign(layers + 1, 0);
+    std::int64_t workspace = 0;
+    for (int l = 0; l < layers; ++l) {
+      saved_offset_[l + 1] = saved_offset_[l] + model_.activation_elements(l, shape);
+      workspace = std::max(workspace, model_.workspace_elements(l, shape));
+    }
+    const std::int64_t hidden = model_.hidden_elements(shape);
+    saved_.clear();
+    hidden_.clear();
+    for (std::int64_t s = 0; s < slots_; ++s) {
+      saved_.emplace_back(*backend_, saved_offset_[layers], MemoryCategory::activations);
+      hidden_.emplace_back(*backend_, hidden * (layers - 1), MemoryCategory::activations);
+    }
+    workspace_ = Buffer<T, backend_type>(*backend_, workspace, MemoryCategory::workspace);
+    hidden_grads_ = Buffer<T, backend_type>(*backend_, 2 * hidden, MemoryCategory::workspace);
+  }
+
+  //! Rows [mb·size, (mb+1)·size) of a [batch, seq] tensor.
+  Tensor<const std::int32_t> micro(Tensor<const std::int32_t> t, std::int64_t mb) const {
+    const std::int64_t rows = options_.micro_batch_size, seq = t.extent(1);
+    return {t.data() + mb * rows * seq, Shape{rows, seq}};
+  }
+
+  static std::int64_t count_targets(Tensor<const std::int32_t> targets) {
+    std::int64_t n = 0;
+    for (std::int32_t t : targets) n += t >= 0;
+    return n;
+  }
+
+  Tensor<T> hidden(std::int64_t slot, int layer) const {
+    const std::int64_t n = model_.hidden_elements(shape_);
+    return {hidden_[slot].data() + layer * n, Shape{shape_.batch, shape_.seq, n / (shape_.batch * shape_.seq)}};
+  }
+  Tensor<T> saved(std::int64_t slot, int layer) const {
+    return {saved_[slot].data() + saved_offset_[layer],
+            Shape{saved_offset_[layer + 1] - saved_offset_[layer]}};
+  }
+
+  double forward(std::int64_t slot, Tensor<const std::int32_t> tokens,
+                 Tensor<const std::int32_t> targets) {
+    const int layers = model_.num_layers();
+    double loss_sum = 0;
+    for (int l = 0; l < layers; ++l) {
+      ForwardArgs<T> a{.tokens = tokens,
+                       .targets = targets,
+                       .input = l > 0 ? Tensor<const T>(hidden(slot, l - 1)) : Tensor<const T>{},
+                       .output = l + 1 < layers ? hidden(slot, l) : Tensor<T>{},
+                       .saved = saved(slot, l)};
+      loss_sum += model_.forward(*backend_, l, engine_.params(), a);
+    }
+    return loss_sum;
+  }
+
+  void backward(std::int64_t slot, Tensor<const std::int32_t> tokens,
+                Tensor<const std::int32_t> targets, T loss_scale, bool last_micro_batch) {
+    const int layers = model_.num_layers();
+    const std::int64_t n = model_.hidden_elements(shape_);
+    const Shape hidden_shape{shape_.batch, shape_.seq, n / (shape_.batch * shape_.seq)};
+    int current = 0;  // which half of hidden_grads_ holds d loss / d output of layer l
+    for (int l = layers - 1; l >= 0; --l) {
+      Tensor<T> input_grad{};
+      if (l > 0) {
+        input_grad = Tensor<T>(hidden_grads_.data() + (1 - current) * n, hidden_shape);
+        backend_->fill_zero(input_grad.data(), sizeof(T) * n);
+      }
+      BackwardArgs<T> a{
+          .tokens = tokens,
+          .targets = targets,
+          .input = l > 0 ? Tensor<const T>(hidden(slot, l - 1)) : Tensor<const T>{},
+          .output_grad = l + 1 < layers ? Tensor<const T>(hidden_grads_.data() + current * n, hidden_shape)
+                                        : Tensor<const T>{},
+          .input_grad = input_grad,
+          .saved = saved(slot, l),
+          .workspace = Tensor<T>(workspace_.data(), Shape{model_.workspace_elements(l, shape_)}),
+          .loss_scale = loss_scale};
+      model_.backward(*backend_, l, engine_.params(), engine_.grads(), a);
+      engine_.on_backward(l, last_micro_batch);
+      current = 1 - current;
+    }
+  }
+
+  backend_type* backend_;
+  M model_;
+  O optimizer_;
+  S schedule_;
+  std::function<double(std::int64_t)> lr_;
+  TrainerOptions options_;
+  Engine engine_;
+  std::int64_t step_ = 0;
+
+  MicroBatchShape shape_{0, 0};
+  std::int64_t slots_ = 0;
+  std::vector<std::int64_t> saved_offset_;
+  std::vector<Buffer<T, backend_type>> saved_, hidden_;
+  Buffer<T, backend_type> workspace_, hidden_grads_;
+};
+
+}  // namespace loom

@@ -1,0 +1,246 @@
+// The Trainer on one rank: gradient accumulation parity, a whole-model gradient check in double,
+// clipping, the loss definition, memory accounting and rejected inputs.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "loom/loom.hpp"
+
+using namespace loom;
+
+namespace {
+
+//! A [batch, seq] batch of next-token data from a counter-based stream (any mesh sees the same).
+struct TestBatch {
+  std::int64_t batch, seq;
+  std::vector<std::int32_t> tokens, targets;
+  Tensor<const std::int32_t> tokens_view() const { return {tokens.data(), Shape{batch, seq}}; }
+  Tensor<const std::int32_t> targets_view() const { return {targets.data(), Shape{batch, seq}}; }
+};
+
+TestBatch make_batch(std::int64_t step, std::int64_t batch, std::int64_t seq, std::int64_t vocab) {
+  TestBatch b{batch, seq, {}, {}};
+  const CounterRng rng(99, "test.batch");
+  // A learnable stream: mostly t -> (3t + 1) mod vocab.
+  for (std::int64_t r = 0; r < batch; ++r) {
+    std::int64_t x = static_cast<std::int64_t>(rng.below(vocab, (step * batch + r) * 1000));
+    std::vector<std::int32_t> row;
+    for (std::int64_t t = 0; t <= seq; ++t) {
+      row.push_back(static_cast<std::int32_t>(x));
+      x = rng.uniform((step * batch + r) * 1000 + t + 1) < 0.9 ? (3 * x + 1) % vocab
+                                                               : rng.below(vocab, t, 1);
+    }
+    b.tokens.insert(b.tokens.end(), row.begin(), row.end() - 1);
+    b.targets.insert(b.targets.end(), row.begin() + 1, row.end());
+  }
+  return b;
+}
+
+gpt2::Config small_test_config() {
+  return {.max_seq_len = 16, .vocab_size = 50, .padded_vocab_size = 64, .num_layers = 2,
+          .num_heads = 2, .channels = 16};
+}
+
+template <class T>
+double relative_difference(const T* a, const T* b, std::int64_t n) {
+  double diff = 0, norm = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+template <class T>
+struct Run {
+  std::vector<double> losses;
+  std::vector<T> weights;
+};
+
+template <class T>
+Run<T> train(std::int64_t micro_batch, double clip, int steps = 5) {
+  cpu be(2);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, T>, AdamW> trainer(
+      be, gpt2::Model<cpu, T>(c), AdamW({.weight_decay = 0.1}),
+      WarmupCosineLr{.lr = 1e-2, .warmup = 2, .total_steps = steps, .min_lr_factor = 0.1},
+      {.micro_batch_size = micro_batch, .clip_grad_norm = clip, .seed = 5});
+  Run<T> run;
+  for (int s = 0; s < steps; ++s) run.losses.push_back(trainer.step(make_batch(s, 4, 16, c.vocab_size)).loss);
+  run.weights.assign(trainer.parameters(), trainer.parameters() + trainer.model().layout().total());
+  return run;
+}
+
+template <class T>
+void check_accumulation_parity(double tolerance, double clip) {
+  const Run<T> reference = train<T>(4, clip);
+  for (std::int64_t micro : {1, 2}) {
+    CAPTURE(micro);
+    const Run<T> run = train<T>(micro, clip);
+    for (std::size_t s = 0; s < run.losses.size(); ++s) {
+      CAPTURE(s);
+      CHECK(std::abs(run.losses[s] - reference.losses[s]) <= tolerance * std::abs(reference.losses[s]));
+    }
+    CHECK(relative_difference(run.weights.data(), reference.weights.data(),
+                              static_cast<std::int64_t>(run.weights.size())) <= tolerance);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("micro-batches 1, 2, 4 with accumulation 4, 2, 1 train the same weights (float)") {
+  check_accumulation_parity<float>(1e-5, 0.0);
+}
+
+TEST_CASE("micro-batches 1, 2, 4 with accumulation 4, 2, 1 train the same weights (double)") {
+  check_accumulation_parity<double>(1e-12, 0.0);
+}
+
+TEST_CASE("accumulation parity holds with gradient clipping") {
+  check_accumulation_parity<float>(1e-5, 0.05);
+}
+
+TEST_CASE("whole-model gradient check in double against finite differences") {
+  cpu be(1);
+  const gpt2::Config c{.max_seq_len = 5, .vocab_size = 11, .padded_vocab_size = 16, .num_layers = 2,
+                       .num_heads = 2, .channels = 8};
+  // lr 0: the step computes gradients and leaves the weights where they are.
+  Trainer<gpt2::Model<cpu, double>, SgdMomentum> trainer(be, gpt2::Model<cpu, double>(c),
+                                                         SgdMomentum({.momentum = 0.0}),
+                                                         ConstantLr{.lr = 0.0}, {.micro_batch_size = 1});
+  TestBatch batch = make_batch(0, 2, 5, c.vocab_size);
+  batch.targets[3] = -1;  // an ignored target takes no part in the loss
+  double* params = trainer.mutable_parameters();
+  const ParameterLayout& layout = trainer.model().layout();
+  // Larger weights than GPT-2's init, so that attention is far from uniform and every path
+  // carries a gradient well above finite-difference noise.
+  for (const auto& e : layout.entries())
+    if (e.spec.shape.rank() == 2)
+      for (std::int64_t i = 0; i < e.numel(); ++i) params[e.offset + i] *= 20;
+  trainer.step(batch);
+  const double* grads = trainer.gradients();
+  double worst = 0;
+  for (const auto& e : layout.entries()) {
+    // A few elements of every parameter (wte's padded rows included: their gradient is zero).
+    for (std::int64_t i = 0; i < e.numel(); i += std::max<std::int64_t>(1, e.numel() / 7)) {
+      double& p = params[e.offset + i];
+      const double saved = p, eps = 1e-5;
+      p = saved + eps;
+      const double up = trainer.evaluate(batch);
+      p = saved - eps;
+      const double down = trainer.evaluate(batch);
+      p = saved;
+      const double numeric = (up - down) / (2 * eps), analytic = grads[e.offset + i];
+      CAPTURE(e.spec.name);
+      CAPTURE(i);
+      CAPTURE(numeric);
+      CAPTURE(analytic);
+      // Relative error, with an absolute floor above the finite differences' round-off.
+      const double err = std::abs(numeric - analytic) / std::max({std::abs(numeric), std::abs(analytic), 1e-4});
+      CHECK(err < 1e-6);
+      worst = std::max(worst, err);
+    }
+  }
+  MESSAGE("worst relative gradient error: " << worst);
+  // Padded vocabulary rows get no gradient.
+  const auto& wte = layout.find("wte");
+  for (std::int64_t i = c.vocab_size * c.channels; i < wte.numel(); ++i) CHECK(grads[wte.offset + i] == 0.0);
+}
+
+TEST_CASE("the loss is the mean over the global batch's target tokens; init is near ln(vocab)") {
+  cpu be(1);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, double>, AdamW> trainer(be, gpt2::Model<cpu, double>(c), AdamW(),
+                                                   ConstantLr{.lr = 0.0}, {.micro_batch_size = 1});
+  TestBatch batch = make_batch(0, 2, 8, c.vocab_size);
+  const double full = trainer.evaluate(batch);
+  CHECK(std::abs(full - std::log(50.0)) < 0.1);
+  // Ignoring every target of the second sequence leaves the mean over the first one's tokens.
+  TestBatch first{1, 8, {batch.tokens.begin(), batch.tokens.begin() + 8},
+                  {batch.targets.begin(), batch.targets.begin() + 8}};
+  TestBatch masked = batch;
+  for (int i = 8; i < 16; ++i) masked.targets[i] = -1;
+  CHECK(trainer.evaluate(masked) == doctest::Approx(trainer.evaluate(first)).epsilon(1e-13));
+}
+
+TEST_CASE("padded vocabulary rows never reach the loss") {
+  cpu be(1);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, double>, AdamW> trainer(be, gpt2::Model<cpu, double>(c), AdamW(),
+                                                   ConstantLr{.lr = 0.0}, {.micro_batch_size = 2});
+  const TestBatch batch = make_batch(1, 2, 8, c.vocab_size);
+  const double before = trainer.evaluate(batch);
+  const auto& wte = trainer.model().layout().find("wte");
+  for (std::int64_t i = c.vocab_size * c.channels; i < wte.numel(); ++i)
+    trainer.mutable_parameters()[wte.offset + i] = 1e3;
+  CHECK(trainer.evaluate(batch) == before);
+}
+
+TEST_CASE("clipping scales the gradient to the clip norm; the metric reports the norm before") {
+  cpu be(1);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, double>, AdamW> trainer(be, gpt2::Model<cpu, double>(c), AdamW(),
+                                                   ConstantLr{.lr = 1e-3},
+                                                   {.micro_batch_size = 2, .clip_grad_norm = 0.01});
+  const StepMetrics m = trainer.step(make_batch(0, 4, 16, c.vocab_size));
+  CHECK(m.grad_norm > 0.01);
+  double sum = 0;
+  for (std::int64_t i = 0; i < trainer.model().layout().total(); ++i)
+    sum += trainer.gradients()[i] * trainer.gradients()[i];
+  CHECK(std::sqrt(sum) == doctest::Approx(0.01).epsilon(1e-6));
+}
+
+TEST_CASE("training lowers the loss on a learnable stream") {
+  cpu be(2);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, float>, AdamW> trainer(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                  ConstantLr{.lr = 1e-2}, {.micro_batch_size = 8});
+  const double first = trainer.step(make_batch(0, 8, 16, c.vocab_size)).loss;
+  double last = first;
+  for (int s = 1; s < 60; ++s) last = trainer.step(make_batch(s, 8, 16, c.vocab_size)).loss;
+  MESSAGE("loss " << first << " -> " << last);
+  CHECK(last < 0.6 * first);
+}
+
+TEST_CASE("memory report: parameters, gradients and AdamW state are 4 + 4 + 8 bytes per element") {
+  cpu be(1);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, float>, AdamW> trainer(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                  ConstantLr{.lr = 1e-3}, {.micro_batch_size = 2});
+  const auto n = static_cast<std::size_t>(c.stored_parameter_count());
+  CHECK(trainer.memory().current(MemoryCategory::parameters) == 4 * n);
+  CHECK(trainer.memory().current(MemoryCategory::gradients) == 4 * n);
+  CHECK(trainer.memory().current(MemoryCategory::optimizer_state) == 8 * n);
+  CHECK(trainer.memory().current(MemoryCategory::activations) == 0);
+  trainer.step(make_batch(0, 4, 16, c.vocab_size));
+  // One micro-batch of activations: the saved state of every layer and the hidden states.
+  const gpt2::Model<cpu, float>& m = trainer.model();
+  std::int64_t expected = 0;
+  const MicroBatchShape shape{2, 16};
+  for (int l = 0; l < m.num_layers(); ++l) expected += m.activation_elements(l, shape);
+  expected += (m.num_layers() - 1) * m.hidden_elements(shape);
+  CHECK(trainer.memory().current(MemoryCategory::activations) == 4 * static_cast<std::size_t>(expected));
+}
+
+TEST_CASE("bad batches are rejected before any work, naming the value") {
+  cpu be(1);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, float>, AdamW> trainer(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                  ConstantLr{.lr = 1e-3}, {.micro_batch_size = 3});
+  CHECK_THROWS_WITH_AS(trainer.step(make_batch(0, 4, 8, c.vocab_size)),
+                       doctest::Contains("global batch size: got 4; must be a multiple of micro_batch_size (3)"),
+                       Error);
+  Trainer<gpt2::Model<cpu, float>, AdamW> t2(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                             ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  CHECK_THROWS_WITH_AS(t2.step(make_batch(0, 1, 17, c.vocab_size)), doctest::Contains("sequence length: got 17"),
+                       Error);
+  TestBatch bad = make_batch(0, 1, 8, c.vocab_size);
+  bad.tokens[2] = 50;
+  CHECK_THROWS_AS(t2.step(bad), Error);
+  CHECK(t2.steps() == 0);
+  CHECK_THROWS_AS((Trainer<gpt2::Model<cpu, float>, AdamW>(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                           ConstantLr{}, {.micro_batch_size = 0})),
+                  Error);
+}
