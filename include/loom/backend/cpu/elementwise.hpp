@@ -6,7 +6,7 @@
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/core/tensor.hpp"
 
-namespace loom::kernels {
+namespace loom::inline kernels {
 
 //! dst = src (same element count).
 template <class T>
@@ -32,4 +32,4 @@ void zero(const cpu& be, Tensor<T> x) {
   if (x.numel() > 0) std::memset(x.data(), 0, sizeof(T) * x.numel());
 }
 
-}  // namespace loom::kernels
+}  // namespace loom::inline kernels

@@ -1,0 +1,119 @@
+#pragma once
+//! \file Token plus position embedding (GPT-2) on the CPU backend. The backward parallelises
+//! over blocks of channels, so that no two threads ever touch one gradient element and every
+//! element sums its contributions in (b, t) order whatever the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "loom/backend/cpu/cpu.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::embedding {
+
+//! Channels per task of the backward.
+inline constexpr std::int64_t column_block = 64;
+//! Below this many elements a kernel stays on the calling thread.
+inline constexpr std::int64_t parallel_min_elements = 1 << 14;
+
+//! Checks tokens [B, T] against the vocabulary (wte rows) and the position table (wpe rows);
+//! a bad token names its position, its value and the rule.
+inline void check_tokens(const Tensor<const std::int32_t>& tokens, std::int64_t vocab,
+                         std::int64_t max_positions, const char* kernel) {
+  if (tokens.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument tokens shape", tokens.shape(),
+                "expected [B, T] (rank 2)");
+  const std::int64_t B = tokens.extent(0), T = tokens.extent(1);
+  if (T > max_positions)
+    throw Error(std::string(kernel) + ": argument tokens sequence length T", T,
+                "must be <= the rows of wpe (" + detail::to_text(max_positions) + ")");
+  const std::int32_t* ids = tokens.data();
+  for (std::int64_t i = 0; i < B * T; ++i)
+    if (ids[i] < 0 || ids[i] >= vocab) [[unlikely]]
+      throw Error(std::string(kernel) + ": token at tokens[" + detail::to_text(i / T) + ", " +
+                      detail::to_text(i % T) + "]",
+                  ids[i],
+                  "token ids must be in [0, " + detail::to_text(vocab) + ") (the rows of wte)");
+}
+
+template <class T>
+void check_table(const Tensor<T>& table, const char* kernel, const char* arg) {
+  if (table.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument " + arg + " shape", table.shape(),
+                "expected a [rows, C] table (rank 2)");
+}
+
+}  // namespace loom::detail::embedding
+
+namespace loom::inline kernels {
+
+//! out[b,t,:] = wte[tokens[b,t], :] + wpe[t, :]. `tokens` [B,T] holds ids in [0, wte rows);
+//! wte [V,C], wpe [maxT,C] with T <= maxT, out [B,T,C]. A bad token throws loom::Error.
+template <class T>
+void embedding_forward(const cpu& be, Tensor<T> out, Tensor<const std::int32_t> tokens,
+                       Tensor<const T> wte, Tensor<const T> wpe) {
+  namespace d = detail::embedding;
+  constexpr const char* kernel = "embedding_forward";
+  d::check_table(wte, kernel, "wte");
+  d::check_table(wpe, kernel, "wpe");
+  const std::int64_t C = wte.extent(1);
+  check_shape(wpe, Shape{wpe.extent(0), C}, kernel, "wpe");
+  d::check_tokens(tokens, wte.extent(0), wpe.extent(0), kernel);
+  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1);
+  check_shape(out, Shape{B, Tn, C}, kernel, "out");
+
+  const std::int32_t* ids = tokens.data();
+  const T* te = wte.data();
+  const T* pe = wpe.data();
+  T* o_all = out.data();
+  const std::int64_t rows = B * Tn;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
+    if (rows * C >= d::parallel_min_elements)
+  for (std::int64_t bt = 0; bt < rows; ++bt) {
+    const T* token_row = te + static_cast<std::int64_t>(ids[bt]) * C;
+    const T* position_row = pe + (bt % Tn) * C;
+    T* o = o_all + bt * C;
+    for (std::int64_t i = 0; i < C; ++i) o[i] = token_row[i] + position_row[i];
+  }
+}
+
+//! Backward of embedding_forward, accumulating: dwte[tokens[b,t]] += dout[b,t],
+//! dwpe[t] += sum over b of dout[b,t]. Deterministic for any thread count.
+template <class T>
+void embedding_backward(const cpu& be, Tensor<T> dwte, Tensor<T> dwpe, Tensor<const T> dout,
+                        Tensor<const std::int32_t> tokens) {
+  namespace d = detail::embedding;
+  constexpr const char* kernel = "embedding_backward";
+  d::check_table(dwte, kernel, "dwte");
+  d::check_table(dwpe, kernel, "dwpe");
+  const std::int64_t C = dwte.extent(1);
+  check_shape(dwpe, Shape{dwpe.extent(0), C}, kernel, "dwpe");
+  d::check_tokens(tokens, dwte.extent(0), dwpe.extent(0), kernel);
+  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1);
+  check_shape(dout, Shape{B, Tn, C}, kernel, "dout");
+
+  const std::int32_t* ids = tokens.data();
+  const T* g_all = dout.data();
+  T* dte = dwte.data();
+  T* dpe = dwpe.data();
+  const std::int64_t rows = B * Tn;
+  const std::int64_t blocks = (C + d::column_block - 1) / d::column_block;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
+    if (blocks > 1 && rows * C >= d::parallel_min_elements)
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    const std::int64_t j0 = blk * d::column_block, j1 = std::min(C, j0 + d::column_block);
+    for (std::int64_t bt = 0; bt < rows; ++bt) {
+      const T* g = g_all + bt * C;
+      T* token_row = dte + static_cast<std::int64_t>(ids[bt]) * C;
+      T* position_row = dpe + (bt % Tn) * C;
+      for (std::int64_t j = j0; j < j1; ++j) {
+        token_row[j] += g[j];
+        position_row[j] += g[j];
+      }
+    }
+  }
+}
+
+}  // namespace loom::inline kernels
