@@ -117,6 +117,8 @@ class ParameterLayout {
     for (const Entry& e : entries_) {
       const std::int64_t n = e.numel();
       T* p = flat + e.offset;
+      // Each element is a pure function of its index, so any split over threads is exact.
+#pragma omp parallel for schedule(static) if (n > (1 << 14))
       for (std::int64_t i = 0; i < n; ++i)
         p[i] = static_cast<T>(initial_value(seed, e.spec.name, e.spec.shape, e.spec.init, i));
     }

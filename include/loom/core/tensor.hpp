@@ -91,12 +91,21 @@ class Tensor {
   Shape shape_{};
 };
 
+//! Checks that a tensor with elements has data (a default-constructed Tensor has none).
+template <class T>
+void check_data(const Tensor<T>& t, const char* kernel, const char* arg) {
+  if (t.data() == nullptr && t.numel() > 0) [[unlikely]]
+    throw Error(std::string(kernel) + ": argument " + arg, "a tensor without data",
+                "a required argument needs " + detail::to_text(t.numel()) + " elements of storage");
+}
+
 //! Checks a kernel argument's shape; the message names the kernel and the argument.
 template <class T>
 void check_shape(const Tensor<T>& t, const Shape& expected, const char* kernel, const char* arg) {
   if (!(t.shape() == expected)) [[unlikely]]
     throw Error(std::string(kernel) + ": argument " + arg + " shape", detail::to_text(t.shape()),
                 "expected " + detail::to_text(expected));
+  check_data(t, kernel, arg);
 }
 
 //! Checks that a kernel argument has exactly `n` elements, whatever its shape.
@@ -105,6 +114,7 @@ void check_numel(const Tensor<T>& t, std::int64_t n, const char* kernel, const c
   if (t.numel() != n) [[unlikely]]
     throw Error(std::string(kernel) + ": argument " + arg + " element count",
                 detail::to_text(t.numel()), "expected " + detail::to_text(n));
+  check_data(t, kernel, arg);
 }
 
 }  // namespace loom

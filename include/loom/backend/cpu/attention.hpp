@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/sum.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -42,16 +43,7 @@ inline void serial_gemm_in_this_task() noexcept {
 #endif
 }
 
-//! sum_i x[i] accumulated in double, in a fixed order (four interleaved partial sums).
-template <class T>
-double sum_as_double(const T* x, std::int64_t n) noexcept {
-  double acc[4] = {0, 0, 0, 0};
-  std::int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int k = 0; k < 4; ++k) acc[k] += static_cast<double>(x[i + k]);
-  for (; i < n; ++i) acc[0] += static_cast<double>(x[i]);
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
+using loom::detail::sum_as_double;
 
 //! sum_i x[i] * y[i] accumulated in double, in a fixed order.
 template <class T>

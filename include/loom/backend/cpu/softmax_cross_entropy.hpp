@@ -9,6 +9,7 @@
 #include <string>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/sum.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -19,16 +20,7 @@ struct Dims {
   std::int64_t rows, padded_vocab;
 };
 
-//! sum_i x[i] accumulated in double, in a fixed order (four interleaved partial sums).
-template <class T>
-double sum_as_double(const T* x, std::int64_t n) noexcept {
-  double acc[4] = {0, 0, 0, 0};
-  std::int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int k = 0; k < 4; ++k) acc[k] += static_cast<double>(x[i + k]);
-  for (; i < n; ++i) acc[0] += static_cast<double>(x[i]);
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
+using loom::detail::sum_as_double;
 
 template <class T>
 Dims check(const Tensor<T>& logits, const Tensor<const std::int32_t>& targets, std::int64_t vocab,
