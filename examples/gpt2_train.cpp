@@ -31,6 +31,7 @@ struct Options {
   std::int64_t steps = 100;
   std::int64_t batch = 8;  // sequences per global batch
   std::int64_t micro_batch = 0;  // 0 = the whole batch in one micro-batch
+  std::int64_t accumulation = 0;  // 0 = batch / micro_batch
   std::int64_t seq = 64;
   double lr = 1e-3;
   std::int64_t warmup = 0;
@@ -98,6 +99,10 @@ int train(const Options& o, Opt optimizer) {
   LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
              "must be in [1, max_seq_len = " + std::to_string(config.max_seq_len) + "]");
   const std::int64_t micro = o.micro_batch == 0 ? o.batch : o.micro_batch;
+  if (o.accumulation > 0)
+    LOOM_CHECK(o.batch == micro * o.accumulation, "--accumulation", o.accumulation,
+               "--batch (" + std::to_string(o.batch) + ") must equal --micro-batch (" +
+                   std::to_string(micro) + ") x --accumulation");
 
   cpu backend(o.threads);
   const WarmupCosineLr schedule{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps,
@@ -185,6 +190,9 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", o.micro_batch,
                  "Sequences per micro-batch; the batch is accumulated over batch/micro-batch of them (0 = batch)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--accumulation", o.accumulation,
+                 "Micro-batches per step; sets --batch to micro-batch x accumulation (0 = from --batch)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seq", o.seq, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--warmup", o.warmup, "Linear warmup steps from 0")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -225,6 +233,7 @@ int main(int argc, char** argv) {
       o.log_every = 10;
     }
   CLI11_PARSE(app, argc, argv);
+  if (o.accumulation > 0 && o.micro_batch > 0 && !app.count("--batch")) o.batch = o.micro_batch * o.accumulation;
   try {
     if (o.optimizer == "sgd") return train(o, loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
     return train(o, loom::AdamW({.weight_decay = o.weight_decay}));

@@ -20,8 +20,6 @@ template <class T>
 using Matrix = Eigen::Map<RowMajor<T>>;
 template <class T>
 using ConstMatrix = Eigen::Map<const RowMajor<T>>;
-template <class T>
-using ConstRow = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
 
 //! Checks that `t`, seen as a matrix (all but the last axis are rows), is [rows, cols]; leading
 //! axes may differ (an [N, OC] output for a [B, T, C] input is fine).
@@ -62,12 +60,22 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
   if (N == 0 || OC == 0) return;
 
   d::Matrix<T> o(out.data(), N, OC);
-  if (bias.empty())
-    o.setZero();
-  else
-    o = d::ConstRow<T>(bias.data(), OC).replicate(N, 1);
-  if (C == 0) return;
   be.bind_gemm_threads();
+  if (bias.empty()) {
+    if (C == 0) {
+      o.setZero();
+      return;
+    }
+    // No bias: the GEMM writes the output directly (no zero-fill pass over N·OC elements).
+    o.noalias() = d::ConstMatrix<T>(in.data(), N, C) * d::ConstMatrix<T>(weight.data(), OC, C).transpose();
+    return;
+  }
+  // The bias rows are written by all threads, then the GEMM accumulates onto them.
+  const T* b = bias.data();
+  T* po = out.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * OC >= (1 << 16))
+  for (std::int64_t n = 0; n < N; ++n) std::copy(b, b + OC, po + n * OC);
+  if (C == 0) return;
   o.noalias() += d::ConstMatrix<T>(in.data(), N, C) * d::ConstMatrix<T>(weight.data(), OC, C).transpose();
 }
 
