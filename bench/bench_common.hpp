@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "loom/core/error.hpp"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -130,6 +132,15 @@ inline std::string machine_line(int threads) {
          " hardware threads, " + std::to_string(threads) + " used, compiled for " +
          compiled_isa() + ", Eigen " + std::to_string(EIGEN_WORLD_VERSION) + "." +
          std::to_string(EIGEN_MAJOR_VERSION) + "." + std::to_string(EIGEN_MINOR_VERSION);
+}
+
+//! Writes `report` to `path` (if not empty), pretty-printed, and says so.
+inline void write_json(const std::string& path, const nlohmann::json& report) {
+  if (path.empty()) return;
+  std::ofstream out(path);
+  LOOM_CHECK(out.good(), "--json", path, "the file must be writable");
+  out << report.dump(2) << '\n';
+  std::printf("wrote %s\n", path.c_str());
 }
 
 }  // namespace loom::bench

@@ -195,12 +195,7 @@ int run(const Options& o) {
   std::printf("vs best:  loom's rate over the machine's measured rate (%.1f GFLOP/s)\n", best);
   report["worst_share_of_eigen"] = worst_share;
   report["target_met"] = worst_share >= 0.7;
-  if (!o.json.empty()) {
-    std::ofstream out(o.json);
-    LOOM_CHECK(out.good(), "--json", o.json, "the file must be writable");
-    out << report.dump(2) << '\n';
-    std::printf("wrote %s\n", o.json.c_str());
-  }
+  loom::bench::write_json(o.json, report);
   return 0;
 }
 

@@ -317,12 +317,7 @@ int run(Options o) {
   std::printf("FLOPs per token: train 6N + 12*l*h*s, forward 2N + 4*l*h*s (N, l of the layers used; "
               "s = seq %lld)\n",
               static_cast<long long>(o.seq));
-  if (!o.json.empty()) {
-    std::ofstream out(o.json);
-    LOOM_CHECK(out.good(), "--json", o.json, "the file must be writable");
-    out << report.dump(2) << '\n';
-    std::printf("wrote %s\n", o.json.c_str());
-  }
+  loom::bench::write_json(o.json, report);
   return 0;
 }
 

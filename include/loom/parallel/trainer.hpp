@@ -90,7 +90,7 @@ class Trainer {
 
     engine_.begin_step();
     double loss_sum = 0;
-    for (const Action& a : schedule_.actions({.stages = 1, .stage = 0, .micro_batches = micro_batches})) {
+    for (const Action& a : actions_) {
       const std::int64_t slot = a.micro_batch % slots_;
       if (a.kind == Action::Kind::forward)
         loss_sum += forward(slot, micro(tokens, a.micro_batch), micro(targets, a.micro_batch));
@@ -168,10 +168,15 @@ class Trainer {
     return micro_batches;
   }
 
-  //! Activation slots for `shape`: the schedule says how many micro-batches live at once.
+  //! The schedule's actions and activation slots for `shape` (the schedule says how many
+  //! micro-batches live at once); nothing is allocated when the shape repeats.
   void allocate(MicroBatchShape shape, std::int64_t micro_batches) {
-    const std::int64_t slots =
-        schedule_.live_micro_batches({.stages = 1, .stage = 0, .micro_batches = micro_batches});
+    const ScheduleShape schedule_shape{.stages = 1, .stage = 0, .micro_batches = micro_batches};
+    if (micro_batches != planned_micro_batches_) {
+      actions_ = schedule_.actions(schedule_shape);  // generated once per micro-batch count
+      planned_micro_batches_ = micro_batches;
+    }
+    const std::int64_t slots = schedule_.live_micro_batches(schedule_shape);
     if (shape == shape_ && slots == slots_) return;
     shape_ = shape;
     slots_ = slots;
@@ -268,6 +273,8 @@ class Trainer {
 
   MicroBatchShape shape_{0, 0};
   std::int64_t slots_ = 0;
+  std::int64_t planned_micro_batches_ = 0;
+  std::vector<Action> actions_;
   std::vector<std::int64_t> saved_offset_;
   std::vector<Buffer<T, backend_type>> saved_, hidden_;
   Buffer<T, backend_type> workspace_, hidden_grads_;

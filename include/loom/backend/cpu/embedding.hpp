@@ -47,6 +47,31 @@ void check_table(const Tensor<T>& table, const char* kernel, const char* arg) {
 
 }  // namespace loom::detail::embedding
 
+namespace loom::detail::embedding {
+
+struct Dims {
+  std::int64_t batch, seq, channels;
+};
+
+//! The checks both directions share: token table [V, C], position table [maxT, C], tokens
+//! [B, T] valid for both, and the hidden tensor (`out` or `dout`) [B, T, C].
+template <class H, class E>
+Dims check_arguments(const Tensor<H>& hidden, const Tensor<const std::int32_t>& tokens,
+                     const Tensor<E>& tokens_table, const Tensor<E>& positions_table,
+                     const char* kernel, const char* hidden_name, const char* tokens_table_name,
+                     const char* positions_table_name) {
+  check_table(tokens_table, kernel, tokens_table_name);
+  check_table(positions_table, kernel, positions_table_name);
+  const std::int64_t C = tokens_table.extent(1);
+  check_shape(positions_table, Shape{positions_table.extent(0), C}, kernel, positions_table_name);
+  check_tokens(tokens, tokens_table.extent(0), positions_table.extent(0), kernel);
+  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1);
+  check_shape(hidden, Shape{B, Tn, C}, kernel, hidden_name);
+  return {B, Tn, C};
+}
+
+}  // namespace loom::detail::embedding
+
 namespace loom::inline kernels {
 
 //! out[b,t,:] = wte[tokens[b,t], :] + wpe[t, :]. `tokens` [B,T] holds ids in [0, wte rows);
@@ -55,14 +80,9 @@ template <class T>
 void embedding_forward(const cpu& be, Tensor<T> out, Tensor<const std::int32_t> tokens,
                        Tensor<const T> wte, Tensor<const T> wpe) {
   namespace d = detail::embedding;
-  constexpr const char* kernel = "embedding_forward";
-  d::check_table(wte, kernel, "wte");
-  d::check_table(wpe, kernel, "wpe");
-  const std::int64_t C = wte.extent(1);
-  check_shape(wpe, Shape{wpe.extent(0), C}, kernel, "wpe");
-  d::check_tokens(tokens, wte.extent(0), wpe.extent(0), kernel);
-  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1);
-  check_shape(out, Shape{B, Tn, C}, kernel, "out");
+  // Plain variables, not structured bindings: OpenMP regions below must capture them.
+  const d::Dims dims = d::check_arguments(out, tokens, wte, wpe, "embedding_forward", "out", "wte", "wpe");
+  const std::int64_t B = dims.batch, Tn = dims.seq, C = dims.channels;
 
   const std::int32_t* ids = tokens.data();
   const T* te = wte.data();
@@ -85,14 +105,9 @@ template <class T>
 void embedding_backward(const cpu& be, Tensor<T> dwte, Tensor<T> dwpe, Tensor<const T> dout,
                         Tensor<const std::int32_t> tokens) {
   namespace d = detail::embedding;
-  constexpr const char* kernel = "embedding_backward";
-  d::check_table(dwte, kernel, "dwte");
-  d::check_table(dwpe, kernel, "dwpe");
-  const std::int64_t C = dwte.extent(1);
-  check_shape(dwpe, Shape{dwpe.extent(0), C}, kernel, "dwpe");
-  d::check_tokens(tokens, dwte.extent(0), dwpe.extent(0), kernel);
-  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1);
-  check_shape(dout, Shape{B, Tn, C}, kernel, "dout");
+  // Plain variables, not structured bindings: OpenMP regions below must capture them.
+  const d::Dims dims = d::check_arguments(dout, tokens, dwte, dwpe, "embedding_backward", "dout", "dwte", "dwpe");
+  const std::int64_t B = dims.batch, Tn = dims.seq, C = dims.channels;
 
   const std::int32_t* ids = tokens.data();
   const T* g_all = dout.data();

@@ -32,6 +32,23 @@ void check_matrix(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, cons
                     " (all axes but the last are rows)");
 }
 
+struct Dims {
+  std::int64_t rows, in_features, out_features;
+};
+
+//! N (rows of `in`), C (its last extent) and OC (rows of `weight`, which must be [OC, C]).
+template <class T>
+Dims dims(const Tensor<const T>& in, const Tensor<const T>& weight, const char* kernel) {
+  if (in.shape().rank() == 0)
+    throw Error(std::string(kernel) + ": argument in shape", in.shape(), "expected rank >= 1");
+  const std::int64_t N = in.shape().rows(), C = in.shape().cols();
+  if (weight.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument weight shape", weight.shape(),
+                "expected [OC, C = " + detail::to_text(C) + "]");
+  check_shape(weight, Shape{weight.extent(0), C}, kernel, "weight");
+  return {N, C, weight.extent(0)};
+}
+
 //! Columns per task of the bias-gradient sum: every column is summed over all rows by one
 //! thread in row order, so the result does not depend on the thread count.
 inline constexpr std::int64_t bias_block = 64;
@@ -47,14 +64,9 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
                     Tensor<const T> bias) {
   namespace d = detail::matmul;
   constexpr const char* kernel = "matmul_forward";
-  if (in.shape().rank() == 0)
-    throw Error(std::string(kernel) + ": argument in shape", in.shape(), "expected rank >= 1");
-  const std::int64_t N = in.shape().rows(), C = in.shape().cols();
-  if (weight.shape().rank() != 2)
-    throw Error(std::string(kernel) + ": argument weight shape", weight.shape(),
-                "expected [OC, C = " + detail::to_text(C) + "]");
-  const std::int64_t OC = weight.extent(0);
-  check_shape(weight, Shape{OC, C}, kernel, "weight");
+  // Plain variables, not structured bindings: OpenMP regions below must capture them.
+  const d::Dims dims = d::dims(in, weight, kernel);
+  const std::int64_t N = dims.rows, C = dims.in_features, OC = dims.out_features;
   d::check_matrix(out, N, OC, kernel, "out");
   if (!bias.empty()) check_shape(bias, Shape{OC}, kernel, "bias");
   if (N == 0 || OC == 0) return;
@@ -86,14 +98,9 @@ void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> 
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight) {
   namespace d = detail::matmul;
   constexpr const char* kernel = "matmul_backward";
-  if (in.shape().rank() == 0)
-    throw Error(std::string(kernel) + ": argument in shape", in.shape(), "expected rank >= 1");
-  const std::int64_t N = in.shape().rows(), C = in.shape().cols();
-  if (weight.shape().rank() != 2)
-    throw Error(std::string(kernel) + ": argument weight shape", weight.shape(),
-                "expected [OC, C = " + detail::to_text(C) + "]");
-  const std::int64_t OC = weight.extent(0);
-  check_shape(weight, Shape{OC, C}, kernel, "weight");
+  // Plain variables, not structured bindings: OpenMP regions below must capture them.
+  const d::Dims dims = d::dims(in, weight, kernel);
+  const std::int64_t N = dims.rows, C = dims.in_features, OC = dims.out_features;
   d::check_matrix(dout, N, OC, kernel, "dout");
   check_shape(dweight, Shape{OC, C}, kernel, "dweight");
   if (!din.empty()) d::check_matrix(din, N, C, kernel, "din");
