@@ -1,0 +1,31 @@
+// expect: loom: the strategy's Engine does not offer the hooks the Trainer drives
+// A Strategy tag whose Engine lacks the Trainer's hooks is rejected with a sentence.
+#include "loom/loom.hpp"
+
+struct BrokenStrategy {
+  using loom_strategy = void;
+  template <class B, class T>
+  struct Engine {
+#ifndef LOOM_COMPILE_FAIL
+    Engine(B&, const loom::ParameterLayout&, int, std::uint64_t) {}
+    const T* params() const { return nullptr; }
+    T* grads() { return nullptr; }
+    T* mutable_params() { return nullptr; }
+    void begin_step() {}
+    void on_backward(int, bool) {}
+    void finish_gradients() {}
+    double global_sum(double x) { return x; }
+    double grad_sum_of_squares() { return 0; }
+    template <class O>
+    void update(const O&, double, std::int64_t, double) {}
+#else
+    Engine(B&, const loom::ParameterLayout&, int, std::uint64_t) {}
+#endif
+  };
+};
+
+using Broken = loom::Trainer<loom::gpt2::Model<loom::cpu>, loom::AdamW, loom::GradientAccumulation,
+                             BrokenStrategy>;
+[[maybe_unused]] constexpr std::size_t size = sizeof(Broken);
+
+int main() {}
