@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/error.hpp"
 #include "loom/core/rng.hpp"
 
 namespace loom::test {
@@ -59,10 +60,22 @@ double max_relative_error(const A& a, const B& b, double floor = 1e-6) {
   return worst;
 }
 
-//! Tolerance for comparing a kernel with its reference, by scalar type.
+//! Error bound of a kernel against its double reference, relative to max(|value|, floor).
 template <class T>
 constexpr double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-10 : 1e-4;
+  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
+}
+
+//! Runs `call`, which must throw loom::Error whose message contains `fragment`.
+template <class Call>
+void expect_error(Call&& call, const std::string& fragment) {
+  try {
+    call();
+    FAIL("expected loom::Error mentioning " << fragment);
+  } catch (const loom::Error& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find(fragment) != std::string::npos);
+  }
 }
 
 }  // namespace loom::test

@@ -2,6 +2,8 @@
 
 #include <doctest/doctest.h>
 
+#include "support/temp_path.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -22,22 +24,7 @@ using loom::io::Batch;
 using loom::io::TokenFile;
 
 //! A unique path under the temp directory, removed (with anything at path + ".tmp") at scope end.
-struct TempPath {
-  fs::path path;
-  explicit TempPath(const std::string& stem) {
-    static std::atomic<int> counter{0};
-    const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
-    path = fs::temp_directory_path() /
-           ("loom_test_" + stem + "_" + std::to_string(now) + "_" +
-            std::to_string(std::random_device{}()) + "_" + std::to_string(counter++) + ".bin");
-  }
-  ~TempPath() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-    fs::remove_all(fs::path(path.string() + ".tmp"), ec);
-  }
-  std::string str() const { return path.string(); }
-};
+using loom::test::TempPath;
 
 void write_bytes(const fs::path& path, const void* data, std::size_t n) {
   std::ofstream out(path, std::ios::binary);

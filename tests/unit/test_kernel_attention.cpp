@@ -205,15 +205,7 @@ TEST_CASE("attention kernels reject bad shapes and head counts") {
   std::vector<float> qkv(B * T * 3 * C, 0.5f), out(B * T * C), att(B * 2 * T * T),
       dqkv(qkv.size()), dout(out.size());
   const Tensor<const float> qkv_view(qkv.data(), {B, T, 3 * C});
-  auto expect_error = [](auto&& call, const std::string& fragment) {
-    try {
-      call();
-      FAIL("expected loom::Error mentioning " << fragment);
-    } catch (const loom::Error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-    }
-  };
+  using loom::test::expect_error;
   using loom::kernels::attention_backward;
   using loom::kernels::attention_forward;
   // num_heads that does not divide C.

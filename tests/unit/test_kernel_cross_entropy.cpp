@@ -65,10 +65,7 @@ std::vector<T> make_logits(const Case& c, std::uint64_t seed) {
   return x;
 }
 
-template <class T>
-double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
-}
+using loom::test::tolerance;
 
 template <class F>
 void expect_error(F&& call, const std::string& fragment) {

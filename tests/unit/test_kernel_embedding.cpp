@@ -58,20 +58,9 @@ void run_backward(const cpu& be, std::vector<T>& dwte, std::vector<T>& dwpe, con
                                        Tensor<const std::int32_t>(d.tokens.data(), {c.B, c.T}));
 }
 
-template <class T>
-double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
-}
+using loom::test::tolerance;
 
-auto expect_error = [](auto&& call, const std::string& fragment) {
-  try {
-    call();
-    FAIL("expected loom::Error mentioning " << fragment);
-  } catch (const loom::Error& e) {
-    INFO(e.what());
-    CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-  }
-};
+using loom::test::expect_error;
 
 }  // namespace
 

@@ -17,11 +17,7 @@ namespace {
 using loom::Tensor;
 using loom::cpu;
 
-//! Error bound against the double reference, relative to max(|value|, 1).
-template <class T>
-double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
-}
+using loom::test::tolerance;
 
 const double sqrt_2_over_pi = std::sqrt(2.0 / std::acos(-1.0));
 
@@ -152,15 +148,7 @@ TEST_CASE_TEMPLATE("gelu kernels give the same bits on 1 and 2 threads", T, floa
 TEST_CASE("gelu kernels reject mismatched element counts") {
   const cpu be(1);
   std::vector<float> a(35), b(36), c(35);
-  auto expect_error = [](auto&& call, const std::string& fragment) {
-    try {
-      call();
-      FAIL("expected loom::Error mentioning " << fragment);
-    } catch (const loom::Error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-    }
-  };
+  using loom::test::expect_error;
   using loom::kernels::gelu_backward;
   using loom::kernels::gelu_forward;
   CHECK_THROWS_AS(gelu_forward<float>(be, Tensor<float>(b.data(), {36}), Tensor<const float>(a.data(), {7, 5})),

@@ -25,10 +25,7 @@ struct Case {
 
 constexpr double eps = 1e-5;
 
-template <class T>
-double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
-}
+using loom::test::tolerance;
 
 template <class T>
 struct Data {
@@ -271,15 +268,7 @@ TEST_CASE("layernorm kernels reject wrong shapes") {
   const cpu be(1);
   const std::int64_t N = 7, C = 5;
   std::vector<float> in(N * C, 0.5f), w(C, 1.0f), b(C), out(N * C), mean(N), rstd(N), big(1000);
-  auto expect_error = [](auto&& call, const std::string& fragment) {
-    try {
-      call();
-      FAIL("expected loom::Error mentioning " << fragment);
-    } catch (const loom::Error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-    }
-  };
+  using loom::test::expect_error;
   using loom::kernels::layernorm_backward;
   using loom::kernels::layernorm_forward;
   const Tensor<const float> in_v(in.data(), {N, C}), w_v(w.data(), {C}), b_v(b.data(), {C});

@@ -26,11 +26,7 @@ Shape rows_shape(const Case& c, std::int64_t cols) {
   return c.B == 1 ? Shape{c.T, cols} : Shape{c.B, c.T, cols};
 }
 
-//! Error bound against the double reference, relative to max(|value|, 1) (values are O(1)).
-template <class T>
-double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
-}
+using loom::test::tolerance;
 
 template <class T>
 struct Data {
@@ -234,15 +230,7 @@ TEST_CASE("matmul kernels reject wrong shapes") {
   const std::int64_t N = 7, C = 5, OC = 3;
   std::vector<float> in(N * C), w(OC * C), b(OC), out(N * OC), din(N * C), dw(OC * C), db(OC),
       dout(N * OC), big(1000);
-  auto expect_error = [](auto&& call, const std::string& fragment) {
-    try {
-      call();
-      FAIL("expected loom::Error mentioning " << fragment);
-    } catch (const loom::Error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-    }
-  };
+  using loom::test::expect_error;
   using loom::kernels::matmul_backward;
   using loom::kernels::matmul_forward;
   const Tensor<const float> in_v(in.data(), {N, C}), w_v(w.data(), {OC, C}), b_v(b.data(), {OC});

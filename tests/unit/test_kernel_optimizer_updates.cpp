@@ -18,11 +18,7 @@ using loom::SgdUpdate;
 using loom::Tensor;
 using loom::cpu;
 
-//! Error bound against the double reference, relative to max(|value|, 1).
-template <class T>
-double tolerance() {
-  return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
-}
+using loom::test::tolerance;
 
 //! torch.optim.AdamW, one parameter, in double.
 struct ScalarAdamW {
@@ -162,15 +158,7 @@ TEST_CASE_TEMPLATE("sgd_momentum_update matches torch's formula over three steps
 TEST_CASE("optimizer updates reject mismatched element counts and step 0") {
   const cpu be(1);
   std::vector<float> p(10), g(10), m(10), v(10), short_(9);
-  auto expect_error = [](auto&& call, const std::string& fragment) {
-    try {
-      call();
-      FAIL("expected loom::Error mentioning " << fragment);
-    } catch (const loom::Error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-    }
-  };
+  using loom::test::expect_error;
   using loom::kernels::adamw_update;
   using loom::kernels::sgd_momentum_update;
   const Tensor<float> p_v(p.data(), {10}), m_v(m.data(), {10}), v_v(v.data(), {2, 5});

@@ -105,15 +105,7 @@ TEST_CASE_TEMPLATE("residual_backward accumulates into da and db", T, float, dou
 TEST_CASE("residual kernels reject mismatched element counts") {
   const cpu be(1);
   std::vector<float> x(30), y(31), z(30);
-  auto expect_error = [](auto&& call, const std::string& fragment) {
-    try {
-      call();
-      FAIL("expected loom::Error mentioning " << fragment);
-    } catch (const loom::Error& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-    }
-  };
+  using loom::test::expect_error;
   using loom::kernels::residual_backward;
   using loom::kernels::residual_forward;
   CHECK_THROWS_AS(residual_forward<float>(be, Tensor<float>(x.data(), {2, 3, 5}), Tensor<const float>(y.data(), {31}),
