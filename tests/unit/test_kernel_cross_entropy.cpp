@@ -67,16 +67,7 @@ std::vector<T> make_logits(const Case& c, std::uint64_t seed) {
 
 using loom::test::tolerance;
 
-template <class F>
-void expect_error(F&& call, const std::string& fragment) {
-  try {
-    call();
-    FAIL("expected loom::Error mentioning " << fragment);
-  } catch (const loom::Error& e) {
-    INFO(e.what());
-    CHECK(std::string(e.what()).find(fragment) != std::string::npos);
-  }
-}
+using loom::test::expect_error;
 
 }  // namespace
 

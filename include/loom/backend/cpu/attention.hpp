@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
@@ -56,10 +57,8 @@ double dot_as_double(const T* x, const T* y, std::int64_t n) noexcept {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-template <class T>
-using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-template <class T>
-using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+using loom::detail::ArrayMap;
+using loom::detail::ConstArrayMap;
 
 inline int thread_index() noexcept {
 #if defined(_OPENMP)

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::gelu {
@@ -18,10 +19,8 @@ inline constexpr std::int64_t chunk = 1024;
 //! Below this many elements a kernel stays on the calling thread.
 inline constexpr std::int64_t parallel_min_elements = 1 << 15;
 
-template <class T>
-using Array = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-template <class T>
-using ConstArray = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+using loom::detail::ArrayMap;
+using loom::detail::ConstArrayMap;
 
 //! sqrt(2 / pi) and the cubic coefficient of GPT-2's GELU.
 template <class T>
@@ -45,8 +44,8 @@ void gelu_forward(const cpu& be, Tensor<T> out, Tensor<const T> in) {
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
   for (std::int64_t c = 0; c < chunks; ++c) {
     const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    const d::ConstArray<T> x(x_all + begin, size);
-    d::Array<T>(y_all + begin, size) =
+    const d::ConstArrayMap<T> x(x_all + begin, size);
+    d::ArrayMap<T>(y_all + begin, size) =
         T(0.5) * x * (T(1) + (d::scaling<T> * (x + d::cubic<T> * x.cube())).tanh());
   }
 }
@@ -65,13 +64,13 @@ void gelu_backward(const cpu& be, Tensor<T> din, Tensor<const T> in, Tensor<cons
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
   for (std::int64_t c = 0; c < chunks; ++c) {
     const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    const d::ConstArray<T> x(x_all + begin, size);
+    const d::ConstArrayMap<T> x(x_all + begin, size);
     alignas(64) T tanh_buffer[d::chunk];
-    d::Array<T> th(tanh_buffer, size);
+    d::ArrayMap<T> th(tanh_buffer, size);
     th = (d::scaling<T> * (x + d::cubic<T> * x.cube())).tanh();
     // d/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-    d::Array<T>(dx_all + begin, size) +=
-        d::ConstArray<T>(g_all + begin, size) *
+    d::ArrayMap<T>(dx_all + begin, size) +=
+        d::ConstArrayMap<T>(g_all + begin, size) *
         (T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th.square()) * d::scaling<T> *
                                     (T(1) + T(3) * d::cubic<T> * x.square()));
   }

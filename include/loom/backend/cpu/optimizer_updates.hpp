@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 #include "loom/optim/update_rules.hpp"
@@ -20,10 +21,8 @@ inline constexpr std::int64_t chunk = 4096;
 //! Below this many elements an update stays on the calling thread.
 inline constexpr std::int64_t parallel_min_elements = 1 << 15;
 
-template <class T>
-using Array = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-template <class T>
-using ConstArray = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+using loom::detail::ArrayMap;
+using loom::detail::ConstArrayMap;
 
 }  // namespace loom::detail::optimizer_updates
 
@@ -62,8 +61,8 @@ void adamw_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
   for (std::int64_t c = 0; c < chunks; ++c) {
     const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    d::Array<T> p(p_all + begin, size), mc(m_all + begin, size), vc(v_all + begin, size);
-    const d::ConstArray<T> g(g_all + begin, size);
+    d::ArrayMap<T> p(p_all + begin, size), mc(m_all + begin, size), vc(v_all + begin, size);
+    const d::ConstArrayMap<T> g(g_all + begin, size);
     mc = beta1 * mc + one_minus_beta1 * g;
     vc = beta2 * vc + one_minus_beta2 * g.square();
     p = p * decay - step_size * (mc / (vc.sqrt() * inv_sqrt_bc2 + eps));
