@@ -1,11 +1,14 @@
-// gpt2_train: trains GPT-2 with loom on one rank.
+// gpt2_train: trains GPT-2 with loom, on one rank or data-parallel over several.
 //
 //   gpt2_train --demo                                   # the README demo: < 2 minutes on 2 cores
 //   gpt2_train --model small --data tokens.bin --batch 8 --micro-batch 4 --seq 1024 --steps 100
 //   gpt2_train --init gpt2_124M.bin --data tokens.bin --save tuned.bin --metrics run.jsonl
+//   gpt2_train --demo --dp 4                            # DDP over 4 thread ranks, one process
+//   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
 //
 // One idea: a Trainer composed of a Model, an Optimizer, a Schedule and a Strategy runs a step on
-// a global batch; everything printed comes from the step's metrics and the backend's memory report.
+// a global batch; every rank passes the same global batch and trains on its slice; everything
+// printed comes from the step's metrics and the backends' memory reports (rank 0 prints).
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -15,13 +18,20 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <span>
 #include <string>
+#include <thread>
 #include <variant>
+#include <vector>
 
+#include "loom/comm/threads.hpp"
 #include "loom/io/llmc_checkpoint.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/io/token_file.hpp"
 #include "loom/loom.hpp"
+#if LOOM_EXAMPLE_WITH_MPI
+#include "loom/comm/mpi.hpp"
+#endif
 
 namespace {
 
@@ -48,6 +58,10 @@ struct Options {
   int threads = 0;
   double peak_tflops = 0;
   std::int64_t log_every = 1;
+  int dp = 1;
+  std::string comm = "threads";
+  std::size_t bucket_mib = 25;
+  bool no_overlap = false;
   bool demo = false;
 };
 
@@ -89,39 +103,64 @@ nlohmann::json memory_json(const loom::MemoryTracker& m) {
   return j;
 }
 
-template <class Opt>
-int train(const Options& o, Opt optimizer) {
+//! Each rank's memory by category, gathered to rank 0 and printed there.
+template <class Group>
+void print_memory_per_rank(Group& group, const loom::MemoryTracker& m) {
+  constexpr int fields = loom::memory_category_count + 1;
+  std::vector<double> mine(fields), all(static_cast<std::size_t>(fields * group.size()));
+  for (int i = 0; i < loom::memory_category_count; ++i)
+    mine[i] = loom::MemoryTracker::mib(m.current(static_cast<loom::MemoryCategory>(i)));
+  mine[fields - 1] = loom::MemoryTracker::mib(m.peak_total());
+  group.all_gather(std::span<double>(mine), std::span<double>(all));
+  if (group.rank() != 0) return;
+  std::printf("memory per rank after step 1 (MiB):\n  rank");
+  for (int i = 0; i < loom::memory_category_count; ++i)
+    std::printf(" %15s", std::string(loom::name(static_cast<loom::MemoryCategory>(i))).c_str());
+  std::printf(" %10s\n", "peak");
+  for (int r = 0; r < group.size(); ++r) {
+    std::printf("  %4d", r);
+    for (int i = 0; i < fields; ++i) std::printf(" %*.2f", i + 1 < fields ? 15 : 10, all[r * fields + i]);
+    std::printf("\n");
+  }
+}
+
+template <class Strategy, class Opt, class Group>
+int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int threads) {
   using namespace loom;
+  const bool lead = group.rank() == 0;
   const gpt2::Config config = model_config(o);
   const Source data = open_data(o, config.vocab_size);
   LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
              "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
   LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
              "must be in [1, max_seq_len = " + std::to_string(config.max_seq_len) + "]");
-  const std::int64_t micro = o.micro_batch == 0 ? o.batch : o.micro_batch;
+  // --micro-batch 0: each rank's whole slice in one micro-batch.
+  const std::int64_t micro = o.micro_batch == 0 ? std::max<std::int64_t>(1, o.batch / group.size()) : o.micro_batch;
   if (o.accumulation > 0)
-    LOOM_CHECK(o.batch == micro * o.accumulation, "--accumulation", o.accumulation,
+    LOOM_CHECK(o.batch == micro * o.accumulation * group.size(), "--accumulation", o.accumulation,
                "--batch (" + std::to_string(o.batch) + ") must equal --micro-batch (" +
-                   std::to_string(micro) + ") x --accumulation");
-
-  cpu backend(o.threads);
+                   std::to_string(micro) + ") x --accumulation x data-parallel ranks (" +
+                   std::to_string(group.size()) + ")");
+  cpu backend(threads);
   const WarmupCosineLr schedule{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps,
                                 .min_lr_factor = o.min_lr_factor};
   schedule.validate();
-  Trainer<gpt2::Model<cpu, float>, Opt> trainer(
-      backend, gpt2::Model<cpu, float>(config), optimizer,
-      schedule,
-      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed});
+  Trainer<gpt2::Model<cpu, float>, Opt, GradientAccumulation, Strategy> trainer(
+      backend, group, gpt2::Model<cpu, float>(config), optimizer, schedule,
+      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy);
   if (!o.init.empty())
     io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), trainer.mutable_parameters());
 
+  if (lead) {
   std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
               detail::to_text(config).c_str());
-  std::printf("  parameters %lld (stored %lld), %d threads, batch %lld x seq %lld, micro-batch %lld (%lld per step)\n",
+  std::printf("  parameters %lld (stored %lld), %d threads per rank, batch %lld x seq %lld, micro-batch %lld (%lld per step per rank)\n",
               static_cast<long long>(config.parameter_count()),
               static_cast<long long>(config.stored_parameter_count()), backend.threads(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
-              static_cast<long long>(micro), static_cast<long long>(o.batch / std::max<std::int64_t>(micro, 1)));
+              static_cast<long long>(micro), static_cast<long long>(o.batch / (micro * group.size())));
+  std::printf("  strategy %s over %d rank(s) (%s)\n", detail::to_text(strategy).c_str(), group.size(),
+              group.size() == 1 ? "one rank" : o.comm.c_str());
   std::visit([&](const auto& src) {
     if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>)
       std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
@@ -131,9 +170,10 @@ int train(const Options& o, Opt optimizer) {
       std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
                   static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
   }, data);
+  }
 
   std::ofstream metrics;
-  if (!o.metrics.empty()) {
+  if (lead && !o.metrics.empty()) {
     metrics.open(o.metrics);
     LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
   }
@@ -145,7 +185,7 @@ int train(const Options& o, Opt optimizer) {
     last_loss = m.loss;
     const double tflops = m.flops / m.seconds / 1e12;
     const MemoryTracker& mem = trainer.memory();
-    if (s % o.log_every == 0 || s + 1 == o.steps) {
+    if (lead && (s % o.log_every == 0 || s + 1 == o.steps)) {
       std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
                   static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
       if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
@@ -153,7 +193,8 @@ int train(const Options& o, Opt optimizer) {
                   MemoryTracker::mib(mem.peak_total()));
       std::fflush(stdout);
     }
-    if (s == 0) std::cout << "memory by category after step 1:\n" << mem;
+    if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
+    if (s == 0 && group.size() > 1) print_memory_per_rank(group, mem);
     if (metrics.is_open()) {
       nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
                           {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
@@ -164,12 +205,54 @@ int train(const Options& o, Opt optimizer) {
       metrics.flush();
     }
   }
-  std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
-  if (!o.save.empty()) {
+  if (lead)
+    std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
+  if (lead && !o.save.empty()) {
     io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), trainer.parameters());
     std::printf("saved %s\n", o.save.c_str());
   }
   return 0;
+}
+
+//! Picks the optimizer and the strategy (SingleRank on one rank, DataParallel on more).
+template <class Group>
+int train_on(const Options& o, Group& group, int threads) {
+  const auto with_strategy = [&](auto optimizer) {
+    if (group.size() == 1) return train(o, optimizer, group, loom::SingleRank{}, threads);
+    return train(o, optimizer, group,
+                 loom::DataParallel{.bucket_bytes = o.bucket_mib << 20, .overlap = !o.no_overlap}, threads);
+  };
+  if (o.optimizer == "sgd") return with_strategy(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
+  return with_strategy(loom::AdamW({.weight_decay = o.weight_decay}));
+}
+
+int run(const Options& o, int& argc, char**& argv) {
+  const int cores = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (o.comm == "mpi") {
+#if LOOM_EXAMPLE_WITH_MPI
+    return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
+      LOOM_CHECK(o.dp == 1 || o.dp == world.size(), "--dp", o.dp,
+                 "must equal the MPI world size (" + std::to_string(world.size()) + ") with --comm mpi");
+      // Each process uses --threads (0 = every core of its machine).
+      const int code = train_on(o, world, o.threads);
+      if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
+    });
+#else
+    throw loom::Error("--comm", o.comm, "this gpt2_train was built without MPI (install libopenmpi-dev and rebuild)");
+#endif
+  }
+  if (o.dp == 1) {
+    loom::SelfCommunicator self;
+    return train_on(o, self, o.threads);
+  }
+  // Thread ranks share the cores: each gets its share of --threads (at least one).
+  const int per_rank = std::max(1, cores / o.dp);
+  int code = 0;
+  loom::threads::run(o.dp, [&](loom::threads::Communicator& comm) {
+    const int c = train_on(o, comm, per_rank);
+    if (comm.rank() == 0) code = c;
+  });
+  return code;
 }
 
 }  // namespace
@@ -191,7 +274,7 @@ int main(int argc, char** argv) {
                  "Sequences per micro-batch; the batch is accumulated over batch/micro-batch of them (0 = batch)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--accumulation", o.accumulation,
-                 "Micro-batches per step; sets --batch to micro-batch x accumulation (0 = from --batch)")
+                 "Micro-batches per step on each rank; sets --batch to micro-batch x accumulation x ranks (0 = from --batch)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seq", o.seq, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -217,6 +300,15 @@ int main(int argc, char** argv) {
   app.add_option("--peak-tflops", o.peak_tflops, "The machine's peak TFLOP/s, to print MFU")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", o.log_every, "Print every N steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--dp", o.dp,
+                 "Data-parallel ranks (DDP). With --comm threads: thread ranks in this process, sharing "
+                 "--threads; with --comm mpi: must equal the MPI world size (or be left at 1 to take it)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--comm", o.comm, "Communicator: threads (ranks as threads) or mpi (run under mpirun)")
+      ->capture_default_str()->check(CLI::IsMember({"threads", "mpi"}));
+  app.add_option("--bucket-mib", o.bucket_mib, "DDP gradient bucket size in MiB")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--no-overlap", o.no_overlap, "DDP: reduce all buckets after backward instead of during it");
 
   // --demo sets defaults first; explicit options on the command line win.
   for (int i = 1; i < argc; ++i)
@@ -233,10 +325,10 @@ int main(int argc, char** argv) {
       o.log_every = 10;
     }
   CLI11_PARSE(app, argc, argv);
-  if (o.accumulation > 0 && o.micro_batch > 0 && !app.count("--batch")) o.batch = o.micro_batch * o.accumulation;
+  if (o.accumulation > 0 && o.micro_batch > 0 && !app.count("--batch"))
+    o.batch = o.micro_batch * o.accumulation * (o.comm == "threads" ? o.dp : 1);
   try {
-    if (o.optimizer == "sgd") return train(o, loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
-    return train(o, loom::AdamW({.weight_decay = o.weight_decay}));
+    return run(o, argc, argv);
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;

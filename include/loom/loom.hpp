@@ -2,6 +2,12 @@
 //! \file The public surface of loom on the CPU backend: include this, or the headers you use.
 
 #include "loom/backend/cpu/kernels.hpp"
+#include "loom/comm/collectives.hpp"
+#include "loom/comm/concepts.hpp"
+#include "loom/comm/ref.hpp"
+#include "loom/comm/request.hpp"
+#include "loom/comm/self.hpp"
+#include "loom/core/bf16.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
@@ -13,6 +19,7 @@
 #include "loom/optim/adamw.hpp"
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/optim/sgd.hpp"
+#include "loom/parallel/data_parallel.hpp"
 #include "loom/parallel/single_rank.hpp"
 #include "loom/parallel/trainer.hpp"
 #include "loom/schedule/gradient_accumulation.hpp"

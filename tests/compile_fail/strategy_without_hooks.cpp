@@ -7,7 +7,7 @@ struct BrokenStrategy {
   template <class B, class T>
   struct Engine {
 #ifndef LOOM_COMPILE_FAIL
-    Engine(B&, const loom::ParameterLayout&, int, std::uint64_t) {}
+    Engine(const BrokenStrategy&, loom::EngineContext<B>) {}
     const T* params() const { return nullptr; }
     T* grads() { return nullptr; }
     T* mutable_params() { return nullptr; }
@@ -19,7 +19,7 @@ struct BrokenStrategy {
     template <class O>
     void update(const O&, double, std::int64_t, double) {}
 #else
-    Engine(B&, const loom::ParameterLayout&, int, std::uint64_t) {}
+    Engine(const BrokenStrategy&, loom::EngineContext<B>) {}
 #endif
   };
 };

@@ -3,6 +3,8 @@
 
 #include <vector>
 
+#include "loom/comm/collectives.hpp"
+#include "loom/comm/threads.hpp"
 #include "loom/loom.hpp"
 
 using namespace loom;
@@ -104,4 +106,52 @@ TEST_CASE("GradientAccumulation generates F0 B0 F1 B1 ... and rejects pipeline s
   CHECK(g.live_micro_batches({.stages = 1, .stage = 0, .micro_batches = 8}) == 1);
   CHECK_THROWS_AS(g.actions({.stages = 2, .stage = 0, .micro_batches = 3}), Error);
   CHECK_THROWS_AS(g.actions({.stages = 1, .stage = 0, .micro_batches = 0}), Error);
+}
+
+namespace {
+
+// Communicator: an archetype with exactly the members the concept asks for (the typed
+// collectives come from CollectiveInterface), and near misses.
+struct CommunicatorArchetype : loom::CollectiveInterface<CommunicatorArchetype> {
+  using loom_communicator = void;
+  int rank() const;
+  int size() const;
+  void run(const loom::CollectiveCall&);
+  loom::Request start(const loom::CollectiveCall&);
+  CommunicatorArchetype split(int color, int key);
+};
+struct UntaggedCommunicator : loom::CollectiveInterface<UntaggedCommunicator> {
+  int rank() const;
+  int size() const;
+  void run(const loom::CollectiveCall&);
+  loom::Request start(const loom::CollectiveCall&);
+  UntaggedCommunicator split(int color, int key);
+};
+struct SplitReturnsAnotherType : loom::CollectiveInterface<SplitReturnsAnotherType> {
+  using loom_communicator = void;
+  int rank() const;
+  int size() const;
+  void run(const loom::CollectiveCall&);
+  loom::Request start(const loom::CollectiveCall&);
+  CommunicatorArchetype split(int color, int key);
+};
+// The core without the typed front end.
+struct CoreOnlyCommunicator {
+  using loom_communicator = void;
+  int rank() const;
+  int size() const;
+  void run(const loom::CollectiveCall&);
+  loom::Request start(const loom::CollectiveCall&);
+  CoreOnlyCommunicator split(int color, int key);
+};
+
+}  // namespace
+
+TEST_CASE("Communicator concept") {
+  CHECK(loom::Communicator<loom::threads::Communicator>);
+  CHECK(loom::Communicator<CommunicatorArchetype>);
+  CHECK_FALSE(loom::Communicator<UntaggedCommunicator>);
+  CHECK_FALSE(loom::Communicator<SplitReturnsAnotherType>);
+  CHECK_FALSE(loom::Communicator<CoreOnlyCommunicator>);
+  CHECK_FALSE(loom::Communicator<int>);
 }

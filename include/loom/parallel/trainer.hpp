@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "loom/comm/concepts.hpp"
+#include "loom/comm/ref.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
 #include "loom/models/concepts.hpp"
@@ -60,17 +62,22 @@ class Trainer {
   static_assert(StrategyEngine<Engine, scalar_type>,
                 "loom: the strategy's Engine does not offer the hooks the Trainer drives");
 
-  //! `lr` is any LrSchedule (ConstantLr, WarmupCosineLr, or a type of yours with `at(step)`).
+  //! One rank, no communicator. `lr` is any LrSchedule (ConstantLr, WarmupCosineLr, or a type
+  //! of yours with `at(step)`); `strategy` carries the strategy's settings.
   template <LrSchedule L>
   Trainer(backend_type& backend, M model, O optimizer, L lr, TrainerOptions options = {},
-          S schedule = {})
-      : backend_(&backend),
-        model_(std::move(model)),
-        optimizer_(std::move(optimizer)),
-        schedule_(std::move(schedule)),
-        lr_([lr = std::move(lr)](std::int64_t step) { return static_cast<double>(lr.at(step)); }),
-        options_(options),
-        engine_((validate(options), backend), model_.layout(), O::state_slots, options.seed) {}
+          St strategy = {}, S schedule = {})
+      : Trainer(backend, CommunicatorRef{}, std::move(model), std::move(optimizer), std::move(lr),
+                options, std::move(strategy), std::move(schedule)) {}
+
+  //! Data-parallel training over `group` (which must outlive the Trainer): every rank passes the
+  //! same global batch to step() and trains on its contiguous slice of it (DESIGN.md
+  //! invariant 2); the strategy reduces the gradients over the group.
+  template <Communicator C, LrSchedule L>
+  Trainer(backend_type& backend, C& group, M model, O optimizer, L lr, TrainerOptions options = {},
+          St strategy = {}, S schedule = {})
+      : Trainer(backend, CommunicatorRef(group), std::move(model), std::move(optimizer),
+                std::move(lr), options, std::move(strategy), std::move(schedule)) {}
 
   //! One optimizer step on `global`, anything with `tokens_view()` and `targets_view()`
   //! returning [batch, seq] int32 tensors (io::Batch).
@@ -142,9 +149,33 @@ class Trainer {
   const scalar_type* gradients() noexcept { return engine_.grads(); }
   const MemoryTracker& memory() const noexcept { return backend_->memory(); }
   const TrainerOptions& options() const noexcept { return options_; }
+  //! The strategy's settings.
+  const St& strategy() const noexcept { return strategy_; }
+  //! The strategy's engine (its buffers, and e.g. DataParallel's buckets).
+  const Engine& engine() const noexcept { return engine_; }
+  //! This rank's place in the data-parallel group.
+  int data_parallel_rank() const { return group_.rank(); }
+  int data_parallel_size() const { return group_.size(); }
 
  private:
   using T = scalar_type;
+
+  template <LrSchedule L>
+  Trainer(backend_type& backend, CommunicatorRef group, M model, O optimizer, L lr,
+          TrainerOptions options, St strategy, S schedule)
+      : backend_(&backend),
+        group_(group),
+        model_(std::move(model)),
+        optimizer_(std::move(optimizer)),
+        schedule_(std::move(schedule)),
+        strategy_(std::move(strategy)),
+        lr_([lr = std::move(lr)](std::int64_t step) { return static_cast<double>(lr.at(step)); }),
+        options_(options),
+        engine_(strategy_, EngineContext<backend_type>{.backend = (validate(options), backend),
+                                                       .data_parallel = group,
+                                                       .layout = model_.layout(),
+                                                       .state_slots = O::state_slots,
+                                                       .seed = options.seed}) {}
 
   static void validate(const TrainerOptions& o) {
     LOOM_CHECK(o.micro_batch_size >= 1, "trainer options: micro_batch_size", o.micro_batch_size,
@@ -161,9 +192,16 @@ class Trainer {
     LOOM_CHECK(targets.shape() == tokens.shape(), "trainer step: targets shape", targets.shape(),
                "must equal the tokens' shape " + detail::to_text(tokens.shape()));
     const std::int64_t rows = tokens.extent(0), mbs = options_.micro_batch_size;
-    LOOM_CHECK(rows % mbs == 0, "trainer step: global batch size", rows,
-               "must be a multiple of micro_batch_size (" + detail::to_text(mbs) + ")");
-    const std::int64_t micro_batches = rows / mbs;
+    const std::int64_t ranks = group_.size();
+    if (ranks == 1)
+      LOOM_CHECK(rows % mbs == 0, "trainer step: global batch size", rows,
+                 "must be a multiple of micro_batch_size (" + detail::to_text(mbs) + ")");
+    else
+      LOOM_CHECK(rows % (mbs * ranks) == 0, "trainer step: global batch size", rows,
+                 "must be a multiple of micro_batch_size (" + detail::to_text(mbs) +
+                     ") x data-parallel ranks (" + detail::to_text(ranks) + ")");
+    const std::int64_t micro_batches = rows / (mbs * ranks);
+    first_row_ = group_.rank() * (rows / ranks);
     allocate({mbs, tokens.extent(1)}, micro_batches);
     return micro_batches;
   }
@@ -198,10 +236,11 @@ class Trainer {
     hidden_grads_ = Buffer<T, backend_type>(*backend_, 2 * hidden, MemoryCategory::workspace);
   }
 
-  //! Rows [mb·size, (mb+1)·size) of a [batch, seq] tensor.
+  //! Micro-batch `mb` of this rank's slice of a [batch, seq] global tensor: rows
+  //! [first_row + mb·size, first_row + (mb+1)·size).
   Tensor<const std::int32_t> micro(Tensor<const std::int32_t> t, std::int64_t mb) const {
     const std::int64_t rows = options_.micro_batch_size, seq = t.extent(1);
-    return {t.data() + mb * rows * seq, Shape{rows, seq}};
+    return {t.data() + (first_row_ + mb * rows) * seq, Shape{rows, seq}};
   }
 
   static std::int64_t count_targets(Tensor<const std::int32_t> targets) {
@@ -263,13 +302,16 @@ class Trainer {
   }
 
   backend_type* backend_;
+  CommunicatorRef group_;
   M model_;
   O optimizer_;
   S schedule_;
+  St strategy_;
   std::function<double(std::int64_t)> lr_;
   TrainerOptions options_;
   Engine engine_;
   std::int64_t step_ = 0;
+  std::int64_t first_row_ = 0;  // this rank's first row of the global batch
 
   MicroBatchShape shape_{0, 0};
   std::int64_t slots_ = 0;

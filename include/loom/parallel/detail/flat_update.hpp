@@ -1,0 +1,46 @@
+#pragma once
+//! \file apply_optimizer: runs an optimizer over a contiguous range of the flat buffers, cut at
+//! parameter boundaries (each parameter has its own weight decay). The range may be the whole
+//! layout (SingleRank, DataParallel) or one rank's shard of it (ZeRO).
+
+#include <algorithm>
+#include <cstdint>
+
+#include "loom/core/parameters.hpp"
+#include "loom/core/tensor.hpp"
+#include "loom/optim/concepts.hpp"
+
+namespace loom::detail {
+
+//! The elements [begin, end) of the flat layout, and where they live on this rank: element
+//! `begin + i` is `params[i]`, `grads[i]`, and `state[k * state_stride + i]` for slot k.
+template <class T>
+struct FlatRange {
+  std::int64_t begin = 0, end = 0;
+  T* params = nullptr;
+  const T* grads = nullptr;
+  T* state = nullptr;
+  std::int64_t state_stride = 0;
+};
+
+//! Applies `optimizer` at learning rate `lr` for step `step` to every parameter element of
+//! `range` (elements past the layout's total, padding, are left alone).
+template <class O, class B, class T>
+void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layout,
+                     const FlatRange<T>& range, double lr, std::int64_t step) {
+  for (const auto& e : layout.entries()) {
+    const std::int64_t first = std::max(range.begin, e.offset);
+    const std::int64_t last = std::min(range.end, e.offset + e.numel());
+    if (first >= last) continue;
+    const std::int64_t local = first - range.begin, n = last - first;
+    OptimizerSegment<T> s;
+    s.params = {range.params + local, Shape{n}};
+    s.grads = {range.grads + local, Shape{n}};
+    for (int k = 0; k < O::state_slots; ++k)
+      s.state[k] = {range.state + k * range.state_stride + local, Shape{n}};
+    s.weight_decay = e.spec.weight_decay;
+    optimizer.update(backend, s, lr, step);
+  }
+}
+
+}  // namespace loom::detail
