@@ -5,6 +5,7 @@
 //   gpt2_train --init gpt2_124M.bin --data tokens.bin --save tuned.bin --metrics run.jsonl
 //   gpt2_train --demo --dp 4                            # DDP over 4 thread ranks, one process
 //   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
+//   gpt2_train --demo --dp 2 --zero 3                   # ZeRO-3 (FSDP FULL_SHARD) over 2 ranks
 //
 // One idea: a Trainer composed of a Model, an Optimizer, a Schedule and a Strategy runs a step on
 // a global batch; every rank passes the same global batch and trains on its slice; everything
@@ -18,6 +19,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <type_traits>
 #include <span>
 #include <string>
 #include <thread>
@@ -59,6 +61,8 @@ struct Options {
   double peak_tflops = 0;
   std::int64_t log_every = 1;
   int dp = 1;
+  int zero = 0;
+  int prefetch = 1;
   std::string comm = "threads";
   std::size_t bucket_mib = 25;
   bool no_overlap = false;
@@ -124,6 +128,25 @@ void print_memory_per_rank(Group& group, const loom::MemoryTracker& m) {
   }
 }
 
+//! The ZeRO formula for this rank's parameters + gradients + optimizer state (fp32, so 4 bytes
+//! each and 4 per optimizer slot), beside what it holds; padding and the working set apart.
+template <class Strategy>
+void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots) {
+  using loom::MemoryCategory;
+  const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
+  const double state = 4.0 * slots;
+  const int stage = std::is_same_v<Strategy, loom::Zero<1>> ? 1 : std::is_same_v<Strategy, loom::Zero<2>> ? 2 : 3;
+  const double formula = stage == 1 ? 8 * psi + state * psi / n
+                       : stage == 2 ? 4 * psi + (4 + state) * psi / n
+                                    : (8 + state) * psi / n;
+  const double held = static_cast<double>(m.current(MemoryCategory::parameters) + m.current(MemoryCategory::gradients) +
+                                          m.current(MemoryCategory::optimizer_state));
+  std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots), "
+              "held %.2f MiB, of which padding %.2f MiB (%lld elements); working set (communication, peak) %.2f MiB\n",
+              stage, formula / (1 << 20), psi, plan.ranks(), slots, held / (1 << 20), (held - formula) / (1 << 20),
+              static_cast<long long>(plan.padding()), loom::MemoryTracker::mib(m.peak(MemoryCategory::communication)));
+}
+
 template <class Strategy, class Opt, class Group>
 int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int threads) {
   using namespace loom;
@@ -148,8 +171,12 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
   Trainer<gpt2::Model<cpu, float>, Opt, GradientAccumulation, Strategy> trainer(
       backend, group, gpt2::Model<cpu, float>(config), optimizer, schedule,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy);
-  if (!o.init.empty())
-    io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), trainer.mutable_parameters());
+  if (!o.init.empty()) {
+    // Every rank reads the file and keeps its part (the whole model, or its ZeRO shard).
+    std::vector<float> weights(static_cast<std::size_t>(trainer.model().layout().total()));
+    io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), weights.data());
+    trainer.load_parameters(weights);
+  }
 
   if (lead) {
   std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
@@ -195,6 +222,8 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
     }
     if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
     if (s == 0 && group.size() > 1) print_memory_per_rank(group, mem);
+    if constexpr (requires { trainer.engine().plan(); })
+      if (s == 0 && lead) print_zero_memory(trainer.engine().plan(), mem, strategy, Opt::state_slots);
     if (metrics.is_open()) {
       nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
                           {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
@@ -207,8 +236,11 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
   }
   if (lead)
     std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
+  if (!o.save.empty()) {
+    const std::vector<float> weights = trainer.gather_parameters();  // collective under ZeRO-3
+    if (lead) io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), weights.data());
+  }
   if (lead && !o.save.empty()) {
-    io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), trainer.parameters());
     std::printf("saved %s\n", o.save.c_str());
   }
   return 0;
@@ -218,9 +250,17 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
 template <class Group>
 int train_on(const Options& o, Group& group, int threads) {
   const auto with_strategy = [&](auto optimizer) {
-    if (group.size() == 1) return train(o, optimizer, group, loom::SingleRank{}, threads);
-    return train(o, optimizer, group,
-                 loom::DataParallel{.bucket_bytes = o.bucket_mib << 20, .overlap = !o.no_overlap}, threads);
+    const std::size_t bucket_bytes = o.bucket_mib << 20;
+    switch (o.zero) {
+      case 1: return train(o, optimizer, group, loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
+      case 2: return train(o, optimizer, group, loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
+      case 3:
+        return train(o, optimizer, group,
+                     loom::Zero<3>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap, .prefetch = o.prefetch}, threads);
+      default:
+        if (group.size() == 1) return train(o, optimizer, group, loom::SingleRank{}, threads);
+        return train(o, optimizer, group, loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
+    }
   };
   if (o.optimizer == "sgd") return with_strategy(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
   return with_strategy(loom::AdamW({.weight_decay = o.weight_decay}));
@@ -308,7 +348,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::IsMember({"threads", "mpi"}));
   app.add_option("--bucket-mib", o.bucket_mib, "DDP gradient bucket size in MiB")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_flag("--no-overlap", o.no_overlap, "DDP: reduce all buckets after backward instead of during it");
+  app.add_flag("--no-overlap", o.no_overlap, "DDP/ZeRO: reduce all buckets after backward instead of during it");
+  app.add_option("--zero", o.zero,
+                 "ZeRO stage over the data-parallel ranks: 1 (optimizer state sharded), 2 (+ gradients), "
+                 "3 (+ parameters, gathered per layer); 0 = DDP")
+      ->capture_default_str()->check(CLI::Range(0, 3));
+  app.add_option("--prefetch", o.prefetch, "ZeRO-3: layers whose parameters are gathered ahead")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
 
   // --demo sets defaults first; explicit options on the command line win.
   for (int i = 1; i < argc; ++i)

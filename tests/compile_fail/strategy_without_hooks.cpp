@@ -8,9 +8,12 @@ struct BrokenStrategy {
   struct Engine {
 #ifndef LOOM_COMPILE_FAIL
     Engine(const BrokenStrategy&, loom::EngineContext<B>) {}
-    const T* params() const { return nullptr; }
-    T* grads() { return nullptr; }
-    T* mutable_params() { return nullptr; }
+    loom::ParameterView<const T> forward_params(int) { return {}; }
+    void after_forward(int) {}
+    loom::ParameterView<const T> backward_params(int) { return {}; }
+    loom::ParameterView<T> backward_grads(int) { return {}; }
+    void copy_parameters_to(T*) {}
+    void load_parameters(const T*) {}
     void begin_step() {}
     void on_backward(int, bool) {}
     void finish_gradients() {}

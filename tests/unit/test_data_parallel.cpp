@@ -12,6 +12,7 @@
 #include "loom/comm/threads.hpp"
 #include "loom/loom.hpp"
 #include "support/gradcheck.hpp"
+#include "support/parity.hpp"
 #include "support/training.hpp"
 
 using namespace loom;
@@ -19,73 +20,18 @@ using namespace loom::test;
 
 namespace {
 
-constexpr int steps = 5;
 constexpr std::int64_t global_batch = 12, seq = 16;
-
-struct Run {
-  std::vector<double> losses, grad_norms;
-  std::vector<float> weights;
-};
-
 using Gpt = gpt2::Model<cpu, float>;
 
-template <class St>
-Run train_steps(auto& trainer) {
-  Run run;
-  const gpt2::Config c = small_test_config();
-  for (int s = 0; s < steps; ++s) {
-    const StepMetrics m = trainer.step(make_batch(s, global_batch, seq, c.vocab_size));
-    run.losses.push_back(m.loss);
-    run.grad_norms.push_back(m.grad_norm);
-  }
-  run.weights.assign(trainer.parameters(), trainer.parameters() + trainer.model().layout().total());
-  return run;
-}
-
-WarmupCosineLr lr_schedule() {
-  return {.lr = 1e-2, .warmup = 2, .total_steps = steps, .min_lr_factor = 0.1};
-}
-
-Run single_rank(std::int64_t micro_batch, double clip) {
-  cpu be(1);
-  Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config()), AdamW({.weight_decay = 0.1}),
-                                lr_schedule(), {.micro_batch_size = micro_batch, .clip_grad_norm = clip, .seed = 5});
-  return train_steps<SingleRank>(trainer);
-}
-
-//! Trains on `ranks` thread ranks; returns rank 0's run and checks every rank ended identical.
-Run data_parallel(int ranks, std::int64_t micro_batch, double clip, DataParallel ddp = {}) {
-  std::vector<Run> runs(static_cast<std::size_t>(ranks));
-  threads::run(ranks, [&](threads::Communicator& comm) {
-    cpu be(1);
-    Trainer<Gpt, AdamW, GradientAccumulation, DataParallel> trainer(
-        be, comm, Gpt(small_test_config()), AdamW({.weight_decay = 0.1}), lr_schedule(),
-        {.micro_batch_size = micro_batch, .clip_grad_norm = clip, .seed = 5}, ddp);
-    runs[static_cast<std::size_t>(comm.rank())] = train_steps<DataParallel>(trainer);
-  });
-  for (int r = 1; r < ranks; ++r) {
-    CAPTURE(r);
-    CHECK(runs[r].losses == runs[0].losses);
-    CHECK(runs[r].weights == runs[0].weights);  // replicas stay bit-identical
-  }
-  return runs[0];
-}
-
-void check_parity(const Run& run, const Run& reference) {
-  for (int s = 0; s < steps; ++s) {
-    CAPTURE(s);
-    CHECK(std::abs(run.losses[s] - reference.losses[s]) <= 1e-5 * std::abs(reference.losses[s]));
-    CHECK(std::abs(run.grad_norms[s] - reference.grad_norms[s]) <= 1e-5 * reference.grad_norms[s]);
-  }
-  CHECK(relative_difference(run.weights.data(), reference.weights.data(),
-                            static_cast<std::int64_t>(run.weights.size())) <= 1e-5);
+ParityRun data_parallel(int ranks, std::int64_t micro_batch, double clip, DataParallel ddp = {}) {
+  return thread_ranks_run(ranks, global_batch, seq, micro_batch, clip, ddp);
 }
 
 }  // namespace
 
 TEST_CASE("DDP with 1..4 thread ranks trains the same model as one rank") {
   for (double clip : {0.0, 0.05}) {
-    const Run reference = single_rank(global_batch, clip);
+    const ParityRun reference = single_rank_run(global_batch, seq, clip);
     for (int ranks = 1; ranks <= 4; ++ranks) {
       // One micro-batch per rank, and gradient accumulation over several.
       for (std::int64_t micro_batch : {global_batch / ranks, std::int64_t{1}}) {
@@ -99,7 +45,7 @@ TEST_CASE("DDP with 1..4 thread ranks trains the same model as one rank") {
 }
 
 TEST_CASE("DDP results do not depend on bucket size or overlap") {
-  const Run reference = single_rank(global_batch, 0.0);
+  const ParityRun reference = single_rank_run(global_batch, seq, 0.0);
   for (std::size_t bucket_bytes : {std::size_t{1}, std::size_t{4096}, std::size_t{25} << 20}) {
     for (bool overlap : {true, false}) {
       CAPTURE(bucket_bytes);

@@ -1,6 +1,7 @@
 #pragma once
 //! \file Named parameter specs and their layout in one flat buffer (DESIGN.md invariants 1, 4).
 
+#include <algorithm>
 #include <cstdint>
 #include <ostream>
 #include <span>
@@ -109,6 +110,21 @@ class ParameterLayout {
   template <class T>
   Tensor<T> view(T* flat, const Entry& e) const {
     return {flat + e.offset, e.spec.shape};
+  }
+
+  //! Fills `out` with the initial values of layout elements [begin, end) (invariant 1: any rank
+  //! computes any slice, e.g. its ZeRO-3 shard, without the rest).
+  template <class T>
+  void initialize(T* out, std::int64_t begin, std::int64_t end, std::uint64_t seed) const {
+    for (const Entry& e : entries_) {
+      const std::int64_t first = std::max(begin, e.offset), last = std::min(end, e.offset + e.numel());
+      if (first >= last) continue;
+      T* p = out + (first - begin);
+      const std::int64_t from = first - e.offset, n = last - first;
+#pragma omp parallel for schedule(static) if (n > (1 << 14))
+      for (std::int64_t i = 0; i < n; ++i)
+        p[i] = static_cast<T>(initial_value(seed, e.spec.name, e.spec.shape, e.spec.init, from + i));
+    }
   }
 
   //! Fills `flat` with every parameter's initial values (invariant 1).

@@ -4,6 +4,9 @@
 #include <concepts>
 #include <cstdint>
 
+#include <vector>
+
+#include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -40,19 +43,23 @@ struct BackwardArgs {
   T loss_scale = T(1);          //!< d total loss / d per-token loss (1 / tokens of the global batch)
 };
 
-//! A Model is an ordered list of layers over named parameters in one flat buffer, each layer
+//! A Model is an ordered list of layers over named parameters in one flat layout, each layer
 //! with an explicit forward and backward (no tape) and a cost estimate for pipeline balancing.
-//! Opt in with `using loom_model = void;`.
+//! A layer reaches its parameters and gradients through ParameterViews (by flat offset), and
+//! says which layout ranges it reads (`layer_parameters`), so that a strategy may hold them
+//! anywhere (gathered per layer under ZeRO-3). Opt in with `using loom_model = void;`.
 template <class M>
 concept Model =
     requires { typename M::loom_model; typename M::backend_type; typename M::scalar_type; } &&
     requires(const M& m, typename M::backend_type& be, int layer, MicroBatchShape shape,
-             const typename M::scalar_type* params, typename M::scalar_type* grads,
+             ParameterView<const typename M::scalar_type> params,
+             ParameterView<typename M::scalar_type> grads,
              const ForwardArgs<typename M::scalar_type>& fwd,
              const BackwardArgs<typename M::scalar_type>& bwd) {
       { m.layout() } -> std::same_as<const ParameterLayout&>;
       { m.num_layers() } -> std::convertible_to<int>;
       { m.layer_cost(layer) } -> std::convertible_to<double>;
+      { m.layer_parameters(layer) } -> std::same_as<std::vector<ElementRange>>;
       { m.hidden_elements(shape) } -> std::convertible_to<std::int64_t>;
       { m.activation_elements(layer, shape) } -> std::convertible_to<std::int64_t>;
       { m.workspace_elements(layer, shape) } -> std::convertible_to<std::int64_t>;

@@ -4,8 +4,10 @@
 
 #include <concepts>
 #include <cstdint>
+#include <vector>
 
 #include "loom/comm/ref.hpp"
+#include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 
 namespace loom {
@@ -19,6 +21,9 @@ struct EngineContext {
   const ParameterLayout& layout;
   int state_slots = 0;
   std::uint64_t seed = 0;
+  //! Per layer, the layout ranges it reads (Model::layer_parameters), for strategies that
+  //! gather parameters per layer.
+  const std::vector<std::vector<ElementRange>>& layer_parameters;
 };
 
 //! A Strategy is a type (`SingleRank`, `DataParallel`, later `Zero<N>`) whose value carries its
@@ -30,12 +35,17 @@ template <class S>
 concept Strategy = requires { typename S::loom_strategy; } && std::copyable<S>;
 
 //! The hooks a strategy's engine offers the Trainer, in the order of a step:
-//! begin_step → (forward/backward per micro-batch, on_backward after each layer) →
+//! begin_step → (forward_params / after_forward around each layer's forward; backward_params /
+//! backward_grads before and on_backward after each layer's backward) →
 //! finish_gradients → grad_sum_of_squares / global_sum → update.
+//! The views a layer's forward and backward get come from the engine, which may gather them
+//! first (ZeRO-3) and free them after (after_forward, on_backward).
 template <class E, class T>
-concept StrategyEngine = requires(E& e, const E& ce, int layer, bool last, double x) {
-  { ce.params() } -> std::same_as<const T*>;   // base of the layout, for layer forward/backward
-  { e.grads() } -> std::same_as<T*>;           // base of the layout, gradients accumulate here
+concept StrategyEngine = requires(E& e, int layer, bool last, double x) {
+  { e.forward_params(layer) } -> std::same_as<ParameterView<const T>>;
+  e.after_forward(layer);
+  { e.backward_params(layer) } -> std::same_as<ParameterView<const T>>;
+  { e.backward_grads(layer) } -> std::same_as<ParameterView<T>>;
   e.begin_step();
   e.on_backward(layer, last);
   e.finish_gradients();

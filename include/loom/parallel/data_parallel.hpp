@@ -88,25 +88,20 @@ struct DataParallel {
   }
 
   template <Backend B, class T>
-  class Engine {
+  class Engine : public detail::ReplicatedEngine<B, T> {
    public:
     Engine(const DataParallel& settings, EngineContext<B> context)
-        : backend_(&context.backend),
+        : detail::ReplicatedEngine<B, T>(context),
           group_(context.data_parallel),
-          layout_(&context.layout),
           overlap_(settings.overlap),
-          state_(context.backend, context.layout, context.state_slots, context.seed),
           buckets_(gradient_buckets(context.layout, sizeof(T), settings.bucket_bytes)),
           in_flight_(buckets_.size()) {}
 
-    const T* params() const noexcept { return state_.params.data(); }
-    T* grads() noexcept { return state_.grads.data(); }
-    T* mutable_params() noexcept { return state_.params.data(); }
     //! The buckets, in the order their all-reduces start.
     const std::vector<GradientBucket>& buckets() const noexcept { return buckets_; }
 
     void begin_step() {
-      state_.grads.zero();
+      detail::ReplicatedEngine<B, T>::begin_step();
       next_bucket_ = 0;
     }
 
@@ -131,29 +126,16 @@ struct DataParallel {
       group_.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
       return local;
     }
-    //! The summed gradient is the same on every rank, so the local sum counts each element once.
-    double grad_sum_of_squares() const {
-      return sum_of_squares<T>(*backend_, Tensor<const T>(state_.grads.view()));
-    }
-
-    template <Optimizer O>
-    void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
-      state_.update(*backend_, *layout_, optimizer, lr, step, grad_scale);
-    }
 
    private:
     void start(std::size_t b) {
       const GradientBucket& bucket = buckets_[b];
-      std::span<T> range(state_.grads.data() + bucket.begin,
-                         static_cast<std::size_t>(bucket.end - bucket.begin));
+      std::span<T> range(this->grads() + bucket.begin, static_cast<std::size_t>(bucket.end - bucket.begin));
       in_flight_[b] = group_.all_reduce_async(range, ReduceOp::sum);
     }
 
-    B* backend_;
     CommunicatorRef group_;
-    const ParameterLayout* layout_;
     bool overlap_;
-    detail::ReplicatedState<B, T> state_;
     std::vector<GradientBucket> buckets_;
     std::vector<Request> in_flight_;
     std::size_t next_bucket_ = 0;

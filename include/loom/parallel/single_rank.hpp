@@ -10,6 +10,7 @@
 #include "loom/backend/concepts.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
+#include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/optim/concepts.hpp"
 #include "loom/parallel/concepts.hpp"
@@ -18,36 +19,65 @@
 namespace loom {
 
 namespace detail {
-//! The full flat parameter, gradient and optimizer-state buffers of a layout on one rank
-//! (DESIGN.md invariant 4), parameters initialised from the seed (invariant 1). SingleRank and
-//! DataParallel hold this; ZeRO holds shards instead.
+//! What SingleRank and DataParallel share: the full flat parameter, gradient and
+//! optimizer-state buffers of the layout on this rank (DESIGN.md invariant 4), parameters
+//! initialised from the seed (invariant 1), every layer seeing the whole buffers.
 template <class B, class T>
-struct ReplicatedState {
-  ReplicatedState(B& backend, const ParameterLayout& layout, int state_slots, std::uint64_t seed)
-      : params(backend, layout.total(), MemoryCategory::parameters),
-        grads(backend, layout.total(), MemoryCategory::gradients),
-        state(backend, layout.total() * state_slots, MemoryCategory::optimizer_state) {
+class ReplicatedEngine {
+ public:
+  ReplicatedEngine(EngineContext<B> context)
+      : backend_(&context.backend),
+        layout_(&context.layout),
+        params_(context.backend, context.layout.total(), MemoryCategory::parameters),
+        grads_(context.backend, context.layout.total(), MemoryCategory::gradients),
+        state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state) {
     // Initial values are computed on the host, then moved to the backend's memory.
-    std::vector<T> host(static_cast<std::size_t>(layout.total()));
-    layout.initialize(host.data(), seed);
-    backend.copy_from_host(params.data(), host.data(), params.bytes());
-    grads.zero();
-    state.zero();
+    std::vector<T> host(static_cast<std::size_t>(context.layout.total()));
+    context.layout.initialize(host.data(), context.seed);
+    context.backend.copy_from_host(params_.data(), host.data(), params_.bytes());
+    grads_.zero();
+    state_.zero();
   }
 
-  //! Scales the gradients by `grad_scale` (clipping) and applies `optimizer` to every parameter.
+  //! The full parameters and gradients, in layout order.
+  const T* params() const noexcept { return params_.data(); }
+  T* mutable_params() noexcept { return params_.data(); }
+  T* grads() noexcept { return grads_.data(); }
+
+  ParameterView<const T> forward_params(int /*layer*/) const noexcept { return ParameterView<const T>(params_.data()); }
+  void after_forward(int /*layer*/) noexcept {}
+  ParameterView<const T> backward_params(int /*layer*/) const noexcept { return ParameterView<const T>(params_.data()); }
+  ParameterView<T> backward_grads(int /*layer*/) noexcept { return ParameterView<T>(grads_.data()); }
+
+  void begin_step() { grads_.zero(); }
+  //! Every rank holds the whole (reduced) gradient, so the local sum counts each element once.
+  double grad_sum_of_squares() const { return sum_of_squares<T>(*backend_, Tensor<const T>(grads_.view())); }
+
+  //! Scales the gradients by `grad_scale` (clipping) and applies `optimizer` to every
+  //! parameter at learning rate `lr` for step `step` (from 1).
   template <Optimizer O>
-  void update(B& backend, const ParameterLayout& layout, const O& optimizer, double lr,
-              std::int64_t step, double grad_scale) {
-    if (grad_scale != 1.0) scale<T>(backend, grads.view(), grad_scale);
-    apply_optimizer(optimizer, backend, layout,
-                    FlatRange<T>{.begin = 0, .end = layout.total(), .params = params.data(),
-                                 .grads = grads.data(), .state = state.data(),
-                                 .state_stride = layout.total()},
+  void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
+    if (grad_scale != 1.0) scale<T>(*backend_, grads_.view(), grad_scale);
+    const std::int64_t total = layout_->total();
+    apply_optimizer(optimizer, *backend_, *layout_,
+                    FlatRange<T>{.begin = 0, .end = total, .params = params_.data(),
+                                 .grads = grads_.data(), .state = state_.data(), .state_stride = total},
                     lr, step);
   }
 
-  Buffer<T, B> params, grads, state;
+  //! Copies the parameters, in layout order, to host memory `out` (layout().total() elements).
+  void copy_parameters_to(T* out) const { backend_->copy_to_host(out, params_.data(), params_.bytes()); }
+  //! Replaces the parameters with `in` (host memory, layout order), e.g. from a checkpoint.
+  void load_parameters(const T* in) { backend_->copy_from_host(params_.data(), in, params_.bytes()); }
+
+ protected:
+  B& backend() const noexcept { return *backend_; }
+  Buffer<T, B>& gradient_buffer() noexcept { return grads_; }
+
+ private:
+  B* backend_;
+  const ParameterLayout* layout_;
+  Buffer<T, B> params_, grads_, state_;
 };
 }  // namespace detail
 
@@ -60,33 +90,14 @@ struct SingleRank {
 
   //! Owns the rank's flat buffers and applies the optimizer to them.
   template <Backend B, class T>
-  class Engine {
+  class Engine : public detail::ReplicatedEngine<B, T> {
    public:
     Engine(const SingleRank&, EngineContext<B> context)
-        : backend_(&context.backend),
-          layout_(&context.layout),
-          state_((check_group(context.data_parallel), context.backend), context.layout,
-                 context.state_slots, context.seed) {}
+        : detail::ReplicatedEngine<B, T>((check_group(context.data_parallel), context)) {}
 
-    const T* params() const noexcept { return state_.params.data(); }
-    T* grads() noexcept { return state_.grads.data(); }
-    //! The full parameters, writable (to load a checkpoint).
-    T* mutable_params() noexcept { return state_.params.data(); }
-
-    void begin_step() { state_.grads.zero(); }
-    void on_backward(int /*layer*/, bool /*last_micro_batch*/) {}
-    void finish_gradients() {}
+    void on_backward(int /*layer*/, bool /*last_micro_batch*/) noexcept {}
+    void finish_gradients() noexcept {}
     double global_sum(double local) const noexcept { return local; }
-    double grad_sum_of_squares() const {
-      return sum_of_squares<T>(*backend_, Tensor<const T>(state_.grads.view()));
-    }
-
-    //! Scales the gradients by `grad_scale` (clipping) and applies `optimizer` to every
-    //! parameter at learning rate `lr` for step `step` (from 1).
-    template <Optimizer O>
-    void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
-      state_.update(*backend_, *layout_, optimizer, lr, step, grad_scale);
-    }
 
    private:
     static void check_group(CommunicatorRef group) {
@@ -94,9 +105,6 @@ struct SingleRank {
                  "SingleRank trains on one rank; use DataParallel (or Zero<N>) for " +
                      std::to_string(group.size()) + " ranks");
     }
-    B* backend_;
-    const ParameterLayout* layout_;
-    detail::ReplicatedState<B, T> state_;
   };
 };
 

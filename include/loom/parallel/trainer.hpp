@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <ostream>
 #include <utility>
 #include <vector>
@@ -141,12 +142,39 @@ class Trainer {
   const M& model() const noexcept { return model_; }
   //! Steps done.
   std::int64_t steps() const noexcept { return step_; }
-  //! The flat parameters (layout: model().layout()).
-  const scalar_type* parameters() const noexcept { return engine_.params(); }
-  //! Writable parameters, e.g. to load a checkpoint before the first step.
-  scalar_type* mutable_parameters() noexcept { return engine_.mutable_params(); }
-  //! The flat gradients of the last step (after clipping).
-  const scalar_type* gradients() noexcept { return engine_.grads(); }
+  //! Every parameter, in layout order (model().layout()), copied to host memory. Collective
+  //! over the data-parallel group when the strategy shards parameters (ZeRO-3).
+  std::vector<scalar_type> gather_parameters() {
+    std::vector<scalar_type> out(static_cast<std::size_t>(model_.layout().total()));
+    engine_.copy_parameters_to(out.data());
+    return out;
+  }
+  //! Replaces every parameter with `values` (layout order, host memory), e.g. from a checkpoint;
+  //! every rank passes the same values.
+  void load_parameters(std::span<const scalar_type> values) {
+    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == model_.layout().total(), "load_parameters: elements",
+               values.size(), "must equal the layout's " + detail::to_text(model_.layout().total()));
+    engine_.load_parameters(values.data());
+  }
+  //! The flat parameters in place (layout order), for strategies that hold them whole on every
+  //! rank (SingleRank, DataParallel).
+  const scalar_type* parameters() const noexcept
+    requires requires(const Engine& e) { e.params(); }
+  {
+    return engine_.params();
+  }
+  //! Writable parameters in place, e.g. to load a checkpoint before the first step.
+  scalar_type* mutable_parameters() noexcept
+    requires requires(Engine& e) { e.mutable_params(); }
+  {
+    return engine_.mutable_params();
+  }
+  //! The flat gradients of the last step (after clipping), where the strategy holds them whole.
+  const scalar_type* gradients() noexcept
+    requires requires(Engine& e) { e.grads(); }
+  {
+    return engine_.grads();
+  }
   const MemoryTracker& memory() const noexcept { return backend_->memory(); }
   const TrainerOptions& options() const noexcept { return options_; }
   //! The strategy's settings.
@@ -171,11 +199,19 @@ class Trainer {
         strategy_(std::move(strategy)),
         lr_([lr = std::move(lr)](std::int64_t step) { return static_cast<double>(lr.at(step)); }),
         options_(options),
+        layer_parameters_(layer_parameters_of(model_)),
         engine_(strategy_, EngineContext<backend_type>{.backend = (validate(options), backend),
                                                        .data_parallel = group,
                                                        .layout = model_.layout(),
                                                        .state_slots = O::state_slots,
-                                                       .seed = options.seed}) {}
+                                                       .seed = options.seed,
+                                                       .layer_parameters = layer_parameters_}) {}
+
+  static std::vector<std::vector<ElementRange>> layer_parameters_of(const M& model) {
+    std::vector<std::vector<ElementRange>> out;
+    for (int l = 0; l < model.num_layers(); ++l) out.push_back(model.layer_parameters(l));
+    return out;
+  }
 
   static void validate(const TrainerOptions& o) {
     LOOM_CHECK(o.micro_batch_size >= 1, "trainer options: micro_batch_size", o.micro_batch_size,
@@ -268,7 +304,8 @@ class Trainer {
                        .input = l > 0 ? Tensor<const T>(hidden(slot, l - 1)) : Tensor<const T>{},
                        .output = l + 1 < layers ? hidden(slot, l) : Tensor<T>{},
                        .saved = saved(slot, l)};
-      loss_sum += model_.forward(*backend_, l, engine_.params(), a);
+      loss_sum += model_.forward(*backend_, l, engine_.forward_params(l), a);
+      engine_.after_forward(l);
     }
     return loss_sum;
   }
@@ -295,7 +332,7 @@ class Trainer {
           .saved = saved(slot, l),
           .workspace = Tensor<T>(workspace_.data(), Shape{model_.workspace_elements(l, shape_)}),
           .loss_scale = loss_scale};
-      model_.backward(*backend_, l, engine_.params(), engine_.grads(), a);
+      model_.backward(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a);
       engine_.on_backward(l, last_micro_batch);
       current = 1 - current;
     }
@@ -309,6 +346,7 @@ class Trainer {
   St strategy_;
   std::function<double(std::int64_t)> lr_;
   TrainerOptions options_;
+  std::vector<std::vector<ElementRange>> layer_parameters_;
   Engine engine_;
   std::int64_t step_ = 0;
   std::int64_t first_row_ = 0;  // this rank's first row of the global batch

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "loom/backend/concepts.hpp"
+#include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/models/concepts.hpp"
 #include "loom/models/gpt2/config.hpp"
@@ -51,6 +52,24 @@ class Model {
     return 24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C;
   }
 
+  //! The layout ranges `layer` reads: its own parameters, and for the head also the tied `wte`
+  //! (owned by the embedding, layer 0).
+  std::vector<ElementRange> layer_parameters(int layer) const {
+    std::vector<ElementRange> ranges;
+    std::int64_t begin = -1, end = -1;
+    for (const auto& e : layout_.entries())
+      if (e.spec.layer == layer) {
+        if (begin < 0) begin = e.offset;
+        end = e.offset + e.numel();
+      }
+    if (begin >= 0) ranges.push_back({begin, end});
+    if (layer == head_layer(config_)) {
+      const auto& wte = layout_.find("wte");
+      ranges.push_back({wte.offset, wte.offset + wte.numel()});
+    }
+    return ranges;
+  }
+
   //! Training FLOPs per token, 6·N + 12·l·h·s (DESIGN.md; N the published parameter count).
   double flops_per_token(std::int64_t seq) const noexcept {
     return 6.0 * static_cast<double>(config_.parameter_count()) +
@@ -80,7 +99,7 @@ class Model {
   }
 
   //! Runs `layer` forward; returns the sum of per-token losses for the head, 0 otherwise.
-  double forward(B& be, int layer, const T* params, const ForwardArgs<T>& a) const {
+  double forward(B& be, int layer, ParameterView<const T> params, const ForwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) {
       check_tokens(a.tokens);
@@ -94,7 +113,8 @@ class Model {
   }
 
   //! Runs `layer` backward: parameter gradients into `grads` (+=), input gradient (+=).
-  void backward(B& be, int layer, const T* params, T* grads, const BackwardArgs<T>& a) const {
+  void backward(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
+                const BackwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) {
       embedding_backward<T>(be, grad(grads, wte_, {config_.padded_vocab_size, C()}),
@@ -141,11 +161,11 @@ class Model {
                     "tokens must be in [0, vocab_size = " + detail::to_text(config_.vocab_size) + ")");
   }
 
-  static Tensor<const T> param(const T* params, std::int64_t offset, Shape shape) {
-    return {params + offset, shape};
+  static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
+    return {params.at(offset, shape.numel()), shape};
   }
-  static Tensor<T> grad(T* grads, std::int64_t offset, Shape shape) {
-    return {grads + offset, shape};
+  static Tensor<T> grad(ParameterView<T> grads, std::int64_t offset, Shape shape) {
+    return {grads.at(offset, shape.numel()), shape};
   }
 
   //! The activations a block keeps, carved from its `saved` range.
@@ -172,7 +192,7 @@ class Model {
     return b;
   }
 
-  void block_forward(B& be, const BlockOffsets& o, const T* p, const ForwardArgs<T>& a,
+  void block_forward(B& be, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
                      MicroBatchShape s) const {
     const std::int64_t C = config_.channels;
     BlockSaved b = carve_block(a.saved, s);
@@ -191,7 +211,8 @@ class Model {
     add_to<T>(be, a.output, b.res2);
   }
 
-  void block_backward(B& be, const BlockOffsets& o, const T* p, T* g, const BackwardArgs<T>& a,
+  void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                      const BackwardArgs<T>& a,
                       MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels;
     BlockSaved b = carve_block(a.saved, s);
@@ -238,7 +259,7 @@ class Model {
     return h;
   }
 
-  double head_forward(B& be, const T* p, const ForwardArgs<T>& a, MicroBatchShape s) const {
+  double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     HeadSaved h = carve_head(a.saved, s);
     layernorm_forward<T>(be, h.lnf, h.mean, h.rstd, a.input.reshape({N, C}),
@@ -253,7 +274,8 @@ class Model {
     return sum;
   }
 
-  void head_backward(B& be, const T* p, T* g, const BackwardArgs<T>& a, MicroBatchShape s) const {
+  void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
+                     MicroBatchShape s) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     HeadSaved h = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");

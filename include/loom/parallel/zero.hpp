@@ -1,0 +1,499 @@
+#pragma once
+//! \file Zero<1>, Zero<2>, Zero<3>: sharded data parallelism (ZeRO; FSDP's SHARD_GRAD_OP and
+//! FULL_SHARD). The flat buffers are split over the data-parallel ranks by a ShardPlan:
+//!
+//!   stage  parameters                          gradients                        optimizer state
+//!   1      full on every rank                  full; reduce-scattered at the end  own shard
+//!   2      full on every rank                  own shard (per-unit buffers while  own shard
+//!                                              backward fills them)
+//!   3      own shard; gathered per layer just  own shard (as stage 2)             own shard
+//!          in time (with prefetch), freed after
+//!
+//! A stage is a pair of holding policies (FullParameters or ShardedParameters, FullGradients or
+//! ShardedGradients) under one engine: the stage number picks the pair in one place.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "loom/backend/concepts.hpp"
+#include "loom/comm/ref.hpp"
+#include "loom/comm/request.hpp"
+#include "loom/core/buffer.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/parameter_view.hpp"
+#include "loom/core/parameters.hpp"
+#include "loom/optim/concepts.hpp"
+#include "loom/parallel/concepts.hpp"
+#include "loom/parallel/data_parallel.hpp"
+#include "loom/parallel/detail/buffer_pool.hpp"
+#include "loom/parallel/detail/flat_update.hpp"
+#include "loom/parallel/shard_plan.hpp"
+
+namespace loom {
+
+namespace detail {
+
+//! What the holding policies share: the plan, the group, the backend, which units each layer
+//! reads, and the layer count.
+template <class B>
+struct ShardContext {
+  B* backend;
+  CommunicatorRef group;
+  const ShardPlan* plan;
+  std::vector<std::vector<int>> layer_units;  //!< units each layer reads (ShardPlan::units_of)
+
+  int layers() const noexcept { return static_cast<int>(layer_units.size()); }
+  const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
+  //! A view of the units a layer reads, each stored from `storage(u)`.
+  template <class T, class Storage>
+  ParameterView<T> view(int layer, Storage&& storage) const {
+    ParameterView<T> v;
+    for (int u : layer_units[static_cast<std::size_t>(layer)]) v.add(unit(u).begin, unit(u).begin + unit(u).size, storage(u));
+    return v;
+  }
+};
+
+//! Stages 1 and 2: every rank holds all parameters, in a padded full buffer (unit u at
+//! padded_offset); after the update each rank's pieces are all-gathered in place.
+template <class B, class T>
+class FullParameters {
+ public:
+  FullParameters(ShardContext<B>& c, const ParameterLayout& layout, std::uint64_t seed)
+      : c_(&c), full_(*c.backend, c.plan->padded_total(), MemoryCategory::parameters) {
+    full_.zero();
+    std::vector<T> host(static_cast<std::size_t>(layout.total()));
+    layout.initialize(host.data(), seed);
+    load(host.data());
+  }
+  ParameterView<const T> forward(int layer) { return view(layer); }
+  void after_forward(int) {}
+  ParameterView<const T> backward(int layer) { return view(layer); }
+  void after_backward(int) {}
+  //! This rank's piece of unit `u` (what the optimizer updates).
+  T* owned(const ShardUnit& u) { return full_.data() + u.padded_offset + c_->plan->rank() * u.piece; }
+  //! Shares every rank's updated pieces.
+  void after_update() {
+    std::vector<Request>& pending = pending_;
+    pending.clear();
+    for (const ShardUnit& u : c_->plan->units())
+      pending.push_back(c_->group.all_gather_async(std::span<const T>(owned(u), static_cast<std::size_t>(u.piece)),
+                                                   std::span<T>(full_.data() + u.padded_offset,
+                                                                static_cast<std::size_t>(u.piece * c_->plan->ranks()))));
+    for (auto& r : pending) r.wait();
+  }
+  void invalidate() {}
+  void copy_to(T* out) const {
+    for (const ShardUnit& u : c_->plan->units())
+      c_->backend->copy_to_host(out + u.begin, full_.data() + u.padded_offset, sizeof(T) * static_cast<std::size_t>(u.size));
+  }
+  void load(const T* in) {
+    for (const ShardUnit& u : c_->plan->units())
+      c_->backend->copy_from_host(full_.data() + u.padded_offset, in + u.begin, sizeof(T) * static_cast<std::size_t>(u.size));
+  }
+
+ private:
+  ParameterView<const T> view(int layer) const {
+    return c_->template view<const T>(layer, [&](int u) { return full_.data() + c_->unit(u).padded_offset; });
+  }
+  ShardContext<B>* c_;
+  Buffer<T, B> full_;
+  std::vector<Request> pending_;
+};
+
+//! Stage 3: only this rank's pieces persist. A layer's units are all-gathered into pooled
+//! buffers before its forward and backward (the next `prefetch` layers' gathers start early)
+//! and given back after, unless a layer about to run needs them.
+template <class B, class T>
+class ShardedParameters {
+ public:
+  ShardedParameters(ShardContext<B>& c, const ParameterLayout& layout, std::uint64_t seed, int prefetch)
+      : c_(&c),
+        shard_(*c.backend, c.plan->shard_size(), MemoryCategory::parameters),
+        pool_(*c.backend, MemoryCategory::communication),
+        gathered_(c.plan->units().size()),
+        prefetch_(prefetch) {
+    // Each rank computes its own pieces only (DESIGN.md invariant 1).
+    std::vector<T> host(static_cast<std::size_t>(c.plan->shard_size()), T(0));
+    for (const ShardUnit& u : c.plan->units()) {
+      const std::int64_t begin = c.plan->owned_begin(u);
+      layout.initialize(host.data() + u.shard_offset, begin, begin + c.plan->owned_count(u), seed);
+    }
+    c.backend->copy_from_host(shard_.data(), host.data(), shard_.bytes());
+  }
+
+  ParameterView<const T> forward(int layer) {
+    gather(layer);
+    for (int k = 1; k <= prefetch_ && layer + k < c_->layers(); ++k) start_gather(layer + k);
+    return view(layer);
+  }
+  //! Keeps what the next forward layers need; the last layer's units stay for its backward.
+  void after_forward(int layer) {
+    if (layer + 1 == c_->layers()) return;
+    release_unless_needed(layer, layer + 1, std::min(c_->layers() - 1, layer + prefetch_));
+  }
+  ParameterView<const T> backward(int layer) {
+    gather(layer);
+    for (int k = 1; k <= prefetch_ && layer - k >= 0; ++k) start_gather(layer - k);
+    return view(layer);
+  }
+  void after_backward(int layer) {
+    if (layer == 0) return release_all();
+    release_unless_needed(layer, std::max(0, layer - prefetch_), layer - 1);
+  }
+  T* owned(const ShardUnit& u) { return shard_.data() + u.shard_offset; }
+  //! The shard changed: gathered copies are stale.
+  void after_update() { release_all(); }
+  void invalidate() { release_all(); }
+  void copy_to(T* out) {
+    release_all();
+    for (int u = 0; u < static_cast<int>(gathered_.size()); ++u) {
+      start_unit(u);
+      finish_unit(u);
+      c_->backend->copy_to_host(out + c_->unit(u).begin, gathered_[u].buffer.data(),
+                                sizeof(T) * static_cast<std::size_t>(c_->unit(u).size));
+      release_unit(u);
+    }
+  }
+  void load(const T* in) {
+    release_all();
+    for (const ShardUnit& u : c_->plan->units())
+      c_->backend->copy_from_host(owned(u), in + c_->plan->owned_begin(u),
+                                  sizeof(T) * static_cast<std::size_t>(c_->plan->owned_count(u)));
+  }
+
+ private:
+  struct Gathered {
+    Buffer<T, B> buffer;
+    Request request;
+    bool present = false;
+  };
+
+  void start_unit(int u) {
+    Gathered& g = gathered_[static_cast<std::size_t>(u)];
+    if (g.present) return;
+    const ShardUnit& unit = c_->unit(u);
+    g.buffer = pool_.acquire(unit.piece * c_->plan->ranks());
+    g.request = c_->group.all_gather_async(std::span<const T>(owned(unit), static_cast<std::size_t>(unit.piece)),
+                                           std::span<T>(g.buffer.data(), static_cast<std::size_t>(unit.piece * c_->plan->ranks())));
+    g.present = true;
+  }
+  void finish_unit(int u) { gathered_[static_cast<std::size_t>(u)].request.wait(); }
+  void release_unit(int u) {
+    Gathered& g = gathered_[static_cast<std::size_t>(u)];
+    if (!g.present) return;
+    g.request.wait();
+    pool_.release(std::move(g.buffer));
+    g.present = false;
+  }
+  void start_gather(int layer) {
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) start_unit(u);
+  }
+  void gather(int layer) {
+    start_gather(layer);
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) finish_unit(u);
+  }
+  //! Gives back `layer`'s units that no layer in [first, last] reads.
+  void release_unless_needed(int layer, int first, int last) {
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) {
+      bool needed = false;
+      for (int l = first; l <= last && !needed; ++l)
+        for (int v : c_->layer_units[static_cast<std::size_t>(l)]) needed = needed || v == u;
+      if (!needed) release_unit(u);
+    }
+  }
+  void release_all() {
+    for (int u = 0; u < static_cast<int>(gathered_.size()); ++u) release_unit(u);
+  }
+  ParameterView<const T> view(int layer) const {
+    return c_->template view<const T>(layer, [&](int u) { return gathered_[static_cast<std::size_t>(u)].buffer.data(); });
+  }
+
+  ShardContext<B>* c_;
+  Buffer<T, B> shard_;
+  BufferPool<T, B> pool_;
+  std::vector<Gathered> gathered_;
+  int prefetch_;
+};
+
+//! Stage 1: full gradients accumulate over the micro-batches with no communication; in the last
+//! one each unit is reduce-scattered in place as soon as its layers are done.
+template <class B, class T>
+class FullGradients {
+ public:
+  FullGradients(ShardContext<B>& c, bool overlap)
+      : c_(&c), full_(*c.backend, c.plan->padded_total(), MemoryCategory::gradients),
+        in_flight_(c.plan->units().size()), overlap_(overlap) {
+    full_.zero();
+  }
+  void begin_step() {
+    full_.zero();
+    next_ = static_cast<int>(c_->plan->units().size()) - 1;
+  }
+  ParameterView<T> backward(int layer) {
+    return c_->template view<T>(layer, [&](int u) { return full_.data() + c_->unit(u).padded_offset; });
+  }
+  void after_backward(int layer, bool last_micro_batch) {
+    if (!last_micro_batch) return;
+    for (auto& r : in_flight_) r.test();
+    if (overlap_) start_done(layer);
+  }
+  void finish() {
+    start_done(0);
+    for (auto& r : in_flight_) r.wait();
+  }
+  T* owned(const ShardUnit& u) { return full_.data() + u.padded_offset + c_->plan->rank() * u.piece; }
+
+ private:
+  //! Starts the units (from the last) whose first layer is >= `layer`: their gradients are done.
+  void start_done(int layer) {
+    for (; next_ >= 0 && c_->unit(next_).first_layer >= layer; --next_) {
+      const ShardUnit& u = c_->unit(next_);
+      T* unit = full_.data() + u.padded_offset;
+      in_flight_[static_cast<std::size_t>(next_)] = c_->group.reduce_scatter_async(
+          std::span<const T>(unit, static_cast<std::size_t>(u.piece * c_->plan->ranks())),
+          std::span<T>(owned(u), static_cast<std::size_t>(u.piece)), ReduceOp::sum);
+    }
+  }
+  ShardContext<B>* c_;
+  Buffer<T, B> full_;
+  std::vector<Request> in_flight_;
+  bool overlap_;
+  int next_ = -1;
+};
+
+//! Stages 2 and 3: only the shard persists. While backward fills a unit's gradient it lives in a
+//! pooled buffer; once the unit's layers are done it is reduce-scattered in place and this rank's
+//! piece is added to the shard — in every micro-batch, so full gradients never outlive their
+//! unit (DeepSpeed ZeRO-2's and FSDP's behaviour under accumulation). At most
+//! `max_reducing` units are being reduced at once (DeepSpeed keeps two reduce buckets): the
+//! working set is the units backward is filling plus those.
+template <class B, class T>
+class ShardedGradients {
+ public:
+  static constexpr std::size_t max_reducing = 2;
+
+  ShardedGradients(ShardContext<B>& c, bool overlap)
+      : c_(&c), shard_(*c.backend, c.plan->shard_size(), MemoryCategory::gradients),
+        pool_(*c.backend, MemoryCategory::communication), units_(c.plan->units().size()), overlap_(overlap) {
+    shard_.zero();
+  }
+  void begin_step() { shard_.zero(); }
+  ParameterView<T> backward(int layer) {
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) {
+      Unit& s = units_[static_cast<std::size_t>(u)];
+      if (s.state != State::idle) continue;
+      while (reducing_.size() >= max_reducing) accumulate_oldest();
+      const std::int64_t length = c_->unit(u).piece * c_->plan->ranks();
+      s.buffer = pool_.acquire(length);
+      backend_zero(s.buffer.data(), length);
+      s.state = State::open;
+    }
+    return c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); });
+  }
+  void after_backward(int layer, bool /*last_micro_batch*/) {
+    while (!reducing_.empty() && units_[static_cast<std::size_t>(reducing_.front())].request.test()) accumulate_oldest();
+    if (overlap_ || layer == 0) start_done(layer);
+    if (layer == 0) drain();  // the micro-batch's backward is over
+  }
+  void finish() { drain(); }
+  T* owned(const ShardUnit& u) { return shard_.data() + u.shard_offset; }
+
+ private:
+  enum class State { idle, open, reducing };
+  struct Unit {
+    Buffer<T, B> buffer;
+    Request request;
+    State state = State::idle;
+  };
+  void backend_zero(T* data, std::int64_t n) { c_->backend->fill_zero(data, sizeof(T) * static_cast<std::size_t>(n)); }
+  //! Starts the open units (from the last) whose layers are all done.
+  void start_done(int layer) {
+    for (int u = static_cast<int>(units_.size()) - 1; u >= 0; --u) {
+      Unit& s = units_[static_cast<std::size_t>(u)];
+      if (s.state != State::open || c_->unit(u).first_layer < layer) continue;
+      const ShardUnit& unit = c_->unit(u);
+      s.request = c_->group.reduce_scatter_async(
+          std::span<const T>(s.buffer.data(), static_cast<std::size_t>(unit.piece * c_->plan->ranks())),
+          std::span<T>(s.buffer.data() + c_->plan->rank() * unit.piece, static_cast<std::size_t>(unit.piece)),
+          ReduceOp::sum);
+      s.state = State::reducing;
+      reducing_.push_back(u);
+    }
+  }
+  //! Waits for the oldest reduction, adds this rank's piece to the shard, frees the buffer.
+  void accumulate_oldest() {
+    const int u = reducing_.front();
+    reducing_.erase(reducing_.begin());
+    Unit& s = units_[static_cast<std::size_t>(u)];
+    s.request.wait();
+    const ShardUnit& unit = c_->unit(u);
+    add_to<T>(*c_->backend, Tensor<T>(owned(unit), Shape{unit.piece}),
+              Tensor<const T>(s.buffer.data() + c_->plan->rank() * unit.piece, Shape{unit.piece}));
+    pool_.release(std::move(s.buffer));
+    s.state = State::idle;
+  }
+  void drain() {
+    start_done(0);
+    while (!reducing_.empty()) accumulate_oldest();
+  }
+  ShardContext<B>* c_;
+  Buffer<T, B> shard_;
+  BufferPool<T, B> pool_;
+  std::vector<Unit> units_;
+  std::vector<int> reducing_;  // units being reduced, oldest first
+  bool overlap_;
+};
+
+//! The engine every stage shares: the plan, the optimizer state shard, the update of this
+//! rank's pieces, and the sums over the group. `P` holds the parameters, `G` the gradients.
+template <class B, class T, class P, class G>
+class ZeroEngine {
+ public:
+  template <class... ParameterArgs>
+  ZeroEngine(EngineContext<B> context, std::vector<GradientBucket> units, bool overlap, ParameterArgs... args)
+      : plan_(context.layout, units, context.data_parallel.size(), context.data_parallel.rank()),
+        context_(make_context(context)),
+        layout_(&context.layout),
+        state_(context.backend, plan_.shard_size() * context.state_slots, MemoryCategory::optimizer_state),
+        params_(context_, context.layout, context.seed, args...),
+        grads_(context_, overlap) {
+    state_.zero();
+  }
+  ZeroEngine(const ZeroEngine&) = delete;
+  ZeroEngine& operator=(const ZeroEngine&) = delete;
+
+  //! How the layout is split over the group.
+  const ShardPlan& plan() const noexcept { return plan_; }
+
+  ParameterView<const T> forward_params(int layer) { return params_.forward(layer); }
+  void after_forward(int layer) { params_.after_forward(layer); }
+  ParameterView<const T> backward_params(int layer) { return params_.backward(layer); }
+  ParameterView<T> backward_grads(int layer) { return grads_.backward(layer); }
+
+  void begin_step() { grads_.begin_step(); }
+  void on_backward(int layer, bool last_micro_batch) {
+    grads_.after_backward(layer, last_micro_batch);
+    params_.after_backward(layer);
+  }
+  void finish_gradients() { grads_.finish(); }
+
+  double global_sum(double local) {
+    context_.group.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
+    return local;
+  }
+  //! Each element is in exactly one rank's pieces (padding excluded): sum them, then over ranks.
+  double grad_sum_of_squares() {
+    double local = 0;
+    for (const ShardUnit& u : plan_.units())
+      local += sum_of_squares<T>(*context_.backend, Tensor<const T>(grads_.owned(u), Shape{plan_.owned_count(u)}));
+    return global_sum(local);
+  }
+
+  //! Scales this rank's gradient pieces by `grad_scale`, updates its parameter pieces with its
+  //! optimizer state, and lets the parameter holding share them.
+  template <Optimizer O>
+  void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
+    for (const ShardUnit& u : plan_.units()) {
+      const std::int64_t n = plan_.owned_count(u);
+      if (n == 0) continue;
+      if (grad_scale != 1.0) scale<T>(*context_.backend, Tensor<T>(grads_.owned(u), Shape{n}), grad_scale);
+      const std::int64_t begin = plan_.owned_begin(u);
+      detail::apply_optimizer(optimizer, *context_.backend, *layout_,
+                              detail::FlatRange<T>{.begin = begin, .end = begin + n, .params = params_.owned(u),
+                                                   .grads = grads_.owned(u), .state = state_.data() + u.shard_offset,
+                                                   .state_stride = plan_.shard_size()},
+                              lr, step);
+    }
+    params_.after_update();
+  }
+
+  //! Every parameter in layout order (collective when parameters are sharded).
+  void copy_parameters_to(T* out) { params_.copy_to(out); }
+  //! This rank keeps its part of `in` (every parameter, layout order).
+  void load_parameters(const T* in) { params_.load(in); }
+
+ private:
+  ShardContext<B> make_context(const EngineContext<B>& c) const {
+    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}};
+    for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
+    return s;
+  }
+
+  ShardPlan plan_;
+  ShardContext<B> context_;
+  const ParameterLayout* layout_;
+  Buffer<T, B> state_;
+  P params_;
+  G grads_;
+};
+
+}  // namespace detail
+
+//! ZeRO stage `Stage` (1, 2 or 3) on the data-parallel group. Units of whole layers of at least
+//! `bucket_bytes` (stages 1 and 2; stage 3 gathers one layer per unit, as FSDP wraps each block)
+//! are reduce-scattered during backward when `overlap` (else after it); stage 3 gathers the
+//! `prefetch` next layers' parameters ahead of their use.
+template <int Stage>
+struct Zero {
+  static_assert(Stage >= 1 && Stage <= 3, "loom: Zero<Stage> is ZeRO stage 1, 2 or 3");
+  using loom_strategy = void;
+
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  bool overlap = true;
+  int prefetch = 1;  //!< stage 3: layers gathered ahead (0 = each just in time)
+
+  friend bool operator==(const Zero&, const Zero&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const Zero& z) {
+    out << "Zero<" << Stage << ">{bucket_bytes=" << z.bucket_bytes << ", overlap=" << z.overlap;
+    if (Stage == 3) out << ", prefetch=" << z.prefetch;
+    return out << "}";
+  }
+
+  template <Backend B, class T>
+  class Engine;
+};
+
+//! Stage 1: full parameters and gradients, sharded optimizer state.
+template <>
+template <Backend B, class T>
+class Zero<1>::Engine : public detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::FullGradients<B, T>> {
+ public:
+  Engine(const Zero& z, EngineContext<B> c)
+      : detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::FullGradients<B, T>>(
+            c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap) {}
+};
+
+//! Stage 2: full parameters, sharded gradients and optimizer state.
+template <>
+template <Backend B, class T>
+class Zero<2>::Engine : public detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::ShardedGradients<B, T>> {
+ public:
+  Engine(const Zero& z, EngineContext<B> c)
+      : detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::ShardedGradients<B, T>>(
+            c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap) {}
+};
+
+//! Stage 3: everything sharded; parameters gathered per layer.
+template <>
+template <Backend B, class T>
+class Zero<3>::Engine : public detail::ZeroEngine<B, T, detail::ShardedParameters<B, T>, detail::ShardedGradients<B, T>> {
+ public:
+  Engine(const Zero& z, EngineContext<B> c)
+      : detail::ZeroEngine<B, T, detail::ShardedParameters<B, T>, detail::ShardedGradients<B, T>>(
+            c, gradient_buckets(c.layout, sizeof(T), 1), z.overlap, check_prefetch(z.prefetch)) {}
+
+ private:
+  static int check_prefetch(int prefetch) {
+    LOOM_CHECK(prefetch >= 0, "Zero<3>: prefetch", prefetch, "must be >= 0 (layers gathered ahead)");
+    return prefetch;
+  }
+};
+
+static_assert(Strategy<Zero<1>> && Strategy<Zero<2>> && Strategy<Zero<3>>);
+
+}  // namespace loom
