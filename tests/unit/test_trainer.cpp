@@ -205,3 +205,20 @@ TEST_CASE("bad batches are rejected before any work, naming the value") {
                                                            ConstantLr{}, {.micro_batch_size = 0})),
                   Error);
 }
+
+TEST_CASE("the Trainer runs GPipe on one stage, and refuses schedules it cannot execute on one stage") {
+  // GPipe on one stage: all forwards, then all backwards, every micro-batch's activations alive.
+  cpu be(1);
+  const gpt2::Config c = small_test_config();
+  Trainer<gpt2::Model<cpu, float>, AdamW, GPipe> gpipe(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                       ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  Trainer<gpt2::Model<cpu, float>, AdamW> accumulate(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                     ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  const TestBatch batch = make_batch(0, 4, 8, c.vocab_size);
+  CHECK(gpipe.step(batch).loss == doctest::Approx(accumulate.step(batch).loss).epsilon(1e-6));
+  CHECK(relative_difference(gpipe.parameters(), accumulate.parameters(), gpipe.model().layout().total()) < 1e-6);
+  // ZB-H1 splits the backward into input- and weight-gradient actions: not on this path.
+  Trainer<gpt2::Model<cpu, float>, AdamW, ZeroBubbleH1> zero_bubble(be, gpt2::Model<cpu, float>(c), AdamW(),
+                                                                    ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  CHECK_THROWS_WITH_AS(zero_bubble.step(batch), doctest::Contains("trainer: schedule action: got I0"), Error);
+}

@@ -248,6 +248,13 @@ class Trainer {
     const ScheduleShape schedule_shape{.stages = 1, .stage = 0, .micro_batches = micro_batches};
     if (micro_batches != planned_micro_batches_) {
       actions_ = schedule_.actions(schedule_shape);  // generated once per micro-batch count
+      // This Trainer executes whole forwards and backwards of one stage; split backwards
+      // (ZB-H1) and virtual-stage chunks (interleaved) need the pipeline executor.
+      for (const Action& a : actions_)
+        LOOM_CHECK((a.kind == Action::Kind::forward || a.kind == Action::Kind::backward) && a.chunk == 0,
+                   "trainer: schedule action", a,
+                   "this Trainer runs one pipeline stage with whole forward and backward actions; a schedule "
+                   "that splits the backward or uses virtual stages needs pipeline stages");
       planned_micro_batches_ = micro_batches;
     }
     const std::int64_t slots = schedule_.live_micro_batches(schedule_shape);

@@ -16,6 +16,8 @@ struct GradientAccumulation {
   std::vector<Action> actions(const ScheduleShape& shape) const {
     LOOM_CHECK(shape.stages == 1, "GradientAccumulation: pipeline stages", shape.stages,
                "this schedule runs one stage; use GPipe or OneFOneB for pipeline parallelism");
+    LOOM_CHECK(shape.virtual_stages == 1, "GradientAccumulation: virtual stages", shape.virtual_stages,
+               "this schedule runs one stage; use Interleaved1F1B for virtual stages");
     LOOM_CHECK(shape.micro_batches >= 1, "GradientAccumulation: micro-batches",
                shape.micro_batches, "must be >= 1");
     std::vector<Action> out;
