@@ -21,6 +21,7 @@
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/optim/sgd.hpp"
 #include "loom/parallel/data_parallel.hpp"
+#include "loom/parallel/mesh.hpp"
 #include "loom/parallel/shard_plan.hpp"
 #include "loom/parallel/single_rank.hpp"
 #include "loom/parallel/trainer.hpp"
