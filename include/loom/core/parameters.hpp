@@ -23,6 +23,22 @@ enum class Partition {
   split_cols,  //!< axis 1 is split (row-parallel linear)
 };
 
+//! Which slice of a global tensor one tensor-parallel rank holds, along the axis its Partition
+//! names. The global axis is `groups` equal blocks stacked (a fused qkv weight is [q; k; v]:
+//! groups = 3); each block is cut into `ranks` equal pieces, and rank `rank` holds piece `rank`
+//! of every block, in block order. So a rank of a fused qkv holds its heads' rows of q, of k and
+//! of v, not one contiguous third of the rows. ranks = 1 is the whole tensor.
+struct Shard {
+  std::int64_t ranks = 1;   //!< tensor-parallel group size the parameter is split over
+  std::int64_t rank = 0;    //!< this rank's piece, in [0, ranks)
+  std::int64_t groups = 1;  //!< equal blocks stacked along the split axis, each split separately
+
+  friend bool operator==(const Shard&, const Shard&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const Shard& s) {
+    return out << "{ranks=" << s.ranks << ", rank=" << s.rank << ", groups=" << s.groups << "}";
+  }
+};
+
 //! How a parameter's elements start.
 struct Init {
   enum class Kind { zeros, ones, normal };
@@ -39,15 +55,84 @@ struct Init {
   }
 };
 
-//! A named parameter: global name and shape, owning layer, and how it is treated.
+//! A named parameter: global name, the shape this rank stores, owning layer, how it is
+//! treated, and (under tensor parallelism) which slice of the global tensor it is.
 struct ParameterSpec {
   std::string name;  //!< global name, e.g. "h.3.attn.qkv.weight"; keys the initial values
-  Shape shape;       //!< global shape
+  Shape shape;       //!< shape stored on this rank (the global shape unless sharded)
   int layer = 0;     //!< index of the layer that owns it
   bool weight_decay = false;  //!< AdamW decays it (matrices yes; biases and norms no)
   Partition partition = Partition::replicated;
   Init init{};
+  //! Shape of the whole tensor over the tensor-parallel group; left out (rank 0) it is `shape`
+  //! (ParameterLayout fills it in).
+  Shape global_shape{};
+  //! The slice of `global_shape` this rank holds along the axis `partition` names.
+  Shard shard{};
+
+  //! Every tensor-parallel rank holds all of it (layernorms, row-parallel biases, wpe): a
+  //! gradient norm over the tensor-parallel group counts it once, not once per rank.
+  bool replicated_over_tensor_parallel() const noexcept { return partition == Partition::replicated; }
+
+  //! The global shape: `global_shape`, or `shape` where that was left out.
+  const Shape& whole_shape() const noexcept { return global_shape.rank() == 0 ? shape : global_shape; }
+
+  //! Flat index in the global tensor of flat element `index` of this rank's slice (DESIGN.md
+  //! invariant 1: initial values are keyed by it). The identity when the parameter is whole.
+  std::int64_t global_index(std::int64_t index) const noexcept {
+    if (partition == Partition::replicated || shard.ranks == 1) return index;
+    const Shape& global = whole_shape();
+    if (partition == Partition::split_rows) {
+      // Elements per row of axis 0 (1 for a vector), the same locally and globally.
+      const std::int64_t inner = shape[0] == 0 ? 1 : shape.numel() / shape[0];
+      return split_axis_index(index / inner, global[0]) * inner + index % inner;
+    }
+    // split_cols: axis 1 of a [rows, cols] matrix.
+    const std::int64_t local_cols = shape[1];
+    return index / local_cols * global[1] + split_axis_index(index % local_cols, global[1]);
+  }
+
+ private:
+  //! Global position along the split axis (of length `global_extent`) of local position `local`.
+  std::int64_t split_axis_index(std::int64_t local, std::int64_t global_extent) const noexcept {
+    const std::int64_t block = global_extent / shard.groups, piece = block / shard.ranks;
+    return local / piece * block + shard.rank * piece + local % piece;
+  }
 };
+
+//! `spec` (whole, global shape) cut for rank `rank` of a tensor-parallel group of `ranks` along
+//! the axis its Partition names: the local shape, the global shape and the Shard. A replicated
+//! spec comes back whole. Throws loom::Error naming the parameter when the split axis (or one
+//! of its `shard.groups` blocks) is not a multiple of `ranks`.
+inline ParameterSpec tensor_parallel_slice(ParameterSpec spec, std::int64_t ranks, std::int64_t rank) {
+  LOOM_CHECK(ranks >= 1, "tensor-parallel slice of " + spec.name + ": ranks", ranks, "must be >= 1");
+  LOOM_CHECK(rank >= 0 && rank < ranks, "tensor-parallel slice of " + spec.name + ": rank", rank,
+             "must be in [0, ranks = " + detail::to_text(ranks) + ")");
+  LOOM_CHECK(spec.shard.ranks == 1, "tensor-parallel slice of " + spec.name + ": shard.ranks",
+             spec.shard.ranks, "must be 1 (the spec must be the whole tensor)");
+  spec.global_shape = spec.whole_shape();
+  if (spec.partition == Partition::replicated) return spec;
+  const int axis = spec.partition == Partition::split_rows ? 0 : 1;
+  const Shape& global = spec.global_shape;
+  LOOM_CHECK(global.rank() > axis, "tensor-parallel slice of " + spec.name + ": shape", global,
+             axis == 0 ? "split_rows needs rank >= 1" : "split_cols needs a [rows, cols] matrix");
+  LOOM_CHECK(global.rank() <= 2, "tensor-parallel slice of " + spec.name + ": shape", global,
+             "only vectors and matrices can be split");
+  const std::int64_t groups = spec.shard.groups;
+  LOOM_CHECK(groups >= 1 && global[axis] % groups == 0,
+             "tensor-parallel slice of " + spec.name + ": shard.groups", groups,
+             "must be >= 1 and divide axis " + detail::to_text(axis) + " (" +
+                 detail::to_text(global[axis]) + ")");
+  LOOM_CHECK(global[axis] / groups % ranks == 0,
+             "tensor-parallel slice of " + spec.name + ": axis " + detail::to_text(axis) + " extent",
+             global[axis],
+             "must be a multiple of " + (groups > 1 ? detail::to_text(groups) + " blocks x " : std::string()) +
+                 "the tensor-parallel size (" + detail::to_text(ranks) + ")");
+  spec.shape = axis == 0 ? (global.rank() == 1 ? Shape{global[0] / ranks} : Shape{global[0] / ranks, global[1]})
+                         : Shape{global[0], global[1] / ranks};
+  spec.shard = {.ranks = ranks, .rank = rank, .groups = groups};
+  return spec;
+}
 
 //! The value parameter `name` has at flat element `index` under `init` and `seed`.
 //! A pure function (DESIGN.md invariant 1): any rank can compute any element.
@@ -83,6 +168,8 @@ class ParameterLayout {
       last_layer = spec.layer;
       LOOM_CHECK(!index_.contains(spec.name), "parameter layout: name", spec.name,
                  "parameter names must be unique");
+      check_shard(spec);
+      if (spec.global_shape.rank() == 0) spec.global_shape = spec.shape;
       index_.emplace(spec.name, entries_.size());
       const std::int64_t n = spec.shape.numel();
       entries_.push_back({std::move(spec), total_});
@@ -113,7 +200,8 @@ class ParameterLayout {
   }
 
   //! Fills `out` with the initial values of layout elements [begin, end) (invariant 1: any rank
-  //! computes any slice, e.g. its ZeRO-3 shard, without the rest).
+  //! computes any slice, e.g. its ZeRO-3 shard, without the rest). A tensor-parallel slice gets
+  //! the values of its elements' global indices.
   template <class T>
   void initialize(T* out, std::int64_t begin, std::int64_t end, std::uint64_t seed) const {
     for (const Entry& e : entries_) {
@@ -123,7 +211,8 @@ class ParameterLayout {
       const std::int64_t from = first - e.offset, n = last - first;
 #pragma omp parallel for schedule(static) if (n > (1 << 14))
       for (std::int64_t i = 0; i < n; ++i)
-        p[i] = static_cast<T>(initial_value(seed, e.spec.name, e.spec.shape, e.spec.init, from + i));
+        p[i] = static_cast<T>(initial_value(seed, e.spec.name, e.spec.global_shape, e.spec.init,
+                                            e.spec.global_index(from + i)));
     }
   }
 
@@ -136,11 +225,30 @@ class ParameterLayout {
       // Each element is a pure function of its index, so any split over threads is exact.
 #pragma omp parallel for schedule(static) if (n > (1 << 14))
       for (std::int64_t i = 0; i < n; ++i)
-        p[i] = static_cast<T>(initial_value(seed, e.spec.name, e.spec.shape, e.spec.init, i));
+        p[i] = static_cast<T>(initial_value(seed, e.spec.name, e.spec.global_shape, e.spec.init,
+                                            e.spec.global_index(i)));
     }
   }
 
  private:
+  //! A sliced spec must describe a slice that exists: the local shape is the global shape with
+  //! the split axis divided by shard.ranks.
+  static void check_shard(const ParameterSpec& spec) {
+    if (spec.global_shape.rank() == 0) {
+      LOOM_CHECK(spec.shard.ranks == 1, "parameter layout: shard.ranks of " + spec.name, spec.shard.ranks,
+                 "a sliced parameter needs its global_shape (use tensor_parallel_slice)");
+      return;
+    }
+    const Shape& g = spec.global_shape;
+    const Shape expected = spec.partition == Partition::replicated || spec.shard.ranks == 1 ? g
+                           : spec.partition == Partition::split_rows
+                               ? (g.rank() == 1 ? Shape{g[0] / spec.shard.ranks} : Shape{g[0] / spec.shard.ranks, g[1]})
+                               : Shape{g[0], g.rank() > 1 ? g[1] / spec.shard.ranks : 0};
+    LOOM_CHECK(spec.shape == expected, "parameter layout: shape of " + spec.name, spec.shape,
+               "must be the slice " + detail::to_text(expected) + " of global_shape " + detail::to_text(g) +
+                   " for shard " + detail::to_text(spec.shard));
+  }
+
   std::vector<Entry> entries_;
   std::unordered_map<std::string, std::size_t> index_;
   std::int64_t total_ = 0;

@@ -12,3 +12,4 @@
 #include "loom/backend/cpu/reduction.hpp"
 #include "loom/backend/cpu/residual.hpp"
 #include "loom/backend/cpu/softmax_cross_entropy.hpp"
+#include "loom/backend/cpu/vocab_parallel.hpp"

@@ -50,6 +50,24 @@ struct Config {
     LOOM_CHECK(channels > 0 && channels % num_heads == 0, "gpt2 config: channels", channels,
                "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
   }
+
+  //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):
+  //! channels (hence the MLP's 4·channels) split across ranks, whole heads per rank, and whole
+  //! rows of the padded vocabulary per rank. Throws loom::Error naming the value and the rule.
+  void validate_tensor_parallel(std::int64_t ranks) const {
+    validate();
+    const std::string tp = "the tensor-parallel size (" + detail::to_text(ranks) + ")";
+    LOOM_CHECK(ranks >= 1, "gpt2 config: tensor-parallel size", ranks, "must be >= 1");
+    LOOM_CHECK(channels % ranks == 0, "gpt2 config: channels", channels,
+               "must be a multiple of " + tp +
+                   ": the attention and MLP projections (channels and 4·channels wide) are split");
+    LOOM_CHECK(num_heads % ranks == 0, "gpt2 config: num_heads", num_heads,
+               "must be a multiple of " + tp + ": attention is split by whole heads");
+    LOOM_CHECK(padded_vocab_size % ranks == 0, "gpt2 config: padded_vocab_size", padded_vocab_size,
+               "must be a multiple of " + tp +
+                   ": each rank holds an equal slice of wte's rows (round it up with "
+                   "gpt2::pad_vocab(vocab_size, multiple of the tensor-parallel size))");
+  }
 };
 
 //! Vocabulary rounded up to a multiple of `multiple` (llm.c pads 50257 to 50304 = 128·393).
@@ -113,8 +131,11 @@ inline std::vector<ParameterSpec> parameter_specs(const Config& c) {
     };
     add("ln_1.weight", {C}, false, P::replicated, Init::ones());
     add("ln_1.bias", {C}, false, P::replicated, Init::zeros());
+    // [q; k; v] stacked: three blocks, each split by heads (Shard::groups).
     add("attn.qkv.weight", {3 * C, C}, true, P::split_rows, Init::normal(std_dev));
+    specs.back().shard.groups = 3;
     add("attn.qkv.bias", {3 * C}, false, P::split_rows, Init::zeros());
+    specs.back().shard.groups = 3;
     add("attn.proj.weight", {C, C}, true, P::split_cols, Init::normal(proj_std));
     add("attn.proj.bias", {C}, false, P::replicated, Init::zeros());
     add("ln_2.weight", {C}, false, P::replicated, Init::ones());
@@ -127,6 +148,17 @@ inline std::vector<ParameterSpec> parameter_specs(const Config& c) {
   const int head = head_layer(c);
   specs.push_back({"ln_f.weight", {C}, head, false, P::replicated, Init::ones()});
   specs.push_back({"ln_f.bias", {C}, head, false, P::replicated, Init::zeros()});
+  return specs;
+}
+
+//! The parameters rank `rank` of a tensor-parallel group of `ranks` stores (Megatron's split,
+//! docs/tensor_parallel.md): same names, layers and order as parameter_specs(c), local shapes,
+//! and each spec's Shard says which slice of the global tensor it is. Validates `c` for `ranks`
+//! first. ranks = 1 gives parameter_specs(c) (with global_shape filled in).
+inline std::vector<ParameterSpec> parameter_specs(const Config& c, std::int64_t ranks, std::int64_t rank) {
+  c.validate_tensor_parallel(ranks);
+  std::vector<ParameterSpec> specs = parameter_specs(c);
+  for (auto& spec : specs) spec = tensor_parallel_slice(std::move(spec), ranks, rank);
   return specs;
 }
 

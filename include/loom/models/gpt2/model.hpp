@@ -2,15 +2,21 @@
 //! \file GPT-2 (pre-LayerNorm, tied input/output embeddings) as a loom Model: layer 0 embeds,
 //! layers 1..L are transformer blocks, layer L+1 is the head (final norm, unembedding through
 //! wte, cross-entropy). Forward and backward are written out per layer, as in llm.c.
+//! Under tensor parallelism (Megatron's split, docs/tensor_parallel.md) each rank holds its
+//! slice of the weights and computes its slice of the work; the collectives that join the
+//! slices happen inside forward and backward, over the model's tensor-parallel group.
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "loom/backend/concepts.hpp"
+#include "loom/comm/ref.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/models/concepts.hpp"
 #include "loom/models/gpt2/config.hpp"
+#include "loom/nn/tensor_parallel.hpp"
 
 namespace loom::gpt2 {
 
@@ -23,7 +29,25 @@ class Model {
   using backend_type = B;
   using scalar_type = T;
 
-  explicit Model(Config config) : config_(config), layout_(parameter_specs(config)) {
+  //! The whole model on one rank (a tensor-parallel group of one).
+  explicit Model(Config config) : Model(config, CommunicatorRef{}) {}
+
+  //! This rank's slice of the model, split over `tensor_parallel` (which must outlive the
+  //! model; every rank of it constructs its Model with the same config): attention by heads,
+  //! the MLP column-then-row, the vocabulary by rows of wte. layout() is this rank's local
+  //! layout. Throws loom::Error, before any work, when `config` does not split over the group
+  //! (Config::validate_tensor_parallel).
+  Model(Config config, CommunicatorRef tensor_parallel)
+      : config_(config),
+        tensor_parallel_(tensor_parallel),
+        tensor_parallel_size_(tensor_parallel.size()),
+        tensor_parallel_rank_(tensor_parallel.rank()),
+        layout_(parameter_specs(config, tensor_parallel_size_, tensor_parallel_rank_)),
+        heads_(config.num_heads / tensor_parallel_size_),
+        attention_channels_(config.channels / tensor_parallel_size_),
+        mlp_channels_(4 * config.channels / tensor_parallel_size_),
+        vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
+        vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
     wpe_ = offset("wpe");
@@ -39,17 +63,26 @@ class Model {
   }
 
   const Config& config() const noexcept { return config_; }
-  //! Where every parameter lives in the flat buffers.
+  //! Where every parameter of this rank lives in the flat buffers (local shapes under tensor
+  //! parallelism; each spec's Shard maps it to the global tensor).
   const ParameterLayout& layout() const noexcept { return layout_; }
+  //! Ranks the model is split over, and this rank's place among them.
+  std::int64_t tensor_parallel_size() const noexcept { return tensor_parallel_size_; }
+  std::int64_t tensor_parallel_rank() const noexcept { return tensor_parallel_rank_; }
+  //! The rows of the (padded) vocabulary this rank holds: [vocab_begin, vocab_begin + rows).
+  std::int64_t vocab_begin() const noexcept { return vocab_begin_; }
+  std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
   //! Embedding, L blocks, head.
   int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
 
-  //! Forward FLOPs per token of `layer` at full context (for pipeline balancing).
+  //! Forward FLOPs per token of `layer` at full context on this rank (for pipeline
+  //! balancing): a tensor-parallel rank does 1/tp of the matmuls and of the attention.
   double layer_cost(int layer) const noexcept {
     const double C = static_cast<double>(config_.channels);
     if (layer == embedding_layer) return C;
-    if (layer == head_layer(config_)) return 2.0 * static_cast<double>(config_.padded_vocab_size) * C;
-    return 24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C;
+    if (layer == head_layer(config_)) return 2.0 * static_cast<double>(vocab_rows_) * C;
+    return (24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C) /
+           static_cast<double>(tensor_parallel_size_);
   }
 
   //! The layout ranges `layer` reads: its own parameters, and for the head also the tied `wte`
@@ -70,7 +103,8 @@ class Model {
     return ranges;
   }
 
-  //! Training FLOPs per token, 6·N + 12·l·h·s (DESIGN.md; N the published parameter count).
+  //! Training FLOPs per token of the whole model, 6·N + 12·l·h·s (DESIGN.md; N the published
+  //! parameter count), whatever the tensor-parallel split.
   double flops_per_token(std::int64_t seq) const noexcept {
     return 6.0 * static_cast<double>(config_.parameter_count()) +
            12.0 * static_cast<double>(config_.num_layers * config_.channels * seq);
@@ -81,21 +115,23 @@ class Model {
     return s.batch * s.seq * config_.channels;
   }
 
-  //! Elements a layer keeps from forward to backward for one micro-batch.
+  //! Elements a layer keeps from forward to backward for one micro-batch, on this rank.
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
     const std::int64_t N = s.batch * s.seq, C = config_.channels;
     if (layer == embedding_layer) return 0;
-    if (layer == head_layer(config_)) return N * C + 3 * N + N * config_.padded_vocab_size;
-    // ln1, qkv, att, atty, res2, ln2, fch, fch_gelu and four row statistics.
-    return N * C * 15 + 4 * N + s.batch * config_.num_heads * s.seq * s.seq;
+    if (layer == head_layer(config_)) return N * C + 3 * N + N * vocab_rows_;
+    // Replicated ln1, res2, ln2 (3·C), this rank's qkv, atty, fch, fch_gelu (3, 1, 4, 4 times
+    // C/tp), its heads' attention and four row statistics.
+    return N * C * 3 + N * attention_channels_ * 12 + 4 * N + s.batch * heads_ * s.seq * s.seq;
   }
 
-  //! Scratch a layer's backward needs (not kept between calls).
+  //! Scratch a layer's backward needs (not kept between calls), on this rank.
   std::int64_t workspace_elements(int layer, MicroBatchShape s) const noexcept {
     const std::int64_t N = s.batch * s.seq, C = config_.channels;
     if (layer == embedding_layer) return 0;
     if (layer == head_layer(config_)) return N * C;
-    return N * C * 15;
+    // Replicated dres2, dln2, dln1 (3·C); this rank's dfch_gelu, dfch, datty, dqkv (12·C/tp).
+    return N * C * 3 + N * attention_channels_ * 12;
   }
 
   //! Runs `layer` forward; returns the sum of per-token losses for the head, 0 otherwise.
@@ -103,8 +139,13 @@ class Model {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) {
       check_tokens(a.tokens);
-      embedding_forward<T>(be, a.output, a.tokens, param(params, wte_, {config_.padded_vocab_size, C()}),
-                                    param(params, wpe_, {config_.max_seq_len, C()}));
+      // Vocab-parallel: each rank looks up the tokens of its rows (zero for the others), the
+      // first rank adds the positions, and the sum over the group is the embedding.
+      vocab_parallel_embedding_forward<T>(be, a.output, a.tokens, param(params, wte_, {vocab_rows_, C()}),
+                                          vocab_begin_,
+                                          first_rank() ? param(params, wpe_, {config_.max_seq_len, C()})
+                                                       : Tensor<const T>{});
+      nn::sum_over_tensor_parallel(tensor_parallel_, a.output);
       return 0.0;
     }
     if (layer == head_layer(config_)) return head_forward(be, params, a, s);
@@ -117,9 +158,11 @@ class Model {
                 const BackwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) {
-      embedding_backward<T>(be, grad(grads, wte_, {config_.padded_vocab_size, C()}),
-                                     grad(grads, wpe_, {config_.max_seq_len, C()}), a.output_grad,
-                                     a.tokens);
+      // The output gradient is whole on every rank: each accumulates its own wte rows, and
+      // every rank the whole (replicated) wpe gradient.
+      vocab_parallel_embedding_backward<T>(be, grad(grads, wte_, {vocab_rows_, C()}), vocab_begin_,
+                                           grad(grads, wpe_, {config_.max_seq_len, C()}), a.output_grad,
+                                           a.tokens);
       return;
     }
     if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s);
@@ -143,6 +186,9 @@ class Model {
   };
 
   std::int64_t C() const noexcept { return config_.channels; }
+  //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
+  //! that the all-reduce counts them once.
+  bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
 
   MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
     LOOM_CHECK(tokens.shape().rank() == 2, "gpt2 forward: tokens rank", tokens.shape(),
@@ -173,71 +219,88 @@ class Model {
     Tensor<T> ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
   };
   BlockSaved carve_block(Tensor<T> saved, MicroBatchShape s) const {
-    const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, NH = config_.num_heads;
+    const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
+                       F = mlp_channels_;
     check_numel(saved, activation_elements(1, s), "gpt2 block", "saved");
     Carver c{saved.data()};
     BlockSaved b;
     b.ln1 = c.take({Bn, Tn, C});
     b.ln1_mean = c.take({Bn * Tn});
     b.ln1_rstd = c.take({Bn * Tn});
-    b.qkv = c.take({Bn, Tn, 3 * C});
-    b.att = c.take({Bn, NH, Tn, Tn});
-    b.atty = c.take({Bn, Tn, C});
+    b.qkv = c.take({Bn, Tn, 3 * Ca});
+    b.att = c.take({Bn, heads_, Tn, Tn});
+    b.atty = c.take({Bn, Tn, Ca});
     b.res2 = c.take({Bn, Tn, C});
     b.ln2 = c.take({Bn, Tn, C});
     b.ln2_mean = c.take({Bn * Tn});
     b.ln2_rstd = c.take({Bn * Tn});
-    b.fch = c.take({Bn, Tn, 4 * C});
-    b.fch_gelu = c.take({Bn, Tn, 4 * C});
+    b.fch = c.take({Bn, Tn, F});
+    b.fch_gelu = c.take({Bn, Tn, F});
     return b;
   }
 
   void block_forward(B& be, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
                      MicroBatchShape s) const {
-    const std::int64_t C = config_.channels;
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     BlockSaved b = carve_block(a.saved, s);
     layernorm_forward<T>(be, b.ln1, b.ln1_mean, b.ln1_rstd, a.input, param(p, o.ln1_w, {C}),
                                   param(p, o.ln1_b, {C}));
-    matmul_forward<T>(be, b.qkv, b.ln1, param(p, o.qkv_w, {3 * C, C}), param(p, o.qkv_b, {3 * C}));
-    attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(config_.num_heads));
-    matmul_forward<T>(be, b.res2, b.atty, param(p, o.proj_w, {C, C}), param(p, o.proj_b, {C}));
+    // Column-parallel qkv (f: the replicated ln1 goes in as it is): this rank's heads' q, k, v.
+    matmul_forward<T>(be, b.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
+    attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_));
+    // Row-parallel projection (g: all-reduce the partial sums). The replicated bias rides on
+    // the first rank's partial sum, so the all-reduce adds it once at no extra pass.
+    matmul_forward<T>(be, b.res2, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
+    nn::row_parallel_output(tensor_parallel_, b.res2);
     add_to<T>(be, b.res2, a.input);
     layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}),
                                   param(p, o.ln2_b, {C}));
-    matmul_forward<T>(be, b.fch, b.ln2, param(p, o.fc_w, {4 * C, C}), param(p, o.fc_b, {4 * C}));
+    // MLP: column-parallel fc, then row-parallel proj.
+    matmul_forward<T>(be, b.fch, b.ln2, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
     gelu_forward<T>(be, b.fch_gelu, b.fch);
-    matmul_forward<T>(be, a.output, b.fch_gelu, param(p, o.fcproj_w, {C, 4 * C}),
-                               param(p, o.fcproj_b, {C}));
+    matmul_forward<T>(be, a.output, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
+    nn::row_parallel_output(tensor_parallel_, a.output);
     add_to<T>(be, a.output, b.res2);
+  }
+
+  //! A row-parallel linear layer's bias: on the first rank only (see block_forward).
+  Tensor<const T> row_bias(ParameterView<const T> p, std::int64_t offset) const {
+    return first_rank() ? param(p, offset, {config_.channels}) : Tensor<const T>{};
   }
 
   void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                       const BackwardArgs<T>& a,
                       MicroBatchShape s) const {
-    const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels;
+    const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
+                       F = mlp_channels_;
     BlockSaved b = carve_block(a.saved, s);
     check_numel(a.workspace, workspace_elements(1, s), "gpt2 block backward", "workspace");
     zero<T>(be, a.workspace);
     Carver w{a.workspace.data()};
-    Tensor<T> dres2 = w.take({Bn, Tn, C}), dfch_gelu = w.take({Bn, Tn, 4 * C}),
-              dfch = w.take({Bn, Tn, 4 * C}), dln2 = w.take({Bn, Tn, C}),
-              datty = w.take({Bn, Tn, C}), dqkv = w.take({Bn, Tn, 3 * C}), dln1 = w.take({Bn, Tn, C});
+    Tensor<T> dres2 = w.take({Bn, Tn, C}), dfch_gelu = w.take({Bn, Tn, F}), dfch = w.take({Bn, Tn, F}),
+              dln2 = w.take({Bn, Tn, C}), datty = w.take({Bn, Tn, Ca}), dqkv = w.take({Bn, Tn, 3 * Ca}),
+              dln1 = w.take({Bn, Tn, C});
     // output = res2 + mlp(ln2(res2)): the residual passes the gradient straight through.
+    // g backward is the identity: the output gradient is whole on every rank, so each rank's
+    // (replicated) row-parallel bias gradient is already the whole one.
     copy<T>(be, dres2, a.output_grad);
-    matmul_backward<T>(be, dfch_gelu, grad(g, o.fcproj_w, {C, 4 * C}), grad(g, o.fcproj_b, {C}),
-                                a.output_grad, b.fch_gelu, param(p, o.fcproj_w, {C, 4 * C}));
+    matmul_backward<T>(be, dfch_gelu, grad(g, o.fcproj_w, {C, F}), grad(g, o.fcproj_b, {C}),
+                                a.output_grad, b.fch_gelu, param(p, o.fcproj_w, {C, F}));
     gelu_backward<T>(be, dfch, b.fch, dfch_gelu);
-    matmul_backward<T>(be, dln2, grad(g, o.fc_w, {4 * C, C}), grad(g, o.fc_b, {4 * C}), dfch,
-                                b.ln2, param(p, o.fc_w, {4 * C, C}));
+    matmul_backward<T>(be, dln2, grad(g, o.fc_w, {F, C}), grad(g, o.fc_b, {F}), dfch,
+                                b.ln2, param(p, o.fc_w, {F, C}));
+    // f backward: each rank's dln2 is its slice's share; the sum is the whole gradient.
+    nn::column_parallel_input_grad(tensor_parallel_, dln2);
     layernorm_backward<T>(be, dres2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), dln2,
                                    b.res2, param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
     // res2 = input + attn(ln1(input)).
     add_to<T>(be, a.input_grad, dres2);
-    matmul_backward<T>(be, datty, grad(g, o.proj_w, {C, C}), grad(g, o.proj_b, {C}), dres2,
-                                b.atty, param(p, o.proj_w, {C, C}));
-    attention_backward<T>(be, dqkv, datty, b.qkv, b.att, static_cast<int>(config_.num_heads));
-    matmul_backward<T>(be, dln1, grad(g, o.qkv_w, {3 * C, C}), grad(g, o.qkv_b, {3 * C}), dqkv,
-                                b.ln1, param(p, o.qkv_w, {3 * C, C}));
+    matmul_backward<T>(be, datty, grad(g, o.proj_w, {C, Ca}), grad(g, o.proj_b, {C}), dres2,
+                                b.atty, param(p, o.proj_w, {C, Ca}));
+    attention_backward<T>(be, dqkv, datty, b.qkv, b.att, static_cast<int>(heads_));
+    matmul_backward<T>(be, dln1, grad(g, o.qkv_w, {3 * Ca, C}), grad(g, o.qkv_b, {3 * Ca}), dqkv,
+                                b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
+    nn::column_parallel_input_grad(tensor_parallel_, dln1);
     layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), dln1,
                                    a.input, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
   }
@@ -254,7 +317,7 @@ class Model {
     h.lnf = c.take({N, config_.channels});
     h.mean = c.take({N});
     h.rstd = c.take({N});
-    h.probs = c.take({N, config_.padded_vocab_size});
+    h.probs = c.take({N, vocab_rows_});
     h.losses = c.take({N});
     return h;
   }
@@ -264,11 +327,20 @@ class Model {
     HeadSaved h = carve_head(a.saved, s);
     layernorm_forward<T>(be, h.lnf, h.mean, h.rstd, a.input.reshape({N, C}),
                                   param(p, lnf_weight_, {C}), param(p, lnf_bias_, {C}));
-    // Logits land in the probs buffer; the cross-entropy turns them into probabilities in place.
-    matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {config_.padded_vocab_size, C}),
-                               Tensor<const T>{});
-    softmax_cross_entropy_forward<T>(be, h.losses, h.probs, h.probs,
-                                              a.targets.reshape({N}), config_.vocab_size);
+    // This rank's slice of the logits (a column-parallel use of wte) lands in the probs buffer;
+    // the vocab-parallel cross-entropy turns it into probabilities in place, exchanging only
+    // per-row statistics (max, sum of exps, target logit): the full logits never exist.
+    matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
+    const Tensor<const std::int32_t> targets = a.targets.reshape({N});
+    std::vector<double> statistics(static_cast<std::size_t>(3 * N));  // row max | sum of exps | target logit
+    Tensor<double> row_max(statistics.data(), {N}), partials(statistics.data() + N, {2, N});
+    vocab_parallel_cross_entropy_max<T>(be, row_max, h.probs, vocab_begin_, config_.vocab_size);
+    if (tensor_parallel_size_ > 1)
+      tensor_parallel_.all_reduce(std::span<double>(statistics.data(), static_cast<std::size_t>(N)), ReduceOp::max);
+    vocab_parallel_cross_entropy_partials<T>(be, h.probs, partials, h.probs, row_max, targets, vocab_begin_,
+                                             config_.vocab_size);
+    nn::sum_over_tensor_parallel(tensor_parallel_, partials);
+    vocab_parallel_cross_entropy_finish<T>(be, h.losses, h.probs, partials, targets);
     double sum = 0;
     for (T l : h.losses) sum += static_cast<double>(l);
     return sum;
@@ -281,18 +353,28 @@ class Model {
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");
     Tensor<T> dlnf = a.workspace.reshape({N, C});
     zero<T>(be, dlnf);
-    // dlogits overwrite the probabilities they are computed from.
-    softmax_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}),
-                                               config_.vocab_size, a.loss_scale);
-    matmul_backward<T>(be, dlnf, grad(g, wte_, {config_.padded_vocab_size, C}), Tensor<T>{},
-                                h.probs, h.lnf, param(p, wte_, {config_.padded_vocab_size, C}));
+    // dlogits overwrite the probabilities they are computed from (this rank's slice).
+    vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
+                                             config_.vocab_size, a.loss_scale);
+    matmul_backward<T>(be, dlnf, grad(g, wte_, {vocab_rows_, C}), Tensor<T>{}, h.probs, h.lnf,
+                       param(p, wte_, {vocab_rows_, C}));
+    // f backward of the column-parallel logits: sum the slices' shares of dlnf.
+    nn::column_parallel_input_grad(tensor_parallel_, dlnf);
     layernorm_backward<T>(be, a.input_grad.reshape({N, C}), grad(g, lnf_weight_, {C}),
                                    grad(g, lnf_bias_, {C}), dlnf, a.input.reshape({N, C}),
                                    param(p, lnf_weight_, {C}), h.mean, h.rstd);
   }
 
   Config config_;
+  // Collectives are not const; the model's forward and backward are (they change no member).
+  mutable CommunicatorRef tensor_parallel_;
+  std::int64_t tensor_parallel_size_ = 1, tensor_parallel_rank_ = 0;
   ParameterLayout layout_;
+  std::int64_t heads_ = 0;               //!< attention heads on this rank
+  std::int64_t attention_channels_ = 0;  //!< channels of this rank's heads (C / tp)
+  std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
+  std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
+  std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
   std::int64_t wte_ = 0, wpe_ = 0, lnf_weight_ = 0, lnf_bias_ = 0;
   std::vector<BlockOffsets> blocks_;
 };

@@ -1,0 +1,296 @@
+#pragma once
+//! \file Vocabulary-parallel embedding and cross-entropy on the CPU backend (Megatron's split of
+//! the vocabulary across a tensor-parallel group). Each kernel sees one rank's slice of the
+//! vocabulary, rows [vocab_begin, vocab_begin + slice rows) of the global (padded) table; the
+//! collectives between the steps are the caller's (docs/tensor_parallel.md). Columns or rows
+//! whose global id is >= the real vocabulary are padding: they never reach the max, the sums or
+//! the gradients, whichever rank holds them.
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/sum.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::vocab_parallel {
+
+//! Channels per task of the embedding backward (as embedding.hpp: no two threads share an
+//! element, and every element sums its contributions in (b, t) order).
+inline constexpr std::int64_t column_block = 64;
+//! Below this many elements a kernel stays on the calling thread.
+inline constexpr std::int64_t parallel_min_elements = 1 << 14;
+
+struct EmbeddingDims {
+  std::int64_t batch, seq, channels;
+};
+
+//! tokens [B, T] with ids >= 0, slice [rows, C], optional positions [maxT >= T, C], hidden [B, T, C].
+template <class H, class E>
+EmbeddingDims check_embedding(const Tensor<H>& hidden, const Tensor<const std::int32_t>& tokens,
+                              const Tensor<E>& slice, std::int64_t vocab_begin, const Tensor<E>& positions,
+                              const char* kernel, const char* hidden_name, const char* slice_name,
+                              const char* positions_name) {
+  if (tokens.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument tokens shape", tokens.shape(), "expected [B, T] (rank 2)");
+  if (slice.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument " + slice_name + " shape", slice.shape(),
+                "expected a [rows, C] slice of the token table (rank 2)");
+  if (vocab_begin < 0)
+    throw Error(std::string(kernel) + ": argument vocab_begin", vocab_begin, "must be >= 0");
+  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1), C = slice.extent(1);
+  if (!positions.empty()) {
+    check_shape(positions, Shape{positions.extent(0), C}, kernel, positions_name);
+    if (Tn > positions.extent(0))
+      throw Error(std::string(kernel) + ": argument tokens sequence length T", Tn,
+                  "must be <= the rows of " + std::string(positions_name) + " (" +
+                      detail::to_text(positions.extent(0)) + ")");
+  }
+  const std::int32_t* ids = tokens.data();
+  for (std::int64_t i = 0; i < B * Tn; ++i)
+    if (ids[i] < 0) [[unlikely]]
+      throw Error(std::string(kernel) + ": token at tokens[" + detail::to_text(i / Tn) + ", " +
+                      detail::to_text(i % Tn) + "]",
+                  ids[i], "token ids must be >= 0");
+  check_shape(hidden, Shape{B, Tn, C}, kernel, hidden_name);
+  return {B, Tn, C};
+}
+
+struct CrossEntropyDims {
+  std::int64_t rows, slice_columns, real_columns;  //!< real_columns: those with global id < vocab
+};
+
+//! logits [N, Vs] (leading axes are rows), 0 <= vocab_begin, 1 <= vocab; the slice's real
+//! columns are those with vocab_begin + j < vocab (possibly none).
+template <class T>
+CrossEntropyDims check_slice(const Tensor<T>& logits, std::int64_t vocab_begin, std::int64_t vocab,
+                             const char* kernel, const char* logits_name) {
+  if (logits.shape().rank() < 1)
+    throw Error(std::string(kernel) + ": argument " + logits_name + " shape", logits.shape(),
+                "expected [N, Vs] (rank >= 1)");
+  if (vocab_begin < 0)
+    throw Error(std::string(kernel) + ": argument vocab_begin", vocab_begin, "must be >= 0");
+  if (vocab < 1) throw Error(std::string(kernel) + ": argument vocab", vocab, "must be >= 1");
+  const std::int64_t rows = logits.shape().rows(), columns = logits.shape().cols();
+  return {rows, columns, std::clamp<std::int64_t>(vocab - vocab_begin, 0, columns)};
+}
+
+//! targets [N], each < vocab (negative = ignored row); checked before any work, since an
+//! exception cannot leave an OpenMP region.
+inline void check_targets(const Tensor<const std::int32_t>& targets, std::int64_t rows, std::int64_t vocab,
+                          const char* kernel) {
+  check_numel(targets, rows, kernel, "targets");
+  for (std::int64_t n = 0; n < rows; ++n)
+    if (targets[n] >= vocab) [[unlikely]]
+      throw Error(std::string(kernel) + ": targets[" + detail::to_text(n) + "]", targets[n],
+                  "must be < vocab (" + detail::to_text(vocab) + "), or negative to ignore the row");
+}
+
+}  // namespace loom::detail::vocab_parallel
+
+namespace loom::inline kernels {
+
+//! Vocabulary-parallel embedding forward: out[b,t,:] = wte_slice[tokens[b,t] - vocab_begin, :]
+//! where the token lies in this slice [vocab_begin, vocab_begin + rows), else 0; plus wpe[t,:]
+//! when `wpe` is non-empty (one rank of the group adds it, the all-reduce sums the slices).
+//! Tokens must be >= 0; out [B,T,C], wte_slice [rows,C], wpe [maxT >= T, C].
+template <class T>
+void vocab_parallel_embedding_forward(const cpu& be, Tensor<T> out, Tensor<const std::int32_t> tokens,
+                                      Tensor<const T> wte_slice, std::int64_t vocab_begin, Tensor<const T> wpe) {
+  namespace d = detail::vocab_parallel;
+  const d::EmbeddingDims dims = d::check_embedding(out, tokens, wte_slice, vocab_begin, wpe,
+                                                   "vocab_parallel_embedding_forward", "out", "wte_slice", "wpe");
+  const std::int64_t Tn = dims.seq, C = dims.channels, rows = dims.batch * dims.seq;
+  const std::int64_t slice_rows = wte_slice.extent(0);
+  const std::int32_t* ids = tokens.data();
+  const T* te = wte_slice.data();
+  const T* pe = wpe.data();  // nullptr when empty
+  T* o_all = out.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
+    if (rows * C >= d::parallel_min_elements)
+  for (std::int64_t bt = 0; bt < rows; ++bt) {
+    const std::int64_t local = static_cast<std::int64_t>(ids[bt]) - vocab_begin;
+    const T* token_row = local >= 0 && local < slice_rows ? te + local * C : nullptr;
+    const T* position_row = pe != nullptr ? pe + (bt % Tn) * C : nullptr;
+    T* o = o_all + bt * C;
+    // The same expression as embedding_forward where both rows are present, so that the
+    // owning rank reproduces its sums bit for bit.
+    if (token_row && position_row)
+      for (std::int64_t i = 0; i < C; ++i) o[i] = token_row[i] + position_row[i];
+    else if (token_row)
+      std::copy(token_row, token_row + C, o);
+    else if (position_row)
+      std::copy(position_row, position_row + C, o);
+    else
+      std::fill(o, o + C, T(0));
+  }
+}
+
+//! Backward of vocab_parallel_embedding_forward, accumulating: dwte_slice[tokens[b,t] -
+//! vocab_begin] += dout[b,t] for tokens in this slice (others are another rank's rows), and
+//! dwpe[t] += sum over b of dout[b,t] when `dwpe` is non-empty (every rank holds wpe whole and
+//! gets its whole gradient). Deterministic for any thread count.
+template <class T>
+void vocab_parallel_embedding_backward(const cpu& be, Tensor<T> dwte_slice, std::int64_t vocab_begin,
+                                       Tensor<T> dwpe, Tensor<const T> dout,
+                                       Tensor<const std::int32_t> tokens) {
+  namespace d = detail::vocab_parallel;
+  const d::EmbeddingDims dims = d::check_embedding(dout, tokens, dwte_slice, vocab_begin, dwpe,
+                                                   "vocab_parallel_embedding_backward", "dout", "dwte_slice", "dwpe");
+  const std::int64_t Tn = dims.seq, C = dims.channels, rows = dims.batch * dims.seq;
+  const std::int64_t slice_rows = dwte_slice.extent(0);
+  const std::int32_t* ids = tokens.data();
+  const T* g_all = dout.data();
+  T* dte = dwte_slice.data();
+  T* dpe = dwpe.data();  // nullptr when empty
+  const std::int64_t blocks = (C + d::column_block - 1) / d::column_block;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
+    if (blocks > 1 && rows * C >= d::parallel_min_elements)
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    const std::int64_t j0 = blk * d::column_block, j1 = std::min(C, j0 + d::column_block);
+    for (std::int64_t bt = 0; bt < rows; ++bt) {
+      const T* g = g_all + bt * C;
+      const std::int64_t local = static_cast<std::int64_t>(ids[bt]) - vocab_begin;
+      if (local >= 0 && local < slice_rows) {
+        T* token_row = dte + local * C;
+        for (std::int64_t j = j0; j < j1; ++j) token_row[j] += g[j];
+      }
+      if (dpe != nullptr) {
+        T* position_row = dpe + (bt % Tn) * C;
+        for (std::int64_t j = j0; j < j1; ++j) position_row[j] += g[j];
+      }
+    }
+  }
+}
+
+//! Vocabulary-parallel cross-entropy, step 1 of 3: row_max[n] = the largest logits[n, j] over
+//! this slice's real columns (vocab_begin + j < vocab), or the lowest double where the slice
+//! has none (all padding). The caller then all-reduces `row_max` [N] with max over the group.
+template <class T>
+void vocab_parallel_cross_entropy_max(const cpu& be, Tensor<double> row_max, Tensor<const T> logits,
+                                      std::int64_t vocab_begin, std::int64_t vocab) {
+  namespace d = detail::vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_max";
+  const d::CrossEntropyDims dims = d::check_slice(logits, vocab_begin, vocab, kernel, "logits");
+  check_numel(row_max, dims.rows, kernel, "row_max");
+  const std::int64_t Vs = dims.slice_columns, real = dims.real_columns;
+  const T* x_all = logits.data();
+  double* m = row_max.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (dims.rows * Vs >= d::parallel_min_elements)
+  for (std::int64_t n = 0; n < dims.rows; ++n)
+    m[n] = real > 0 ? static_cast<double>(Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x_all + n * Vs, real).maxCoeff())
+                    : std::numeric_limits<double>::lowest();
+}
+
+//! Vocabulary-parallel cross-entropy, step 2 of 3, given the global `row_max` [N]: writes
+//! exps[n,j] = exp(logits[n,j] - row_max[n]) on the real columns and 0 on padding (`exps` may
+//! alias `logits`), and `partials` [2, N]: row 0 the slice's sum of exps (in double), row 1
+//! logits[n, target - vocab_begin] - row_max[n] where this slice holds row n's target, else 0.
+//! The caller then all-reduces `partials` with sum over the group.
+template <class T>
+void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor<double> partials,
+                                           Tensor<const T> logits, Tensor<const double> row_max,
+                                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                                           std::int64_t vocab) {
+  namespace d = detail::vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_partials";
+  const d::CrossEntropyDims dims = d::check_slice(logits, vocab_begin, vocab, kernel, "logits");
+  check_shape(exps, logits.shape(), kernel, "exps");
+  check_numel(row_max, dims.rows, kernel, "row_max");
+  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  d::check_targets(targets, dims.rows, vocab, kernel);
+  const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
+  const T* x_all = logits.data();
+  T* e_all = exps.data();
+  const double* m = row_max.data();
+  double* sums = partials.data();
+  double* shifted_targets = partials.data() + N;
+  const std::int32_t* target_data = targets.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const T* x = x_all + n * Vs;
+    T* e = e_all + n * Vs;  // may be x: each element is read before it is written
+    const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
+    // As softmax_cross_entropy_forward: the target logit is read before e may overwrite it, and
+    // shifted in double, so that the loss stays exact where its probability underflows.
+    shifted_targets[n] = target_data[n] >= 0 && local_target >= 0 && local_target < real
+                             ? static_cast<double>(x[local_target]) - m[n]
+                             : 0.0;
+    if (real > 0) {
+      const T max = static_cast<T>(m[n]);  // exact: the global max is one of the logits
+      Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(e, real) =
+          (Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x, real) - max).exp();
+    }
+    sums[n] = detail::sum_as_double(e, real);
+    std::fill(e + real, e + Vs, T(0));
+  }
+}
+
+//! Vocabulary-parallel cross-entropy, step 3 of 3, given the group's summed `partials` [2, N]:
+//! probs[n, :] = exps[n, :] / sum[n] in place (`probs` holds the exps of step 2), and
+//! losses[n] = log(sum[n]) - shifted_target[n], 0 where targets[n] < 0. Every rank of the group
+//! computes the same losses.
+template <class T>
+void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<T> losses, Tensor<T> probs,
+                                         Tensor<const double> partials, Tensor<const std::int32_t> targets) {
+  namespace d = detail::vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
+  if (probs.shape().rank() < 1)
+    throw Error(std::string(kernel) + ": argument probs shape", probs.shape(), "expected [N, Vs] (rank >= 1)");
+  const std::int64_t N = probs.shape().rows(), Vs = probs.shape().cols();
+  check_numel(losses, N, kernel, "losses");
+  check_numel(partials, 2 * N, kernel, "partials");
+  check_numel(targets, N, kernel, "targets");
+  T* p_all = probs.data();
+  T* loss = losses.data();
+  const double* sums = partials.data();
+  const double* shifted_targets = partials.data() + N;
+  const std::int32_t* target_data = targets.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
+  for (std::int64_t n = 0; n < N; ++n) {
+    Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(p_all + n * Vs, Vs) *= static_cast<T>(1.0 / sums[n]);
+    loss[n] = target_data[n] >= 0 ? static_cast<T>(std::log(sums[n]) - shifted_targets[n]) : T(0);
+  }
+}
+
+//! Vocabulary-parallel cross-entropy backward: WRITES (does not accumulate) `dlogits` [N, Vs] =
+//! scale * (probs - onehot(target)) on this slice's real columns (the one-hot only on the rank
+//! whose slice holds the target), 0 on padding and on rows whose target is negative.
+//! `dlogits` may alias `probs`. `scale` is d(total loss)/d(per-row loss).
+template <class T>
+void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> probs,
+                                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                                           std::int64_t vocab, T scale) {
+  namespace d = detail::vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
+  const d::CrossEntropyDims dims = d::check_slice(probs, vocab_begin, vocab, kernel, "probs");
+  check_shape(dlogits, probs.shape(), kernel, "dlogits");
+  d::check_targets(targets, dims.rows, vocab, kernel);
+  const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
+  const T* p_all = probs.data();
+  T* g_all = dlogits.data();
+  const std::int32_t* target_data = targets.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const T* p = p_all + n * Vs;
+    T* g = g_all + n * Vs;  // may be p
+    if (target_data[n] < 0) {
+      std::fill(g, g + Vs, T(0));
+      continue;
+    }
+    const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
+    const bool owns_target = local_target >= 0 && local_target < real;
+    const T target_prob = owns_target ? p[local_target] : T(0);  // read before g (maybe p) is written
+    for (std::int64_t i = 0; i < real; ++i) g[i] = scale * p[i];
+    if (owns_target) g[local_target] = scale * (target_prob - T(1));
+    std::fill(g + real, g + Vs, T(0));
+  }
+}
+
+}  // namespace loom::inline kernels
