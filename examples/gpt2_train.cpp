@@ -6,6 +6,7 @@
 //   gpt2_train --demo --dp 4                            # DDP over 4 thread ranks, one process
 //   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
 //   gpt2_train --demo --dp 2 --zero 3                   # ZeRO-3 (FSDP FULL_SHARD) over 2 ranks
+//   gpt2_train --demo --dp 2 --tp 2                     # 4 ranks: 2 replicas of a 2-way TP model
 //
 // One idea: a Trainer composed of a Model, an Optimizer, a Schedule and a Strategy runs a step on
 // a global batch; every rank passes the same global batch and trains on its slice; everything
@@ -61,6 +62,7 @@ struct Options {
   double peak_tflops = 0;
   std::int64_t log_every = 1;
   int dp = 1;
+  int tp = 1;
   int zero = 0;
   int prefetch = 1;
   std::string comm = "threads";
@@ -148,9 +150,11 @@ void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m
 }
 
 template <class Strategy, class Opt, class Group>
-int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int threads) {
+int train(const Options& o, Opt optimizer, loom::Mesh<Group>& mesh, Strategy strategy, int threads) {
   using namespace loom;
-  const bool lead = group.rank() == 0;
+  Group& group = mesh.data_parallel();
+  Group& world = mesh.world();
+  const bool lead = world.rank() == 0;
   const gpt2::Config config = model_config(o);
   const Source data = open_data(o, config.vocab_size);
   LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
@@ -169,7 +173,7 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
                                 .min_lr_factor = o.min_lr_factor};
   schedule.validate();
   Trainer<gpt2::Model<cpu, float>, Opt, GradientAccumulation, Strategy> trainer(
-      backend, group, gpt2::Model<cpu, float>(config), optimizer, schedule,
+      backend, mesh, gpt2::Model<cpu, float>(config, mesh.tensor_parallel()), optimizer, schedule,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy);
   if (!o.init.empty()) {
     // Every rank reads the file and keeps its part (the whole model, or its ZeRO shard).
@@ -186,8 +190,8 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
               static_cast<long long>(config.stored_parameter_count()), backend.threads(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
               static_cast<long long>(micro), static_cast<long long>(o.batch / (micro * group.size())));
-  std::printf("  strategy %s over %d rank(s) (%s)\n", detail::to_text(strategy).c_str(), group.size(),
-              group.size() == 1 ? "one rank" : o.comm.c_str());
+  std::printf("  strategy %s over %d rank(s) (%s), mesh %s\n", detail::to_text(strategy).c_str(), world.size(),
+              world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str());
   std::visit([&](const auto& src) {
     if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>)
       std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
@@ -221,7 +225,7 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
       std::fflush(stdout);
     }
     if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
-    if (s == 0 && group.size() > 1) print_memory_per_rank(group, mem);
+    if (s == 0 && world.size() > 1) print_memory_per_rank(world, mem);
     if constexpr (requires { trainer.engine().plan(); })
       if (s == 0 && lead) print_zero_memory(trainer.engine().plan(), mem, strategy, Opt::state_slots);
     if (metrics.is_open()) {
@@ -248,18 +252,22 @@ int train(const Options& o, Opt optimizer, Group& group, Strategy strategy, int 
 
 //! Picks the optimizer and the strategy (SingleRank on one rank, DataParallel on more).
 template <class Group>
-int train_on(const Options& o, Group& group, int threads) {
+int train_on(const Options& o, Group& world, int threads) {
+  LOOM_CHECK(world.size() % o.tp == 0, "--tp", o.tp,
+             "must divide the number of ranks (" + std::to_string(world.size()) + ")");
+  loom::Mesh<Group> mesh(world, {.dp = world.size() / o.tp, .tp = o.tp, .pp = 1});
+  Group& group = mesh.data_parallel();
   const auto with_strategy = [&](auto optimizer) {
     const std::size_t bucket_bytes = o.bucket_mib << 20;
     switch (o.zero) {
-      case 1: return train(o, optimizer, group, loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
-      case 2: return train(o, optimizer, group, loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
+      case 1: return train(o, optimizer, mesh, loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
+      case 2: return train(o, optimizer, mesh, loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
       case 3:
-        return train(o, optimizer, group,
+        return train(o, optimizer, mesh,
                      loom::Zero<3>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap, .prefetch = o.prefetch}, threads);
       default:
-        if (group.size() == 1) return train(o, optimizer, group, loom::SingleRank{}, threads);
-        return train(o, optimizer, group, loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
+        if (group.size() == 1) return train(o, optimizer, mesh, loom::SingleRank{}, threads);
+        return train(o, optimizer, mesh, loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
     }
   };
   if (o.optimizer == "sgd") return with_strategy(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
@@ -271,8 +279,8 @@ int run(const Options& o, int& argc, char**& argv) {
   if (o.comm == "mpi") {
 #if LOOM_EXAMPLE_WITH_MPI
     return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
-      LOOM_CHECK(o.dp == 1 || o.dp == world.size(), "--dp", o.dp,
-                 "must equal the MPI world size (" + std::to_string(world.size()) + ") with --comm mpi");
+      LOOM_CHECK(o.dp == 1 || o.dp * o.tp == world.size(), "--dp", o.dp,
+                 "x --tp must equal the MPI world size (" + std::to_string(world.size()) + ") with --comm mpi");
       // Each process uses --threads (0 = every core of its machine).
       const int code = train_on(o, world, o.threads);
       if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
@@ -281,14 +289,15 @@ int run(const Options& o, int& argc, char**& argv) {
     throw loom::Error("--comm", o.comm, "this gpt2_train was built without MPI (install libopenmpi-dev and rebuild)");
 #endif
   }
-  if (o.dp == 1) {
+  const int ranks = o.dp * o.tp;
+  if (ranks == 1) {
     loom::SelfCommunicator self;
     return train_on(o, self, o.threads);
   }
   // Thread ranks share the cores: each gets its share of --threads (at least one).
-  const int per_rank = std::max(1, cores / o.dp);
+  const int per_rank = std::max(1, cores / ranks);
   int code = 0;
-  loom::threads::run(o.dp, [&](loom::threads::Communicator& comm) {
+  loom::threads::run(ranks, [&](loom::threads::Communicator& comm) {
     const int c = train_on(o, comm, per_rank);
     if (comm.rank() == 0) code = c;
   });
@@ -343,6 +352,10 @@ int main(int argc, char** argv) {
   app.add_option("--dp", o.dp,
                  "Data-parallel ranks (DDP). With --comm threads: thread ranks in this process, sharing "
                  "--threads; with --comm mpi: must equal the MPI world size (or be left at 1 to take it)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--tp", o.tp,
+                 "Tensor-parallel ranks per model replica (Megatron's split; heads, channels and the padded "
+                 "vocabulary must divide by it). Ranks = dp x tp")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--comm", o.comm, "Communicator: threads (ranks as threads) or mpi (run under mpirun)")
       ->capture_default_str()->check(CLI::IsMember({"threads", "mpi"}));

@@ -18,7 +18,7 @@ struct BrokenStrategy {
     void on_backward(int, bool) {}
     void finish_gradients() {}
     double global_sum(double x) { return x; }
-    double grad_sum_of_squares() { return 0; }
+    double grad_sum_of_squares(bool) { return 0; }
     template <class O>
     void update(const O&, double, std::int64_t, double) {}
 #else

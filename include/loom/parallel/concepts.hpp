@@ -50,7 +50,7 @@ concept StrategyEngine = requires(E& e, int layer, bool last, double x) {
   e.on_backward(layer, last);
   e.finish_gradients();
   { e.global_sum(x) } -> std::convertible_to<double>;
-  { e.grad_sum_of_squares() } -> std::convertible_to<double>;
+  { e.grad_sum_of_squares(last) } -> std::convertible_to<double>;  // count TP-replicated ones?
 };
 
 }  // namespace loom

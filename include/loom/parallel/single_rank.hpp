@@ -50,8 +50,13 @@ class ReplicatedEngine {
   ParameterView<T> backward_grads(int /*layer*/) noexcept { return ParameterView<T>(grads_.data()); }
 
   void begin_step() { grads_.zero(); }
-  //! Every rank holds the whole (reduced) gradient, so the local sum counts each element once.
-  double grad_sum_of_squares() const { return sum_of_squares<T>(*backend_, Tensor<const T>(grads_.view())); }
+  //! Every rank holds the whole (reduced) gradient, so the local sum counts each element once;
+  //! parameters replicated over tensor parallelism only when `count_replicated`.
+  double grad_sum_of_squares(bool count_replicated = true) const {
+    const std::int64_t total = layout_->total();
+    return gradient_sum_of_squares(*backend_, *layout_,
+                                   FlatRange<T>{.begin = 0, .end = total, .grads = grads_.data()}, count_replicated);
+  }
 
   //! Scales the gradients by `grad_scale` (clipping) and applies `optimizer` to every
   //! parameter at learning rate `lr` for step `step` (from 1).

@@ -20,6 +20,7 @@
 #include "loom/optim/concepts.hpp"
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/parallel/concepts.hpp"
+#include "loom/parallel/mesh.hpp"
 #include "loom/parallel/single_rank.hpp"
 #include "loom/schedule/concepts.hpp"
 #include "loom/schedule/gradient_accumulation.hpp"
@@ -68,7 +69,7 @@ class Trainer {
   template <LrSchedule L>
   Trainer(backend_type& backend, M model, O optimizer, L lr, TrainerOptions options = {},
           St strategy = {}, S schedule = {})
-      : Trainer(backend, CommunicatorRef{}, std::move(model), std::move(optimizer), std::move(lr),
+      : Trainer(backend, CommunicatorRef{}, CommunicatorRef{}, std::move(model), std::move(optimizer), std::move(lr),
                 options, std::move(strategy), std::move(schedule)) {}
 
   //! Data-parallel training over `group` (which must outlive the Trainer): every rank passes the
@@ -77,8 +78,22 @@ class Trainer {
   template <Communicator C, LrSchedule L>
   Trainer(backend_type& backend, C& group, M model, O optimizer, L lr, TrainerOptions options = {},
           St strategy = {}, S schedule = {})
-      : Trainer(backend, CommunicatorRef(group), std::move(model), std::move(optimizer),
+      : Trainer(backend, CommunicatorRef(group), CommunicatorRef{}, std::move(model), std::move(optimizer),
                 std::move(lr), options, std::move(strategy), std::move(schedule)) {}
+
+  //! Training on a DP × TP mesh (which must outlive the Trainer): `model` is this rank's
+  //! tensor-parallel shard, built over `mesh.tensor_parallel()`; the strategy works over
+  //! `mesh.data_parallel()`. Every rank passes the same global batch; the ranks of a TP group
+  //! train on the same slice. Pipeline stages (pp > 1) are rejected: this Trainer runs one stage.
+  template <Communicator C, LrSchedule L>
+  Trainer(backend_type& backend, Mesh<C>& mesh, M model, O optimizer, L lr, TrainerOptions options = {},
+          St strategy = {}, S schedule = {})
+      : Trainer(backend, CommunicatorRef(mesh.data_parallel()), CommunicatorRef(mesh.tensor_parallel()),
+                std::move(model), std::move(optimizer), std::move(lr), options, std::move(strategy),
+                std::move(schedule)) {
+    // Before any step (the engines' constructors communicate nothing, so no rank waits here).
+    check_mesh(mesh, model_);
+  }
 
   //! One optimizer step on `global`, anything with `tokens_view()` and `targets_view()`
   //! returning [batch, seq] int32 tensors (io::Batch).
@@ -110,7 +125,7 @@ class Trainer {
 
     StepMetrics m;
     m.loss = engine_.global_sum(loss_sum) / static_cast<double>(target_tokens);
-    m.grad_norm = std::sqrt(engine_.grad_sum_of_squares());
+    m.grad_norm = std::sqrt(gradient_sum_of_squares());
     double grad_scale = 1.0;
     if (options_.clip_grad_norm > 0 && m.grad_norm > options_.clip_grad_norm)
       grad_scale = options_.clip_grad_norm / (m.grad_norm + 1e-6);
@@ -181,6 +196,9 @@ class Trainer {
   const St& strategy() const noexcept { return strategy_; }
   //! The strategy's engine (its buffers, and e.g. DataParallel's buckets).
   const Engine& engine() const noexcept { return engine_; }
+  //! This rank's place in the tensor-parallel group (size 1 without tensor parallelism).
+  int tensor_parallel_rank() const { return tensor_parallel_.rank(); }
+  int tensor_parallel_size() const { return tensor_parallel_.size(); }
   //! This rank's place in the data-parallel group.
   int data_parallel_rank() const { return group_.rank(); }
   int data_parallel_size() const { return group_.size(); }
@@ -189,10 +207,11 @@ class Trainer {
   using T = scalar_type;
 
   template <LrSchedule L>
-  Trainer(backend_type& backend, CommunicatorRef group, M model, O optimizer, L lr,
-          TrainerOptions options, St strategy, S schedule)
+  Trainer(backend_type& backend, CommunicatorRef group, CommunicatorRef tensor_parallel, M model, O optimizer,
+          L lr, TrainerOptions options, St strategy, S schedule)
       : backend_(&backend),
         group_(group),
+        tensor_parallel_(tensor_parallel),
         model_(std::move(model)),
         optimizer_(std::move(optimizer)),
         schedule_(std::move(schedule)),
@@ -211,6 +230,28 @@ class Trainer {
     std::vector<std::vector<ElementRange>> out;
     for (int l = 0; l < model.num_layers(); ++l) out.push_back(model.layer_parameters(l));
     return out;
+  }
+
+  //! The model must be split over the mesh's tensor-parallel group, and there is one stage.
+  template <class C>
+  static void check_mesh(Mesh<C>& mesh, const M& model) {
+    LOOM_CHECK(mesh.shape().pp == 1, "trainer: mesh pipeline stages", mesh.shape().pp,
+               "this Trainer runs one pipeline stage (pp = 1); pipeline stages need the pipeline executor");
+    if constexpr (requires { model.tensor_parallel_size(); })
+      LOOM_CHECK(model.tensor_parallel_size() == mesh.shape().tp, "trainer: the model's tensor-parallel ranks",
+                 model.tensor_parallel_size(),
+                 "must equal the mesh's tp (" + detail::to_text(mesh.shape().tp) +
+                     "): build the model over mesh.tensor_parallel()");
+  }
+
+  //! The squared global gradient norm: each data-parallel group's strategy counts its elements
+  //! once; over tensor parallelism the split parameters add up across the group and the
+  //! replicated ones (identical on every TP rank) count once, from TP rank 0.
+  double gradient_sum_of_squares() {
+    if (tensor_parallel_.size() == 1) return engine_.grad_sum_of_squares(true);
+    double sum = engine_.grad_sum_of_squares(tensor_parallel_.rank() == 0);
+    tensor_parallel_.all_reduce(std::span<double>(&sum, 1), ReduceOp::sum);
+    return sum;
   }
 
   static void validate(const TrainerOptions& o) {
@@ -347,6 +388,7 @@ class Trainer {
 
   backend_type* backend_;
   CommunicatorRef group_;
+  CommunicatorRef tensor_parallel_;
   M model_;
   O optimizer_;
   S schedule_;

@@ -386,11 +386,17 @@ class ZeroEngine {
     context_.group.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
     return local;
   }
-  //! Each element is in exactly one rank's pieces (padding excluded): sum them, then over ranks.
-  double grad_sum_of_squares() {
+  //! Each element is in exactly one rank's pieces (padding excluded): sum them, then over ranks;
+  //! parameters replicated over tensor parallelism only when `count_replicated`.
+  double grad_sum_of_squares(bool count_replicated = true) {
     double local = 0;
-    for (const ShardUnit& u : plan_.units())
-      local += sum_of_squares<T>(*context_.backend, Tensor<const T>(grads_.owned(u), Shape{plan_.owned_count(u)}));
+    for (const ShardUnit& u : plan_.units()) {
+      const std::int64_t begin = plan_.owned_begin(u);
+      local += detail::gradient_sum_of_squares(
+          *context_.backend, *layout_,
+          detail::FlatRange<T>{.begin = begin, .end = begin + plan_.owned_count(u), .grads = grads_.owned(u)},
+          count_replicated);
+    }
     return global_sum(local);
   }
 
