@@ -24,6 +24,7 @@
 #include "loom/parallel/mesh.hpp"
 #include "loom/parallel/shard_plan.hpp"
 #include "loom/parallel/single_rank.hpp"
+#include "loom/parallel/stage_partition.hpp"
 #include "loom/parallel/trainer.hpp"
 #include "loom/parallel/zero.hpp"
 #include "loom/schedule/gpipe.hpp"
