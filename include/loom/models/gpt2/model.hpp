@@ -332,7 +332,9 @@ class Model {
     // per-row statistics (max, sum of exps, target logit): the full logits never exist.
     matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
     const Tensor<const std::int32_t> targets = a.targets.reshape({N});
-    std::vector<double> statistics(static_cast<std::size_t>(3 * N));  // row max | sum of exps | target logit
+    // Row max | sum of exps | target logit, in double; kept between calls so a step allocates nothing.
+    std::vector<double>& statistics = head_statistics_;
+    if (statistics.size() < static_cast<std::size_t>(3 * N)) statistics.resize(static_cast<std::size_t>(3 * N));
     Tensor<double> row_max(statistics.data(), {N}), partials(statistics.data() + N, {2, N});
     vocab_parallel_cross_entropy_max<T>(be, row_max, h.probs, vocab_begin_, config_.vocab_size);
     if (tensor_parallel_size_ > 1)
@@ -377,6 +379,7 @@ class Model {
   std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
   std::int64_t wte_ = 0, wpe_ = 0, lnf_weight_ = 0, lnf_bias_ = 0;
   std::vector<BlockOffsets> blocks_;
+  mutable std::vector<double> head_statistics_;  //!< the head's per-row cross-entropy statistics
 };
 
 }  // namespace loom::gpt2
