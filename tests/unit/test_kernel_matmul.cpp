@@ -1,5 +1,6 @@
 // matmul kernels: forward and backward against plain loops, backward against central
-// differences, the accumulate convention, optional arguments, shape checks and determinism.
+// differences, the accumulate convention, optional arguments (an empty din, dweight or dbias is
+// skipped, and a split backward gives one call's bits), shape checks and determinism.
 
 #include <doctest/doctest.h>
 
@@ -63,10 +64,10 @@ Grads<T> zero_grads(const Case& c) {
 
 template <class T>
 void run_backward(const cpu& be, Grads<T>& g, const std::vector<T>& dout, const Data<T>& d,
-                  const Case& c, bool with_din = true, bool with_dbias = true) {
+                  const Case& c, bool with_din = true, bool with_dbias = true, bool with_dweight = true) {
   loom::kernels::matmul_backward<T>(
       be, with_din ? Tensor<T>(g.din.data(), rows_shape(c, c.C)) : Tensor<T>{},
-      Tensor<T>(g.dweight.data(), {c.OC, c.C}),
+      with_dweight ? Tensor<T>(g.dweight.data(), {c.OC, c.C}) : Tensor<T>{},
       with_dbias ? Tensor<T>(g.dbias.data(), {c.OC}) : Tensor<T>{},
       Tensor<const T>(dout.data(), rows_shape(c, c.OC)), Tensor<const T>(d.in.data(), rows_shape(c, c.C)),
       Tensor<const T>(d.weight.data(), {c.OC, c.C}));
@@ -209,6 +210,40 @@ TEST_CASE("matmul_backward skips an empty din and dbias") {
   CHECK(partial.dweight == full.dweight);
   for (double x : partial.din) CHECK(x == 0.0);
   for (double x : partial.dbias) CHECK(x == 0.0);
+}
+
+TEST_CASE_TEMPLATE("matmul_backward skips an empty dweight; split calls give one call's bits", T, float, double) {
+  // An empty dweight (and dbias) is the input-gradient pass of a split backward, an empty din
+  // the weight-gradient pass: together they must accumulate exactly what one call does.
+  const cpu be(2);
+  for (const Case& c : {Case{2, 3, 5, 3, true}, Case{2, 67, 129, 263, true}}) {
+    CAPTURE(c.T);
+    const auto d = make_data<T>(c, 71);
+    const auto dout = loom::test::random_vector<T>(c.B * c.T * c.OC, 72);
+    const Grads<T> prior{loom::test::random_vector<T>(c.B * c.T * c.C, 73),
+                         loom::test::random_vector<T>(c.OC * c.C, 74), loom::test::random_vector<T>(c.OC, 75)};
+    auto full = prior;
+    run_backward(be, full, dout, d, c);
+    auto no_weight = prior;
+    run_backward(be, no_weight, dout, d, c, /*with_din=*/true, /*with_dbias=*/true, /*with_dweight=*/false);
+    CHECK(no_weight.din == full.din);
+    CHECK(no_weight.dbias == full.dbias);
+    CHECK(no_weight.dweight == prior.dweight);  // untouched
+    auto split = prior;
+    run_backward(be, split, dout, d, c, /*with_din=*/true, /*with_dbias=*/false, /*with_dweight=*/false);
+    CHECK(split.dweight == prior.dweight);
+    CHECK(split.dbias == prior.dbias);
+    run_backward(be, split, dout, d, c, /*with_din=*/false, /*with_dbias=*/true, /*with_dweight=*/true);
+    CHECK(split.din == full.din);
+    CHECK(split.dweight == full.dweight);
+    CHECK(split.dbias == full.dbias);
+    // All three empty: nothing to do, nothing touched.
+    auto none = prior;
+    run_backward(be, none, dout, d, c, false, false, false);
+    CHECK(none.din == prior.din);
+    CHECK(none.dweight == prior.dweight);
+    CHECK(none.dbias == prior.dbias);
+  }
 }
 
 TEST_CASE_TEMPLATE("matmul kernels give the same bits on repeated runs with 2 threads", T, float, double) {

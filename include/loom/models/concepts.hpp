@@ -1,5 +1,6 @@
 #pragma once
-//! \file The Model concept and the arguments a layer's forward and backward receive.
+//! \file The Model and SplitBackwardModel concepts and the arguments a layer's forward and
+//! backward receive.
 
 #include <concepts>
 #include <cstdint>
@@ -66,6 +67,37 @@ concept Model =
       { m.forward(be, layer, params, fwd) } -> std::convertible_to<double>;
       m.backward(be, layer, params, grads, bwd);
       { m.flops_per_token(shape.seq) } -> std::convertible_to<double>;
+    };
+
+//! A Model whose backward also splits into an input-gradient pass and a weight-gradient pass,
+//! for zero-bubble pipeline schedules (ZeroBubbleH1: I on the critical path, W deferred).
+//!
+//! - `stash_elements(layer, shape)`: elements the caller keeps per micro-batch from a layer's
+//!   `backward_input` until its `backward_weight` (0 where the layer keeps nothing).
+//! - `backward_input(be, layer, params, grads, args, stash)`: the same BackwardArgs as
+//!   `backward`. Accumulates `input_grad` (+=) completely, may also accumulate cheap parameter
+//!   gradients (layernorm weights and biases), does every tensor-parallel collective the
+//!   backward needs, and fills `stash` with what the weight pass needs. It may overwrite
+//!   `saved`, as `backward` may.
+//! - `backward_weight(be, layer, params, grads, args, stash)`: runs later, possibly after other
+//!   micro-batches' work has reused the caller's buffers. It reads `args.input`, `args.saved`
+//!   (as `backward_input` left it), `args.tokens`, `args.targets` and `stash`, and accumulates
+//!   the remaining parameter gradients (+=). It never reads `args.output_grad`,
+//!   `args.input_grad` (the caller passes them empty) or what the I pass left in
+//!   `args.workspace`, and it communicates nothing.
+//!
+//! Contract: `backward_input` then `backward_weight` accumulate the same parameter gradients
+//! and input gradient as `backward` (the same kernel calls on the same operands, so the same
+//! bits on a deterministic backend).
+template <class M>
+concept SplitBackwardModel =
+    Model<M> &&
+    requires(const M& m, typename M::backend_type& be, int layer, MicroBatchShape shape,
+             ParameterView<const typename M::scalar_type> params, ParameterView<typename M::scalar_type> grads,
+             const BackwardArgs<typename M::scalar_type>& bwd, Tensor<typename M::scalar_type> stash) {
+      { m.stash_elements(layer, shape) } -> std::convertible_to<std::int64_t>;
+      m.backward_input(be, layer, params, grads, bwd, stash);
+      m.backward_weight(be, layer, params, grads, bwd, stash);
     };
 
 }  // namespace loom

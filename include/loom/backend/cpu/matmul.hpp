@@ -92,7 +92,9 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
 }
 
 //! Backward of matmul_forward, accumulating: din[N,C] += dout·weight, dweight[OC,C] +=
-//! dout^T·in, dbias[OC] += column sums of dout. `din` and `dbias` may be empty (skipped).
+//! dout^T·in, dbias[OC] += column sums of dout. `din`, `dweight` and `dbias` may each be empty
+//! (skipped): an empty `dweight` and `dbias` give the input-gradient pass of a split backward, an
+//! empty `din` its weight-gradient pass; the two calls together compute the same bits as one.
 template <class T>
 void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight) {
@@ -102,7 +104,7 @@ void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> 
   const d::Dims dims = d::dims(in, weight, kernel);
   const std::int64_t N = dims.rows, C = dims.in_features, OC = dims.out_features;
   d::check_matrix(dout, N, OC, kernel, "dout");
-  check_shape(dweight, Shape{OC, C}, kernel, "dweight");
+  if (!dweight.empty()) check_shape(dweight, Shape{OC, C}, kernel, "dweight");
   if (!din.empty()) d::check_matrix(din, N, C, kernel, "din");
   if (!dbias.empty()) check_shape(dbias, Shape{OC}, kernel, "dbias");
   if (N == 0 || OC == 0) return;
@@ -112,7 +114,7 @@ void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> 
   if (C > 0) {
     const d::ConstMatrix<T> x(in.data(), N, C), w(weight.data(), OC, C);
     if (!din.empty()) d::Matrix<T>(din.data(), N, C).noalias() += g * w;
-    d::Matrix<T>(dweight.data(), OC, C).noalias() += g.transpose() * x;
+    if (!dweight.empty()) d::Matrix<T>(dweight.data(), OC, C).noalias() += g.transpose() * x;
   }
   if (!dbias.empty()) {
     const T* gd = dout.data();

@@ -1,7 +1,9 @@
 #pragma once
 //! \file GPT-2 (pre-LayerNorm, tied input/output embeddings) as a loom Model: layer 0 embeds,
 //! layers 1..L are transformer blocks, layer L+1 is the head (final norm, unembedding through
-//! wte, cross-entropy). Forward and backward are written out per layer, as in llm.c.
+//! wte, cross-entropy). Forward and backward are written out per layer, as in llm.c; the
+//! backward also splits into an input-gradient and a weight-gradient pass (SplitBackwardModel,
+//! for zero-bubble pipeline schedules).
 //! Under tensor parallelism (Megatron's split, docs/tensor_parallel.md) each rank holds its
 //! slice of the weights and computes its slice of the work; the collectives that join the
 //! slices happen inside forward and backward, over the model's tensor-parallel group.
@@ -165,8 +167,55 @@ class Model {
                                            a.tokens);
       return;
     }
-    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s);
+    if (layer == head_layer(config_))
+      return head_backward(be, params, grads, a, s, grad(grads, wte_, {vocab_rows_, C()}));
     block_backward(be, blocks_[layer - 1], params, grads, a, s);
+  }
+
+  //! Elements `layer` keeps per micro-batch from backward_input to backward_weight
+  //! (SplitBackwardModel), on this rank: 0 for the embedding (no weight pass) and the head (its
+  //! weight pass reads dlogits and lnf from `saved`); N·(2·C + 7·C/tp) for a block, N = B·T: the
+  //! output gradients of its four linear layers, which their weight GEMMs read: the block's
+  //! output gradient (mlp.proj) and dres2 (attn.proj), both whole, and this rank's dfch (mlp.fc,
+  //! 4·C/tp) and dqkv (attn.qkv, 3·C/tp).
+  std::int64_t stash_elements(int layer, MicroBatchShape s) const noexcept {
+    if (layer == embedding_layer || layer == head_layer(config_)) return 0;
+    return s.batch * s.seq * (2 * config_.channels + mlp_channels_ + 3 * attention_channels_);
+  }
+
+  //! The input-gradient pass of `layer`'s backward (SplitBackwardModel): the input gradient
+  //! (+=), the layernorm gradients and every tensor-parallel collective, with the linear layers'
+  //! weight GEMMs left to backward_weight; fills `stash` (stash_elements(layer, shape); may be
+  //! empty when that is 0). The embedding has no input gradient: its whole backward runs here.
+  void backward_input(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
+                      const BackwardArgs<T>& a, Tensor<T> stash) const {
+    const MicroBatchShape s = shape_of(a.tokens);
+    check_stash(stash, layer, s, "gpt2 backward_input");
+    if (layer == embedding_layer) return backward(be, layer, params, grads, a);
+    // The head's input pass is its backward without the tied-embedding gradient (dwte).
+    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, Tensor<T>{});
+    block_backward_input(be, blocks_[layer - 1], params, grads, a, s, stash);
+  }
+
+  //! The weight-gradient pass of `layer`'s backward, after its backward_input (other
+  //! micro-batches' work may run in between): the weight and bias gradients (+=) of the linear
+  //! layers from `saved` and `stash` as backward_input left them. Reads neither
+  //! `a.output_grad`, `a.input_grad` nor `a.workspace` (they may be empty), and communicates
+  //! nothing.
+  void backward_weight(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
+                       const BackwardArgs<T>& a, Tensor<T> stash) const {
+    const MicroBatchShape s = shape_of(a.tokens);
+    check_stash(stash, layer, s, "gpt2 backward_weight");
+    if (layer == embedding_layer) return;
+    if (layer == head_layer(config_)) {
+      // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the probabilities.
+      const std::int64_t C = config_.channels;
+      const HeadSaved h = carve_head(a.saved, s);
+      matmul_backward<T>(be, Tensor<T>{}, grad(grads, wte_, {vocab_rows_, C}), Tensor<T>{}, h.probs, h.lnf,
+                         param(params, wte_, {vocab_rows_, C}));
+      return;
+    }
+    block_backward_weight(be, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
  private:
@@ -268,41 +317,127 @@ class Model {
     return first_rank() ? param(p, offset, {config_.channels}) : Tensor<const T>{};
   }
 
-  void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
-                      const BackwardArgs<T>& a,
-                      MicroBatchShape s) const {
+  //! A block's backward scratch, carved from its workspace: the gradients w.r.t. res2, the
+  //! MLP's hidden units after and before GELU, ln2, the attention output, qkv and ln1.
+  struct BlockGrads {
+    Tensor<T> res2, fch_gelu, fch, ln2, atty, qkv, ln1;
+  };
+  BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
                        F = mlp_channels_;
-    BlockSaved b = carve_block(a.saved, s);
-    check_numel(a.workspace, workspace_elements(1, s), "gpt2 block backward", "workspace");
+    check_numel(workspace, workspace_elements(1, s), kernel, "workspace");
+    Carver w{workspace.data()};
+    BlockGrads d;
+    d.res2 = w.take({Bn, Tn, C});
+    d.fch_gelu = w.take({Bn, Tn, F});
+    d.fch = w.take({Bn, Tn, F});
+    d.ln2 = w.take({Bn, Tn, C});
+    d.atty = w.take({Bn, Tn, Ca});
+    d.qkv = w.take({Bn, Tn, 3 * Ca});
+    d.ln1 = w.take({Bn, Tn, C});
+    return d;
+  }
+
+  //! What a block's backward_input keeps for its backward_weight: the gradients w.r.t. the
+  //! outputs of its four linear layers (mlp.proj: the block output, attn.proj: res2, mlp.fc:
+  //! fch, attn.qkv: qkv), carved from its stash.
+  struct BlockStash {
+    Tensor<T> output, res2, fch, qkv;
+  };
+  BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
+    const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels;
+    Carver c{stash.data()};
+    BlockStash st;
+    st.output = c.take({Bn, Tn, C});
+    st.res2 = c.take({Bn, Tn, C});
+    st.fch = c.take({Bn, Tn, mlp_channels_});
+    st.qkv = c.take({Bn, Tn, 3 * attention_channels_});
+    return st;
+  }
+
+  //! The gradients of a block's four linear layers' weights and biases, or all empty (skipped).
+  struct BlockLinearGrads {
+    Tensor<T> fcproj_w, fcproj_b, fc_w, fc_b, proj_w, proj_b, qkv_w, qkv_b;
+  };
+  BlockLinearGrads block_linear_grads(ParameterView<T> g, const BlockOffsets& o) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    return {grad(g, o.fcproj_w, {C, F}), grad(g, o.fcproj_b, {C}), grad(g, o.fc_w, {F, C}), grad(g, o.fc_b, {F}),
+            grad(g, o.proj_w, {C, Ca}),  grad(g, o.proj_b, {C}),   grad(g, o.qkv_w, {3 * Ca, C}),
+            grad(g, o.qkv_b, {3 * Ca})};
+  }
+
+  void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                      const BackwardArgs<T>& a, MicroBatchShape s) const {
+    const BlockSaved b = carve_block(a.saved, s);
+    const BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
     zero<T>(be, a.workspace);
-    Carver w{a.workspace.data()};
-    Tensor<T> dres2 = w.take({Bn, Tn, C}), dfch_gelu = w.take({Bn, Tn, F}), dfch = w.take({Bn, Tn, F}),
-              dln2 = w.take({Bn, Tn, C}), datty = w.take({Bn, Tn, Ca}), dqkv = w.take({Bn, Tn, 3 * Ca}),
-              dln1 = w.take({Bn, Tn, C});
+    block_backward_chain(be, o, p, g, a, b, d, block_linear_grads(g, o));
+  }
+
+  //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
+  //! workspace (the output gradient copied, the others computed there in place), and skips those
+  //! GEMMs; block_backward_weight runs them on the same operands.
+  void block_backward_input(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                            const BackwardArgs<T>& a, MicroBatchShape s, Tensor<T> stash) const {
+    const BlockSaved b = carve_block(a.saved, s);
+    BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward_input");
+    const BlockStash st = carve_block_stash(stash, s);
+    d.res2 = st.res2;
+    d.fch = st.fch;
+    d.qkv = st.qkv;
+    // Everything the chain accumulates into starts at zero (res2 is copied into).
+    for (const Tensor<T>& t : {d.fch_gelu, d.fch, d.ln2, d.atty, d.qkv, d.ln1}) zero<T>(be, t);
+    copy<T>(be, st.output, a.output_grad);
+    block_backward_chain(be, o, p, g, a, b, d, BlockLinearGrads{});
+  }
+
+  void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                             const BackwardArgs<T>& a, MicroBatchShape s, Tensor<T> stash) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    const BlockSaved b = carve_block(a.saved, s);
+    const BlockStash st = carve_block_stash(stash, s);
+    const BlockLinearGrads w = block_linear_grads(g, o);
+    const Tensor<T> no_input_grad{};
+    matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.output, b.fch_gelu,
+                       param(p, o.fcproj_w, {C, F}));
+    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, b.ln2, param(p, o.fc_w, {F, C}));
+    matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.res2, b.atty, param(p, o.proj_w, {C, Ca}));
+    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
+  }
+
+  //! A block's backward from the output gradient to the input gradient, into the zeroed
+  //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
+  //! skipped when `w` is empty (backward_input).
+  void block_backward_chain(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                            const BackwardArgs<T>& a, const BlockSaved& b, const BlockGrads& d,
+                            const BlockLinearGrads& w) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     // output = res2 + mlp(ln2(res2)): the residual passes the gradient straight through.
     // g backward is the identity: the output gradient is whole on every rank, so each rank's
     // (replicated) row-parallel bias gradient is already the whole one.
-    copy<T>(be, dres2, a.output_grad);
-    matmul_backward<T>(be, dfch_gelu, grad(g, o.fcproj_w, {C, F}), grad(g, o.fcproj_b, {C}),
-                                a.output_grad, b.fch_gelu, param(p, o.fcproj_w, {C, F}));
-    gelu_backward<T>(be, dfch, b.fch, dfch_gelu);
-    matmul_backward<T>(be, dln2, grad(g, o.fc_w, {F, C}), grad(g, o.fc_b, {F}), dfch,
-                                b.ln2, param(p, o.fc_w, {F, C}));
+    copy<T>(be, d.res2, a.output_grad);
+    matmul_backward<T>(be, d.fch_gelu, w.fcproj_w, w.fcproj_b, a.output_grad, b.fch_gelu,
+                       param(p, o.fcproj_w, {C, F}));
+    gelu_backward<T>(be, d.fch, b.fch, d.fch_gelu);
+    matmul_backward<T>(be, d.ln2, w.fc_w, w.fc_b, d.fch, b.ln2, param(p, o.fc_w, {F, C}));
     // f backward: each rank's dln2 is its slice's share; the sum is the whole gradient.
-    nn::column_parallel_input_grad(tensor_parallel_, dln2);
-    layernorm_backward<T>(be, dres2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), dln2,
-                                   b.res2, param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
+    nn::column_parallel_input_grad(tensor_parallel_, d.ln2);
+    layernorm_backward<T>(be, d.res2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), d.ln2, b.res2,
+                          param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
     // res2 = input + attn(ln1(input)).
-    add_to<T>(be, a.input_grad, dres2);
-    matmul_backward<T>(be, datty, grad(g, o.proj_w, {C, Ca}), grad(g, o.proj_b, {C}), dres2,
-                                b.atty, param(p, o.proj_w, {C, Ca}));
-    attention_backward<T>(be, dqkv, datty, b.qkv, b.att, static_cast<int>(heads_));
-    matmul_backward<T>(be, dln1, grad(g, o.qkv_w, {3 * Ca, C}), grad(g, o.qkv_b, {3 * Ca}), dqkv,
-                                b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
-    nn::column_parallel_input_grad(tensor_parallel_, dln1);
-    layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), dln1,
-                                   a.input, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
+    add_to<T>(be, a.input_grad, d.res2);
+    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.res2, b.atty, param(p, o.proj_w, {C, Ca}));
+    attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_));
+    matmul_backward<T>(be, d.ln1, w.qkv_w, w.qkv_b, d.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
+    nn::column_parallel_input_grad(tensor_parallel_, d.ln1);
+    layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.ln1, a.input,
+                          param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
+  }
+
+  //! A stash must hold stash_elements(layer, shape) elements; one of 0 may be an empty tensor.
+  void check_stash(Tensor<T> stash, int layer, MicroBatchShape s, const char* kernel) const {
+    const std::int64_t n = stash_elements(layer, s);
+    if (n > 0 || !stash.empty()) check_numel(stash, n, kernel, "stash");
   }
 
   //! The activations the head keeps.
@@ -348,8 +483,10 @@ class Model {
     return sum;
   }
 
+  //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input
+  //! leaves that GEMM to backward_weight, which reads the dlogits left in `saved`.
   void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
-                     MicroBatchShape s) const {
+                     MicroBatchShape s, Tensor<T> dwte) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     HeadSaved h = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");
@@ -358,8 +495,7 @@ class Model {
     // dlogits overwrite the probabilities they are computed from (this rank's slice).
     vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
                                              config_.vocab_size, a.loss_scale);
-    matmul_backward<T>(be, dlnf, grad(g, wte_, {vocab_rows_, C}), Tensor<T>{}, h.probs, h.lnf,
-                       param(p, wte_, {vocab_rows_, C}));
+    matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}));
     // f backward of the column-parallel logits: sum the slices' shares of dlnf.
     nn::column_parallel_input_grad(tensor_parallel_, dlnf);
     layernorm_backward<T>(be, a.input_grad.reshape({N, C}), grad(g, lnf_weight_, {C}),
