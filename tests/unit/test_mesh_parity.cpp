@@ -111,7 +111,7 @@ TEST_CASE("Zero<3> on every DP x TP mesh up to 8 ranks trains the same model as 
   check_all_meshes<Zero<3>>();
 }
 
-TEST_CASE("a Trainer on a mesh rejects pipeline stages and a model split over another group") {
+TEST_CASE("a Trainer on a mesh rejects pipeline stages without a pipeline schedule, and a model split over another group") {
   std::mutex mutex;
   std::vector<std::string> messages;
   threads::run(2, [&](threads::Communicator& world) {
@@ -140,7 +140,7 @@ TEST_CASE("a Trainer on a mesh rejects pipeline stages and a model split over an
   REQUIRE(messages.size() == 4);
   int pipeline = 0, tensor = 0;
   for (const auto& m : messages) {
-    pipeline += m.find("mesh pipeline stages: got 2; this Trainer runs one pipeline stage") != std::string::npos;
+    pipeline += m.find("GradientAccumulation: pipeline stages: got 2; this schedule runs one stage") != std::string::npos;
     tensor += m.find("the model's tensor-parallel ranks: got 1; must equal the mesh's tp (2)") != std::string::npos;
   }
   CHECK(pipeline == 2);

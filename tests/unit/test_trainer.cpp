@@ -206,19 +206,27 @@ TEST_CASE("bad batches are rejected before any work, naming the value") {
                   Error);
 }
 
-TEST_CASE("the Trainer runs GPipe on one stage, and refuses schedules it cannot execute on one stage") {
-  // GPipe on one stage: all forwards, then all backwards, every micro-batch's activations alive.
+TEST_CASE("the Trainer runs every schedule on one stage with gradient accumulation's result") {
+  // On one stage GPipe keeps every micro-batch's activations, ZB-H1 splits each backward into
+  // input- and weight-gradient passes, and interleaving runs two chunks whose messages stay on
+  // the rank: the gradients are the same sums.
   cpu be(1);
   const gpt2::Config c = small_test_config();
-  Trainer<gpt2::Model<cpu, float>, AdamW, GPipe> gpipe(be, gpt2::Model<cpu, float>(c), AdamW(),
-                                                       ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
-  Trainer<gpt2::Model<cpu, float>, AdamW> accumulate(be, gpt2::Model<cpu, float>(c), AdamW(),
-                                                     ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  using Gpt = gpt2::Model<cpu, float>;
   const TestBatch batch = make_batch(0, 4, 8, c.vocab_size);
-  CHECK(gpipe.step(batch).loss == doctest::Approx(accumulate.step(batch).loss).epsilon(1e-6));
-  CHECK(relative_difference(gpipe.parameters(), accumulate.parameters(), gpipe.model().layout().total()) < 1e-6);
-  // ZB-H1 splits the backward into input- and weight-gradient actions: not on this path.
-  Trainer<gpt2::Model<cpu, float>, AdamW, ZeroBubbleH1> zero_bubble(be, gpt2::Model<cpu, float>(c), AdamW(),
-                                                                    ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
-  CHECK_THROWS_WITH_AS(zero_bubble.step(batch), doctest::Contains("trainer: schedule action: got I0"), Error);
+  Trainer<Gpt, AdamW> accumulate(be, Gpt(c), AdamW(), ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  const double loss = accumulate.step(batch).loss;
+  const auto check = [&](auto& trainer, std::int64_t slots) {
+    CHECK(trainer.step(batch).loss == doctest::Approx(loss).epsilon(1e-6));
+    CHECK(relative_difference(trainer.parameters(), accumulate.parameters(), trainer.model().layout().total()) < 1e-6);
+    CHECK(trainer.activation_slots() == slots);
+  };
+  Trainer<Gpt, AdamW, GPipe> gpipe(be, Gpt(c), AdamW(), ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  check(gpipe, 4);
+  Trainer<Gpt, AdamW, ZeroBubbleH1> zero_bubble(be, Gpt(c), AdamW(), ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
+  check(zero_bubble, 1);
+  Trainer<Gpt, AdamW, Interleaved1F1B> interleaved(be, Gpt(c), AdamW(), ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1},
+                                                   SingleRank{}, Interleaved1F1B{.virtual_stages = 2});
+  check(interleaved, 2);
+  CHECK(interleaved.stage().chunks() == 2);
 }

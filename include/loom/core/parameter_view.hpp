@@ -49,6 +49,13 @@ class ParameterView {
                 "are not in this layer's view (ParameterView::at; is layer_parameters() complete?)");
   }
 
+  //! Calls `f(begin, end, data)` for each window: layout elements [begin, end) stored from
+  //! `data` (a pipeline stage maps its own layout's windows onto the model's).
+  template <class F>
+  void for_each_window(F&& f) const {
+    for (int w = 0; w < count_; ++w) f(windows_[w].begin, windows_[w].end, windows_[w].data);
+  }
+
   //! The read-only view of the same windows.
   operator ParameterView<const T>() const noexcept
     requires(!std::is_const_v<T>)

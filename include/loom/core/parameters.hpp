@@ -69,6 +69,10 @@ struct ParameterSpec {
   Shape global_shape{};
   //! The slice of `global_shape` this rank holds along the axis `partition` names.
   Shard shard{};
+  //! A copy of a parameter that another pipeline stage owns (GPT-2's tied `wte` on the last
+  //! stage): its gradient is summed with the owner's and it is updated identically there, so a
+  //! gradient norm over the pipeline counts it on the owner only.
+  bool tied_copy = false;
 
   //! Every tensor-parallel rank holds all of it (layernorms, row-parallel biases, wpe): a
   //! gradient norm over the tensor-parallel group counts it once, not once per rank.

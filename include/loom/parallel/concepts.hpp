@@ -34,6 +34,11 @@ struct EngineContext {
 template <class S>
 concept Strategy = requires { typename S::loom_strategy; } && std::copyable<S>;
 
+//! Whether strategy `S` runs under pipeline schedules: true unless its type opts out with
+//! `static constexpr bool supports_pipeline = false` (Zero<2>, Zero<3>).
+template <class S>
+inline constexpr bool supports_pipeline = !requires { requires !S::supports_pipeline; };
+
 //! The hooks a strategy's engine offers the Trainer, in the order of a step:
 //! begin_step → (forward_params / after_forward around each layer's forward; backward_params /
 //! backward_grads before and on_backward after each layer's backward) →

@@ -3,6 +3,7 @@
 //! on a global batch (DESIGN.md invariant 2: the loss is the mean over all target tokens of the
 //! global batch, whatever the split into micro-batches).
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,7 +21,10 @@
 #include "loom/optim/concepts.hpp"
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/parallel/concepts.hpp"
+#include "loom/parallel/detail/buffer_pool.hpp"
 #include "loom/parallel/mesh.hpp"
+#include "loom/parallel/pipeline_stage.hpp"
+#include "loom/parallel/stage_partition.hpp"
 #include "loom/parallel/single_rank.hpp"
 #include "loom/schedule/concepts.hpp"
 #include "loom/schedule/gradient_accumulation.hpp"
@@ -51,26 +55,47 @@ struct StepMetrics {
   double seconds = 0;          //!< wall time of the step
   double tokens_per_second = 0;
   double flops = 0;            //!< training FLOPs of the step (DESIGN.md formula)
+  //! Of `seconds`, the time this rank waited for other pipeline stages: blocked receiving
+  //! activations or gradients, or waiting for its sends to drain (0 without pipeline stages).
+  //! Divided by `seconds`, it is the rank's measured pipeline bubble.
+  double pipeline_wait_seconds = 0;
 };
 
 //! Trains `M` with optimizer `O`, micro-batch order `S` and state strategy `St`.
 //! A step takes the global batch (every rank sees the same one) and returns its metrics.
+//!
+//! On a mesh with pipeline stages (pp > 1) each rank runs its stage's layers
+//! (PipelineStage: layers balanced by Model::layer_cost, `chunks_per_rank(schedule)` chunks per
+//! rank) and executes the schedule's actions for its stage, moving activations forward and
+//! their gradients backward with send/recv on `mesh.pipeline()`.
 template <Model M, Optimizer O, Schedule S = GradientAccumulation, Strategy St = SingleRank>
 class Trainer {
  public:
   using backend_type = typename M::backend_type;
   using scalar_type = typename M::scalar_type;
+  //! The layers (and parameters) this rank runs: all of them without pipeline stages.
+  using Stage = PipelineStage<M>;
   using Engine = typename St::template Engine<backend_type, scalar_type>;
   static_assert(StrategyEngine<Engine, scalar_type>,
                 "loom: the strategy's Engine does not offer the hooks the Trainer drives");
+  static_assert(!pipelined_schedule<S> || supports_pipeline<St>,
+                "loom: this strategy cannot run under a pipeline schedule. Zero<2> and Zero<3> reduce-scatter "
+                "gradients (and Zero<3> gathers parameters) in every micro-batch's backward, which a pipeline "
+                "repeats for each of its micro-batches, and a tied parameter's gradient must be summed across "
+                "stages before it is sharded. Use DataParallel or Zero<1> with pipeline schedules (DeepSpeed "
+                "has the same rule), or GradientAccumulation without pipeline stages.");
+  static_assert(!splits_backward_schedule<S> || SplitBackwardModel<M>,
+                "loom: this schedule splits each backward into input- and weight-gradient passes (zero "
+                "bubble); the Model must provide stash_elements, backward_input and backward_weight "
+                "(SplitBackwardModel, as gpt2::Model does).");
 
   //! One rank, no communicator. `lr` is any LrSchedule (ConstantLr, WarmupCosineLr, or a type
   //! of yours with `at(step)`); `strategy` carries the strategy's settings.
   template <LrSchedule L>
   Trainer(backend_type& backend, M model, O optimizer, L lr, TrainerOptions options = {},
           St strategy = {}, S schedule = {})
-      : Trainer(backend, CommunicatorRef{}, CommunicatorRef{}, std::move(model), std::move(optimizer), std::move(lr),
-                options, std::move(strategy), std::move(schedule)) {}
+      : Trainer(backend, CommunicatorRef{}, CommunicatorRef{}, CommunicatorRef{}, std::move(model),
+                std::move(optimizer), std::move(lr), options, std::move(strategy), std::move(schedule)) {}
 
   //! Data-parallel training over `group` (which must outlive the Trainer): every rank passes the
   //! same global batch to step() and trains on its contiguous slice of it (DESIGN.md
@@ -78,22 +103,21 @@ class Trainer {
   template <Communicator C, LrSchedule L>
   Trainer(backend_type& backend, C& group, M model, O optimizer, L lr, TrainerOptions options = {},
           St strategy = {}, S schedule = {})
-      : Trainer(backend, CommunicatorRef(group), CommunicatorRef{}, std::move(model), std::move(optimizer),
-                std::move(lr), options, std::move(strategy), std::move(schedule)) {}
+      : Trainer(backend, CommunicatorRef(group), CommunicatorRef{}, CommunicatorRef{}, std::move(model),
+                std::move(optimizer), std::move(lr), options, std::move(strategy), std::move(schedule)) {}
 
-  //! Training on a DP × TP mesh (which must outlive the Trainer): `model` is this rank's
-  //! tensor-parallel shard, built over `mesh.tensor_parallel()`; the strategy works over
-  //! `mesh.data_parallel()`. Every rank passes the same global batch; the ranks of a TP group
-  //! train on the same slice. Pipeline stages (pp > 1) are rejected: this Trainer runs one stage.
+  //! Training on a DP × TP × PP mesh (which must outlive the Trainer): `model` is this rank's
+  //! tensor-parallel shard of the whole model, built over `mesh.tensor_parallel()`; this rank
+  //! runs its pipeline stage's layers of it, and the strategy works over `mesh.data_parallel()`.
+  //! Every rank passes the same global batch; the ranks of a TP group and of a pipeline train on
+  //! the same slice. Checked before any step: the model's tensor-parallel size, and enough
+  //! layers for pp × chunks_per_rank(schedule) stages.
   template <Communicator C, LrSchedule L>
   Trainer(backend_type& backend, Mesh<C>& mesh, M model, O optimizer, L lr, TrainerOptions options = {},
           St strategy = {}, S schedule = {})
       : Trainer(backend, CommunicatorRef(mesh.data_parallel()), CommunicatorRef(mesh.tensor_parallel()),
-                std::move(model), std::move(optimizer), std::move(lr), options, std::move(strategy),
-                std::move(schedule)) {
-    // Before any step (the engines' constructors communicate nothing, so no rank waits here).
-    check_mesh(mesh, model_);
-  }
+                CommunicatorRef(mesh.pipeline()), (check_mesh(mesh, model), std::move(model)),
+                std::move(optimizer), std::move(lr), options, std::move(strategy), std::move(schedule)) {}
 
   //! One optimizer step on `global`, anything with `tokens_view()` and `targets_view()`
   //! returning [batch, seq] int32 tensors (io::Batch).
@@ -112,19 +136,28 @@ class Trainer {
     const auto loss_scale = static_cast<scalar_type>(1.0 / static_cast<double>(target_tokens));
 
     engine_.begin_step();
+    deferred_notification_ = false;
+    wait_seconds_ = 0;
     double loss_sum = 0;
-    for (const Action& a : actions_) {
-      const std::int64_t slot = a.micro_batch % slots_;
-      if (a.kind == Action::Kind::forward)
-        loss_sum += forward(slot, micro(tokens, a.micro_batch), micro(targets, a.micro_batch));
-      else
-        backward(slot, micro(tokens, a.micro_batch), micro(targets, a.micro_batch), loss_scale,
-                 a.micro_batch + 1 == micro_batches);
+    for (std::size_t i = 0; i < actions_.size(); ++i) {
+      const Action& a = actions_[i];
+      const Tensor<const std::int32_t> mb_tokens = micro(tokens, a.micro_batch), mb_targets = micro(targets, a.micro_batch);
+      switch (a.kind) {
+        case Action::Kind::forward: loss_sum += forward(a.micro_batch, a.chunk, mb_tokens, mb_targets); break;
+        case Action::Kind::backward:
+        case Action::Kind::backward_input:
+          backward(a, mb_tokens, mb_targets, loss_scale, completes_chunk_[i]);
+          break;
+        case Action::Kind::backward_weight:
+          backward_weight(a, mb_tokens, mb_targets, loss_scale, completes_chunk_[i]);
+          break;
+      }
     }
+    finish_pipeline();
     engine_.finish_gradients();
 
     StepMetrics m;
-    m.loss = engine_.global_sum(loss_sum) / static_cast<double>(target_tokens);
+    m.loss = pipeline_sum(engine_.global_sum(loss_sum)) / static_cast<double>(target_tokens);
     m.grad_norm = std::sqrt(gradient_sum_of_squares());
     double grad_scale = 1.0;
     if (options_.clip_grad_norm > 0 && m.grad_norm > options_.clip_grad_norm)
@@ -139,40 +172,57 @@ class Trainer {
     m.micro_batches = micro_batches;
     m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.tokens_per_second = static_cast<double>(m.tokens) / m.seconds;
-    m.flops = model_.flops_per_token(tokens.extent(1)) * static_cast<double>(m.tokens);
+    m.pipeline_wait_seconds = wait_seconds_;
+    m.flops = stage_.flops_per_token(tokens.extent(1)) * static_cast<double>(m.tokens);
     return m;
   }
 
-  //! Mean loss on a batch without changing anything (forward only).
+  //! Mean loss on a batch without changing anything (forward only; collective like step()).
   template <class Batch>
   double evaluate(const Batch& global) {
     Tensor<const std::int32_t> tokens = global.tokens_view(), targets = global.targets_view();
     const std::int64_t micro_batches = plan(tokens, targets);
     double loss_sum = 0;
+    // Micro-batch by micro-batch through the chunks in order: every receive has its send ahead.
     for (std::int64_t mb = 0; mb < micro_batches; ++mb)
-      loss_sum += forward(0, micro(tokens, mb), micro(targets, mb));
-    return engine_.global_sum(loss_sum) / static_cast<double>(count_targets(targets));
+      for (int c = 0; c < stage_.chunks(); ++c) {
+        loss_sum += forward(mb, c, micro(tokens, mb), micro(targets, mb));
+        release(find(mb, c));
+      }
+    wait_for_sends();
+    return pipeline_sum(engine_.global_sum(loss_sum)) / static_cast<double>(count_targets(targets));
   }
 
-  const M& model() const noexcept { return model_; }
+  //! The whole model (this rank's tensor-parallel shard of it).
+  const M& model() const noexcept { return stage_.model(); }
+  //! The layers and parameters this rank runs (all of them without pipeline stages).
+  const Stage& stage() const noexcept { return stage_; }
   //! Steps done.
   std::int64_t steps() const noexcept { return step_; }
-  //! Every parameter, in layout order (model().layout()), copied to host memory. Collective
-  //! over the data-parallel group when the strategy shards parameters (ZeRO-3).
+  //! Every parameter of model().layout(), in its order, copied to host memory. Collective over
+  //! the pipeline (each stage contributes its layers) and, when the strategy shards parameters
+  //! (ZeRO-3), over the data-parallel group.
   std::vector<scalar_type> gather_parameters() {
-    std::vector<scalar_type> out(static_cast<std::size_t>(model_.layout().total()));
-    engine_.copy_parameters_to(out.data());
+    std::vector<scalar_type> mine(static_cast<std::size_t>(stage_.layout().total()));
+    engine_.copy_parameters_to(mine.data());
+    std::vector<scalar_type> out(static_cast<std::size_t>(model().layout().total()), scalar_type(0));
+    stage_.scatter_owned(mine.data(), out.data());
+    // Every element is owned by one stage and zero elsewhere, so the sum is exact.
+    if (pipeline_.size() > 1) pipeline_.all_reduce(std::span<scalar_type>(out), ReduceOp::sum);
     return out;
   }
-  //! Replaces every parameter with `values` (layout order, host memory), e.g. from a checkpoint;
-  //! every rank passes the same values.
+  //! Replaces every parameter with `values` (model().layout() order, host memory), e.g. from a
+  //! checkpoint; every rank passes the same values and keeps its stage's part.
   void load_parameters(std::span<const scalar_type> values) {
-    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == model_.layout().total(), "load_parameters: elements",
-               values.size(), "must equal the layout's " + detail::to_text(model_.layout().total()));
-    engine_.load_parameters(values.data());
+    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == model().layout().total(), "load_parameters: elements",
+               values.size(), "must equal the layout's " + detail::to_text(model().layout().total()));
+    std::vector<scalar_type> mine(static_cast<std::size_t>(stage_.layout().total()));
+    stage_.gather_from(values.data(), mine.data());
+    engine_.load_parameters(mine.data());
   }
-  //! The flat parameters in place (layout order), for strategies that hold them whole on every
-  //! rank (SingleRank, DataParallel).
+  //! The flat parameters in place, in stage().layout() order (the model's layout without
+  //! pipeline stages), for strategies that hold them whole on every rank (SingleRank,
+  //! DataParallel).
   const scalar_type* parameters() const noexcept
     requires requires(const Engine& e) { e.params(); }
   {
@@ -194,6 +244,8 @@ class Trainer {
   const TrainerOptions& options() const noexcept { return options_; }
   //! The strategy's settings.
   const St& strategy() const noexcept { return strategy_; }
+  //! The schedule's settings.
+  const S& schedule() const noexcept { return schedule_; }
   //! The strategy's engine (its buffers, and e.g. DataParallel's buckets).
   const Engine& engine() const noexcept { return engine_; }
   //! This rank's place in the tensor-parallel group (size 1 without tensor parallelism).
@@ -202,41 +254,72 @@ class Trainer {
   //! This rank's place in the data-parallel group.
   int data_parallel_rank() const { return group_.rank(); }
   int data_parallel_size() const { return group_.size(); }
+  //! This rank's pipeline stage, and the stages.
+  int pipeline_rank() const { return pipeline_.rank(); }
+  int pipeline_size() const { return pipeline_.size(); }
+  //! Micro-batch activation sets this rank holds at once (the schedule's live_micro_batches for
+  //! the last step's shape): each holds one chunk's saved activations of one micro-batch.
+  std::int64_t activation_slots() const noexcept { return static_cast<std::int64_t>(slots_.size()); }
+  //! Elements of one activation slot (saved activations, hidden states, split-backward stash).
+  std::int64_t activation_slot_elements() const noexcept { return slot_elements_; }
 
  private:
   using T = scalar_type;
 
   template <LrSchedule L>
-  Trainer(backend_type& backend, CommunicatorRef group, CommunicatorRef tensor_parallel, M model, O optimizer,
-          L lr, TrainerOptions options, St strategy, S schedule)
+  Trainer(backend_type& backend, CommunicatorRef group, CommunicatorRef tensor_parallel, CommunicatorRef pipeline,
+          M model, O optimizer, L lr, TrainerOptions options, St strategy, S schedule)
       : backend_(&backend),
         group_(group),
         tensor_parallel_(tensor_parallel),
-        model_(std::move(model)),
+        pipeline_(pipeline),
+        stage_(make_stage(std::move(model), pipeline, schedule)),
         optimizer_(std::move(optimizer)),
-        schedule_(std::move(schedule)),
+        schedule_((check_schedule(schedule, pipeline, chunks_per_rank(schedule)), std::move(schedule))),
         strategy_(std::move(strategy)),
         lr_([lr = std::move(lr)](std::int64_t step) { return static_cast<double>(lr.at(step)); }),
         options_(options),
-        layer_parameters_(layer_parameters_of(model_)),
+        layer_parameters_(layer_parameters_of(stage_)),
         engine_(strategy_, EngineContext<backend_type>{.backend = (validate(options), backend),
                                                        .data_parallel = group,
-                                                       .layout = model_.layout(),
+                                                       .layout = stage_.layout(),
                                                        .state_slots = O::state_slots,
                                                        .seed = options.seed,
-                                                       .layer_parameters = layer_parameters_}) {}
+                                                       .layer_parameters = layer_parameters_}),
+        mailbox_pool_(backend, MemoryCategory::communication) {}
 
-  static std::vector<std::vector<ElementRange>> layer_parameters_of(const M& model) {
+  //! This rank's layers: the model's layers cut into pp × chunks virtual stages balanced by
+  //! layer_cost, of which this rank runs stage, stage + pp, ...
+  static Stage make_stage(M model, CommunicatorRef pipeline, const S& schedule) {
+    const int stages = pipeline.size(), chunks = chunks_per_rank(schedule);
+    LOOM_CHECK(chunks >= 1, "trainer: the schedule's virtual stages", chunks, "must be >= 1");
+    if (stages == 1 && chunks == 1) return Stage(std::move(model));
+    LOOM_CHECK(model.num_layers() >= stages * chunks, "trainer: pipeline stages x virtual stages",
+               detail::to_text(stages) + " x " + detail::to_text(chunks),
+               "the model has " + detail::to_text(model.num_layers()) +
+                   " layers and every virtual stage needs at least one");
+    std::vector<double> costs;
+    for (int l = 0; l < model.num_layers(); ++l) costs.push_back(model.layer_cost(l));
+    std::vector<StageLayers> virtual_stages = balance_stages(costs, stages * chunks);
+    return Stage(std::move(model), std::move(virtual_stages), stages, pipeline.rank());
+  }
+
+  //! The schedule must accept this pipeline (GradientAccumulation runs one stage, ...), checked
+  //! before step 1 with p micro-batches (a count every schedule accepts).
+  static void check_schedule(const S& schedule, CommunicatorRef pipeline, int chunks) {
+    (void)schedule.actions(ScheduleShape{.stages = pipeline.size(), .stage = pipeline.rank(),
+                                         .micro_batches = pipeline.size(), .virtual_stages = chunks});
+  }
+
+  static std::vector<std::vector<ElementRange>> layer_parameters_of(const Stage& stage) {
     std::vector<std::vector<ElementRange>> out;
-    for (int l = 0; l < model.num_layers(); ++l) out.push_back(model.layer_parameters(l));
+    for (int l = 0; l < stage.num_layers(); ++l) out.push_back(stage.layer_parameters(l));
     return out;
   }
 
-  //! The model must be split over the mesh's tensor-parallel group, and there is one stage.
+  //! The model must be split over the mesh's tensor-parallel group.
   template <class C>
   static void check_mesh(Mesh<C>& mesh, const M& model) {
-    LOOM_CHECK(mesh.shape().pp == 1, "trainer: mesh pipeline stages", mesh.shape().pp,
-               "this Trainer runs one pipeline stage (pp = 1); pipeline stages need the pipeline executor");
     if constexpr (requires { model.tensor_parallel_size(); })
       LOOM_CHECK(model.tensor_parallel_size() == mesh.shape().tp, "trainer: the model's tensor-parallel ranks",
                  model.tensor_parallel_size(),
@@ -246,12 +329,18 @@ class Trainer {
 
   //! The squared global gradient norm: each data-parallel group's strategy counts its elements
   //! once; over tensor parallelism the split parameters add up across the group and the
-  //! replicated ones (identical on every TP rank) count once, from TP rank 0.
+  //! replicated ones (identical on every TP rank) count once, from TP rank 0; over the pipeline
+  //! the stages add up, tied copies counted on their owner only.
   double gradient_sum_of_squares() {
-    if (tensor_parallel_.size() == 1) return engine_.grad_sum_of_squares(true);
     double sum = engine_.grad_sum_of_squares(tensor_parallel_.rank() == 0);
-    tensor_parallel_.all_reduce(std::span<double>(&sum, 1), ReduceOp::sum);
-    return sum;
+    if (tensor_parallel_.size() > 1) tensor_parallel_.all_reduce(std::span<double>(&sum, 1), ReduceOp::sum);
+    return pipeline_sum(sum);
+  }
+
+  //! `local` summed over the pipeline's stages.
+  double pipeline_sum(double local) {
+    if (pipeline_.size() > 1) pipeline_.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
+    return local;
   }
 
   static void validate(const TrainerOptions& o) {
@@ -283,41 +372,88 @@ class Trainer {
     return micro_batches;
   }
 
+  //! Where each chunk's layers keep their activations inside a slot.
+  struct ChunkPlan {
+    int first = 0, count = 0;  //!< local layers [first, first + count)
+    int virtual_stage = 0;
+    bool receives = false;  //!< its first layer's input comes from the previous virtual stage
+    bool sends = false;     //!< its last layer's output goes to the next virtual stage
+    std::vector<std::int64_t> saved_offset, stash_offset;  //!< per layer of the chunk, and the end
+  };
+
   //! The schedule's actions and activation slots for `shape` (the schedule says how many
   //! micro-batches live at once); nothing is allocated when the shape repeats.
   void allocate(MicroBatchShape shape, std::int64_t micro_batches) {
-    const ScheduleShape schedule_shape{.stages = 1, .stage = 0, .micro_batches = micro_batches};
+    const int chunks = stage_.chunks();
+    const ScheduleShape schedule_shape{.stages = pipeline_.size(), .stage = pipeline_.rank(),
+                                       .micro_batches = micro_batches, .virtual_stages = chunks};
     if (micro_batches != planned_micro_batches_) {
       actions_ = schedule_.actions(schedule_shape);  // generated once per micro-batch count
-      // This Trainer executes whole forwards and backwards of one stage; split backwards
-      // (ZB-H1) and virtual-stage chunks (interleaved) need the pipeline executor.
-      for (const Action& a : actions_)
-        LOOM_CHECK((a.kind == Action::Kind::forward || a.kind == Action::Kind::backward) && a.chunk == 0,
-                   "trainer: schedule action", a,
-                   "this Trainer runs one pipeline stage with whole forward and backward actions; a schedule "
-                   "that splits the backward or uses virtual stages needs pipeline stages");
+      // Each chunk's last backward (or weight-gradient pass) completes its gradients.
+      completes_chunk_.assign(actions_.size(), false);
+      std::vector<bool> seen(static_cast<std::size_t>(chunks), false);
+      for (std::size_t i = actions_.size(); i-- > 0;) {
+        const Action& a = actions_[i];
+        LOOM_CHECK(a.chunk >= 0 && a.chunk < chunks, "trainer: schedule action", a,
+                   "names a chunk this rank does not have (" + detail::to_text(chunks) + " chunks)");
+        const bool finishing = a.kind == Action::Kind::backward || a.kind == Action::Kind::backward_weight;
+        if (finishing && !seen[static_cast<std::size_t>(a.chunk)]) {
+          completes_chunk_[i] = true;
+          seen[static_cast<std::size_t>(a.chunk)] = true;
+        }
+      }
       planned_micro_batches_ = micro_batches;
     }
     const std::int64_t slots = schedule_.live_micro_batches(schedule_shape);
-    if (shape == shape_ && slots == slots_) return;
+    if (shape == shape_ && slots == static_cast<std::int64_t>(slots_.size())) return;
+    wait_for_sends();
     shape_ = shape;
-    slots_ = slots;
-    const int layers = model_.num_layers();
-    saved_offset_.assign(layers + 1, 0);
-    std::int64_t workspace = 0;
-    for (int l = 0; l < layers; ++l) {
-      saved_offset_[l + 1] = saved_offset_[l] + model_.activation_elements(l, shape);
-      workspace = std::max(workspace, model_.workspace_elements(l, shape));
+    const std::int64_t hidden = stage_.hidden_elements(shape);
+    const int model_layers = stage_.model().num_layers();
+    chunk_plans_.clear();
+    std::int64_t saved = 0, stash = 0, hiddens = 0, workspace = 0;
+    bool any_receives = false;
+    for (int c = 0; c < chunks; ++c) {
+      ChunkPlan p;
+      const StageLayers local = stage_.chunk_layers(c), global = stage_.chunk_model_layers(c);
+      p.first = local.first;
+      p.count = local.count();
+      p.virtual_stage = c * pipeline_.size() + pipeline_.rank();
+      p.receives = global.first > 0;
+      p.sends = global.last + 1 < model_layers;
+      p.saved_offset.assign(static_cast<std::size_t>(p.count) + 1, 0);
+      p.stash_offset.assign(static_cast<std::size_t>(p.count) + 1, 0);
+      for (int j = 0; j < p.count; ++j) {
+        p.saved_offset[j + 1] = p.saved_offset[j] + stage_.activation_elements(p.first + j, shape);
+        if constexpr (splits_backward_schedule<S>)
+          p.stash_offset[j + 1] = p.stash_offset[j] + stage_.stash_elements(p.first + j, shape);
+        workspace = std::max(workspace, stage_.workspace_elements(p.first + j, shape));
+      }
+      saved = std::max(saved, p.saved_offset.back());
+      stash = std::max(stash, p.stash_offset.back());
+      hiddens = std::max<std::int64_t>(hiddens, p.count - 1 + p.receives + p.sends);
+      any_receives = any_receives || p.receives;
+      chunk_plans_.push_back(std::move(p));
     }
-    const std::int64_t hidden = model_.hidden_elements(shape);
-    saved_.clear();
-    hidden_.clear();
-    for (std::int64_t s = 0; s < slots_; ++s) {
-      saved_.emplace_back(*backend_, saved_offset_[layers], MemoryCategory::activations);
-      hidden_.emplace_back(*backend_, hidden * (layers - 1), MemoryCategory::activations);
+    slots_.clear();
+    for (std::int64_t s = 0; s < slots; ++s) {
+      Slot slot;
+      slot.saved = Buffer<T, backend_type>(*backend_, saved, MemoryCategory::activations);
+      slot.hidden = Buffer<T, backend_type>(*backend_, hidden * hiddens, MemoryCategory::activations);
+      slot.stash = Buffer<T, backend_type>(*backend_, stash, MemoryCategory::activations);
+      if (any_receives) slot.input_grad = Buffer<T, backend_type>(*backend_, hidden, MemoryCategory::communication);
+      slots_.push_back(std::move(slot));
     }
+    slot_elements_ = saved + hidden * hiddens + stash;
     workspace_ = Buffer<T, backend_type>(*backend_, workspace, MemoryCategory::workspace);
     hidden_grads_ = Buffer<T, backend_type>(*backend_, 2 * hidden, MemoryCategory::workspace);
+    received_grad_ = Buffer<T, backend_type>(*backend_, any_sends() ? hidden : 0, MemoryCategory::communication);
+  }
+
+  bool any_sends() const {
+    for (const ChunkPlan& p : chunk_plans_)
+      if (p.sends) return true;
+    return false;
   }
 
   //! Micro-batch `mb` of this rank's slice of a [batch, seq] global tensor: rows
@@ -333,63 +469,253 @@ class Trainer {
     return n;
   }
 
-  Tensor<T> hidden(std::int64_t slot, int layer) const {
-    const std::int64_t n = model_.hidden_elements(shape_);
-    return {hidden_[slot].data() + layer * n, Shape{shape_.batch, shape_.seq, n / (shape_.batch * shape_.seq)}};
+  //! One micro-batch's activations of one chunk, from its forward to its (last) backward pass.
+  struct Slot {
+    Buffer<T, backend_type> saved, hidden, stash, input_grad;
+    Request output_sent, input_grad_sent;  //!< sends reading `hidden`'s output and `input_grad`
+    std::int64_t micro_batch = -1;
+    int chunk = -1;
+  };
+
+  Slot& acquire(std::int64_t mb, int chunk) {
+    for (Slot& s : slots_)
+      if (s.micro_batch < 0) {
+        s.output_sent.wait();  // the output buffer is about to be rewritten
+        s.micro_batch = mb;
+        s.chunk = chunk;
+        return s;
+      }
+    throw Error("trainer: activation slots for forward F" + detail::to_text(mb) + "." + detail::to_text(chunk),
+                slots_.size(),
+                "the schedule said this many micro-batches are alive at once on this rank, but its actions "
+                "keep more (live_micro_batches is too small for actions)");
   }
-  Tensor<T> saved(std::int64_t slot, int layer) const {
-    return {saved_[slot].data() + saved_offset_[layer],
-            Shape{saved_offset_[layer + 1] - saved_offset_[layer]}};
+  Slot& find(std::int64_t mb, int chunk) {
+    for (Slot& s : slots_)
+      if (s.micro_batch == mb && s.chunk == chunk) return s;
+    throw Error("trainer: backward of micro-batch " + detail::to_text(mb) + ", chunk " + detail::to_text(chunk),
+                "no forward", "a schedule must run a micro-batch's forward before its backward");
+  }
+  static void release(Slot& s) { s.micro_batch = -1; }
+
+  //! Hidden state j of a chunk in `slot`: 0 the chunk's input, j the output of its j-th layer.
+  Tensor<T> hidden(Slot& slot, const ChunkPlan& p, int j) const {
+    const std::int64_t n = stage_.hidden_elements(shape_);
+    return {slot.hidden.data() + (j - (p.receives ? 0 : 1)) * n, hidden_shape()};
+  }
+  Shape hidden_shape() const {
+    const std::int64_t n = stage_.hidden_elements(shape_);
+    return Shape{shape_.batch, shape_.seq, n / (shape_.batch * shape_.seq)};
+  }
+  static Tensor<T> range(Buffer<T, backend_type>& b, const std::vector<std::int64_t>& offsets, int j) {
+    return {b.data() + offsets[static_cast<std::size_t>(j)],
+            Shape{offsets[static_cast<std::size_t>(j) + 1] - offsets[static_cast<std::size_t>(j)]}};
   }
 
-  double forward(std::int64_t slot, Tensor<const std::int32_t> tokens,
-                 Tensor<const std::int32_t> targets) {
-    const int layers = model_.num_layers();
+  double forward(std::int64_t mb, int chunk, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
+    const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(chunk)];
+    Slot& slot = acquire(mb, chunk);
+    if (p.receives) receive(hidden(slot, p, 0), p.virtual_stage - 1, message_tag(0, mb, p.virtual_stage));
     double loss_sum = 0;
-    for (int l = 0; l < layers; ++l) {
+    for (int j = 0; j < p.count; ++j) {
+      const int l = p.first + j;
       ForwardArgs<T> a{.tokens = tokens,
                        .targets = targets,
-                       .input = l > 0 ? Tensor<const T>(hidden(slot, l - 1)) : Tensor<const T>{},
-                       .output = l + 1 < layers ? hidden(slot, l) : Tensor<T>{},
-                       .saved = saved(slot, l)};
-      loss_sum += model_.forward(*backend_, l, engine_.forward_params(l), a);
+                       .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
+                       .output = j + 1 < p.count || p.sends ? hidden(slot, p, j + 1) : Tensor<T>{},
+                       .saved = range(slot.saved, p.saved_offset, j)};
+      loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
     }
+    if (p.sends)
+      slot.output_sent = transmit(hidden(slot, p, p.count), p.virtual_stage + 1, message_tag(0, mb, p.virtual_stage + 1));
     return loss_sum;
   }
 
-  void backward(std::int64_t slot, Tensor<const std::int32_t> tokens,
-                Tensor<const std::int32_t> targets, T loss_scale, bool last_micro_batch) {
-    const int layers = model_.num_layers();
-    const std::int64_t n = model_.hidden_elements(shape_);
-    const Shape hidden_shape{shape_.batch, shape_.seq, n / (shape_.batch * shape_.seq)};
-    int current = 0;  // which half of hidden_grads_ holds d loss / d output of layer l
-    for (int l = layers - 1; l >= 0; --l) {
+  //! A whole backward, or its input-gradient pass (backward_input), of one chunk.
+  void backward(const Action& action, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
+                T loss_scale, bool completes) {
+    const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
+    Slot& slot = find(action.micro_batch, action.chunk);
+    const std::int64_t mb = action.micro_batch;
+    const std::int64_t n = stage_.hidden_elements(shape_);
+    if (p.sends) receive(Tensor<T>(received_grad_.data(), hidden_shape()), p.virtual_stage + 1, message_tag(1, mb, p.virtual_stage));
+    if (p.receives) slot.input_grad_sent.wait();
+    int current = 0;  // which half of hidden_grads_ holds d loss / d output of layer j
+    for (int j = p.count - 1; j >= 0; --j) {
+      const int l = p.first + j;
       Tensor<T> input_grad{};
-      if (l > 0) {
-        input_grad = Tensor<T>(hidden_grads_.data() + (1 - current) * n, hidden_shape);
-        backend_->fill_zero(input_grad.data(), sizeof(T) * n);
+      if (j > 0) input_grad = Tensor<T>(hidden_grads_.data() + (1 - current) * n, hidden_shape());
+      else if (p.receives) input_grad = Tensor<T>(slot.input_grad.data(), hidden_shape());
+      if (!input_grad.empty()) backend_->fill_zero(input_grad.data(), sizeof(T) * static_cast<std::size_t>(n));
+      Tensor<const T> output_grad{};
+      if (j + 1 < p.count) output_grad = Tensor<const T>(hidden_grads_.data() + current * n, hidden_shape());
+      else if (p.sends) output_grad = Tensor<const T>(received_grad_.data(), hidden_shape());
+      BackwardArgs<T> a{.tokens = tokens,
+                        .targets = targets,
+                        .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
+                        .output_grad = output_grad,
+                        .input_grad = input_grad,
+                        .saved = range(slot.saved, p.saved_offset, j),
+                        .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
+                        .loss_scale = loss_scale};
+      if (action.kind == Action::Kind::backward) {
+        stage_.backward(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a);
+        notify(l, completes);
+      } else {
+        if constexpr (SplitBackwardModel<M>)
+          stage_.backward_input(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a,
+                                range(slot.stash, p.stash_offset, j));
+        else
+          throw Error("trainer: schedule action", detail::to_text(action),
+                      "needs a Model with backward_input and backward_weight");
       }
-      BackwardArgs<T> a{
-          .tokens = tokens,
-          .targets = targets,
-          .input = l > 0 ? Tensor<const T>(hidden(slot, l - 1)) : Tensor<const T>{},
-          .output_grad = l + 1 < layers ? Tensor<const T>(hidden_grads_.data() + current * n, hidden_shape)
-                                        : Tensor<const T>{},
-          .input_grad = input_grad,
-          .saved = saved(slot, l),
-          .workspace = Tensor<T>(workspace_.data(), Shape{model_.workspace_elements(l, shape_)}),
-          .loss_scale = loss_scale};
-      model_.backward(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a);
-      engine_.on_backward(l, last_micro_batch);
       current = 1 - current;
     }
+    if (p.receives)
+      slot.input_grad_sent = transmit(Tensor<T>(slot.input_grad.data(), hidden_shape()), p.virtual_stage - 1,
+                                      message_tag(1, mb, p.virtual_stage - 1));
+    if (action.kind == Action::Kind::backward) release(slot);
+  }
+
+  //! The weight-gradient pass of one chunk (after its backward_input).
+  void backward_weight(const Action& action, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
+                       T loss_scale, bool completes) {
+    if constexpr (SplitBackwardModel<M>) {
+      const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
+      Slot& slot = find(action.micro_batch, action.chunk);
+      for (int j = p.count - 1; j >= 0; --j) {
+        const int l = p.first + j;
+        BackwardArgs<T> a{.tokens = tokens,
+                          .targets = targets,
+                          .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
+                          .output_grad = {},  // the weight pass reads the stash instead
+                          .input_grad = {},
+                          .saved = range(slot.saved, p.saved_offset, j),
+                          .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
+                          .loss_scale = loss_scale};
+        stage_.backward_weight(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a,
+                               range(slot.stash, p.stash_offset, j));
+        notify(l, completes);
+      }
+      release(slot);
+    } else {
+      (void)tokens, (void)targets, (void)loss_scale, (void)completes;
+      throw Error("trainer: schedule action", detail::to_text(action),
+                  "needs a Model with backward_input and backward_weight");
+    }
+  }
+
+  //! Tells the engine `layer`'s backward is done. The last one of local layer 0 waits when this
+  //! rank holds tied parameters: their gradients are summed across the stages first.
+  void notify(int layer, bool completes) {
+    if (completes && layer == 0 && !stage_.tied().empty()) {
+      deferred_notification_ = true;
+      return;
+    }
+    engine_.on_backward(layer, completes);
+  }
+
+  //! The end of a step's actions: sends done, tied gradients summed, the engine told.
+  void finish_pipeline() {
+    wait_for_sends();
+    if (!stage_.tied().empty()) exchange_tied_gradients();
+    if (deferred_notification_) engine_.on_backward(0, true);
+  }
+
+  void wait_for_sends() {
+    const auto start = std::chrono::steady_clock::now();
+    for (Slot& s : slots_) {
+      s.output_sent.wait();
+      s.input_grad_sent.wait();
+    }
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  //! Every holder of a tied parameter ends with the same gradient: the holders' gradients summed
+  //! in holder order (so the bits agree on every holder), in pieces of at most 1 Mi elements.
+  void exchange_tied_gradients() {
+    constexpr std::int64_t piece = std::int64_t{1} << 20;
+    const int me = pipeline_.rank();
+    for (std::size_t t = 0; t < stage_.tied().size(); ++t) {
+      const TiedParameter& tied = stage_.tied()[t];
+      const int tag = tied_tag_base + static_cast<int>(t);
+      const std::int64_t others = static_cast<std::int64_t>(tied.holders.size()) - 1;
+      const std::int64_t length = std::min(piece, tied.numel);
+      if (tied_buffer_.size() < length * (others + 1))
+        tied_buffer_ = Buffer<T, backend_type>(*backend_, length * (others + 1), MemoryCategory::communication);
+      T* grads = engine_.backward_grads(0).at(tied.offset, tied.numel);
+      for (std::int64_t begin = 0; begin < tied.numel; begin += piece) {
+        const std::int64_t n = std::min(piece, tied.numel - begin);
+        std::vector<Request> sent;
+        for (int h : tied.holders)
+          if (h != me) sent.push_back(pipeline_.send_async(std::span<const T>(grads + begin, static_cast<std::size_t>(n)), h, tag));
+        // Each holder's piece: ours in place, the others received into the buffer.
+        std::vector<const T*> parts;
+        std::int64_t received = 0;
+        for (int h : tied.holders)
+          if (h == me) {
+            parts.push_back(grads + begin);
+          } else {
+            T* into = tied_buffer_.data() + (1 + received++) * length;
+            pipeline_.recv(std::span<T>(into, static_cast<std::size_t>(n)), h, tag);
+            parts.push_back(into);
+          }
+        for (auto& r : sent) r.wait();
+        T* sum = tied_buffer_.data();
+        copy<T>(*backend_, Tensor<T>(sum, Shape{n}), Tensor<const T>(parts[0], Shape{n}));
+        for (std::size_t i = 1; i < parts.size(); ++i)
+          add_to<T>(*backend_, Tensor<T>(sum, Shape{n}), Tensor<const T>(parts[i], Shape{n}));
+        copy<T>(*backend_, Tensor<T>(grads + begin, Shape{n}), Tensor<const T>(sum, Shape{n}));
+      }
+    }
+  }
+
+  //! Message tags on the pipeline group: activations (direction 0) and their gradients
+  //! (direction 1) of micro-batch `mb` for virtual stage `to`. Tags repeat only 15000 messages
+  //! apart, and messages between two ranks with one tag arrive in order.
+  int message_tag(int direction, std::int64_t mb, int to) const {
+    const std::int64_t stages = static_cast<std::int64_t>(pipeline_.size()) * stage_.chunks();
+    return static_cast<int>((2 * (mb * stages + to) + direction) % tied_tag_base);
+  }
+  static constexpr int tied_tag_base = 30000;
+
+  //! Sends `data` to the rank of virtual stage `to` without waiting (the returned request
+  //! completes when `data` may be reused). With one pipeline rank the message stays here.
+  Request transmit(Tensor<T> data, int to, int tag) {
+    const int peer = to % pipeline_.size();
+    if (peer != pipeline_.rank())
+      return pipeline_.send_async(std::span<const T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag);
+    Buffer<T, backend_type> copy_of = mailbox_pool_.acquire(data.numel());
+    copy<T>(*backend_, Tensor<T>(copy_of.data(), Shape{data.numel()}), Tensor<const T>(data.data(), Shape{data.numel()}));
+    mailbox_.push_back({tag, std::move(copy_of)});
+    return {};
+  }
+  //! Receives into `data` what the rank of virtual stage `from` sent with `tag`.
+  void receive(Tensor<T> data, int from, int tag) {
+    const int peer = from % pipeline_.size();
+    if (peer != pipeline_.rank()) {
+      const auto start = std::chrono::steady_clock::now();
+      pipeline_.recv(std::span<T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag);
+      wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return;
+    }
+    for (auto it = mailbox_.begin(); it != mailbox_.end(); ++it)
+      if (it->first == tag) {
+        copy<T>(*backend_, Tensor<T>(data.data(), Shape{data.numel()}), Tensor<const T>(it->second.data(), Shape{data.numel()}));
+        mailbox_pool_.release(std::move(it->second));
+        mailbox_.erase(it);
+        return;
+      }
+    throw Error("trainer: receive from this rank's own virtual stage " + detail::to_text(from), tag,
+                "no message with this tag was sent (a schedule must run the sender first)");
   }
 
   backend_type* backend_;
   CommunicatorRef group_;
   CommunicatorRef tensor_parallel_;
-  M model_;
+  CommunicatorRef pipeline_;
+  Stage stage_;
   O optimizer_;
   S schedule_;
   St strategy_;
@@ -401,12 +727,17 @@ class Trainer {
   std::int64_t first_row_ = 0;  // this rank's first row of the global batch
 
   MicroBatchShape shape_{0, 0};
-  std::int64_t slots_ = 0;
   std::int64_t planned_micro_batches_ = 0;
   std::vector<Action> actions_;
-  std::vector<std::int64_t> saved_offset_;
-  std::vector<Buffer<T, backend_type>> saved_, hidden_;
-  Buffer<T, backend_type> workspace_, hidden_grads_;
+  std::vector<bool> completes_chunk_;
+  std::vector<ChunkPlan> chunk_plans_;
+  std::vector<Slot> slots_;
+  std::int64_t slot_elements_ = 0;
+  Buffer<T, backend_type> workspace_, hidden_grads_, received_grad_, tied_buffer_;
+  detail::BufferPool<T, backend_type> mailbox_pool_;
+  std::vector<std::pair<int, Buffer<T, backend_type>>> mailbox_;  // messages to this rank's own chunks
+  bool deferred_notification_ = false;
+  double wait_seconds_ = 0;  // this step's time blocked on other stages
 };
 
 }  // namespace loom

@@ -448,6 +448,10 @@ template <int Stage>
 struct Zero {
   static_assert(Stage >= 1 && Stage <= 3, "loom: Zero<Stage> is ZeRO stage 1, 2 or 3");
   using loom_strategy = void;
+  //! Stages 2 and 3 reduce-scatter gradients (and 3 gathers parameters) in every micro-batch's
+  //! backward: a pipeline would repeat that for each of its m micro-batches, and a tied
+  //! parameter's gradient could not be summed across stages before it is sharded.
+  static constexpr bool supports_pipeline = Stage == 1;
 
   std::size_t bucket_bytes = std::size_t{25} << 20;
   bool overlap = true;

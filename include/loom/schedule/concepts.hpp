@@ -89,4 +89,24 @@ concept Schedule = requires { typename S::loom_schedule; } &&
                      { s.live_micro_batches(shape) } -> std::convertible_to<std::int64_t>;
                    };
 
+//! Whether `S` schedules pipeline stages (GPipe, 1F1B, interleaved, ZB-H1), as its type says with
+//! `static constexpr bool pipelined = true`; GradientAccumulation runs one stage.
+template <class S>
+inline constexpr bool pipelined_schedule = requires { requires S::pipelined; };
+
+//! Whether `S` splits backwards into backward_input and backward_weight actions (zero-bubble
+//! schedules), as its type says with `static constexpr bool splits_backward = true`.
+template <class S>
+inline constexpr bool splits_backward_schedule = requires { requires S::splits_backward; };
+
+//! Model chunks per rank a schedule value asks for: its `virtual_stages` member where it has
+//! one (Interleaved1F1B), else 1.
+template <class S>
+constexpr int chunks_per_rank(const S& schedule) noexcept {
+  if constexpr (requires { schedule.virtual_stages; })
+    return static_cast<int>(schedule.virtual_stages);
+  else
+    return 1;
+}
+
 }  // namespace loom

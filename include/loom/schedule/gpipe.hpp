@@ -14,6 +14,7 @@ namespace loom {
 //! (p−1)/(m+p−1) of the step (docs/pipeline_schedules.md).
 struct GPipe {
   using loom_schedule = void;
+  static constexpr bool pipelined = true;
 
   std::vector<Action> actions(const ScheduleShape& shape) const {
     detail::check_pipeline_shape("GPipe", shape, false);

@@ -20,6 +20,10 @@ namespace loom {
 //! messages. Needs m to be a multiple of p (Megatron's rule: the groups of p must fill up).
 struct Interleaved1F1B {
   using loom_schedule = void;
+  static constexpr bool pipelined = true;
+  //! Model chunks per rank the Trainer cuts the model into (v); actions() reads the
+  //! ScheduleShape's, which the Trainer fills from this.
+  int virtual_stages = 2;
 
   std::vector<Action> actions(const ScheduleShape& shape) const {
     check(shape);

@@ -16,6 +16,7 @@ namespace loom {
 //! at most min(p−s, m) micro-batches' activations instead of m.
 struct OneFOneB {
   using loom_schedule = void;
+  static constexpr bool pipelined = true;
 
   std::vector<Action> actions(const ScheduleShape& shape) const {
     detail::check_pipeline_shape("OneFOneB", shape, false);

@@ -20,6 +20,8 @@ namespace loom {
 //! reads the layer inputs the forward saved).
 struct ZeroBubbleH1 {
   using loom_schedule = void;
+  static constexpr bool pipelined = true;
+  static constexpr bool splits_backward = true;
 
   std::vector<Action> actions(const ScheduleShape& shape) const {
     detail::check_pipeline_shape("ZeroBubbleH1", shape, false);

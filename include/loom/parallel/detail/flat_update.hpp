@@ -46,12 +46,13 @@ void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layo
 //! The sum of squares of the gradients of `range` (parameter elements only), skipping the
 //! parameters replicated over the tensor-parallel group unless `count_replicated`: the ranks
 //! of a TP group hold identical copies of those, and the group's norm must count them once.
+//! Tied copies (ParameterSpec::tied_copy) are always skipped: their owner stage counts them.
 template <class B, class T>
 double gradient_sum_of_squares(B& backend, const ParameterLayout& layout, const FlatRange<T>& range,
                                bool count_replicated) {
   double sum = 0;
   for (const auto& e : layout.entries()) {
-    if (!count_replicated && e.spec.replicated_over_tensor_parallel()) continue;
+    if (e.spec.tied_copy || (!count_replicated && e.spec.replicated_over_tensor_parallel())) continue;
     const std::int64_t first = std::max(range.begin, e.offset);
     const std::int64_t last = std::min(range.end, e.offset + e.numel());
     if (first >= last) continue;
