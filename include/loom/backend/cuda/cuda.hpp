@@ -1,0 +1,122 @@
+#pragma once
+//! \file The CUDA backend: one GPU and one stream per rank, device memory through a caching
+//! allocator with the same per-category accounting as the CPU backend, every CUDA call checked.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "loom/backend/concepts.hpp"
+#include "loom/backend/cuda/caching_allocator.hpp"
+#include "loom/backend/cuda/error.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/memory.hpp"
+
+namespace loom {
+
+//! The CUDA backend. A value per rank: its device, its stream (all of the rank's kernels,
+//! copies and NCCL collectives are ordered on it), its memory and the accounting of it.
+//! Host calls that return data (copy_to_host, synchronize) wait for the stream.
+class cuda {
+ public:
+  using loom_backend = void;
+
+  //! GPUs this process can use; 0 when there is none or no driver (never throws).
+  static int device_count() noexcept {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return n;
+  }
+
+  //! The rank's backend on GPU `device`, with a stream of its own.
+  explicit cuda(int device = 0) : device_(check_device(device)) {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    allocator_ = std::make_unique<detail::CachingAllocator>(device_, stream_);
+  }
+  cuda(const cuda&) = delete;
+  cuda& operator=(const cuda&) = delete;
+  ~cuda() {
+    (void)cudaSetDevice(device_);
+    (void)cudaStreamSynchronize(stream_);
+    allocator_.reset();
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  int device() const noexcept { return device_; }
+  //! The stream every operation of this rank is ordered on.
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  //! Device memory counted under `category` (the requested bytes; the allocator may hold more).
+  void* allocate(std::size_t bytes, MemoryCategory category) {
+    activate();
+    void* p = allocator_->allocate(bytes);
+    memory_.add(category, bytes);
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes, MemoryCategory category) noexcept {
+    allocator_->deallocate(p);
+    memory_.remove(category, bytes);
+  }
+  const MemoryTracker& memory() const noexcept { return memory_; }
+  MemoryTracker& memory() noexcept { return memory_; }
+  //! Bytes obtained from CUDA (in use or cached), and the cached part.
+  std::size_t reserved_bytes() const noexcept { return allocator_->reserved_bytes(); }
+  std::size_t cached_bytes() const noexcept { return allocator_->cached_bytes(); }
+  //! Gives cached blocks back to CUDA (e.g. before handing the GPU to another library).
+  void empty_cache() {
+    synchronize();
+    allocator_->release_cache();
+  }
+
+  //! Zeroes `bytes` at device address `p`, ordered on the stream.
+  void fill_zero(void* p, std::size_t bytes) const {
+    if (bytes > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+  }
+  //! Host to device; `src` may be reused when this returns.
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes == 0) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    synchronize();
+  }
+  //! Device to host; the data is in `dst` when this returns.
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes == 0) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    synchronize();
+  }
+  //! Device to device, ordered on the stream.
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes > 0) LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  //! Waits for everything issued on the stream; an asynchronous fault of earlier work surfaces
+  //! here as a loom::Error.
+  void synchronize() const { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  static int check_device(int device) {
+    const int n = device_count();
+    LOOM_CHECK(n > 0, "cuda backend: device", device,
+               "no CUDA device is available (cudaGetDeviceCount found none or no driver)");
+    LOOM_CHECK(device >= 0 && device < n, "cuda backend: device", device,
+               "must be in [0, " + std::to_string(n) + ") (the GPUs this process sees)");
+    return device;
+  }
+  //! The calling thread works on this rank's device (ranks as threads may use several GPUs).
+  void activate() const { LOOM_CUDA_CHECK(cudaSetDevice(device_)); }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<detail::CachingAllocator> allocator_;
+  MemoryTracker memory_;
+};
+
+static_assert(Backend<cuda>);
+
+}  // namespace loom
