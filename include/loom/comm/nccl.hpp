@@ -1,0 +1,337 @@
+#pragma once
+//! \file The NCCL communicator: collectives on the rank's CUDA stream, async handles as CUDA
+//! events, every NCCL error a loom::Error, and a stalled collective timed out (NCCL's
+//! non-blocking mode: ncclCommGetAsyncError, then ncclCommAbort) instead of hanging.
+//!
+//! Buffers may be device memory (the collective is ordered on the backend's stream) or host
+//! memory (staged through device scratch, as the Trainer's loss and norm sums are).
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "loom/backend/cuda/cuda.hpp"
+#include "loom/comm/collectives.hpp"
+#include "loom/comm/concepts.hpp"
+#include "loom/comm/request.hpp"
+#include "loom/core/error.hpp"
+
+namespace loom::nccl {
+
+//! The id every rank of a new NCCL group joins with: made by one rank (make()), passed to the
+//! others by any other means (Communicator::bootstrap does it over another communicator).
+struct UniqueId {
+  ncclUniqueId id{};
+  static UniqueId make() {
+    UniqueId u;
+    const ncclResult_t r = ncclGetUniqueId(&u.id);
+    if (r != ncclSuccess) throw Error("ncclGetUniqueId", ncclGetErrorString(r), "NCCL could not make a group id");
+    return u;
+  }
+};
+
+namespace detail {
+
+inline ncclDataType_t type_of(DType t) noexcept {
+  return t == DType::float32 ? ncclFloat32 : t == DType::float64 ? ncclFloat64 : ncclBfloat16;
+}
+inline ncclRedOp_t op_of(ReduceOp op) noexcept {
+  return op == ReduceOp::sum ? ncclSum : op == ReduceOp::average ? ncclAvg : ncclMax;
+}
+
+//! What a communicator and its requests share: the NCCL handle, the backend, the options, and
+//! the first failure (after which every call throws it at once).
+struct State {
+  ncclComm_t comm = nullptr;
+  loom::cuda* backend = nullptr;
+  CommOptions options;
+  int rank = 0, size = 1;
+  std::string failure;  //!< empty while healthy
+  void* barrier_word = nullptr;  //!< device scratch of barrier()
+
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State() {
+    if (barrier_word != nullptr) backend->deallocate(barrier_word, sizeof(float), MemoryCategory::communication);
+    if (comm == nullptr) return;
+    if (failure.empty()) {
+      // Flush what was issued; a peer that never comes makes this time out and abort.
+      try {
+        finish(ncclCommFinalize(comm), "ncclCommFinalize");
+      } catch (...) {
+      }
+    }
+    if (failure.empty())
+      (void)ncclCommDestroy(comm);
+    else
+      (void)ncclCommAbort(comm);
+  }
+
+  [[noreturn]] void fail(const std::string& what) {
+    failure = what;
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    comm = nullptr;
+    throw Error("nccl communicator (rank " + std::to_string(rank) + ")", what,
+                "the communicator is aborted; later calls on it fail at once");
+  }
+  void check_healthy() const {
+    if (!failure.empty())
+      throw Error("nccl communicator (rank " + std::to_string(rank) + ")", failure, "it failed earlier and was aborted");
+  }
+
+  //! Waits (up to the timeout) until NCCL has finished an operation begun in non-blocking
+  //! mode (ncclInProgress), then checks its result.
+  void finish(ncclResult_t r, const char* call) {
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    while (r == ncclInProgress) {
+      if (std::chrono::steady_clock::now() > deadline)
+        fail(std::string(call) + " did not finish within " + std::to_string(options.timeout.count()) + " ms");
+      std::this_thread::yield();
+      if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) break;
+    }
+    if (r != ncclSuccess) fail(std::string(call) + ": " + ncclGetErrorString(r));
+  }
+
+  //! Waits for `event` with the timeout, watching NCCL for asynchronous errors meanwhile.
+  void await(cudaEvent_t event, const CollectiveCall& call) {
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    while (true) {
+      if (poll(event, call)) return;
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::string what = "rank " + std::to_string(rank) + "'s ";
+        fail(what + to_text(call) + " did not complete within " + std::to_string(options.timeout.count()) +
+             " ms (a peer did not join it)");
+      }
+      std::this_thread::yield();
+    }
+  }
+  //! Whether `event` has completed; throws on a CUDA or NCCL error.
+  bool poll(cudaEvent_t event, const CollectiveCall& call) {
+    check_healthy();
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return true;
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      fail(to_text(call) + ": " + cudaGetErrorString(q));
+    }
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+      fail(to_text(call) + ": " + ncclGetErrorString(async));
+    return false;
+  }
+  static std::string to_text(const CollectiveCall& call) { return loom::detail::to_text(call); }
+};
+
+//! An asynchronous collective's handle: a CUDA event recorded after it on the stream.
+class EventRequest {
+ public:
+  EventRequest(std::shared_ptr<State> state, cudaEvent_t event, const CollectiveCall& call) noexcept
+      : state_(std::move(state)), event_(event), call_(call) {}
+  EventRequest(EventRequest&& o) noexcept
+      : state_(std::move(o.state_)), event_(std::exchange(o.event_, nullptr)), call_(o.call_) {}
+  EventRequest& operator=(EventRequest&&) = delete;
+  ~EventRequest() {
+    if (event_ != nullptr) (void)cudaEventDestroy(event_);
+  }
+  void wait() { state_->await(event_, call_); }
+  bool test() { return state_->poll(event_, call_); }
+
+ private:
+  std::shared_ptr<State> state_;
+  cudaEvent_t event_;
+  CollectiveCall call_;
+};
+
+}  // namespace detail
+
+//! A group of ranks, one GPU each, communicating through NCCL on their backends' streams.
+class Communicator : public CollectiveInterface<Communicator> {
+ public:
+  using loom_communicator = void;
+
+  //! Joins the group `id` of `size` ranks as `rank` (collective: every rank constructs with the
+  //! same id and size), on `backend`'s device and stream, which must outlive the communicator.
+  Communicator(loom::cuda& backend, const UniqueId& id, int size, int rank, CommOptions options = {})
+      : state_(std::make_shared<detail::State>()) {
+    LOOM_CHECK(size >= 1, "nccl communicator: size", size, "must be >= 1");
+    LOOM_CHECK(rank >= 0 && rank < size, "nccl communicator: rank", rank,
+               "must be in [0, size = " + std::to_string(size) + ")");
+    state_->backend = &backend;
+    state_->options = options;
+    state_->rank = rank;
+    state_->size = size;
+    LOOM_CUDA_CHECK(cudaSetDevice(backend.device()));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(&state_->comm, size, id.id, rank, &config);
+    state_->finish(r, "ncclCommInitRankConfig");
+  }
+
+  //! Joins a new NCCL group made of the ranks of `group` (any loom communicator: MPI across
+  //! processes, threads for one process driving several GPUs): its rank 0 makes the id and
+  //! broadcasts it. Collective over `group`.
+  template <class C>
+  static Communicator bootstrap(loom::cuda& backend, C& group, CommOptions options = {}) {
+    // The id travels as floats' bits (the communicators move floats, not bytes).
+    std::array<float, sizeof(ncclUniqueId) / sizeof(float)> words{};
+    UniqueId id;
+    if (group.rank() == 0) {
+      id = UniqueId::make();
+      std::memcpy(words.data(), &id.id, sizeof(id.id));
+    }
+    group.broadcast(std::span<float>(words), 0);
+    std::memcpy(&id.id, words.data(), sizeof(id.id));
+    return Communicator(backend, id, group.size(), group.rank(), options);
+  }
+
+  Communicator(Communicator&&) noexcept = default;
+  Communicator& operator=(Communicator&&) noexcept = default;
+
+  int rank() const noexcept { return state_->rank; }
+  int size() const noexcept { return state_->size; }
+  //! The NCCL handle, for calls loom does not wrap.
+  ncclComm_t native() const noexcept { return state_->comm; }
+
+  //! Runs `call` and waits for it (with the timeout). Device buffers: ordered on the stream,
+  //! complete on return. Host buffers: staged through device memory.
+  void run(const CollectiveCall& call) { start(call).wait(); }
+
+  //! Starts `call` on the backend's stream; the Request completes with it. Host buffers are
+  //! staged and the call completes before this returns.
+  Request start(const CollectiveCall& call) {
+    state_->check_healthy();
+    if (call.kind == Collective::barrier) return start(barrier_call());
+    if (on_host(call)) {
+      run_staged(call);
+      return {};
+    }
+    enqueue(call);
+    cudaEvent_t event = nullptr;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    LOOM_CUDA_CHECK(cudaEventRecord(event, state_->backend->stream()));
+    return Request(detail::EventRequest(state_, event, call));
+  }
+
+  //! Ranks with the same `color` form a new group, ordered by `key` then rank (ncclCommSplit;
+  //! collective over this group).
+  Communicator split(int color, int key) {
+    state_->check_healthy();
+    LOOM_CHECK(color >= 0, "nccl communicator: split color", color, "must be >= 0");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    Communicator out;
+    out.state_ = std::make_shared<detail::State>();
+    out.state_->backend = state_->backend;
+    out.state_->options = state_->options;
+    out.state_->rank = state_->rank;
+    const ncclResult_t r = ncclCommSplit(state_->comm, color, key, &out.state_->comm, &config);
+    if (r != ncclSuccess && r != ncclInProgress) state_->fail(std::string("ncclCommSplit: ") + ncclGetErrorString(r));
+    // In non-blocking mode the new communicator says when it is ready.
+    out.state_->finish(ncclInProgress, "ncclCommSplit");
+    int n = 0, me = 0;
+    out.state_->finish(ncclCommCount(out.state_->comm, &n), "ncclCommCount");
+    out.state_->finish(ncclCommUserRank(out.state_->comm, &me), "ncclCommUserRank");
+    out.state_->size = n;
+    out.state_->rank = me;
+    return out;
+  }
+
+ private:
+  Communicator() = default;
+
+  //! A barrier is an all-reduce of one float in device scratch the state keeps.
+  CollectiveCall barrier_call() {
+    if (state_->barrier_word == nullptr)
+      state_->barrier_word = state_->backend->allocate(sizeof(float), MemoryCategory::communication);
+    return {.kind = Collective::all_reduce, .input = state_->barrier_word, .output = state_->barrier_word, .count = 1};
+  }
+
+  //! Whether the call's buffers are host memory (then staged).
+  static bool on_host(const CollectiveCall& call) {
+    const void* p = call.output != nullptr ? call.output : call.input;
+    if (p == nullptr) return false;
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return true;
+    }
+    return attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged;
+  }
+
+  //! Issues `call` on the stream (device buffers).
+  void enqueue(const CollectiveCall& call) {
+    detail::State& s = *state_;
+    const cudaStream_t stream = s.backend->stream();
+    const ncclDataType_t type = detail::type_of(call.dtype);
+    ncclResult_t r = ncclSuccess;
+    switch (call.kind) {
+      case Collective::all_reduce:
+        r = ncclAllReduce(call.output, call.output, call.count, type, detail::op_of(call.op), s.comm, stream);
+        break;
+      case Collective::reduce_scatter:
+        r = ncclReduceScatter(call.input, call.output, call.count, type, detail::op_of(call.op), s.comm, stream);
+        break;
+      case Collective::all_gather: r = ncclAllGather(call.input, call.output, call.count, type, s.comm, stream); break;
+      case Collective::broadcast:
+        r = ncclBroadcast(call.output, call.output, call.count, type, call.peer, s.comm, stream);
+        break;
+      case Collective::send: r = ncclSend(call.input, call.count, type, call.peer, s.comm, stream); break;
+      case Collective::recv: r = ncclRecv(call.output, call.count, type, call.peer, s.comm, stream); break;
+      case Collective::barrier: break;
+    }
+    s.finish(r, "nccl enqueue");
+  }
+
+  //! Host buffers: copied to device scratch, run there, copied back.
+  void run_staged(const CollectiveCall& call) {
+    loom::cuda& be = *state_->backend;
+    const std::size_t element = size_of(call.dtype), n = static_cast<std::size_t>(size());
+    std::size_t in_bytes = 0, out_bytes = 0;
+    switch (call.kind) {
+      case Collective::all_reduce:
+      case Collective::broadcast: in_bytes = out_bytes = call.count * element; break;
+      case Collective::reduce_scatter: in_bytes = n * call.count * element, out_bytes = call.count * element; break;
+      case Collective::all_gather: in_bytes = call.count * element, out_bytes = n * call.count * element; break;
+      case Collective::send: in_bytes = call.count * element; break;
+      case Collective::recv: out_bytes = call.count * element; break;
+      case Collective::barrier: break;
+    }
+    const std::size_t total = in_bytes + out_bytes;
+    void* scratch = be.allocate(total == 0 ? 1 : total, MemoryCategory::communication);
+    struct Free {
+      loom::cuda& be;
+      void* p;
+      std::size_t bytes;
+      ~Free() { be.deallocate(p, bytes, MemoryCategory::communication); }
+    } free_scratch{be, scratch, total == 0 ? 1 : total};
+    auto* in = static_cast<char*>(scratch);
+    char* out = in + in_bytes;
+    CollectiveCall device = call;
+    if (in_bytes > 0 && call.input != nullptr) be.copy_from_host(in, call.input, in_bytes);
+    // In-place forms read the output buffer; all_reduce and broadcast work on `output` alone.
+    if (call.kind == Collective::all_reduce || call.kind == Collective::broadcast) {
+      be.copy_from_host(out, call.output, out_bytes);
+      device.output = out;
+    } else {
+      device.input = in;
+      device.output = out;
+    }
+    run(device);
+    if (out_bytes > 0) be.copy_to_host(call.output, out, out_bytes);
+  }
+
+  std::shared_ptr<detail::State> state_;
+};
+
+static_assert(loom::Communicator<Communicator>);
+
+}  // namespace loom::nccl
