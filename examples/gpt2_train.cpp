@@ -1,4 +1,4 @@
-// gpt2_train: trains GPT-2 with loom, on one rank or data-parallel over several.
+// gpt2_train: trains GPT-2 with loom, on one rank or on a DP x TP x PP mesh of several.
 //
 //   gpt2_train --demo                                   # the README demo: < 2 minutes on 2 cores
 //   gpt2_train --model small --data tokens.bin --batch 8 --micro-batch 4 --seq 1024 --steps 100
@@ -7,10 +7,14 @@
 //   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
 //   gpt2_train --demo --dp 2 --zero 3                   # ZeRO-3 (FSDP FULL_SHARD) over 2 ranks
 //   gpt2_train --demo --dp 2 --tp 2                     # 4 ranks: 2 replicas of a 2-way TP model
+//   gpt2_train --demo --pp 2                            # 2 pipeline stages, 1F1B
+//   gpt2_train --demo --pp 2 --schedule interleaved --virtual-stages 2
 //
 // One idea: a Trainer composed of a Model, an Optimizer, a Schedule and a Strategy runs a step on
 // a global batch; every rank passes the same global batch and trains on its slice; everything
 // printed comes from the step's metrics and the backends' memory reports (rank 0 prints).
+// Schedule, strategy and optimizer are types: the command line picks one of a few
+// instantiations (with_schedule, with_strategy, with_optimizer below).
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -63,6 +67,9 @@ struct Options {
   std::int64_t log_every = 1;
   int dp = 1;
   int tp = 1;
+  int pp = 1;
+  std::string schedule;  // empty: 1f1b with pipeline stages, accumulation without
+  std::optional<int> virtual_stages;  // interleaved only; 2 when not given
   int zero = 0;
   int prefetch = 1;
   std::string comm = "threads";
@@ -109,24 +116,102 @@ nlohmann::json memory_json(const loom::MemoryTracker& m) {
   return j;
 }
 
-//! Each rank's memory by category, gathered to rank 0 and printed there.
+//! Each rank's memory by category, gathered to rank 0 and printed there with the rank's mesh
+//! coordinates and, with pipeline stages, the activation slots it holds (they differ by stage).
 template <class Group>
-void print_memory_per_rank(Group& group, const loom::MemoryTracker& m) {
-  constexpr int fields = loom::memory_category_count + 1;
-  std::vector<double> mine(fields), all(static_cast<std::size_t>(fields * group.size()));
+void print_memory_per_rank(Group& world, const loom::MeshShape& shape, const loom::MemoryTracker& m,
+                           std::int64_t activation_slots) {
+  constexpr int fields = loom::memory_category_count + 2;  // the categories, the peak, the slots
+  std::vector<double> mine(fields), all(static_cast<std::size_t>(fields * world.size()));
   for (int i = 0; i < loom::memory_category_count; ++i)
     mine[i] = loom::MemoryTracker::mib(m.current(static_cast<loom::MemoryCategory>(i)));
-  mine[fields - 1] = loom::MemoryTracker::mib(m.peak_total());
-  group.all_gather(std::span<double>(mine), std::span<double>(all));
-  if (group.rank() != 0) return;
-  std::printf("memory per rank after step 1 (MiB):\n  rank");
+  mine[fields - 2] = loom::MemoryTracker::mib(m.peak_total());
+  mine[fields - 1] = static_cast<double>(activation_slots);
+  world.all_gather(std::span<double>(mine), std::span<double>(all));
+  if (world.rank() != 0) return;
+  const bool pipeline = shape.pp > 1;
+  std::printf("memory per rank after step 1 (MiB):\n  rank dp tp pp");
   for (int i = 0; i < loom::memory_category_count; ++i)
     std::printf(" %15s", std::string(loom::name(static_cast<loom::MemoryCategory>(i))).c_str());
-  std::printf(" %10s\n", "peak");
-  for (int r = 0; r < group.size(); ++r) {
-    std::printf("  %4d", r);
-    for (int i = 0; i < fields; ++i) std::printf(" %*.2f", i + 1 < fields ? 15 : 10, all[r * fields + i]);
+  std::printf(" %10s%s\n", "peak", pipeline ? "  slots" : "");
+  for (int r = 0; r < world.size(); ++r) {
+    const loom::MeshCoordinates c = loom::mesh_coordinates(shape, r);
+    std::printf("  %4d %2d %2d %2d", r, c.dp, c.tp, c.pp);
+    const double* row = all.data() + static_cast<std::ptrdiff_t>(r) * fields;
+    for (int i = 0; i < loom::memory_category_count; ++i) std::printf(" %15.2f", row[i]);
+    std::printf(" %10.2f", row[fields - 2]);
+    if (pipeline) std::printf(" %6.0f", row[fields - 1]);
     std::printf("\n");
+  }
+}
+
+//! "embedding", "h3" or "head": what layer `layer` of a GPT-2 of `config` is.
+std::string layer_name(const loom::gpt2::Config& config, int layer) {
+  if (layer == loom::gpt2::embedding_layer) return "embedding";
+  if (layer == loom::gpt2::head_layer(config)) return "head";
+  return "h" + std::to_string(layer - 1);
+}
+
+//! Each stage's model layers (trainer.stage(), per chunk), activation slots and parameters,
+//! gathered over `pipeline` (collective over it: every rank calls this) and printed by its
+//! stage 0 when `print`.
+template <class Group, class Stage>
+void print_pipeline_stages(Group& pipeline, const Stage& stage, const loom::gpt2::Config& config,
+                           std::int64_t activation_slots, bool tensor_parallel, bool print) {
+  const int chunks = stage.chunks();  // the same on every stage
+  const int fields = 2 + 2 * chunks;
+  std::vector<double> mine(static_cast<std::size_t>(fields)), all(static_cast<std::size_t>(fields * pipeline.size()));
+  mine[0] = static_cast<double>(activation_slots);
+  mine[1] = static_cast<double>(stage.layout().total());
+  for (int c = 0; c < chunks; ++c) {
+    mine[2 + 2 * c] = stage.chunk_model_layers(c).first;
+    mine[3 + 2 * c] = stage.chunk_model_layers(c).last;
+  }
+  pipeline.all_gather(std::span<double>(mine), std::span<double>(all));
+  if (!print) return;
+  for (int s = 0; s < pipeline.size(); ++s) {
+    const double* row = all.data() + static_cast<std::ptrdiff_t>(s) * fields;
+    std::string layers;
+    for (int c = 0; c < chunks; ++c) {
+      const int first = static_cast<int>(row[2 + 2 * c]), last = static_cast<int>(row[3 + 2 * c]);
+      if (c > 0) layers += ", ";
+      layers += first == last ? std::to_string(first) + " (" + layer_name(config, first) + ")"
+                              : std::to_string(first) + ".." + std::to_string(last) + " (" +
+                                    layer_name(config, first) + ".." + layer_name(config, last) + ")";
+    }
+    std::printf("  stage %d: layers %s, %.0f activation slot(s), %.0f parameters held%s\n", s, layers.c_str(),
+                row[0], row[1], tensor_parallel ? " per TP rank" : "");
+  }
+}
+
+//! A schedule type's name on the command line (--schedule) and in the library.
+struct ScheduleNames {
+  const char* option;
+  const char* type;
+};
+template <class S>
+constexpr ScheduleNames schedule_names() {
+  if constexpr (std::is_same_v<S, loom::GPipe>) return {"gpipe", "GPipe"};
+  else if constexpr (std::is_same_v<S, loom::OneFOneB>) return {"1f1b", "OneFOneB"};
+  else if constexpr (std::is_same_v<S, loom::Interleaved1F1B>) return {"interleaved", "Interleaved1F1B"};
+  else if constexpr (std::is_same_v<S, loom::ZeroBubbleH1>) return {"zb-h1", "ZeroBubbleH1"};
+  else return {"accumulation", "GradientAccumulation"};
+}
+
+//! The schedule, its micro-batches and, for a pipeline, its bubble as the host simulator
+//! predicts it with the zero-bubble paper's costs (F = 1, B = 2, I = W = 1).
+template <class S>
+std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shape) {
+  constexpr ScheduleNames names = schedule_names<S>();
+  const std::string head = std::string(names.option) + " (" + names.type;
+  if (shape.micro_batches < 1) return head + ")";  // the batch does not split: step 1 says why
+  if constexpr (!loom::pipelined_schedule<S>) {
+    return head + ", " + std::to_string(shape.micro_batches) + " micro-batch(es) per step per rank)";
+  } else {
+    char bubble[32];
+    std::snprintf(bubble, sizeof bubble, "%.1f%%", 100.0 * loom::simulate(schedule, shape).idle_fraction());
+    return head + ", " + std::to_string(shape.micro_batches) + " micro-batches per pipeline per step, " +
+           std::to_string(shape.virtual_stages) + " chunk(s) per rank, simulated bubble " + bubble + " at F=1 B=2)";
   }
 }
 
@@ -149,49 +234,65 @@ void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m
               static_cast<long long>(plan.padding()), loom::MemoryTracker::mib(m.peak(MemoryCategory::communication)));
 }
 
-template <class Strategy, class Opt, class Group>
-int train(const Options& o, Opt optimizer, loom::Mesh<Group>& mesh, Strategy strategy, int threads) {
+template <class Schedule, class Strategy, class Opt, class Group>
+int train(const Options& o, loom::Mesh<Group>& mesh, Opt optimizer, Strategy strategy, Schedule schedule, int threads) {
   using namespace loom;
   Group& group = mesh.data_parallel();
   Group& world = mesh.world();
   const bool lead = world.rank() == 0;
+  const int stages = mesh.shape().pp;
   const gpt2::Config config = model_config(o);
   const Source data = open_data(o, config.vocab_size);
   LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
              "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
   LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
              "must be in [1, max_seq_len = " + std::to_string(config.max_seq_len) + "]");
-  // --micro-batch 0: each rank's whole slice in one micro-batch.
-  const std::int64_t micro = o.micro_batch == 0 ? std::max<std::int64_t>(1, o.batch / group.size()) : o.micro_batch;
+  // --micro-batch 0: each rank's whole slice in one micro-batch, or, under a pipeline schedule,
+  // 2 x pp micro-batches per pipeline (one alone would leave all but one stage idle).
+  const std::int64_t per_slice = pipelined_schedule<Schedule> ? 2 * stages : 1;
+  const std::int64_t micro =
+      o.micro_batch == 0 ? std::max<std::int64_t>(1, o.batch / (group.size() * per_slice)) : o.micro_batch;
   if (o.accumulation > 0)
     LOOM_CHECK(o.batch == micro * o.accumulation * group.size(), "--accumulation", o.accumulation,
                "--batch (" + std::to_string(o.batch) + ") must equal --micro-batch (" +
                    std::to_string(micro) + ") x --accumulation x data-parallel ranks (" +
                    std::to_string(group.size()) + ")");
   cpu backend(threads);
-  const WarmupCosineLr schedule{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps,
-                                .min_lr_factor = o.min_lr_factor};
-  schedule.validate();
-  Trainer<gpt2::Model<cpu, float>, Opt, GradientAccumulation, Strategy> trainer(
-      backend, mesh, gpt2::Model<cpu, float>(config, mesh.tensor_parallel()), optimizer, schedule,
-      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy);
+  const WarmupCosineLr lr{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps, .min_lr_factor = o.min_lr_factor};
+  lr.validate();
+  // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
+  // against the pipeline (accumulation runs one stage) on every rank, before any step.
+  Trainer<gpt2::Model<cpu, float>, Opt, Schedule, Strategy> trainer(
+      backend, mesh, gpt2::Model<cpu, float>(config, mesh.tensor_parallel()), optimizer, lr,
+      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
   if (!o.init.empty()) {
-    // Every rank reads the file and keeps its part (the whole model, or its ZeRO shard).
+    // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard).
     std::vector<float> weights(static_cast<std::size_t>(trainer.model().layout().total()));
     io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), weights.data());
     trainer.load_parameters(weights);
   }
+  // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
+  // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
+  // that does not split into micro-batches is left to step 1, whose message names the rule.
+  const std::int64_t split = micro * group.size();
+  const ScheduleShape shape{.stages = stages,
+                            .stage = trainer.pipeline_rank(),
+                            .micro_batches = o.batch % split == 0 ? o.batch / split : 0,
+                            .virtual_stages = trainer.stage().chunks()};
+  const std::int64_t slots = shape.micro_batches > 0 ? trainer.schedule().live_micro_batches(shape) : 0;
 
   if (lead) {
   std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
               detail::to_text(config).c_str());
-  std::printf("  parameters %lld (stored %lld), %d threads per rank, batch %lld x seq %lld, micro-batch %lld (%lld per step per rank)\n",
+  std::printf("  parameters %lld (stored %lld), %d threads per rank, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s)\n",
               static_cast<long long>(config.parameter_count()),
               static_cast<long long>(config.stored_parameter_count()), backend.threads(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
-              static_cast<long long>(micro), static_cast<long long>(o.batch / (micro * group.size())));
-  std::printf("  strategy %s over %d rank(s) (%s), mesh %s\n", detail::to_text(strategy).c_str(), world.size(),
-              world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str());
+              static_cast<long long>(micro), static_cast<long long>(o.batch / split),
+              stages > 1 ? "pipeline" : "rank");
+  std::printf("  strategy %s over %d rank(s) (%s), mesh %s schedule %s\n", detail::to_text(strategy).c_str(),
+              world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
+              describe_schedule(schedule, shape).c_str());
   std::visit([&](const auto& src) {
     if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>)
       std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
@@ -202,6 +303,13 @@ int train(const Options& o, Opt optimizer, loom::Mesh<Group>& mesh, Strategy str
                   static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
   }, data);
   }
+  if (stages > 1) {
+    if (lead) std::printf("  pipeline: %d layers (embedding, %lld blocks, head) in %d stages x %d chunk(s):\n",
+                          trainer.model().num_layers(), static_cast<long long>(config.num_layers), stages,
+                          trainer.stage().chunks());
+    print_pipeline_stages(mesh.pipeline(), trainer.stage(), config, slots, mesh.shape().tp > 1, lead);
+  }
+  std::fflush(stdout);
 
   std::ofstream metrics;
   if (lead && !o.metrics.empty()) {
@@ -220,12 +328,14 @@ int train(const Options& o, Opt optimizer, loom::Mesh<Group>& mesh, Strategy str
       std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
                   static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
       if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
+      // Rank 0's measured bubble: the share of its step spent waiting for other stages.
+      if (stages > 1) std::printf(" | pipeline wait %.1f%%", 100.0 * m.pipeline_wait_seconds / m.seconds);
       std::printf(" | mem %.1f MiB (peak %.1f)\n", MemoryTracker::mib(mem.current_total()),
                   MemoryTracker::mib(mem.peak_total()));
       std::fflush(stdout);
     }
     if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
-    if (s == 0 && world.size() > 1) print_memory_per_rank(world, mem);
+    if (s == 0 && world.size() > 1) print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
     if constexpr (requires { trainer.engine().plan(); })
       if (s == 0 && lead) print_zero_memory(trainer.engine().plan(), mem, strategy, Opt::state_slots);
     if (metrics.is_open()) {
@@ -234,6 +344,7 @@ int train(const Options& o, Opt optimizer, loom::Mesh<Group>& mesh, Strategy str
                           {"seconds", m.seconds}, {"tokens_per_second", m.tokens_per_second},
                           {"tflops", tflops}, {"memory", memory_json(mem)}};
       if (o.peak_tflops > 0) j["mfu"] = tflops / o.peak_tflops;
+      if (stages > 1) j["pipeline_wait_seconds"] = m.pipeline_wait_seconds;
       metrics << j.dump() << '\n';
       metrics.flush();
     }
@@ -241,37 +352,69 @@ int train(const Options& o, Opt optimizer, loom::Mesh<Group>& mesh, Strategy str
   if (lead)
     std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
   if (!o.save.empty()) {
-    const std::vector<float> weights = trainer.gather_parameters();  // collective under ZeRO-3
-    if (lead) io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), weights.data());
-  }
-  if (lead && !o.save.empty()) {
-    std::printf("saved %s\n", o.save.c_str());
+    // Collective over the pipeline (each stage contributes its layers) and, under ZeRO-3, over
+    // the data-parallel group: every rank gathers, rank 0 writes.
+    const std::vector<float> weights = trainer.gather_parameters();
+    if (lead) {
+      io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), weights.data());
+      std::printf("saved %s\n", o.save.c_str());
+    }
   }
   return 0;
 }
 
-//! Picks the optimizer and the strategy (SingleRank on one rank, DataParallel on more).
+//! Calls `fn` with the schedule --schedule names (main has filled in the default).
+template <class Fn>
+int with_schedule(const Options& o, Fn&& fn) {
+  if (o.schedule == "gpipe") return fn(loom::GPipe{});
+  if (o.schedule == "1f1b") return fn(loom::OneFOneB{});
+  if (o.schedule == "interleaved") return fn(loom::Interleaved1F1B{.virtual_stages = o.virtual_stages.value_or(2)});
+  if (o.schedule == "zb-h1") return fn(loom::ZeroBubbleH1{});
+  return fn(loom::GradientAccumulation{});
+}
+
+//! Calls `fn` with the strategy of --zero: SingleRank on one data-parallel rank, DataParallel on
+//! more, or a ZeRO stage. Under a pipeline schedule only DataParallel (a no-op reduction on one
+//! rank) and Zero<1> exist: Zero<2>/<3> do not compile with one (main rejects them first), and
+//! leaving SingleRank out keeps the instantiations few.
+template <class Schedule, class Fn>
+int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
+  const std::size_t bucket_bytes = o.bucket_mib << 20;
+  const bool overlap = !o.no_overlap;
+  if constexpr (loom::pipelined_schedule<Schedule>) {
+    if (o.zero == 1) return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap});
+    return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
+  } else {
+    switch (o.zero) {
+      case 1: return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap});
+      case 2: return fn(loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = overlap});
+      case 3: return fn(loom::Zero<3>{.bucket_bytes = bucket_bytes, .overlap = overlap, .prefetch = o.prefetch});
+      default:
+        if (data_parallel_ranks == 1) return fn(loom::SingleRank{});
+        return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
+    }
+  }
+}
+
+//! Calls `fn` with the optimizer of --optimizer.
+template <class Fn>
+int with_optimizer(const Options& o, Fn&& fn) {
+  if (o.optimizer == "sgd") return fn(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
+  return fn(loom::AdamW({.weight_decay = o.weight_decay}));
+}
+
+//! Builds the dp x tp x pp mesh over `world` and trains with the schedule, strategy and
+//! optimizer the options name.
 template <class Group>
 int train_on(const Options& o, Group& world, int threads) {
-  LOOM_CHECK(world.size() % o.tp == 0, "--tp", o.tp,
+  LOOM_CHECK(world.size() % (o.tp * o.pp) == 0, "--tp x --pp", std::to_string(o.tp) + " x " + std::to_string(o.pp),
              "must divide the number of ranks (" + std::to_string(world.size()) + ")");
-  loom::Mesh<Group> mesh(world, {.dp = world.size() / o.tp, .tp = o.tp, .pp = 1});
-  Group& group = mesh.data_parallel();
-  const auto with_strategy = [&](auto optimizer) {
-    const std::size_t bucket_bytes = o.bucket_mib << 20;
-    switch (o.zero) {
-      case 1: return train(o, optimizer, mesh, loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
-      case 2: return train(o, optimizer, mesh, loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
-      case 3:
-        return train(o, optimizer, mesh,
-                     loom::Zero<3>{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap, .prefetch = o.prefetch}, threads);
-      default:
-        if (group.size() == 1) return train(o, optimizer, mesh, loom::SingleRank{}, threads);
-        return train(o, optimizer, mesh, loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = !o.no_overlap}, threads);
-    }
-  };
-  if (o.optimizer == "sgd") return with_strategy(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
-  return with_strategy(loom::AdamW({.weight_decay = o.weight_decay}));
+  loom::Mesh<Group> mesh(world, {.dp = world.size() / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
+  return with_schedule(o, [&](auto schedule) {
+    return with_strategy<decltype(schedule)>(o, mesh.data_parallel().size(), [&](auto strategy) {
+      return with_optimizer(o, [&](auto optimizer) { return train(o, mesh, optimizer, strategy, schedule, threads); });
+    });
+  });
 }
 
 int run(const Options& o, int& argc, char**& argv) {
@@ -279,8 +422,9 @@ int run(const Options& o, int& argc, char**& argv) {
   if (o.comm == "mpi") {
 #if LOOM_EXAMPLE_WITH_MPI
     return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
-      LOOM_CHECK(o.dp == 1 || o.dp * o.tp == world.size(), "--dp", o.dp,
-                 "x --tp must equal the MPI world size (" + std::to_string(world.size()) + ") with --comm mpi");
+      LOOM_CHECK(o.dp == 1 || o.dp * o.tp * o.pp == world.size(), "--dp", o.dp,
+                 "x --tp x --pp must equal the MPI world size (" + std::to_string(world.size()) +
+                     ") with --comm mpi (or leave --dp at 1 to take the rest)");
       // Each process uses --threads (0 = every core of its machine).
       const int code = train_on(o, world, o.threads);
       if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
@@ -289,7 +433,7 @@ int run(const Options& o, int& argc, char**& argv) {
     throw loom::Error("--comm", o.comm, "this gpt2_train was built without MPI (install libopenmpi-dev and rebuild)");
 #endif
   }
-  const int ranks = o.dp * o.tp;
+  const int ranks = o.dp * o.tp * o.pp;
   if (ranks == 1) {
     loom::SelfCommunicator self;
     return train_on(o, self, o.threads);
@@ -308,7 +452,7 @@ int run(const Options& o, int& argc, char**& argv) {
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"Train GPT-2 with loom (one rank, CPU backend)."};
+  CLI::App app{"Train GPT-2 with loom (CPU backend): one rank, or a DP x TP x PP mesh of thread or MPI ranks."};
   app.add_flag("--demo", o.demo,
                "The README demo: a 4-layer, 128-channel GPT-2 on the synthetic task; finishes in "
                "under 2 minutes on 2 cores. Other options given after it still apply.");
@@ -320,10 +464,11 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "Sequences per global batch")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--micro-batch", o.micro_batch,
-                 "Sequences per micro-batch; the batch is accumulated over batch/micro-batch of them (0 = batch)")
+                 "Sequences per micro-batch; the batch is accumulated over batch/micro-batch of them (0 = each "
+                 "rank's whole slice, or 2 x pp micro-batches per pipeline under a pipeline schedule)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--accumulation", o.accumulation,
-                 "Micro-batches per step on each rank; sets --batch to micro-batch x accumulation x ranks (0 = from --batch)")
+                 "Micro-batches per step on each rank (each pipeline with --pp); sets --batch to micro-batch x accumulation x ranks (0 = from --batch)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seq", o.seq, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -355,8 +500,20 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--tp", o.tp,
                  "Tensor-parallel ranks per model replica (Megatron's split; heads, channels and the padded "
-                 "vocabulary must divide by it). Ranks = dp x tp")
+                 "vocabulary must divide by it). Ranks = dp x tp x pp")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--pp", o.pp,
+                 "Pipeline stages: the model's layers (embedding, blocks, head) split into pp contiguous "
+                 "stages balanced by cost. Ranks = dp x tp x pp")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--schedule", o.schedule,
+                 "Micro-batch schedule: accumulation (one stage; the default without --pp), gpipe, "
+                 "1f1b (the default with --pp > 1), interleaved (virtual stages), zb-h1 (zero bubble)")
+      ->check(CLI::IsMember({"accumulation", "gpipe", "1f1b", "interleaved", "zb-h1"}));
+  app.add_option("--virtual-stages", o.virtual_stages,
+                 "--schedule interleaved: model chunks per pipeline rank (default 2); pp x this must not "
+                 "exceed the model's layers, and micro-batches per pipeline must divide by pp")
+      ->check(CLI::PositiveNumber);
   app.add_option("--comm", o.comm, "Communicator: threads (ranks as threads) or mpi (run under mpirun)")
       ->capture_default_str()->check(CLI::IsMember({"threads", "mpi"}));
   app.add_option("--bucket-mib", o.bucket_mib, "DDP gradient bucket size in MiB")
@@ -364,7 +521,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-overlap", o.no_overlap, "DDP/ZeRO: reduce all buckets after backward instead of during it");
   app.add_option("--zero", o.zero,
                  "ZeRO stage over the data-parallel ranks: 1 (optimizer state sharded), 2 (+ gradients), "
-                 "3 (+ parameters, gathered per layer); 0 = DDP")
+                 "3 (+ parameters, gathered per layer); 0 = DDP. Pipeline schedules take 0 or 1")
       ->capture_default_str()->check(CLI::Range(0, 3));
   app.add_option("--prefetch", o.prefetch, "ZeRO-3: layers whose parameters are gathered ahead")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -387,6 +544,18 @@ int main(int argc, char** argv) {
   if (o.accumulation > 0 && o.micro_batch > 0 && !app.count("--batch"))
     o.batch = o.micro_batch * o.accumulation * (o.comm == "threads" ? o.dp : 1);
   try {
+    if (o.schedule.empty()) o.schedule = o.pp > 1 ? "1f1b" : "accumulation";
+    // Rejected here, before any rank starts: the library rejects these at compile time, so
+    // gpt2_train has no such Trainer to let fail.
+    if (o.virtual_stages && o.schedule != "interleaved")
+      throw loom::Error("--virtual-stages", std::to_string(*o.virtual_stages),
+                        "only --schedule interleaved has virtual stages (the schedule is " + o.schedule + ")");
+    if (o.schedule != "accumulation" && o.zero >= 2)
+      throw loom::Error("--zero", std::to_string(o.zero),
+                        "ZeRO-2 and ZeRO-3 cannot run under a pipeline schedule (--schedule " + o.schedule +
+                            "): they reduce-scatter gradients in every micro-batch's backward, and a tied "
+                            "parameter's gradient must be summed across stages before it is sharded. Use "
+                            "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
     return run(o, argc, argv);
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
