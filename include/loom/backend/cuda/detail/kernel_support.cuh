@@ -1,0 +1,112 @@
+#pragma once
+//! \file What the CUDA kernels share: the float-only rule, launch sizes, the device guard, warp
+//! and block sums, and the row-view shape check (host-only, no Eigen).
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/error.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::cuda_kernels {
+
+//! The element types the CUDA kernels take today: float (fp32 storage, fp32 arithmetic; the
+//! reductions that return to the host accumulate in double).
+template <class T>
+inline constexpr bool supported = std::is_same_v<T, float>;
+
+//! Threads per block of the element-wise kernels.
+inline constexpr int elementwise_threads = 256;
+//! At most this many blocks; grid-stride loops cover the rest (about 8 blocks of 256 threads per
+//! SM on an H100 with 132 SMs keep every SM busy; more only adds scheduling).
+inline constexpr std::int64_t max_elementwise_blocks = 4096;
+
+//! Blocks for an element-wise kernel over `n > 0` elements (grid-stride loops inside).
+inline unsigned elementwise_blocks(std::int64_t n) noexcept {
+  const std::int64_t blocks = (n + elementwise_threads - 1) / elementwise_threads;
+  return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, max_elementwise_blocks));
+}
+
+//! Blocks of a row-wise kernel that gives one warp to each row, `warps_per_block` warps a block.
+inline constexpr int warps_per_block = 8;
+inline unsigned row_blocks(std::int64_t rows) noexcept {
+  return static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block);
+}
+
+//! Columns per block and row threads per column of the column-sum kernels (bias, layernorm
+//! parameter gradients): thread (x, y) sums rows y, y + 32, ... of column x in a fixed order,
+//! then the 32 partials are added in order, so the result is the same bits on every run.
+inline constexpr int column_tile = 32;
+inline constexpr int column_row_threads = 32;
+inline unsigned column_blocks(std::int64_t cols) noexcept {
+  return static_cast<unsigned>((cols + column_tile - 1) / column_tile);
+}
+
+//! Makes the calling thread work on the backend's device (ranks as threads may use several
+//! GPUs; a launch on another device's stream fails).
+inline void activate(const cuda& be) {
+  int current = -1;
+  LOOM_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != be.device()) LOOM_CUDA_CHECK(cudaSetDevice(be.device()));
+}
+
+//! Checks that `t`, seen as a matrix (all but the last axis are rows), is [rows, cols] and has
+//! data; the same rule and message as the CPU kernels.
+template <class T>
+void check_rows(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const char* kernel,
+                const char* arg) {
+  if (t.shape().rank() == 0 || t.shape().rows() != rows || t.shape().cols() != cols) [[unlikely]]
+    throw Error(std::string(kernel) + ": argument " + arg + " shape", detail::to_text(t.shape()),
+                "expected " + detail::to_text(rows) + " rows of " + detail::to_text(cols) +
+                    " (all axes but the last are rows)");
+  check_data(t, kernel, arg);
+}
+
+//! Checks that the row-wise input `in` has rank >= 1 (it defines N and C).
+template <class T>
+void check_has_rows(const Tensor<T>& in, const char* kernel) {
+  if (in.shape().rank() == 0) [[unlikely]]
+    throw Error(std::string(kernel) + ": argument in shape", detail::to_text(in.shape()),
+                "expected rank >= 1");
+}
+
+#if defined(__CUDACC__)
+
+//! The first index of this thread and the stride of a grid-stride loop, in 64 bits.
+__device__ inline std::int64_t grid_first() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ inline std::int64_t grid_stride() {
+  return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
+//! Sum over the 32 lanes of a warp (butterfly: every lane gets the same bits).
+template <class A>
+__device__ inline A warp_sum(A value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+//! Sum over a one-dimensional block, valid in thread 0. `scratch` is shared memory of 32
+//! elements; call once per kernel (no barrier after the last read).
+template <class A>
+__device__ inline A block_sum(A value, A* scratch) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  value = warp_sum(value);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  const int warps = static_cast<int>((blockDim.x + 31) / 32);
+  value = static_cast<int>(threadIdx.x) < warps ? scratch[threadIdx.x] : A(0);
+  if (warp == 0) value = warp_sum(value);
+  return value;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace loom::detail::cuda_kernels

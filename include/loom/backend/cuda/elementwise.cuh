@@ -1,0 +1,60 @@
+#pragma once
+//! \file Plain element-wise helpers on the CUDA backend: copy, accumulate, zero (all ordered on
+//! the backend's stream).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/error.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::cuda_elementwise {
+
+template <class T>
+__global__ void add_to_kernel(T* dst, const T* src, std::int64_t n) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
+    dst[i] += src[i];
+}
+
+}  // namespace loom::detail::cuda_elementwise
+
+namespace loom::inline kernels {
+
+//! dst = src (same element count): a device-to-device copy on the stream.
+template <class T>
+void copy(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  check_numel(dst, src.numel(), "copy", "dst");
+  check_data(src, "copy", "src");
+  if (dst.numel() == 0) return;
+  detail::cuda_kernels::activate(be);
+  be.copy(dst.data(), src.data(), sizeof(T) * static_cast<std::size_t>(dst.numel()));
+}
+
+//! dst += src (same element count).
+template <class T>
+void add_to(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  namespace k = detail::cuda_kernels;
+  check_numel(dst, src.numel(), "add_to", "dst");
+  check_data(src, "add_to", "src");
+  const std::int64_t n = dst.numel();
+  if (n == 0) return;
+  k::activate(be);
+  detail::cuda_elementwise::add_to_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      dst.data(), src.data(), n);
+  detail::cuda_check_launch("add_to");
+}
+
+//! x = 0 (a memset on the stream). An empty tensor is left alone.
+template <class T>
+void zero(const cuda& be, Tensor<T> x) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  if (x.empty()) return;
+  detail::cuda_kernels::activate(be);
+  be.fill_zero(x.data(), sizeof(T) * static_cast<std::size_t>(x.numel()));
+}
+
+}  // namespace loom::inline kernels

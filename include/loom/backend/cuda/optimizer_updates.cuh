@@ -1,0 +1,131 @@
+#pragma once
+//! \file Element-wise optimizer updates (AdamW, SGD with momentum) on the CUDA backend, over
+//! flat ranges of parameters, gradients and optimizer state. The per-element steps are
+//! host/device functions (the host tests check them directly); the scalar factors are computed
+//! on the host in double, as on the CPU.
+
+#include <cmath>
+#include <cstdint>
+
+#include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/error.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/hd.hpp"
+#include "loom/core/tensor.hpp"
+#include "loom/optim/update_rules.hpp"
+
+namespace loom::detail::cuda_optimizer_updates {
+
+//! AdamW's hyper-parameters rounded to float once, bias corrections folded in (torch's form).
+struct AdamWFactors {
+  float decay, step_size, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+};
+
+//! The CPU kernel's factors: bias corrections in double, then rounded to float.
+inline AdamWFactors adamw_factors(const AdamWUpdate& h) {
+  const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  return {static_cast<float>(1.0 - h.lr * h.weight_decay), static_cast<float>(h.lr / bias_correction1),
+          static_cast<float>(1.0 / std::sqrt(bias_correction2)), static_cast<float>(h.beta1),
+          static_cast<float>(1.0 - h.beta1), static_cast<float>(h.beta2), static_cast<float>(1.0 - h.beta2),
+          static_cast<float>(h.eps)};
+}
+
+//! One AdamW step of one element: m, v updated; p = p decay - step_size m / (sqrt(v) / sqrt(bc2) + eps).
+LOOM_HD inline void adamw_element(float& p, float g, float& m, float& v, const AdamWFactors& f) {
+  m = f.beta1 * m + f.one_minus_beta1 * g;
+  v = f.beta2 * v + f.one_minus_beta2 * (g * g);
+  p = p * f.decay - f.step_size * (m / (sqrtf(v) * f.inv_sqrt_bc2 + f.eps));
+}
+
+//! SGD's hyper-parameters rounded to float once.
+struct SgdFactors {
+  float lr, momentum, weight_decay;
+  bool nesterov;
+};
+
+inline SgdFactors sgd_factors(const SgdUpdate& h) {
+  return {static_cast<float>(h.lr), static_cast<float>(h.momentum), static_cast<float>(h.weight_decay),
+          h.nesterov};
+}
+
+//! One SGD-with-momentum step of one element: g' = g + wd p; buf = mu buf + g';
+//! p -= lr buf, or with Nesterov p -= lr (g' + mu buf).
+LOOM_HD inline void sgd_element(float& p, float g, float& buf, const SgdFactors& f) {
+  const float gd = g + f.weight_decay * p;
+  const float b = f.momentum * buf + gd;
+  buf = b;
+  p -= f.lr * (f.nesterov ? gd + f.momentum * b : b);
+}
+
+template <class T>
+__global__ void adamw_kernel(T* params, const T* grads, T* m, T* v, std::int64_t n, AdamWFactors f) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
+    T p = params[i], mi = m[i], vi = v[i];
+    adamw_element(p, grads[i], mi, vi, f);
+    params[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+template <class T>
+__global__ void sgd_kernel(T* params, const T* grads, T* momentum, std::int64_t n, SgdFactors f) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
+    T p = params[i], b = momentum[i];
+    sgd_element(p, grads[i], b, f);
+    params[i] = p;
+    momentum[i] = b;
+  }
+}
+
+}  // namespace loom::detail::cuda_optimizer_updates
+
+namespace loom::inline kernels {
+
+//! One AdamW step on a flat range, PyTorch's formula (decoupled weight decay): p -= lr wd p;
+//! m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+//! with t = h.step >= 1. The four tensors have equal element counts (any shapes).
+template <class T>
+void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<T> m, Tensor<T> v,
+                  const AdamWUpdate& h) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  namespace k = detail::cuda_kernels;
+  namespace d = detail::cuda_optimizer_updates;
+  constexpr const char* kernel = "adamw_update";
+  const std::int64_t n = params.numel();
+  check_data(params, kernel, "params");
+  check_numel(grads, n, kernel, "grads");
+  check_numel(m, n, kernel, "m");
+  check_numel(v, n, kernel, "v");
+  LOOM_CHECK(h.step >= 1, "adamw_update: step", h.step, "steps count from 1");
+  if (n == 0) return;
+  k::activate(be);
+  d::adamw_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      params.data(), grads.data(), m.data(), v.data(), n, d::adamw_factors(h));
+  detail::cuda_check_launch("adamw_update");
+}
+
+//! One SGD-with-momentum step on a flat range, PyTorch's formula (no dampening): g' = g + wd p;
+//! buf = mu buf + g' (a zero buffer makes the first step buf = g'); p -= lr buf, or with
+//! Nesterov p -= lr (g' + mu buf). The three tensors have equal element counts (any shapes).
+template <class T>
+void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<T> momentum,
+                         const SgdUpdate& h) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  namespace k = detail::cuda_kernels;
+  namespace d = detail::cuda_optimizer_updates;
+  constexpr const char* kernel = "sgd_momentum_update";
+  const std::int64_t n = params.numel();
+  check_data(params, kernel, "params");
+  check_numel(grads, n, kernel, "grads");
+  check_numel(momentum, n, kernel, "momentum");
+  if (n == 0) return;
+  k::activate(be);
+  d::sgd_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      params.data(), grads.data(), momentum.data(), n, d::sgd_factors(h));
+  detail::cuda_check_launch("sgd_momentum_update");
+}
+
+}  // namespace loom::inline kernels

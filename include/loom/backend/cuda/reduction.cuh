@@ -1,0 +1,100 @@
+#pragma once
+//! \file Reductions for gradient clipping on the CUDA backend: the sum of squares (two-pass block
+//! reduction in double, returned to the host) and scaling in place.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/error.hpp"
+#include "loom/core/buffer.hpp"
+#include "loom/core/memory.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::cuda_reduction {
+
+//! Threads per block of both passes.
+inline constexpr int threads = 512;
+//! At most this many first-pass blocks (one partial each); the second pass is one block that
+//! takes up to two partials per thread.
+inline constexpr std::int64_t max_blocks = 2 * threads;
+//! Elements per thread before a launch grows beyond one block.
+inline constexpr std::int64_t elements_per_thread = 8;
+
+//! First-pass blocks for `n > 0` elements. A function of n only, never of the device, so the
+//! order of additions (and the bits of the sum) is the same on every GPU.
+inline std::int64_t blocks_for(std::int64_t n) noexcept {
+  return std::clamp<std::int64_t>((n + threads * elements_per_thread - 1) / (threads * elements_per_thread), 1,
+                                  max_blocks);
+}
+
+//! partial[block] = sum of x[i]^2 in double over the block's grid-stride share of x.
+template <class T>
+__global__ void partial_sums_kernel(double* partial, const T* x, std::int64_t n) {
+  __shared__ double scratch[32];
+  double sum = 0;
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
+    const double value = static_cast<double>(x[i]);
+    sum += value * value;
+  }
+  sum = cuda_kernels::block_sum(sum, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+//! *total = sum of partial[0, count) in a fixed order (one block).
+template <class A>
+__global__ void total_kernel(A* total, const A* partial, std::int64_t count) {
+  __shared__ A scratch[32];
+  A sum = 0;
+  for (std::int64_t i = threadIdx.x; i < count; i += blockDim.x) sum += partial[i];
+  sum = cuda_kernels::block_sum(sum, scratch);
+  if (threadIdx.x == 0) *total = sum;
+}
+
+template <class T>
+__global__ void scale_kernel(T* x, T factor, std::int64_t n) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) x[i] *= factor;
+}
+
+}  // namespace loom::detail::cuda_reduction
+
+namespace loom::inline kernels {
+
+//! Sum of the squares of `x`, accumulated in double; the global L2 norm is the square root of
+//! the sum over all ranges. Returns to the host, so it waits for the stream. Deterministic: the
+//! launch shape depends on the element count only. An empty tensor gives 0. Takes `cuda&`
+//! because its scratch (the partial sums) comes from the backend's allocator (workspace).
+template <class T>
+double sum_of_squares(cuda& be, Tensor<const T> x) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  namespace r = detail::cuda_reduction;
+  if (x.empty()) return 0.0;  // Tensor<T>{} has no data (its rank-0 shape counts one element)
+  const std::int64_t n = x.numel();
+  const std::int64_t blocks = r::blocks_for(n);
+  detail::cuda_kernels::activate(be);
+  Buffer<double, cuda> scratch(be, blocks + 1, MemoryCategory::workspace);
+  r::partial_sums_kernel<<<static_cast<unsigned>(blocks), r::threads, 0, be.stream()>>>(scratch.data(),
+                                                                                        x.data(), n);
+  detail::cuda_check_launch("sum_of_squares partial_sums_kernel");
+  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(scratch.data() + blocks, scratch.data(), blocks);
+  detail::cuda_check_launch("sum_of_squares total_kernel");
+  double total = 0;
+  be.copy_to_host(&total, scratch.data() + blocks, sizeof(double));
+  return total;
+}
+
+//! x *= factor (the factor rounded to T once). An empty tensor is left alone.
+template <class T>
+void scale(const cuda& be, Tensor<T> x, double factor) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  namespace k = detail::cuda_kernels;
+  if (x.empty()) return;
+  const std::int64_t n = x.numel();
+  k::activate(be);
+  detail::cuda_reduction::scale_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      x.data(), static_cast<T>(factor), n);
+  detail::cuda_check_launch("scale");
+}
+
+}  // namespace loom::inline kernels
