@@ -8,20 +8,13 @@
 #include <string>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/detail/shape_checks.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::layernorm {
 
-//! Checks that `t`, seen as a matrix (all but the last axis are rows), is [rows, cols].
-template <class T>
-void check_rows(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const char* kernel,
-                const char* arg) {
-  if (t.shape().rank() == 0 || t.shape().rows() != rows || t.shape().cols() != cols) [[unlikely]]
-    throw Error(std::string(kernel) + ": argument " + arg + " shape", detail::to_text(t.shape()),
-                "expected " + detail::to_text(rows) + " rows of " + detail::to_text(cols) +
-                    " (all axes but the last are rows)");
-}
+using detail::check_rows;  // the shared check (backend/detail/shape_checks.hpp)
 
 //! Columns per task of the weight and bias gradients: each column is summed over the rows in row
 //! order by one thread, so the result does not depend on the thread count.

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/detail/shape_checks.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -21,15 +22,10 @@ using Matrix = Eigen::Map<RowMajor<T>>;
 template <class T>
 using ConstMatrix = Eigen::Map<const RowMajor<T>>;
 
-//! Checks that `t`, seen as a matrix (all but the last axis are rows), is [rows, cols]; leading
-//! axes may differ (an [N, OC] output for a [B, T, C] input is fine).
+//! The shared check (backend/detail/shape_checks.hpp): `t` seen as a matrix is [rows, cols].
 template <class T>
-void check_matrix(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const char* kernel,
-                  const char* arg) {
-  if (t.shape().rank() == 0 || t.shape().rows() != rows || t.shape().cols() != cols) [[unlikely]]
-    throw Error(std::string(kernel) + ": argument " + arg + " shape", detail::to_text(t.shape()),
-                "expected " + detail::to_text(rows) + " rows of " + detail::to_text(cols) +
-                    " (all axes but the last are rows)");
+void check_matrix(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const char* kernel, const char* arg) {
+  check_rows(t, rows, cols, kernel, arg);
 }
 
 struct Dims {

@@ -11,6 +11,7 @@
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/backend/detail/shape_checks.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -61,10 +62,7 @@ inline void activate(const cuda& be) {
 template <class T>
 void check_rows(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const char* kernel,
                 const char* arg) {
-  if (t.shape().rank() == 0 || t.shape().rows() != rows || t.shape().cols() != cols) [[unlikely]]
-    throw Error(std::string(kernel) + ": argument " + arg + " shape", detail::to_text(t.shape()),
-                "expected " + detail::to_text(rows) + " rows of " + detail::to_text(cols) +
-                    " (all axes but the last are rows)");
+  loom::detail::check_rows(t, rows, cols, kernel, arg);
   check_data(t, kernel, arg);
 }
 
