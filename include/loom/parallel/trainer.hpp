@@ -56,8 +56,10 @@ struct StepMetrics {
   double tokens_per_second = 0;
   double flops = 0;            //!< training FLOPs of the step (DESIGN.md formula)
   //! Of `seconds`, the time this rank waited for other pipeline stages: blocked receiving
-  //! activations or gradients, or waiting for its sends to drain (0 without pipeline stages).
-  //! Divided by `seconds`, it is the rank's measured pipeline bubble.
+  //! activations or gradients, waiting for its sends to drain, exchanging tied gradients with
+  //! the other stages that hold them, and waiting at the end of the step for the last stage to
+  //! finish (0 without pipeline stages). Divided by `seconds`, it is the rank's measured
+  //! pipeline bubble.
   double pipeline_wait_seconds = 0;
 };
 
@@ -157,7 +159,13 @@ class Trainer {
     engine_.finish_gradients();
 
     StepMetrics m;
-    m.loss = pipeline_sum(engine_.global_sum(loss_sum)) / static_cast<double>(target_tokens);
+    const double replica_loss = engine_.global_sum(loss_sum);
+    // The first exchange with the other stages after the actions: a stage that finished early
+    // waits here for the pipeline to drain, which is bubble too.
+    const auto drain = std::chrono::steady_clock::now();
+    m.loss = pipeline_sum(replica_loss) / static_cast<double>(target_tokens);
+    if (pipeline_.size() > 1)
+      wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - drain).count();
     m.grad_norm = std::sqrt(gradient_sum_of_squares());
     double grad_scale = 1.0;
     if (options_.clip_grad_norm > 0 && m.grad_norm > options_.clip_grad_norm)
@@ -619,7 +627,12 @@ class Trainer {
   //! The end of a step's actions: sends done, tied gradients summed, the engine told.
   void finish_pipeline() {
     wait_for_sends();
-    if (!stage_.tied().empty()) exchange_tied_gradients();
+    if (!stage_.tied().empty()) {
+      // Mostly waiting: the other holder (stage 0 for the last stage) finishes its backward later.
+      const auto start = std::chrono::steady_clock::now();
+      exchange_tied_gradients();
+      wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
     if (deferred_notification_) engine_.on_backward(0, true);
   }
 
