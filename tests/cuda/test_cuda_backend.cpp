@@ -42,6 +42,26 @@ TEST_CASE("CUDA failures become loom::Error naming the call and CUDA's words") {
   }
 }
 
+TEST_CASE("cuBLAS failures become loom::Error naming the call and cuBLAS's words") {
+  try {
+    LOOM_CUBLAS_CHECK(CUBLAS_STATUS_NOT_INITIALIZED);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("CUBLAS_STATUS_NOT_INITIALIZED: got CUBLAS_STATUS_NOT_INITIALIZED") !=
+          std::string::npos);
+  }
+}
+
+TEST_CASE("the backend's cuBLAS handle is created once and bound to its stream") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  const cublasHandle_t handle = be.cublas();
+  CHECK(be.cublas() == handle);
+  cudaStream_t bound = nullptr;
+  REQUIRE(cublasGetStream(handle, &bound) == CUBLAS_STATUS_SUCCESS);
+  CHECK(bound == be.stream());
+}
+
 TEST_CASE("the size classes of the caching allocator") {
   using detail::CachingAllocator;
   CHECK(CachingAllocator::size_class(0) == 512);

@@ -496,9 +496,9 @@ TEST_CASE("matmul_backward accumulates din, dweight and dbias; empty ones are sk
 TEST_CASE("each backend gets its own cuBLAS handle, bound to its stream") {
   if (!have_gpu()) return;
   cuda first(0), second(0);
-  const cublasHandle_t a = detail::cuda_matmul::CublasHandles::get(first);
-  CHECK(detail::cuda_matmul::CublasHandles::get(first) == a);
-  const cublasHandle_t b = detail::cuda_matmul::CublasHandles::get(second);
+  const cublasHandle_t a = first.cublas();
+  CHECK(first.cublas() == a);
+  const cublasHandle_t b = second.cublas();
   CHECK(b != a);
   cudaStream_t bound = nullptr;
   REQUIRE(cublasGetStream(a, &bound) == CUBLAS_STATUS_SUCCESS);

@@ -2,6 +2,7 @@
 //! \file The CUDA backend: one GPU and one stream per rank, device memory through a caching
 //! allocator with the same per-category accounting as the CPU backend, every CUDA call checked.
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -44,6 +45,7 @@ class cuda {
   ~cuda() {
     (void)cudaSetDevice(device_);
     (void)cudaStreamSynchronize(stream_);
+    if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
     allocator_.reset();
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
@@ -52,6 +54,20 @@ class cuda {
   int device() const noexcept { return device_; }
   //! The stream every operation of this rank is ordered on.
   cudaStream_t stream() const noexcept { return stream_; }
+  //! The rank's cuBLAS handle, bound to its stream (created on first use: a backend that runs
+  //! no GEMM never initialises cuBLAS).
+  cublasHandle_t cublas() const {
+    if (cublas_ == nullptr) {
+      activate();
+      LOOM_CUBLAS_CHECK(cublasCreate(&cublas_));
+      if (const cublasStatus_t s = cublasSetStream(cublas_, stream_); s != CUBLAS_STATUS_SUCCESS) {
+        (void)cublasDestroy(cublas_);
+        cublas_ = nullptr;
+        detail::cublas_check(s, "cublasSetStream(cublas_, stream_)");
+      }
+    }
+    return cublas_;
+  }
 
   //! Device memory counted under `category` (the requested bytes; the allocator may hold more).
   void* allocate(std::size_t bytes, MemoryCategory category) {
@@ -113,6 +129,7 @@ class cuda {
 
   int device_;
   cudaStream_t stream_ = nullptr;
+  mutable cublasHandle_t cublas_ = nullptr;  // created by the first cublas() call
   std::unique_ptr<detail::CachingAllocator> allocator_;
   MemoryTracker memory_;
 };

@@ -8,8 +8,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -18,21 +16,6 @@
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
-
-namespace loom::detail {
-
-//! Throws loom::Error "<call>: got <CUBLAS_STATUS_...>; <cuBLAS's description>" unless `status`
-//! is CUBLAS_STATUS_SUCCESS.
-inline void cublas_check(cublasStatus_t status, const char* call) {
-  if (status == CUBLAS_STATUS_SUCCESS) [[likely]]
-    return;
-  throw Error(call, cublasGetStatusName(status), cublasGetStatusString(status));
-}
-
-}  // namespace loom::detail
-
-//! Checks a cuBLAS call, naming it as written: LOOM_CUBLAS_CHECK(cublasCreate(&handle)).
-#define LOOM_CUBLAS_CHECK(call) ::loom::detail::cublas_check((call), #call)
 
 namespace loom::detail::cuda_matmul {
 
@@ -63,51 +46,13 @@ inline Gemm weight_grad_gemm(std::int64_t N, std::int64_t C, std::int64_t OC) {
   return {CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, C, OC, C};
 }
 
-//! The cuBLAS handle of a backend, created on first use on the backend's device, and bound to
-//! the backend's stream at every call (as PyTorch does; it is a cheap host call, and it keeps a
-//! handle right when a new backend reuses the address of a destroyed one).
-//!
-//! Why a cache here: a cuBLAS handle belongs with the rank's device and stream, i.e. in the
-//! `cuda` backend, which this kernel file may not change yet. Until it moves there (a
-//! `cublas_handle()` member created in the constructor, destroyed in the destructor), handles
-//! are kept per (backend address, device) behind a mutex. They are never destroyed: cuBLAS may
-//! not be torn down after the CUDA runtime at exit, and there is one handle per backend address
-//! and device a process ever used, which is a handful.
-class CublasHandles {
- public:
-  static cublasHandle_t get(const cuda& be) {
-    CublasHandles& cache = instance();
-    const std::lock_guard<std::mutex> lock(cache.mutex_);
-    auto [it, inserted] = cache.handles_.try_emplace(Key{&be, be.device()}, nullptr);
-    if (inserted) {
-      try {
-        cuda_kernels::activate(be);  // a handle belongs to the device current at its creation
-        LOOM_CUBLAS_CHECK(cublasCreate(&it->second));
-      } catch (...) {
-        cache.handles_.erase(it);
-        throw;
-      }
-    }
-    LOOM_CUBLAS_CHECK(cublasSetStream(it->second, be.stream()));
-    return it->second;
-  }
-
- private:
-  using Key = std::pair<const void*, int>;
-  static CublasHandles& instance() {
-    static CublasHandles* const cache = new CublasHandles;  // deliberately never destroyed
-    return *cache;
-  }
-  std::mutex mutex_;
-  std::map<Key, cublasHandle_t> handles_;
-};
 
 //! Runs `g` on the backend's stream: C = A B (beta 0) or C += A B (beta 1), fp32 in and out.
 inline void gemm(const cuda& be, const Gemm& g, const float* a, const float* b, float* c, float beta,
                  const char* kernel) {
   const float alpha = 1.0f;
   const cublasStatus_t status =
-      cublasGemmEx_64(CublasHandles::get(be), g.op_a, g.op_b, g.m, g.n, g.k, &alpha, a, CUDA_R_32F,
+      cublasGemmEx_64(be.cublas(), g.op_a, g.op_b, g.m, g.n, g.k, &alpha, a, CUDA_R_32F,
                       g.lda, b, CUDA_R_32F, g.ldb, &beta, c, CUDA_R_32F, g.ldc, compute_type,
                       CUBLAS_GEMM_DEFAULT);
   if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
