@@ -69,42 +69,6 @@ inline const ParityRun& pipeline_reference(double clip) {
   return it->second;
 }
 
-//! What is wrong with one rank's `run` against `reference` (empty when nothing): losses and
-//! gradient norms within 1e-5 relative, and this rank's tensor-parallel slice of the gathered
-//! weights (trainer.model().layout() order) within 1e-5 of the matching one-rank elements,
-//! found through ParameterSpec::global_index.
-template <class Trainer>
-std::string parity_failures(const Trainer& trainer, const ParityRun& run, const ParityRun& reference,
-                            const ParameterLayout& global_layout) {
-  std::string failure;
-  if (run.losses.size() != reference.losses.size()) return " steps " + std::to_string(run.losses.size());
-  for (std::size_t s = 0; s < run.losses.size(); ++s) {
-    if (!(std::abs(run.losses[s] - reference.losses[s]) <= 1e-5 * std::abs(reference.losses[s])))
-      failure += " loss[" + std::to_string(s) + "]=" + std::to_string(run.losses[s]) + " vs " +
-                 std::to_string(reference.losses[s]);
-    if (!(std::abs(run.grad_norms[s] - reference.grad_norms[s]) <= 1e-5 * reference.grad_norms[s]))
-      failure += " grad_norm[" + std::to_string(s) + "]=" + std::to_string(run.grad_norms[s]) + " vs " +
-                 std::to_string(reference.grad_norms[s]);
-  }
-  const ParameterLayout& local = trainer.model().layout();
-  if (static_cast<std::int64_t>(run.weights.size()) != local.total())
-    return failure + " gathered " + std::to_string(run.weights.size()) + " weights, layout has " +
-           std::to_string(local.total());
-  double diff = 0, norm = 0;
-  for (const auto& e : local.entries()) {
-    const auto& g = global_layout.find(e.spec.name);
-    for (std::int64_t i = 0; i < e.numel(); ++i) {
-      const double want = reference.weights[static_cast<std::size_t>(g.offset + e.spec.global_index(i))];
-      const double got = run.weights[static_cast<std::size_t>(e.offset + i)];
-      diff += (got - want) * (got - want);
-      norm += want * want;
-    }
-  }
-  const double relative = std::sqrt(diff / norm);
-  if (!(relative <= 1e-5)) failure += " weights " + std::to_string(relative);
-  return failure;
-}
-
 //! Trains schedule `S` with strategy `St` on `shape` (thread ranks) and checks parity with the
 //! one-rank run, and that every rank saw the same losses.
 template <class S, class St>

@@ -41,28 +41,9 @@ std::vector<std::string> check_mesh(MeshShape shape, double clip, St strategy, c
     Trainer<Gpt, AdamW, GradientAccumulation, St> trainer(
         be, mesh, Gpt(mesh_config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}), parity_lr(),
         {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5}, strategy);
-    ParityRun run = train_steps(trainer, global_batch, seq);
-    // Compare this rank's slice with the matching elements of the one-rank weights.
-    double diff = 0, norm = 0;
-    const ParameterLayout& local = trainer.model().layout();
-    for (const auto& e : local.entries()) {
-      const auto& g = global_layout.find(e.spec.name);
-      for (std::int64_t i = 0; i < e.numel(); ++i) {
-        const double want = reference.weights[static_cast<std::size_t>(g.offset + e.spec.global_index(i))];
-        const double got = run.weights[static_cast<std::size_t>(e.offset + i)];
-        diff += (got - want) * (got - want);
-        norm += want * want;
-      }
-    }
-    std::string failure;
-    for (std::size_t s = 0; s < run.losses.size(); ++s) {
-      if (std::abs(run.losses[s] - reference.losses[s]) > 1e-5 * std::abs(reference.losses[s]))
-        failure += " loss[" + std::to_string(s) + "]";
-      if (std::abs(run.grad_norms[s] - reference.grad_norms[s]) > 1e-5 * reference.grad_norms[s])
-        failure += " grad_norm[" + std::to_string(s) + "]=" + std::to_string(run.grad_norms[s]) + " vs " +
-                   std::to_string(reference.grad_norms[s]);
-    }
-    if (std::sqrt(diff / norm) > 1e-5) failure += " weights " + std::to_string(std::sqrt(diff / norm));
+    const ParityRun run = train_steps(trainer, global_batch, seq);
+    // This rank's slice against the matching elements of the one-rank weights.
+    const std::string failure = parity_failures(trainer, run, reference, global_layout);
     if (!failure.empty()) {
       std::lock_guard lock(mutex);
       failures.push_back("rank " + std::to_string(world.rank()) + ":" + failure);

@@ -660,11 +660,13 @@ class Trainer {
       T* grads = engine_.backward_grads(0).at(tied.offset, tied.numel);
       for (std::int64_t begin = 0; begin < tied.numel; begin += piece) {
         const std::int64_t n = std::min(piece, tied.numel - begin);
-        std::vector<Request> sent;
+        std::vector<Request>& sent = tied_sent_;  // kept between steps: no allocation per step
+        sent.clear();
         for (int h : tied.holders)
           if (h != me) sent.push_back(pipeline_.send_async(std::span<const T>(grads + begin, static_cast<std::size_t>(n)), h, tag));
         // Each holder's piece: ours in place, the others received into the buffer.
-        std::vector<const T*> parts;
+        std::vector<const T*>& parts = tied_parts_;
+        parts.clear();
         std::int64_t received = 0;
         for (int h : tied.holders)
           if (h == me) {
@@ -747,6 +749,8 @@ class Trainer {
   std::vector<Slot> slots_;
   std::int64_t slot_elements_ = 0;
   Buffer<T, backend_type> workspace_, hidden_grads_, received_grad_, tied_buffer_;
+  std::vector<Request> tied_sent_;      // exchange_tied_gradients' sends in flight
+  std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
   detail::BufferPool<T, backend_type> mailbox_pool_;
   std::vector<std::pair<int, Buffer<T, backend_type>>> mailbox_;  // messages to this rank's own chunks
   bool deferred_notification_ = false;
