@@ -37,6 +37,28 @@ TEST_CASE_TEMPLATE("sum_of_squares matches a plain double sum", T, float, double
   }
 }
 
+TEST_CASE_TEMPLATE("sum_elements matches a plain double sum, the same bits on any thread count", T, float, double) {
+  const cpu one(1), two(2);
+  for (std::int64_t n : sizes) {
+    CAPTURE(n);
+    const auto x = loom::test::random_vector<T>(static_cast<std::size_t>(n), 12, -3.0, 3.0);
+    double ref = 0, magnitude = 0;
+    for (T value : x) {
+      ref += static_cast<double>(value);
+      magnitude += std::abs(static_cast<double>(value));
+    }
+    const Tensor<const T> view(x.data(), loom::Shape{n});
+    const double s1 = loom::kernels::sum_elements<T>(one, view);
+    CHECK(std::abs(s1 - ref) <= 1e-13 * magnitude);
+    CHECK(s1 == loom::kernels::sum_elements<T>(two, view));
+  }
+  CHECK(loom::kernels::sum_elements<float>(one, Tensor<const float>{}) == 0.0);
+  // 2^24 + 1 ones: a float accumulator would stop at 2^24.
+  const std::vector<float> ones((1u << 24) + 1, 1.0f);
+  CHECK(loom::kernels::sum_elements<float>(two, Tensor<const float>(ones.data(), loom::Shape{static_cast<std::int64_t>(ones.size())})) ==
+        16777217.0);
+}
+
 TEST_CASE("sum_of_squares of an empty tensor is zero") {
   const cpu be(2);
   CHECK(loom::kernels::sum_of_squares<float>(be, Tensor<const float>{}) == 0.0);

@@ -30,4 +30,10 @@ concept Backend = requires { typename B::loom_backend; } &&
                     b.synchronize();
                   };
 
+//! Whether the host may read and write a backend's memory directly (the CPU's) or must copy
+//! through `copy_to_host`/`copy_from_host` (a GPU's). A backend whose memory the host cannot
+//! touch says so with `static constexpr bool device_memory = true;`.
+template <Backend B>
+inline constexpr bool host_addressable = !requires { requires B::device_memory; };
+
 }  // namespace loom

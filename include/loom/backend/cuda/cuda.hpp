@@ -23,6 +23,8 @@ namespace loom {
 class cuda {
  public:
   using loom_backend = void;
+  //! The host cannot read this backend's memory (host_addressable<cuda> is false).
+  static constexpr bool device_memory = true;
 
   //! GPUs this process can use; 0 when there is none or no driver (never throws).
   static int device_count() noexcept {
@@ -95,16 +97,18 @@ class cuda {
   void fill_zero(void* p, std::size_t bytes) const {
     if (bytes > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
   }
-  //! Host to device; `src` may be reused when this returns.
+  //! Host to device; `src` may be reused when this returns. `dst` may also be host memory (the
+  //! direction comes from the addresses: unified virtual addressing), so code that stages
+  //! buffers (StagedCommunicator) need not know where each one lives.
   void copy_from_host(void* dst, const void* src, std::size_t bytes) const {
     if (bytes == 0) return;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     synchronize();
   }
-  //! Device to host; the data is in `dst` when this returns.
+  //! Device to host; the data is in `dst` when this returns. `src` may also be host memory.
   void copy_to_host(void* dst, const void* src, std::size_t bytes) const {
     if (bytes == 0) return;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     synchronize();
   }
   //! Device to device, ordered on the stream.

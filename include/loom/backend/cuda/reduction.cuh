@@ -1,6 +1,6 @@
 #pragma once
-//! \file Reductions for gradient clipping on the CUDA backend: the sum of squares (two-pass block
-//! reduction in double, returned to the host) and scaling in place.
+//! \file Reductions on the CUDA backend: the sum and the sum of squares (two-pass block reductions
+//! in double, returned to the host: losses, the gradient norm) and scaling in place.
 
 #include <algorithm>
 #include <cstdint>
@@ -29,14 +29,15 @@ inline std::int64_t blocks_for(std::int64_t n) noexcept {
                                   max_blocks);
 }
 
-//! partial[block] = sum of x[i]^2 in double over the block's grid-stride share of x.
-template <class T>
+//! partial[block] = sum of x[i] (or of x[i]^2 when `Square`) in double over the block's
+//! grid-stride share of x.
+template <bool Square, class T>
 __global__ void partial_sums_kernel(double* partial, const T* x, std::int64_t n) {
   __shared__ double scratch[32];
   double sum = 0;
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
     const double value = static_cast<double>(x[i]);
-    sum += value * value;
+    sum += Square ? value * value : value;
   }
   sum = cuda_kernels::block_sum(sum, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = sum;
@@ -57,6 +58,25 @@ __global__ void scale_kernel(T* x, T factor, std::int64_t n) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) x[i] *= factor;
 }
 
+//! Sum (of squares when `Square`) of `x` in double on the host; see sum_of_squares.
+template <bool Square, class T>
+double sum_to_host(cuda& be, Tensor<const T> x, const char* kernel) {
+  namespace r = cuda_reduction;
+  if (x.empty()) return 0.0;  // Tensor<T>{} has no data (its rank-0 shape counts one element)
+  const std::int64_t n = x.numel();
+  const std::int64_t blocks = r::blocks_for(n);
+  cuda_kernels::activate(be);
+  Buffer<double, cuda> scratch(be, blocks + 1, MemoryCategory::workspace);
+  r::partial_sums_kernel<Square><<<static_cast<unsigned>(blocks), r::threads, 0, be.stream()>>>(scratch.data(),
+                                                                                                x.data(), n);
+  cuda_check_launch(kernel);
+  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(scratch.data() + blocks, scratch.data(), blocks);
+  cuda_check_launch(kernel);
+  double total = 0;
+  be.copy_to_host(&total, scratch.data() + blocks, sizeof(double));
+  return total;
+}
+
 }  // namespace loom::detail::cuda_reduction
 
 namespace loom::inline kernels {
@@ -68,20 +88,15 @@ namespace loom::inline kernels {
 template <class T>
 double sum_of_squares(cuda& be, Tensor<const T> x) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
-  namespace r = detail::cuda_reduction;
-  if (x.empty()) return 0.0;  // Tensor<T>{} has no data (its rank-0 shape counts one element)
-  const std::int64_t n = x.numel();
-  const std::int64_t blocks = r::blocks_for(n);
-  detail::cuda_kernels::activate(be);
-  Buffer<double, cuda> scratch(be, blocks + 1, MemoryCategory::workspace);
-  r::partial_sums_kernel<<<static_cast<unsigned>(blocks), r::threads, 0, be.stream()>>>(scratch.data(),
-                                                                                        x.data(), n);
-  detail::cuda_check_launch("sum_of_squares partial_sums_kernel");
-  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(scratch.data() + blocks, scratch.data(), blocks);
-  detail::cuda_check_launch("sum_of_squares total_kernel");
-  double total = 0;
-  be.copy_to_host(&total, scratch.data() + blocks, sizeof(double));
-  return total;
+  return detail::cuda_reduction::sum_to_host<true>(be, x, "sum_of_squares");
+}
+
+//! Sum of the elements of `x`, accumulated in double (a micro-batch's per-token losses), on the
+//! host; waits for the stream. Deterministic as sum_of_squares. An empty tensor gives 0.
+template <class T>
+double sum_elements(cuda& be, Tensor<const T> x) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  return detail::cuda_reduction::sum_to_host<false>(be, x, "sum_elements");
 }
 
 //! x *= factor (the factor rounded to T once). An empty tensor is left alone.
