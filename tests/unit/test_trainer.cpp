@@ -230,3 +230,49 @@ TEST_CASE("the Trainer runs every schedule on one stage with gradient accumulati
   check(interleaved, 2);
   CHECK(interleaved.stage().chunks() == 2);
 }
+
+namespace {
+
+//! The CPU backend dressed as one whose memory the host may not touch (host_addressable is
+//! false), counting the bytes it is given from the host: the Trainer must copy the batch into
+//! it, and the model must not read tokens on the host.
+class device_like_cpu : public cpu {
+ public:
+  static constexpr bool device_memory = true;
+  using cpu::cpu;
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) {
+    bytes_from_host += bytes;
+    cpu::copy_from_host(dst, src, bytes);
+  }
+  std::size_t bytes_from_host = 0;
+};
+static_assert(Backend<device_like_cpu> && !host_addressable<device_like_cpu> && host_addressable<cpu>);
+
+}  // namespace
+
+TEST_CASE("a backend with device memory gets each batch copied in, checked on the host first, with the same result") {
+  const gpt2::Config c = small_test_config();
+  cpu host(1);
+  device_like_cpu device(1);
+  Trainer<gpt2::Model<cpu, float>, AdamW> on_host(host, gpt2::Model<cpu, float>(c), AdamW(), ConstantLr{.lr = 1e-3},
+                                                  {.micro_batch_size = 2});
+  Trainer<gpt2::Model<device_like_cpu, float>, AdamW> on_device(device, gpt2::Model<device_like_cpu, float>(c), AdamW(),
+                                                                ConstantLr{.lr = 1e-3}, {.micro_batch_size = 2});
+  for (int s = 0; s < 2; ++s) {
+    const TestBatch batch = make_batch(s, 4, 8, c.vocab_size);
+    const std::size_t before = device.bytes_from_host;
+    CHECK(on_device.step(batch).loss == on_host.step(batch).loss);
+    // Tokens and targets, 4 bytes each, once a step (AdamW's state is zeroed, not copied).
+    CHECK(device.bytes_from_host - before == 2 * 4 * 8 * sizeof(std::int32_t));
+  }
+  CHECK(relative_difference(on_device.parameters(), on_host.parameters(), on_host.model().layout().total()) == 0.0);
+  CHECK(on_device.evaluate(make_batch(5, 4, 8, c.vocab_size)) == on_host.evaluate(make_batch(5, 4, 8, c.vocab_size)));
+  // The values are checked on the host before the copy, since the kernels cannot check them.
+  TestBatch bad = make_batch(0, 4, 8, c.vocab_size);
+  bad.tokens[9] = -1;
+  CHECK_THROWS_WITH_AS(on_device.step(bad), doctest::Contains("gpt2 forward: token at position 9: got -1"), Error);
+  bad = make_batch(0, 4, 8, c.vocab_size);
+  bad.targets[3] = 50;
+  CHECK_THROWS_WITH_AS(on_device.step(bad), doctest::Contains("gpt2 batch: target at position 3: got 50"), Error);
+  CHECK(on_device.steps() == 2);
+}

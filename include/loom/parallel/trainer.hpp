@@ -11,6 +11,7 @@
 #include <span>
 #include <ostream>
 #include <utility>
+#include <tuple>
 #include <vector>
 
 #include "loom/comm/concepts.hpp"
@@ -135,6 +136,7 @@ class Trainer {
     const std::int64_t target_tokens = count_targets(targets);
     LOOM_CHECK(target_tokens > 0, "trainer step: target tokens", target_tokens,
                "a global batch needs at least one target >= 0");
+    const auto [batch_tokens, batch_targets] = place_batch(tokens, targets);
     const auto loss_scale = static_cast<scalar_type>(1.0 / static_cast<double>(target_tokens));
 
     engine_.begin_step();
@@ -143,7 +145,8 @@ class Trainer {
     double loss_sum = 0;
     for (std::size_t i = 0; i < actions_.size(); ++i) {
       const Action& a = actions_[i];
-      const Tensor<const std::int32_t> mb_tokens = micro(tokens, a.micro_batch), mb_targets = micro(targets, a.micro_batch);
+      const Tensor<const std::int32_t> mb_tokens = micro(batch_tokens, a.micro_batch),
+                                       mb_targets = micro(batch_targets, a.micro_batch);
       switch (a.kind) {
         case Action::Kind::forward: loss_sum += forward(a.micro_batch, a.chunk, mb_tokens, mb_targets); break;
         case Action::Kind::backward:
@@ -190,6 +193,8 @@ class Trainer {
   double evaluate(const Batch& global) {
     Tensor<const std::int32_t> tokens = global.tokens_view(), targets = global.targets_view();
     const std::int64_t micro_batches = plan(tokens, targets);
+    const std::int64_t target_tokens = count_targets(targets);
+    std::tie(tokens, targets) = place_batch(tokens, targets);
     double loss_sum = 0;
     // Micro-batch by micro-batch through the chunks in order: every receive has its send ahead.
     for (std::int64_t mb = 0; mb < micro_batches; ++mb)
@@ -198,7 +203,7 @@ class Trainer {
         release(find(mb, c));
       }
     wait_for_sends();
-    return pipeline_sum(engine_.global_sum(loss_sum)) / static_cast<double>(count_targets(targets));
+    return pipeline_sum(engine_.global_sum(loss_sum)) / static_cast<double>(target_tokens);
   }
 
   //! The whole model (this rank's tensor-parallel shard of it).
@@ -469,6 +474,27 @@ class Trainer {
   Tensor<const std::int32_t> micro(Tensor<const std::int32_t> t, std::int64_t mb) const {
     const std::int64_t rows = options_.micro_batch_size, seq = t.extent(1);
     return {t.data() + (first_row_ + mb * rows) * seq, Shape{rows, seq}};
+  }
+
+  //! The global batch where the kernels read it, after the model's own check of its values
+  //! (`check_batch`, where the model has one): as given on a backend with host memory, else
+  //! copied into backend memory (one copy a step; 8 bytes a token).
+  std::pair<Tensor<const std::int32_t>, Tensor<const std::int32_t>> place_batch(Tensor<const std::int32_t> tokens,
+                                                                                Tensor<const std::int32_t> targets) {
+    if constexpr (requires(const M& m) { m.check_batch(tokens, targets); }) stage_.model().check_batch(tokens, targets);
+    if constexpr (host_addressable<backend_type>) {
+      return {tokens, targets};
+    } else {
+      const std::int64_t n = tokens.numel();
+      if (batch_.size() < 2 * n) {
+        batch_ = Buffer<std::int32_t, backend_type>();
+        batch_ = Buffer<std::int32_t, backend_type>(*backend_, 2 * n, MemoryCategory::activations);
+      }
+      backend_->copy_from_host(batch_.data(), tokens.data(), sizeof(std::int32_t) * static_cast<std::size_t>(n));
+      backend_->copy_from_host(batch_.data() + n, targets.data(), sizeof(std::int32_t) * static_cast<std::size_t>(n));
+      return {Tensor<const std::int32_t>(batch_.data(), tokens.shape()),
+              Tensor<const std::int32_t>(batch_.data() + n, targets.shape())};
+    }
   }
 
   static std::int64_t count_targets(Tensor<const std::int32_t> targets) {
@@ -749,6 +775,7 @@ class Trainer {
   std::vector<Slot> slots_;
   std::int64_t slot_elements_ = 0;
   Buffer<T, backend_type> workspace_, hidden_grads_, received_grad_, tied_buffer_;
+  Buffer<std::int32_t, backend_type> batch_;  //!< the global batch in backend memory (device backends)
   std::vector<Request> tied_sent_;      // exchange_tied_gradients' sends in flight
   std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
   detail::BufferPool<T, backend_type> mailbox_pool_;

@@ -14,6 +14,7 @@
 
 #include "loom/backend/concepts.hpp"
 #include "loom/comm/ref.hpp"
+#include "loom/core/buffer.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/models/concepts.hpp"
@@ -136,11 +137,28 @@ class Model {
     return N * C * 3 + N * attention_channels_ * 12;
   }
 
+  //! Checks a batch on the host before it reaches the kernels (the Trainer calls this before it
+  //! copies the batch to a device): tokens [B, T] in [0, vocab_size), targets of the same
+  //! shape below vocab_size (a negative target is ignored). Throws loom::Error naming the first
+  //! bad position and its value.
+  void check_batch(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) const {
+    check_tokens(tokens);
+    LOOM_CHECK(targets.shape() == tokens.shape(), "gpt2 batch: targets shape", targets.shape(),
+               "must equal the tokens' shape " + detail::to_text(tokens.shape()));
+    for (std::int64_t i = 0; i < targets.numel(); ++i)
+      if (targets[i] >= config_.vocab_size) [[unlikely]]
+        throw Error("gpt2 batch: target at position " + detail::to_text(i), targets[i],
+                    "targets must be < vocab_size = " + detail::to_text(config_.vocab_size) +
+                        " (negative targets are ignored)");
+  }
+
   //! Runs `layer` forward; returns the sum of per-token losses for the head, 0 otherwise.
   double forward(B& be, int layer, ParameterView<const T> params, const ForwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) {
-      check_tokens(a.tokens);
+      // The host can read the tokens only where they are in host memory; a device batch was
+      // checked before its copy (check_batch, called by the Trainer).
+      if constexpr (host_addressable<B>) check_tokens(a.tokens);
       // Vocab-parallel: each rank looks up the tokens of its rows (zero for the others), the
       // first rank adds the positions, and the sum over the group is the embedding.
       vocab_parallel_embedding_forward<T>(be, a.output, a.tokens, param(params, wte_, {vocab_rows_, C()}),
@@ -467,20 +485,19 @@ class Model {
     // per-row statistics (max, sum of exps, target logit): the full logits never exist.
     matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
     const Tensor<const std::int32_t> targets = a.targets.reshape({N});
-    // Row max | sum of exps | target logit, in double; kept between calls so a step allocates nothing.
-    std::vector<double>& statistics = head_statistics_;
-    if (statistics.size() < static_cast<std::size_t>(3 * N)) statistics.resize(static_cast<std::size_t>(3 * N));
-    Tensor<double> row_max(statistics.data(), {N}), partials(statistics.data() + N, {2, N});
+    // Row max | sum of exps | target logit, in double, in backend memory (scratch for this call:
+    // 24 bytes a token, against the logits' 4·V).
+    const Buffer<double, B> scratch(be, 3 * N, MemoryCategory::workspace);
+    double* statistics = scratch.data();
+    Tensor<double> row_max(statistics, {N}), partials(statistics + N, {2, N});
     vocab_parallel_cross_entropy_max<T>(be, row_max, h.probs, vocab_begin_, config_.vocab_size);
     if (tensor_parallel_size_ > 1)
-      tensor_parallel_.all_reduce(std::span<double>(statistics.data(), static_cast<std::size_t>(N)), ReduceOp::max);
+      tensor_parallel_.all_reduce(std::span<double>(statistics, static_cast<std::size_t>(N)), ReduceOp::max);
     vocab_parallel_cross_entropy_partials<T>(be, h.probs, partials, h.probs, row_max, targets, vocab_begin_,
                                              config_.vocab_size);
     nn::sum_over_tensor_parallel(tensor_parallel_, partials);
     vocab_parallel_cross_entropy_finish<T>(be, h.losses, h.probs, partials, targets);
-    double sum = 0;
-    for (T l : h.losses) sum += static_cast<double>(l);
-    return sum;
+    return sum_elements<T>(be, Tensor<const T>(h.losses));
   }
 
   //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input
@@ -515,7 +532,6 @@ class Model {
   std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
   std::int64_t wte_ = 0, wpe_ = 0, lnf_weight_ = 0, lnf_bias_ = 0;
   std::vector<BlockOffsets> blocks_;
-  mutable std::vector<double> head_statistics_;  //!< the head's per-row cross-entropy statistics
 };
 
 }  // namespace loom::gpt2
