@@ -13,6 +13,7 @@
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
+#include "loom/backend/detail/attention_checks.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -68,25 +69,6 @@ inline int thread_index() noexcept {
 #endif
 }
 
-//! Shape of one attention call, validated.
-struct Dims {
-  std::int64_t batch, tokens, channels, heads, head_size;
-};
-
-template <class T>
-Dims check_qkv(const Tensor<const T>& qkv, int num_heads, const char* kernel) {
-  if (qkv.shape().rank() != 3 || qkv.extent(2) % 3 != 0)
-    throw Error(std::string(kernel) + ": argument qkv shape", qkv.shape(),
-                "expected [B, T, 3C] (rank 3, last extent a multiple of 3)");
-  const std::int64_t channels = qkv.extent(2) / 3;
-  if (num_heads <= 0)
-    throw Error(std::string(kernel) + ": argument num_heads", num_heads, "must be > 0");
-  if (channels % num_heads != 0)
-    throw Error(std::string(kernel) + ": argument num_heads", num_heads,
-                "must divide the channels C = " + detail::to_text(channels));
-  return {qkv.extent(0), qkv.extent(1), channels, num_heads, channels / num_heads};
-}
-
 }  // namespace loom::detail::attention
 
 namespace loom::inline kernels {
@@ -100,11 +82,8 @@ template <class T>
 void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv,
                        int num_heads) {
   namespace ad = detail::attention;
-  constexpr const char* kernel = "attention_forward";
-  const ad::Dims d = ad::check_qkv(qkv, num_heads, kernel);
+  const ad::Dims d = ad::check_forward(out, att, qkv, num_heads);
   const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
-  check_shape(out, Shape{B, Tn, C}, kernel, "out");
-  check_shape(att, Shape{B, NH, Tn, Tn}, kernel, "att");
   if (B == 0 || Tn == 0 || C == 0) return;
 
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
@@ -151,12 +130,8 @@ template <class T>
 void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout,
                         Tensor<const T> qkv, Tensor<const T> att, int num_heads) {
   namespace ad = detail::attention;
-  constexpr const char* kernel = "attention_backward";
-  const ad::Dims d = ad::check_qkv(qkv, num_heads, kernel);
+  const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads);
   const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
-  check_shape(dqkv, qkv.shape(), kernel, "dqkv");
-  check_shape(dout, Shape{B, Tn, C}, kernel, "dout");
-  check_shape(att, Shape{B, NH, Tn, Tn}, kernel, "att");
   if (B == 0 || Tn == 0 || C == 0) return;
 
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));

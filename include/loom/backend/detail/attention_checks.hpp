@@ -1,0 +1,59 @@
+#pragma once
+//! \file The argument checks of the causal self-attention kernels (host code only, no Eigen), so
+//! that attention_forward and attention_backward reject a bad argument with the same words, in
+//! the same order, on the CPU and on the GPU.
+
+#include <cstdint>
+#include <string>
+
+#include "loom/core/error.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::attention {
+
+//! Shape of one attention call, validated.
+struct Dims {
+  std::int64_t batch, tokens, channels, heads, head_size;
+};
+
+//! Checks that `qkv` is [B, T, 3C] and that `num_heads` > 0 divides C.
+template <class T>
+Dims check_qkv(const Tensor<const T>& qkv, int num_heads, const char* kernel) {
+  if (qkv.shape().rank() != 3 || qkv.extent(2) % 3 != 0)
+    throw Error(std::string(kernel) + ": argument qkv shape", qkv.shape(),
+                "expected [B, T, 3C] (rank 3, last extent a multiple of 3)");
+  const std::int64_t channels = qkv.extent(2) / 3;
+  if (num_heads <= 0)
+    throw Error(std::string(kernel) + ": argument num_heads", num_heads, "must be > 0");
+  if (channels % num_heads != 0)
+    throw Error(std::string(kernel) + ": argument num_heads", num_heads,
+                "must divide the channels C = " + detail::to_text(channels));
+  return {qkv.extent(0), qkv.extent(1), channels, num_heads, channels / num_heads};
+}
+
+//! Every check of attention_forward, in order: qkv and num_heads, then out [B,T,C] and att
+//! [B,NH,T,T] (shape and data).
+template <class T>
+Dims check_forward(const Tensor<T>& out, const Tensor<T>& att, const Tensor<const T>& qkv,
+                   int num_heads) {
+  constexpr const char* kernel = "attention_forward";
+  const Dims d = check_qkv(qkv, num_heads, kernel);
+  loom::check_shape(out, Shape{d.batch, d.tokens, d.channels}, kernel, "out");
+  loom::check_shape(att, Shape{d.batch, d.heads, d.tokens, d.tokens}, kernel, "att");
+  return d;
+}
+
+//! Every check of attention_backward, in order: qkv and num_heads, then dqkv (qkv's shape), dout
+//! [B,T,C] and att [B,NH,T,T] (shape and data).
+template <class T>
+Dims check_backward(const Tensor<T>& dqkv, const Tensor<const T>& dout, const Tensor<const T>& qkv,
+                    const Tensor<const T>& att, int num_heads) {
+  constexpr const char* kernel = "attention_backward";
+  const Dims d = check_qkv(qkv, num_heads, kernel);
+  loom::check_shape(dqkv, qkv.shape(), kernel, "dqkv");
+  loom::check_shape(dout, Shape{d.batch, d.tokens, d.channels}, kernel, "dout");
+  loom::check_shape(att, Shape{d.batch, d.heads, d.tokens, d.tokens}, kernel, "att");
+  return d;
+}
+
+}  // namespace loom::detail::attention

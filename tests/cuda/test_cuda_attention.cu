@@ -1,0 +1,475 @@
+// The CUDA causal self-attention kernels against a plain host reference in double, at odd sizes
+// (B in {1,2,3}, T in {1,7,33,65}, NH in {1,3}, hs in {1,5,16}, and one GPT-2-like shape), with
+// the CPU kernel's contract: att exactly 0 above the diagonal, the backward accumulating (+=),
+// the same bits on every run, shape errors named.
+//
+// Without a GPU the host cases still run: the argument checks, and the kernels' own sequence of
+// steps (detail::cuda_attention::forward_steps and backward_steps: plans, offsets, order) with
+// cuBLAS emulated on the host (which also checks cuBLAS's rules on the leading dimensions and
+// that no two GEMMs of a batch write the same element) and the softmax steps in float, as the
+// kernels do them. Then the program exits with 77 (ctest: skipped).
+//
+// Tolerances. A result passes when |got - want| <= tolerance * magnitude + rounding, where
+// `magnitude` is the first-order error scale of the products, propagated through the softmax:
+// - a GEMM with TF32 products is off by at most 2e-3 of sum |a_i b_i| (tf32_tolerance: TF32
+//   keeps 10 mantissa bits, so each product is off by < 2 * 2^-10 of itself even when the
+//   hardware truncates; fp32 accumulation adds ~k * 2^-24 of the same sum);
+// - scores off by dS_s give probabilities off by p_s * scale * (dS_s - sum_j p_j dS_j), so att's
+//   magnitude is p_s * scale * (M_s + sum_j p_j M_j) with M_s = sum_i |q_i k_si|; out and the
+//   gradients add sum |terms| of their own GEMM and carry the errors of their inputs the same way;
+// - `rounding` is the fp32 rounding of the softmax steps (exp, the row sum of up to T terms, the
+//   scaling), bounded by (T + 64) * 2^-24 of the same scale; it does not shrink with TF32's bound.
+// The host emulation (products in double, results rounded to float) is held to float_tolerance
+// (1e-5) with the same magnitudes; a wrong stride, offset or transpose is off by O(1).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <ostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "loom/backend/cuda/attention.cuh"
+#include "loom/core/buffer.hpp"
+#include "device_check.hpp"
+
+using namespace loom;
+using namespace loom::cuda_test;
+
+namespace {
+
+namespace ca = detail::cuda_attention;
+
+struct Case {
+  std::int64_t B, T, NH, hs;
+  std::int64_t C() const { return NH * hs; }
+  detail::attention::Dims dims() const { return {B, T, C(), NH, hs}; }
+  friend std::ostream& operator<<(std::ostream& out, const Case& c) {
+    return out << "B = " << c.B << ", T = " << c.T << ", NH = " << c.NH << ", hs = " << c.hs;
+  }
+};
+
+//! Every combination of the odd sizes.
+std::vector<Case> odd_cases() {
+  std::vector<Case> cases;
+  for (const std::int64_t B : {1, 2, 3})
+    for (const std::int64_t T : {1, 7, 33, 65})
+      for (const std::int64_t NH : {1, 3})
+        for (const std::int64_t hs : {1, 5, 16}) cases.push_back({B, T, NH, hs});
+  return cases;
+}
+
+//! Value, first-order error scale (multiplied by the tolerance) and fp32 rounding allowance.
+struct Reference {
+  std::vector<double> value, magnitude, rounding;
+  explicit Reference(std::size_t n) : value(n, 0.0), magnitude(n, 0.0), rounding(n, 0.0) {}
+};
+
+//! |got - want| <= tolerance * magnitude + rounding, element by element.
+void check_reference(const std::vector<float>& got, const Reference& r, double tolerance, const std::string& what) {
+  std::vector<double> scale(r.magnitude.size());
+  for (std::size_t i = 0; i < scale.size(); ++i) scale[i] = r.magnitude[i] + r.rounding[i] / tolerance;
+  check_close(got, r.value, scale, tolerance, what, 0.0);
+}
+
+double softmax_rounding(std::int64_t T) { return static_cast<double>(T + 64) * std::ldexp(1.0, -24); }
+
+//! Element (b, t, part, h, i) of qkv-like data: part 0, 1, 2 = q, k, v.
+struct QkvIndex {
+  Case c;
+  std::int64_t operator()(std::int64_t b, std::int64_t t, std::int64_t part, std::int64_t h, std::int64_t i) const {
+    return (b * c.T + t) * 3 * c.C() + part * c.C() + h * c.hs + i;
+  }
+};
+
+struct ForwardReference {
+  Reference att, out;
+};
+
+ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv) {
+  const QkvIndex at{c};
+  const std::int64_t T = c.T, C = c.C();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs)), rounding = softmax_rounding(T);
+  ForwardReference r{Reference(static_cast<std::size_t>(c.B * c.NH * T * T)),
+                     Reference(static_cast<std::size_t>(c.B * T * C))};
+  std::vector<double> score(static_cast<std::size_t>(T)), mag(static_cast<std::size_t>(T));
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t h = 0; h < c.NH; ++h)
+      for (std::int64_t t = 0; t < T; ++t) {
+        double max = -std::numeric_limits<double>::infinity();
+        for (std::int64_t s = 0; s <= t; ++s) {
+          score[s] = mag[s] = 0;
+          for (std::int64_t i = 0; i < c.hs; ++i) {
+            const double term = static_cast<double>(qkv[at(b, t, 0, h, i)]) * qkv[at(b, s, 1, h, i)];
+            score[s] += term;
+            mag[s] += std::abs(term);
+          }
+          max = std::max(max, score[s]);
+        }
+        const std::int64_t row = ((b * c.NH + h) * T + t) * T;
+        double sum = 0;
+        for (std::int64_t s = 0; s <= t; ++s) sum += std::exp((score[s] - max) * scale);
+        double weighted = 0;  // sum_j p_j M_j
+        for (std::int64_t s = 0; s <= t; ++s) {
+          r.att.value[row + s] = std::exp((score[s] - max) * scale) / sum;
+          weighted += r.att.value[row + s] * mag[s];
+        }
+        for (std::int64_t s = 0; s <= t; ++s) {
+          const double p = r.att.value[row + s];
+          r.att.magnitude[row + s] = p * scale * (mag[s] + weighted);
+          r.att.rounding[row + s] = p * rounding;
+        }
+        // Entries s > t stay 0 with magnitude 0: they must come out exactly 0.
+        for (std::int64_t i = 0; i < c.hs; ++i) {
+          const std::int64_t o = (b * T + t) * C + h * c.hs + i;
+          for (std::int64_t s = 0; s <= t; ++s) {
+            const double v = qkv[at(b, s, 2, h, i)];
+            r.out.value[o] += r.att.value[row + s] * v;
+            r.out.magnitude[o] += (r.att.value[row + s] + r.att.magnitude[row + s]) * std::abs(v);
+            r.out.rounding[o] += r.att.rounding[row + s] * std::abs(v);
+          }
+        }
+      }
+  return r;
+}
+
+//! dqkv0 + the gradient w.r.t. qkv, from the float att the kernel reads.
+Reference backward_reference(const Case& c, const std::vector<float>& qkv, const std::vector<float>& att,
+                             const std::vector<float>& dout, const std::vector<float>& dqkv0) {
+  const QkvIndex at{c};
+  const std::int64_t T = c.T, C = c.C();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs)), rounding = softmax_rounding(T);
+  Reference r(dqkv0.size());
+  for (std::size_t i = 0; i < dqkv0.size(); ++i) {
+    r.value[i] = dqkv0[i];
+    r.magnitude[i] = std::abs(dqkv0[i]);
+  }
+  std::vector<double> datt(static_cast<std::size_t>(T)), dmag(static_cast<std::size_t>(T)),
+      dpre(static_cast<std::size_t>(T)), dpre_mag(static_cast<std::size_t>(T));
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t h = 0; h < c.NH; ++h)
+      for (std::int64_t t = 0; t < T; ++t) {
+        const float* a = att.data() + ((b * c.NH + h) * T + t) * T;
+        const float* g = dout.data() + (b * T + t) * C + h * c.hs;
+        double shift = 0, weighted = 0;
+        for (std::int64_t s = 0; s <= t; ++s) {
+          datt[s] = dmag[s] = 0;
+          for (std::int64_t i = 0; i < c.hs; ++i) {
+            const double term = static_cast<double>(g[i]) * qkv[at(b, s, 2, h, i)];
+            datt[s] += term;
+            dmag[s] += std::abs(term);
+          }
+          shift += a[s] * datt[s];
+          weighted += a[s] * dmag[s];
+        }
+        for (std::int64_t s = 0; s <= t; ++s) {
+          dpre[s] = a[s] * (datt[s] - shift) * scale;
+          dpre_mag[s] = a[s] * scale * (dmag[s] + weighted);
+        }
+        for (std::int64_t s = 0; s <= t; ++s)
+          for (std::int64_t i = 0; i < c.hs; ++i) {
+            const std::int64_t dq = at(b, t, 0, h, i), dk = at(b, s, 1, h, i), dv = at(b, s, 2, h, i);
+            const double q = qkv[dq], k = qkv[dk], value_term = static_cast<double>(a[s]) * g[i];
+            r.value[dv] += value_term;
+            r.magnitude[dv] += std::abs(value_term);
+            r.value[dq] += dpre[s] * k;
+            r.magnitude[dq] += (std::abs(dpre[s]) + dpre_mag[s]) * std::abs(k);
+            r.rounding[dq] += rounding * dpre_mag[s] * std::abs(k);
+            r.value[dk] += dpre[s] * q;
+            r.magnitude[dk] += (std::abs(dpre[s]) + dpre_mag[s]) * std::abs(q);
+            r.rounding[dk] += rounding * dpre_mag[s] * std::abs(q);
+          }
+      }
+  return r;
+}
+
+std::vector<float> to_float(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+const float not_a_number = std::numeric_limits<float>::quiet_NaN();
+
+// ------------------------------------------------------------------------------------------
+// The kernels' step sequences on the host: cuBLAS emulated, the softmax steps in float as the
+// kernels do them.
+
+//! cuBLAS's strided-batched GEMM on the host, in double, rounded to float: C = op(A) op(B)
+//! (beta 0: C is not read, as in cuBLAS) or C += op(A) op(B). Checks cuBLAS's rules on the
+//! leading dimensions and that no element is written twice in one call.
+void emulate_cublas(const ca::BatchedGemm& bg, const float* a, const float* b, float* c, float beta) {
+  const detail::cuda_matmul::Gemm& g = bg.gemm;
+  REQUIRE(g.lda >= std::max<std::int64_t>(1, g.op_a == CUBLAS_OP_N ? g.m : g.k));
+  REQUIRE(g.ldb >= std::max<std::int64_t>(1, g.op_b == CUBLAS_OP_N ? g.k : g.n));
+  REQUIRE(g.ldc >= std::max<std::int64_t>(1, g.m));
+  std::set<const float*> written;
+  std::int64_t written_twice = 0;
+  for (std::int64_t batch = 0; batch < bg.batch; ++batch) {
+    const float* A = a + batch * bg.stride_a;
+    const float* B = b + batch * bg.stride_b;
+    float* out = c + batch * bg.stride_c;
+    for (std::int64_t j = 0; j < g.n; ++j)
+      for (std::int64_t i = 0; i < g.m; ++i) {
+        double sum = 0;
+        for (std::int64_t l = 0; l < g.k; ++l) {
+          const double x = g.op_a == CUBLAS_OP_N ? A[i + l * g.lda] : A[l + i * g.lda];
+          const double y = g.op_b == CUBLAS_OP_N ? B[l + j * g.ldb] : B[j + l * g.ldb];
+          sum += x * y;
+        }
+        float& dst = out[i + j * g.ldc];
+        written_twice += !written.insert(&dst).second;
+        dst = beta == 0.0f ? static_cast<float>(sum) : static_cast<float>(sum + static_cast<double>(beta) * dst);
+      }
+  }
+  CHECK(written_twice == 0);
+}
+
+//! softmax_forward_kernel's arithmetic on one row, sequentially.
+void host_softmax_row(float* a, std::int64_t t, std::int64_t tokens, float scale) {
+  float max = a[0];
+  for (std::int64_t s = 0; s <= t; ++s) max = std::fmax(max, a[s]);
+  float sum = 0;
+  for (std::int64_t s = 0; s <= t; ++s) sum += a[s] = std::exp((a[s] - max) * scale);
+  const float inverse = 1.0f / sum;
+  for (std::int64_t s = 0; s <= t; ++s) a[s] *= inverse;
+  for (std::int64_t s = t + 1; s < tokens; ++s) a[s] = 0.0f;
+}
+
+//! softmax_backward_kernel's arithmetic on one row, sequentially.
+void host_softmax_grad_row(float* g, const float* a, std::int64_t t, std::int64_t tokens, float scale) {
+  float dot = 0;
+  for (std::int64_t s = 0; s <= t; ++s) dot += a[s] * g[s];
+  for (std::int64_t s = 0; s <= t; ++s) g[s] = a[s] * (g[s] - dot) * scale;
+  for (std::int64_t s = t + 1; s < tokens; ++s) g[s] = 0.0f;
+}
+
+//! attention_forward's steps on the host: the same plans, offsets and order.
+void emulate_forward(const Case& c, const std::vector<float>& qkv, std::vector<float>& att, std::vector<float>& out) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
+  ca::forward_steps(c.dims(), out.data(), att.data(), qkv.data(), emulate_cublas,
+                    [&](float* scores, std::int64_t rows) {
+                      for (std::int64_t row = 0; row < rows; ++row)
+                        host_softmax_row(scores + row * c.T, row % c.T, c.T, scale);
+                    });
+}
+
+//! attention_backward's steps on the host: the same plans, offsets and order.
+void emulate_backward(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
+                      const std::vector<float>& qkv, const std::vector<float>& att) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
+  std::vector<float> dpre(static_cast<std::size_t>(c.NH * c.T * c.T), not_a_number);
+  ca::backward_steps(c.dims(), dqkv.data(), dout.data(), qkv.data(), att.data(), dpre.data(), emulate_cublas,
+                     [&](float* grad, const float* probabilities, std::int64_t rows) {
+                       for (std::int64_t row = 0; row < rows; ++row)
+                         host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, row % c.T, c.T, scale);
+                     });
+}
+
+struct Data {
+  std::vector<float> qkv, dout, dqkv0;
+};
+
+Data make_data(const Case& c, std::uint32_t seed) {
+  return {random_floats(c.B * c.T * 3 * c.C(), seed), random_floats(c.B * c.T * c.C(), seed + 1),
+          random_floats(c.B * c.T * 3 * c.C(), seed + 2)};
+}
+
+//! How many entries s > t of att are not exactly +0.
+std::int64_t nonzero_above_diagonal(const Case& c, const std::vector<float>& att) {
+  std::int64_t count = 0;
+  for (std::int64_t row = 0; row < c.B * c.NH * c.T; ++row)
+    for (std::int64_t s = row % c.T + 1; s < c.T; ++s) {
+      const float x = att[row * c.T + s];
+      count += !(x == 0.0f && !std::signbit(x));
+    }
+  return count;
+}
+
+// ------------------------------------------------------------------------------------------
+// Host cases: run with or without a GPU.
+
+TEST_CASE("the attention algorithm with the cuBLAS plans matches the reference (host emulation of cuBLAS)") {
+  for (const Case& c : odd_cases()) {
+    CAPTURE(c);
+    const Data data = make_data(c, 11);
+    const ForwardReference ref = forward_reference(c, data.qkv);
+    std::vector<float> att(ref.att.value.size(), not_a_number), out(ref.out.value.size(), not_a_number);
+    emulate_forward(c, data.qkv, att, out);
+    check_reference(att, ref.att, float_tolerance, "att");
+    CHECK(nonzero_above_diagonal(c, att) == 0);
+    check_reference(out, ref.out, float_tolerance, "out");
+
+    const std::vector<float> att_in = to_float(ref.att.value);
+    const Reference dref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0);
+    std::vector<float> dqkv = data.dqkv0;
+    emulate_backward(c, dqkv, data.dout, data.qkv, att_in);
+    check_reference(dqkv, dref, float_tolerance, "dqkv");
+  }
+}
+
+TEST_CASE("attention checks name the kernel and the argument, in the CPU kernel's order (host side)") {
+  namespace a = detail::attention;
+  std::vector<float> storage(1024, 0.0f);
+  float* p = storage.data();
+  const std::int64_t B = 2, T = 5, C = 6;
+  const Tensor<const float> qkv(p, {B, T, 3 * C}), dout(p, {B, T, C}), att_c(p, {B, 2, T, T});
+  const Tensor<float> out(p, {B, T, C}), att(p, {B, 2, T, T}), dqkv(p, {B, T, 3 * C});
+
+  const a::Dims d = a::check_forward(out, att, qkv, 2);
+  CHECK(d.batch == B);
+  CHECK(d.tokens == T);
+  CHECK(d.channels == C);
+  CHECK(d.heads == 2);
+  CHECK(d.head_size == 3);
+  CHECK_NOTHROW(a::check_backward(dqkv, dout, qkv, att_c, 2));
+
+  CHECK_THROWS_WITH_AS(a::check_forward(out, att, Tensor<const float>(p, {B * T, 3 * C}), 2),
+                       "loom: attention_forward: argument qkv shape: got [10, 18]; expected [B, T, 3C] (rank 3, "
+                       "last extent a multiple of 3)",
+                       Error);
+  CHECK_THROWS_WITH_AS(a::check_forward(out, att, Tensor<const float>(p, {B, T, 20}), 2),
+                       doctest::Contains("attention_forward: argument qkv shape: got [2, 5, 20]"), Error);
+  CHECK_THROWS_WITH_AS(a::check_forward(out, att, qkv, 0),
+                       "loom: attention_forward: argument num_heads: got 0; must be > 0", Error);
+  CHECK_THROWS_WITH_AS(a::check_forward(out, att, qkv, 4),
+                       "loom: attention_forward: argument num_heads: got 4; must divide the channels C = 6", Error);
+  // out before att, as on the CPU.
+  CHECK_THROWS_WITH_AS(a::check_forward(Tensor<float>(p, {B * T, C}), Tensor<float>(p, {B, 3, T, T}), qkv, 2),
+                       "loom: attention_forward: argument out shape: got [10, 6]; expected [2, 5, 6]", Error);
+  CHECK_THROWS_WITH_AS(a::check_forward(out, Tensor<float>(p, {B, 3, T, T}), qkv, 2),
+                       "loom: attention_forward: argument att shape: got [2, 3, 5, 5]; expected [2, 2, 5, 5]", Error);
+  CHECK_THROWS_WITH_AS(a::check_forward(Tensor<float>(nullptr, {B, T, C}), att, qkv, 2),
+                       "loom: attention_forward: argument out: got a tensor without data; a required argument "
+                       "needs 60 elements of storage",
+                       Error);
+
+  CHECK_THROWS_WITH_AS(a::check_backward(dqkv, dout, qkv, att_c, 4),
+                       "loom: attention_backward: argument num_heads: got 4; must divide the channels C = 6", Error);
+  CHECK_THROWS_WITH_AS(a::check_backward(Tensor<float>(p, {B, 3 * C, T}), dout, qkv, att_c, 2),
+                       "loom: attention_backward: argument dqkv shape: got [2, 18, 5]; expected [2, 5, 18]", Error);
+  CHECK_THROWS_WITH_AS(a::check_backward(dqkv, Tensor<const float>(p, {B, C, T}), qkv, att_c, 2),
+                       "loom: attention_backward: argument dout shape: got [2, 6, 5]; expected [2, 5, 6]", Error);
+  CHECK_THROWS_WITH_AS(a::check_backward(dqkv, dout, qkv, Tensor<const float>(p, {B, 2, T, T + 1}), 2),
+                       "loom: attention_backward: argument att shape: got [2, 2, 5, 6]; expected [2, 2, 5, 5]", Error);
+  CHECK_THROWS_WITH_AS(a::check_backward(dqkv, dout, qkv, Tensor<const float>(nullptr, {B, 2, T, T}), 2),
+                       doctest::Contains("attention_backward: argument att: got a tensor without data"), Error);
+}
+
+// ------------------------------------------------------------------------------------------
+// Device cases: return at once without a GPU.
+
+std::vector<Case> device_cases() {
+  std::vector<Case> cases = odd_cases();
+  cases.push_back({2, 256, 4, 64});  // GPT-2's head size, aligned rows: the tensor-core paths
+  return cases;
+}
+
+TEST_CASE("attention_forward matches the reference; att is exactly 0 above the diagonal; same bits each run") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const Case& c : device_cases()) {
+    CAPTURE(c);
+    const Data data = make_data(c, 100);
+    const ForwardReference ref = forward_reference(c, data.qkv);
+    const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
+    std::vector<float> first_att, first_out;
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      // NaN everywhere: every element must be written, and the beta-0 GEMMs must not read it.
+      const DeviceTensor att(be, std::vector<float>(ref.att.value.size(), not_a_number), Shape{c.B, c.NH, c.T, c.T});
+      const DeviceTensor out(be, std::vector<float>(ref.out.value.size(), not_a_number), Shape{c.B, c.T, c.C()});
+      attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH));
+      const std::vector<float> got_att = att.to_host(be), got_out = out.to_host(be);
+      check_reference(got_att, ref.att, tf32_tolerance, "att");
+      CHECK(nonzero_above_diagonal(c, got_att) == 0);
+      check_reference(got_out, ref.out, tf32_tolerance, "out");
+      if (run == 0) {
+        first_att = got_att;
+        first_out = got_out;
+      } else {
+        CHECK(got_att == first_att);
+        CHECK(got_out == first_out);
+      }
+    }
+  }
+}
+
+TEST_CASE("attention_backward accumulates the reference gradient, the same bits each run, scratch returned") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const Case& c : device_cases()) {
+    CAPTURE(c);
+    const Data data = make_data(c, 200);
+    const std::vector<float> att_in = to_float(forward_reference(c, data.qkv).att.value);
+    const Reference ref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0);
+    const Shape qkv_shape{c.B, c.T, 3 * c.C()};
+    const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
+        att(be, att_in, Shape{c.B, c.NH, c.T, c.T});
+    std::vector<float> first;
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
+      const std::size_t workspace = be.memory().current(MemoryCategory::workspace);
+      be.memory().reset_peaks();
+      attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
+      CHECK(be.memory().current(MemoryCategory::workspace) == workspace);
+      CHECK(be.memory().peak(MemoryCategory::workspace) ==
+            workspace + static_cast<std::size_t>(c.NH * c.T * c.T) * sizeof(float));
+      const std::vector<float> got = dqkv.to_host(be);
+      check_reference(got, ref, tf32_tolerance, "dqkv");
+      if (run == 0)
+        first = got;
+      else
+        CHECK(got == first);
+    }
+  }
+}
+
+TEST_CASE("attention_backward from attention_forward's own att (the training path)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  // The reference reads the same (device) att, so only the backward's own error is measured.
+  const Case c{2, 33, 3, 16};
+  const Data data = make_data(c, 300);
+  const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
+  const DeviceTensor att(be, std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T * c.T), not_a_number),
+                         Shape{c.B, c.NH, c.T, c.T});
+  const DeviceTensor out(be, std::vector<float>(static_cast<std::size_t>(c.B * c.T * c.C()), not_a_number),
+                         Shape{c.B, c.T, c.C()});
+  attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH));
+  const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
+  attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
+  const Reference ref = backward_reference(c, data.qkv, att.to_host(be), data.dout, data.dqkv0);
+  check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
+}
+
+TEST_CASE("attention kernels reject wrong shapes on the device too, and skip empty batches") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  Buffer<float, cuda> buffer(be, 1024, MemoryCategory::workspace);
+  float* p = buffer.data();
+  const std::int64_t B = 2, T = 5, C = 6;
+  const Tensor<const float> qkv(p, {B, T, 3 * C}), dout(p, {B, T, C}), att_c(p, {B, 2, T, T});
+  const Tensor<float> out(p, {B, T, C}), att(p, {B, 2, T, T}), dqkv(p, {B, T, 3 * C});
+  CHECK_THROWS_WITH_AS(attention_forward<float>(be, out, att, qkv, 4),
+                       doctest::Contains("attention_forward: argument num_heads: got 4"), Error);
+  CHECK_THROWS_WITH_AS(attention_forward<float>(be, out, Tensor<float>(p, {B, 3, T, T}), qkv, 2),
+                       doctest::Contains("attention_forward: argument att shape: got [2, 3, 5, 5]"), Error);
+  CHECK_THROWS_WITH_AS(attention_forward<float>(be, out, att, Tensor<const float>(nullptr, {B, T, 3 * C}), 2),
+                       doctest::Contains("attention_forward: argument qkv: got a tensor without data"), Error);
+  CHECK_THROWS_WITH_AS(attention_backward<float>(be, dqkv, Tensor<const float>(p, {B, C, T}), qkv, att_c, 2),
+                       doctest::Contains("attention_backward: argument dout shape: got [2, 6, 5]"), Error);
+  CHECK_THROWS_WITH_AS(attention_backward<float>(be, dqkv, dout, Tensor<const float>(nullptr, {B, T, 3 * C}), att_c, 2),
+                       doctest::Contains("attention_backward: argument qkv: got a tensor without data"), Error);
+  // B = 0 or T = 0: nothing to do, nothing read.
+  attention_forward<float>(be, Tensor<float>(nullptr, {0, T, C}), Tensor<float>(nullptr, {0, 2, T, T}),
+                           Tensor<const float>(nullptr, {0, T, 3 * C}), 2);
+  attention_backward<float>(be, Tensor<float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 0, C}),
+                            Tensor<const float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 2, 0, 0}), 2);
+  be.synchronize();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }
