@@ -16,6 +16,7 @@
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
+#include "loom/backend/detail/vocab_parallel_checks.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -27,9 +28,16 @@ inline constexpr std::int64_t column_block = 64;
 //! Below this many elements a kernel stays on the calling thread.
 inline constexpr std::int64_t parallel_min_elements = 1 << 14;
 
-struct EmbeddingDims {
-  std::int64_t batch, seq, channels;
-};
+//! Token ids must be >= 0 (read on the host, so checked here, not in the shared shape checks).
+inline void check_token_values(const Tensor<const std::int32_t>& tokens, const char* kernel) {
+  const std::int64_t Tn = tokens.extent(1), count = tokens.numel();
+  const std::int32_t* ids = tokens.data();
+  for (std::int64_t i = 0; i < count; ++i)
+    if (ids[i] < 0) [[unlikely]]
+      throw Error(std::string(kernel) + ": token at tokens[" + detail::to_text(i / Tn) + ", " +
+                      detail::to_text(i % Tn) + "]",
+                  ids[i], "token ids must be >= 0");
+}
 
 //! tokens [B, T] with ids >= 0, slice [rows, C], optional positions [maxT >= T, C], hidden [B, T, C].
 template <class H, class E>
@@ -37,56 +45,16 @@ EmbeddingDims check_embedding(const Tensor<H>& hidden, const Tensor<const std::i
                               const Tensor<E>& slice, std::int64_t vocab_begin, const Tensor<E>& positions,
                               const char* kernel, const char* hidden_name, const char* slice_name,
                               const char* positions_name) {
-  if (tokens.shape().rank() != 2)
-    throw Error(std::string(kernel) + ": argument tokens shape", tokens.shape(), "expected [B, T] (rank 2)");
-  if (slice.shape().rank() != 2)
-    throw Error(std::string(kernel) + ": argument " + slice_name + " shape", slice.shape(),
-                "expected a [rows, C] slice of the token table (rank 2)");
-  if (vocab_begin < 0)
-    throw Error(std::string(kernel) + ": argument vocab_begin", vocab_begin, "must be >= 0");
-  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1), C = slice.extent(1);
-  if (!positions.empty()) {
-    check_shape(positions, Shape{positions.extent(0), C}, kernel, positions_name);
-    if (Tn > positions.extent(0))
-      throw Error(std::string(kernel) + ": argument tokens sequence length T", Tn,
-                  "must be <= the rows of " + std::string(positions_name) + " (" +
-                      detail::to_text(positions.extent(0)) + ")");
-  }
-  const std::int32_t* ids = tokens.data();
-  for (std::int64_t i = 0; i < B * Tn; ++i)
-    if (ids[i] < 0) [[unlikely]]
-      throw Error(std::string(kernel) + ": token at tokens[" + detail::to_text(i / Tn) + ", " +
-                      detail::to_text(i % Tn) + "]",
-                  ids[i], "token ids must be >= 0");
-  check_shape(hidden, Shape{B, Tn, C}, kernel, hidden_name);
-  return {B, Tn, C};
+  const EmbeddingDims dims = embedding_dims(tokens, slice, vocab_begin, positions, kernel, slice_name, positions_name);
+  check_token_values(tokens, kernel);
+  check_shape(hidden, Shape{dims.batch, dims.seq, dims.channels}, kernel, hidden_name);
+  return dims;
 }
 
-struct CrossEntropyDims {
-  std::int64_t rows, slice_columns, real_columns;  //!< real_columns: those with global id < vocab
-};
-
-//! logits [N, Vs] (leading axes are rows), 0 <= vocab_begin, 1 <= vocab; the slice's real
-//! columns are those with vocab_begin + j < vocab (possibly none).
-template <class T>
-CrossEntropyDims check_slice(const Tensor<T>& logits, std::int64_t vocab_begin, std::int64_t vocab,
-                             const char* kernel, const char* logits_name) {
-  if (logits.shape().rank() < 1)
-    throw Error(std::string(kernel) + ": argument " + logits_name + " shape", logits.shape(),
-                "expected [N, Vs] (rank >= 1)");
-  if (vocab_begin < 0)
-    throw Error(std::string(kernel) + ": argument vocab_begin", vocab_begin, "must be >= 0");
-  if (vocab < 1) throw Error(std::string(kernel) + ": argument vocab", vocab, "must be >= 1");
-  const std::int64_t rows = logits.shape().rows(), columns = logits.shape().cols();
-  return {rows, columns, std::clamp<std::int64_t>(vocab - vocab_begin, 0, columns)};
-}
-
-//! targets [N], each < vocab (negative = ignored row); checked before any work, since an
-//! exception cannot leave an OpenMP region.
-inline void check_targets(const Tensor<const std::int32_t>& targets, std::int64_t rows, std::int64_t vocab,
-                          const char* kernel) {
-  check_numel(targets, rows, kernel, "targets");
-  for (std::int64_t n = 0; n < rows; ++n)
+//! Each of the N targets < vocab (negative = ignored row); checked before any work, since an
+//! exception cannot leave an OpenMP region. The count is checked with the shapes.
+inline void check_target_values(const Tensor<const std::int32_t>& targets, std::int64_t vocab, const char* kernel) {
+  for (std::int64_t n = 0; n < targets.numel(); ++n)
     if (targets[n] >= vocab) [[unlikely]]
       throw Error(std::string(kernel) + ": targets[" + detail::to_text(n) + "]", targets[n],
                   "must be < vocab (" + detail::to_text(vocab) + "), or negative to ignore the row");
@@ -177,8 +145,7 @@ void vocab_parallel_cross_entropy_max(const cpu& be, Tensor<double> row_max, Ten
                                       std::int64_t vocab_begin, std::int64_t vocab) {
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_max";
-  const d::CrossEntropyDims dims = d::check_slice(logits, vocab_begin, vocab, kernel, "logits");
-  check_numel(row_max, dims.rows, kernel, "row_max");
+  const d::CrossEntropyDims dims = d::check_max(row_max, logits, vocab_begin, vocab, kernel);
   const std::int64_t Vs = dims.slice_columns, real = dims.real_columns;
   const T* x_all = logits.data();
   double* m = row_max.data();
@@ -200,11 +167,9 @@ void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor
                                            std::int64_t vocab) {
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_partials";
-  const d::CrossEntropyDims dims = d::check_slice(logits, vocab_begin, vocab, kernel, "logits");
-  check_shape(exps, logits.shape(), kernel, "exps");
-  check_numel(row_max, dims.rows, kernel, "row_max");
-  check_numel(partials, 2 * dims.rows, kernel, "partials");
-  d::check_targets(targets, dims.rows, vocab, kernel);
+  const d::CrossEntropyDims dims =
+      d::check_partials(exps, partials, logits, row_max, targets, vocab_begin, vocab, kernel);
+  d::check_target_values(targets, vocab, kernel);
   const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
   const T* x_all = logits.data();
   T* e_all = exps.data();
@@ -241,12 +206,8 @@ void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<T> losses, Tensor
                                          Tensor<const double> partials, Tensor<const std::int32_t> targets) {
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
-  if (probs.shape().rank() < 1)
-    throw Error(std::string(kernel) + ": argument probs shape", probs.shape(), "expected [N, Vs] (rank >= 1)");
-  const std::int64_t N = probs.shape().rows(), Vs = probs.shape().cols();
-  check_numel(losses, N, kernel, "losses");
-  check_numel(partials, 2 * N, kernel, "partials");
-  check_numel(targets, N, kernel, "targets");
+  const d::FinishDims dims = d::check_finish(losses, probs, partials, targets, kernel);
+  const std::int64_t N = dims.rows, Vs = dims.columns;
   T* p_all = probs.data();
   T* loss = losses.data();
   const double* sums = partials.data();
@@ -269,9 +230,8 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
                                            std::int64_t vocab, T scale) {
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
-  const d::CrossEntropyDims dims = d::check_slice(probs, vocab_begin, vocab, kernel, "probs");
-  check_shape(dlogits, probs.shape(), kernel, "dlogits");
-  d::check_targets(targets, dims.rows, vocab, kernel);
+  const d::CrossEntropyDims dims = d::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
+  d::check_target_values(targets, vocab, kernel);
   const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
   const T* p_all = probs.data();
   T* g_all = dlogits.data();

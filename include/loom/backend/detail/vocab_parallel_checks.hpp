@@ -1,0 +1,125 @@
+#pragma once
+//! \file Shape checks of the vocabulary-parallel embedding and cross-entropy kernels (host code
+//! only, no Eigen), shared by the CPU and CUDA backends so that both reject a bad argument with
+//! the same words. They never read token or target ids: on the CUDA backend those live in device
+//! memory. The CPU kernels check the id values as well (backend/cpu/vocab_parallel.hpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "loom/core/error.hpp"
+#include "loom/core/tensor.hpp"
+
+namespace loom::detail::vocab_parallel {
+
+struct EmbeddingDims {
+  std::int64_t batch, seq, channels;
+};
+
+//! tokens [B, T], slice [rows, C], optional positions [maxT >= T, C], 0 <= vocab_begin; the
+//! hidden tensor [B, T, C] is the caller's next check (check_embedding_shapes).
+template <class E>
+EmbeddingDims embedding_dims(const Tensor<const std::int32_t>& tokens, const Tensor<E>& slice,
+                             std::int64_t vocab_begin, const Tensor<E>& positions, const char* kernel,
+                             const char* slice_name, const char* positions_name) {
+  if (tokens.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument tokens shape", tokens.shape(), "expected [B, T] (rank 2)");
+  if (slice.shape().rank() != 2)
+    throw Error(std::string(kernel) + ": argument " + slice_name + " shape", slice.shape(),
+                "expected a [rows, C] slice of the token table (rank 2)");
+  if (vocab_begin < 0)
+    throw Error(std::string(kernel) + ": argument vocab_begin", vocab_begin, "must be >= 0");
+  const std::int64_t B = tokens.extent(0), Tn = tokens.extent(1), C = slice.extent(1);
+  if (!positions.empty()) {
+    check_shape(positions, Shape{positions.extent(0), C}, kernel, positions_name);
+    if (Tn > positions.extent(0))
+      throw Error(std::string(kernel) + ": argument tokens sequence length T", Tn,
+                  "must be <= the rows of " + std::string(positions_name) + " (" +
+                      detail::to_text(positions.extent(0)) + ")");
+  }
+  return {B, Tn, C};
+}
+
+//! Every shape check of the embedding kernels: embedding_dims, then hidden [B, T, C].
+template <class H, class E>
+EmbeddingDims check_embedding_shapes(const Tensor<H>& hidden, const Tensor<const std::int32_t>& tokens,
+                                     const Tensor<E>& slice, std::int64_t vocab_begin, const Tensor<E>& positions,
+                                     const char* kernel, const char* hidden_name, const char* slice_name,
+                                     const char* positions_name) {
+  const EmbeddingDims dims = embedding_dims(tokens, slice, vocab_begin, positions, kernel, slice_name, positions_name);
+  check_shape(hidden, Shape{dims.batch, dims.seq, dims.channels}, kernel, hidden_name);
+  return dims;
+}
+
+struct CrossEntropyDims {
+  std::int64_t rows, slice_columns, real_columns;  //!< real_columns: those with global id < vocab
+};
+
+//! logits [N, Vs] (leading axes are rows), 0 <= vocab_begin, 1 <= vocab; the slice's real
+//! columns are those with vocab_begin + j < vocab (possibly none).
+template <class T>
+CrossEntropyDims check_slice(const Tensor<T>& logits, std::int64_t vocab_begin, std::int64_t vocab,
+                             const char* kernel, const char* logits_name) {
+  if (logits.shape().rank() < 1)
+    throw Error(std::string(kernel) + ": argument " + logits_name + " shape", logits.shape(),
+                "expected [N, Vs] (rank >= 1)");
+  if (vocab_begin < 0)
+    throw Error(std::string(kernel) + ": argument vocab_begin", vocab_begin, "must be >= 0");
+  if (vocab < 1) throw Error(std::string(kernel) + ": argument vocab", vocab, "must be >= 1");
+  const std::int64_t rows = logits.shape().rows(), columns = logits.shape().cols();
+  return {rows, columns, std::clamp<std::int64_t>(vocab - vocab_begin, 0, columns)};
+}
+
+//! vocab_parallel_cross_entropy_max: the slice, and row_max [N].
+template <class T>
+CrossEntropyDims check_max(const Tensor<double>& row_max, const Tensor<const T>& logits, std::int64_t vocab_begin,
+                           std::int64_t vocab, const char* kernel) {
+  const CrossEntropyDims dims = check_slice(logits, vocab_begin, vocab, kernel, "logits");
+  check_numel(row_max, dims.rows, kernel, "row_max");
+  return dims;
+}
+
+//! vocab_parallel_cross_entropy_partials: the slice, exps shaped as logits, row_max [N],
+//! partials [2, N] and N targets (their values are the backend's to check, or not).
+template <class T>
+CrossEntropyDims check_partials(const Tensor<T>& exps, const Tensor<double>& partials, const Tensor<const T>& logits,
+                                const Tensor<const double>& row_max, const Tensor<const std::int32_t>& targets,
+                                std::int64_t vocab_begin, std::int64_t vocab, const char* kernel) {
+  const CrossEntropyDims dims = check_slice(logits, vocab_begin, vocab, kernel, "logits");
+  check_shape(exps, logits.shape(), kernel, "exps");
+  check_numel(row_max, dims.rows, kernel, "row_max");
+  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  check_numel(targets, dims.rows, kernel, "targets");
+  return dims;
+}
+
+struct FinishDims {
+  std::int64_t rows, columns;
+};
+
+//! vocab_parallel_cross_entropy_finish: probs [N, Vs], losses [N], partials [2, N], N targets.
+template <class T>
+FinishDims check_finish(const Tensor<T>& losses, const Tensor<T>& probs, const Tensor<const double>& partials,
+                        const Tensor<const std::int32_t>& targets, const char* kernel) {
+  if (probs.shape().rank() < 1)
+    throw Error(std::string(kernel) + ": argument probs shape", probs.shape(), "expected [N, Vs] (rank >= 1)");
+  const std::int64_t N = probs.shape().rows(), Vs = probs.shape().cols();
+  check_numel(losses, N, kernel, "losses");
+  check_numel(partials, 2 * N, kernel, "partials");
+  check_numel(targets, N, kernel, "targets");
+  return {N, Vs};
+}
+
+//! vocab_parallel_cross_entropy_backward: the slice (probs), dlogits shaped as probs, N targets.
+template <class T>
+CrossEntropyDims check_backward(const Tensor<T>& dlogits, const Tensor<const T>& probs,
+                                const Tensor<const std::int32_t>& targets, std::int64_t vocab_begin,
+                                std::int64_t vocab, const char* kernel) {
+  const CrossEntropyDims dims = check_slice(probs, vocab_begin, vocab, kernel, "probs");
+  check_shape(dlogits, probs.shape(), kernel, "dlogits");
+  check_numel(targets, dims.rows, kernel, "targets");
+  return dims;
+}
+
+}  // namespace loom::detail::vocab_parallel

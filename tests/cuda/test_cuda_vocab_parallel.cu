@@ -1,0 +1,692 @@
+// The CUDA vocabulary-parallel embedding and cross-entropy kernels: the vocabulary split into
+// 1, 2 and 3 slices (with padding), each slice run on the device with the group's reductions
+// done here in slice order, against plain host loops in double, and against host float loops in
+// the CPU kernels' order where the result must be the same bits (embedding forward and backward,
+// the per-slice max and shifted target logits).
+//
+// Without a GPU the host cases run (the shared shape checks and their messages, which the
+// kernels call before any CUDA call), then the program exits with 77 and ctest reports it
+// skipped.
+//
+// Tolerances (|device - reference| <= tolerance * max(magnitude, 1)):
+// - losses, probabilities and dlogits: 1e-5 of |reference| (expf is within 2 ulp; the sums of
+//   exps are in double);
+// - embedding gradients: a sequential fp32 sum of k terms is within k * 2^-24 of the sum of
+//   |terms|, so max(1e-5, k * 2^-24) of that sum, k being the longest run of one token plus one
+//   (the exact bits are checked against the host float loop besides).
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "device_check.hpp"
+#include "loom/backend/cuda/vocab_parallel.cuh"
+#include "loom/backend/detail/vocab_parallel_checks.hpp"
+#include "loom/core/buffer.hpp"
+
+using namespace loom;
+using namespace loom::cuda_test;
+
+namespace {
+
+//! A device array of ids or double statistics with a shape, filled from the host.
+template <class E>
+struct DeviceArray {
+  Buffer<E, loom::cuda> buffer;
+  Shape shape;
+
+  DeviceArray(loom::cuda& be, const std::vector<E>& host, Shape s)
+      : buffer(be, s.numel(), MemoryCategory::workspace), shape(s) {
+    REQUIRE(static_cast<std::int64_t>(host.size()) == s.numel());
+    be.copy_from_host(buffer.data(), host.data(), buffer.bytes());
+  }
+  Tensor<E> view() const { return {buffer.data(), shape}; }
+  Tensor<const E> cview() const { return view(); }
+  std::vector<E> to_host(const loom::cuda& be) const {
+    std::vector<E> host(static_cast<std::size_t>(shape.numel()));
+    be.copy_to_host(host.data(), buffer.data(), buffer.bytes());
+    return host;
+  }
+};
+
+using DeviceIds = DeviceArray<std::int32_t>;
+using DeviceDoubles = DeviceArray<double>;
+
+constexpr std::int32_t int32_min = std::numeric_limits<std::int32_t>::min();
+constexpr std::int32_t int32_max = std::numeric_limits<std::int32_t>::max();
+
+//! Rows [first, first + count) of a row-major table with C columns.
+std::vector<float> table_rows(const std::vector<float>& table, std::int64_t first, std::int64_t count,
+                              std::int64_t C) {
+  return {table.begin() + first * C, table.begin() + (first + count) * C};
+}
+
+//! Columns [first, first + count) of a row-major [rows, columns] matrix.
+std::vector<float> matrix_columns(const std::vector<float>& full, std::int64_t rows, std::int64_t columns,
+                                  std::int64_t first, std::int64_t count) {
+  std::vector<float> out(static_cast<std::size_t>(rows * count));
+  for (std::int64_t n = 0; n < rows; ++n)
+    for (std::int64_t j = 0; j < count; ++j) out[n * count + j] = full[n * columns + first + j];
+  return out;
+}
+
+//! How many of `got` differ in bits from `want` (NaN never equals); one CHECK per tensor.
+void check_same_bits(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  REQUIRE(got.size() == want.size());
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (!(got[i] == want[i]) || std::signbit(got[i]) != std::signbit(want[i])) {
+      if (bad == 0) first = i;
+      ++bad;
+    }
+  std::ostringstream message;
+  message << what << ": " << bad << " of " << got.size() << " elements differ in bits";
+  if (bad > 0) message << "; first at " << first << ": got " << got[first] << ", expected " << want[first];
+  INFO(message.str());
+  CHECK(bad == 0);
+}
+
+// ------------------------------------------------------------------------------------------
+// Embedding.
+
+struct EmbeddingCase {
+  std::int64_t B, T, C, vocab, padded, max_T;
+};
+
+//! Ids cycling through the vocabulary (repeats, every slice).
+std::vector<std::int32_t> cycling_tokens(const EmbeddingCase& c) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(c.B * c.T));
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::int32_t>((7 * i + 2) % c.vocab);
+  return t;
+}
+
+//! One id almost everywhere (a segment longer than a block), a few others between.
+std::vector<std::int32_t> repeated_tokens(const EmbeddingCase& c, std::int32_t id) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(c.B * c.T), id);
+  for (std::size_t i = 0; i < t.size(); i += 97) t[i] = static_cast<std::int32_t>(i % c.vocab);
+  return t;
+}
+
+//! B * T distinct ids (a permutation: 37 is coprime to the vocabularies used), every segment one long.
+std::vector<std::int32_t> distinct_tokens(const EmbeddingCase& c) {
+  REQUIRE(c.vocab >= c.B * c.T);
+  std::vector<std::int32_t> t(static_cast<std::size_t>(c.B * c.T));
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::int32_t>((37 * i + 5) % c.vocab);
+  return t;
+}
+
+//! The forward and backward on each of `slices` slices of a [padded, C] table, against host
+//! float loops in the CPU kernels' order (the same bits) and against double references; the
+//! backward twice from the same gradients (the same bits).
+void check_embedding(loom::cuda& be, const EmbeddingCase& c, const std::vector<std::int32_t>& tokens,
+                     std::int64_t slices, std::uint32_t seed) {
+  CAPTURE(c.B);
+  CAPTURE(c.T);
+  CAPTURE(c.C);
+  CAPTURE(c.vocab);
+  CAPTURE(c.padded);
+  CAPTURE(slices);
+  REQUIRE(c.padded % slices == 0);
+  const std::int64_t B = c.B, Tn = c.T, C = c.C, N = B * Tn, rows = c.padded / slices;
+  const std::vector<float> wte = random_floats(c.padded * C, seed), wpe = random_floats(c.max_T * C, seed + 1),
+                           dout = random_floats(N * C, seed + 2), dwte0 = random_floats(c.padded * C, seed + 3),
+                           dwpe0 = random_floats(c.max_T * C, seed + 4);
+  const DeviceIds ids(be, tokens, Shape{B, Tn});
+  const DeviceTensor wpe_device(be, wpe, Shape{c.max_T, C}), dout_device(be, dout, Shape{B, Tn, C});
+
+  // Forward: slice 0 adds the positions. Each slice's output is a copy or one float sum, so it
+  // has exact expected bits; the sum over slices (the all-reduce) is checked against double.
+  std::vector<float> summed(static_cast<std::size_t>(N * C), 0.0f);
+  for (std::int64_t s = 0; s < slices; ++s) {
+    CAPTURE(s);
+    const std::int64_t begin = s * rows;
+    const bool with_positions = s == 0;
+    const DeviceTensor slice(be, table_rows(wte, begin, rows, C), Shape{rows, C});
+    const DeviceTensor out(be, std::vector<float>(static_cast<std::size_t>(N * C), 99.0f), Shape{B, Tn, C});
+    vocab_parallel_embedding_forward<float>(be, out.view(), ids.cview(), slice.cview(), begin,
+                                            with_positions ? wpe_device.cview() : Tensor<const float>{});
+    std::vector<float> want(static_cast<std::size_t>(N * C));
+    for (std::int64_t bt = 0; bt < N; ++bt) {
+      const std::int64_t local = static_cast<std::int64_t>(tokens[bt]) - begin;
+      const bool in_slice = local >= 0 && local < rows;
+      for (std::int64_t j = 0; j < C; ++j) {
+        const float token = in_slice ? wte[(begin + local) * C + j] : 0.0f;
+        const float position = wpe[(bt % Tn) * C + j];
+        want[bt * C + j] = in_slice && with_positions ? token + position
+                           : in_slice                 ? token
+                           : with_positions           ? position
+                                                      : 0.0f;
+      }
+    }
+    const std::vector<float> got = out.to_host(be);
+    check_same_bits(got, want, "out of one slice");
+    for (std::size_t i = 0; i < got.size(); ++i) summed[i] += got[i];
+  }
+  std::vector<double> want_sum(static_cast<std::size_t>(N * C));
+  for (std::int64_t bt = 0; bt < N; ++bt) {
+    const bool known = tokens[bt] >= 0 && tokens[bt] < c.padded;
+    for (std::int64_t j = 0; j < C; ++j)
+      want_sum[bt * C + j] = (known ? static_cast<double>(wte[tokens[bt] * C + j]) : 0.0) + wpe[(bt % Tn) * C + j];
+  }
+  check_close(summed, want_sum, float_tolerance, "out summed over the slices");
+
+  // Backward, onto non-zero gradients. The longest run of one id sets the double tolerance.
+  std::map<std::int32_t, std::int64_t> repeats;
+  for (const std::int32_t id : tokens) ++repeats[id];
+  std::int64_t longest = B;  // dwpe sums B rows per element
+  for (const auto& [id, count] : repeats) longest = std::max(longest, count);
+  const double sum_tolerance = std::max(float_tolerance, static_cast<double>(longest + 1) * 0x1p-24);
+
+  std::vector<float> dwte_all(static_cast<std::size_t>(c.padded * C));
+  for (std::int64_t s = 0; s < slices; ++s) {
+    CAPTURE(s);
+    const std::int64_t begin = s * rows;
+    std::vector<float> want_dwte = table_rows(dwte0, begin, rows, C), want_dwpe = dwpe0;
+    for (std::int64_t bt = 0; bt < N; ++bt) {  // the CPU kernel's loop: (b, t) order, float
+      const std::int64_t local = static_cast<std::int64_t>(tokens[bt]) - begin;
+      for (std::int64_t j = 0; j < C; ++j) {
+        if (local >= 0 && local < rows) want_dwte[local * C + j] += dout[bt * C + j];
+        want_dwpe[(bt % Tn) * C + j] += dout[bt * C + j];
+      }
+    }
+    std::vector<float> first_dwte, first_dwpe;
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      const DeviceTensor dwte(be, table_rows(dwte0, begin, rows, C), Shape{rows, C}),
+          dwpe(be, dwpe0, Shape{c.max_T, C});
+      const std::size_t workspace = be.memory().current(MemoryCategory::workspace);
+      vocab_parallel_embedding_backward<float>(be, dwte.view(), begin, dwpe.view(), dout_device.cview(),
+                                               ids.cview());
+      CHECK(be.memory().current(MemoryCategory::workspace) == workspace);  // the sort's scratch was returned
+      const std::vector<float> got_dwte = dwte.to_host(be), got_dwpe = dwpe.to_host(be);
+      check_same_bits(got_dwte, want_dwte, "dwte slice against the host float loop in (b, t) order");
+      check_same_bits(got_dwpe, want_dwpe, "dwpe against the host float loop in (b, t) order");
+      if (run == 0) {
+        first_dwte = got_dwte;
+        first_dwpe = got_dwpe;
+      } else {
+        CHECK(got_dwte == first_dwte);  // exact bits over two runs
+        CHECK(got_dwpe == first_dwpe);
+      }
+    }
+    std::copy(first_dwte.begin(), first_dwte.end(), dwte_all.begin() + begin * C);
+    // The double reference of dwpe (every slice gets the whole position gradient).
+    std::vector<double> want_dwpe_exact(dwpe0.begin(), dwpe0.end()), dwpe_magnitude = abs_of(want_dwpe_exact);
+    for (std::int64_t bt = 0; bt < N; ++bt)
+      for (std::int64_t j = 0; j < C; ++j) {
+        want_dwpe_exact[(bt % Tn) * C + j] += dout[bt * C + j];
+        dwpe_magnitude[(bt % Tn) * C + j] += std::abs(dout[bt * C + j]);
+      }
+    check_close(first_dwpe, want_dwpe_exact, dwpe_magnitude, sum_tolerance, "dwpe against double");
+  }
+  std::vector<double> want_dwte_exact(dwte0.begin(), dwte0.end()), dwte_magnitude = abs_of(want_dwte_exact);
+  for (std::int64_t bt = 0; bt < N; ++bt) {
+    if (tokens[bt] < 0 || tokens[bt] >= c.padded) continue;  // no slice's row
+    for (std::int64_t j = 0; j < C; ++j) {
+      want_dwte_exact[tokens[bt] * C + j] += dout[bt * C + j];
+      dwte_magnitude[tokens[bt] * C + j] += std::abs(dout[bt * C + j]);
+    }
+  }
+  check_close(dwte_all, want_dwte_exact, dwte_magnitude, sum_tolerance, "dwte (slices together) against double");
+}
+
+// ------------------------------------------------------------------------------------------
+// Cross-entropy.
+
+//! N rows over a padded vocabulary split into `slices` equal slices.
+struct CrossEntropyCase {
+  std::int64_t N, vocab, padded, slices;
+  std::int64_t rows() const { return padded / slices; }
+};
+
+std::vector<std::int32_t> make_targets(const CrossEntropyCase& c) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(c.N));
+  for (std::int64_t n = 0; n < c.N; ++n)
+    t[n] = n == 1 ? -1 : static_cast<std::int32_t>((7919 * n + 3) % c.vocab);  // row 1 ignored; spread over slices
+  return t;
+}
+
+//! Logits [N, padded] in [-4, 4) on real columns, huge on padding (which must never count).
+std::vector<float> make_logits(const CrossEntropyCase& c, std::uint32_t seed) {
+  std::vector<float> x = random_floats(c.N * c.padded, seed, -4.0f, 4.0f);
+  for (std::int64_t n = 0; n < c.N; ++n)
+    for (std::int64_t i = c.vocab; i < c.padded; ++i) x[n * c.padded + i] = 1e4f;
+  return x;
+}
+
+struct Sliced {
+  std::vector<float> losses, probs, dlogits;  // probs and dlogits [N, padded], the slices put back together
+};
+
+//! The three forward steps and the backward on every slice on the device, with the group's max
+//! and sum done here in slice order, as the all-reduces of a tensor-parallel group would.
+//! `in_place`: exps over the logits and dlogits over the probs (as the GPT-2 head calls them).
+//! Checks on the way the exact parts: each slice's max and shifted target logit, and that every
+//! slice gets the same losses.
+Sliced run_sliced(loom::cuda& be, const CrossEntropyCase& c, const std::vector<float>& logits,
+                  const std::vector<std::int32_t>& targets, float scale, bool in_place) {
+  const std::int64_t N = c.N, R = c.rows();
+  REQUIRE(c.padded % c.slices == 0);
+  const DeviceIds target_device(be, targets, Shape{N});
+  std::vector<DeviceTensor> slices, exps;
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    slices.emplace_back(be, matrix_columns(logits, N, c.padded, s * R, R), Shape{N, R});
+    if (!in_place) exps.emplace_back(be, std::vector<float>(static_cast<std::size_t>(N * R), 3.0f), Shape{N, R});
+  }
+  const auto exps_of = [&](std::int64_t s) { return in_place ? slices[s].view() : exps[s].view(); };
+
+  // Step 1: each slice's max (exact: the largest real logit as double, or the lowest double).
+  std::vector<double> global_max(static_cast<std::size_t>(N), std::numeric_limits<double>::lowest());
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    const DeviceDoubles row_max(be, std::vector<double>(static_cast<std::size_t>(N), -9.0), Shape{N});
+    vocab_parallel_cross_entropy_max<float>(be, row_max.view(), slices[s].cview(), s * R, c.vocab);
+    const std::vector<double> local = row_max.to_host(be);
+    std::int64_t bad = 0;
+    for (std::int64_t n = 0; n < N; ++n) {
+      double want = std::numeric_limits<double>::lowest();
+      for (std::int64_t j = 0; j < R && s * R + j < c.vocab; ++j)
+        want = std::max(want, static_cast<double>(logits[n * c.padded + s * R + j]));
+      bad += local[n] != want;
+      global_max[n] = std::max(global_max[n], local[n]);
+    }
+    CAPTURE(s);
+    CHECK(bad == 0);
+  }
+
+  // Step 2: partials, summed over the slices in order.
+  const DeviceDoubles max_device(be, global_max, Shape{N});
+  std::vector<double> partials(static_cast<std::size_t>(2 * N), 0.0);
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    const DeviceDoubles local_device(be, std::vector<double>(static_cast<std::size_t>(2 * N), -9.0), Shape{2, N});
+    vocab_parallel_cross_entropy_partials<float>(be, exps_of(s), local_device.view(), slices[s].cview(),
+                                                 max_device.cview(), target_device.cview(), s * R, c.vocab);
+    const std::vector<double> local = local_device.to_host(be);
+    std::int64_t bad = 0;
+    for (std::int64_t n = 0; n < N; ++n) {
+      const std::int64_t local_target = static_cast<std::int64_t>(targets[n]) - s * R;
+      const bool owns = targets[n] >= 0 && targets[n] < c.vocab && local_target >= 0 && local_target < R;
+      const double want = owns ? static_cast<double>(logits[n * c.padded + targets[n]]) - global_max[n] : 0.0;
+      bad += local[N + n] != want;
+      partials[n] += local[n];
+      partials[N + n] += local[N + n];
+    }
+    CAPTURE(s);
+    CHECK(bad == 0);  // the shifted target logit, exactly
+  }
+
+  // Step 3: finish on every slice; every slice gets the same losses.
+  const DeviceDoubles partials_device(be, partials, Shape{2, N});
+  Sliced r{{}, std::vector<float>(static_cast<std::size_t>(N * c.padded)),
+           std::vector<float>(static_cast<std::size_t>(N * c.padded))};
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    const DeviceTensor losses(be, std::vector<float>(static_cast<std::size_t>(N), -7.0f), Shape{N});
+    vocab_parallel_cross_entropy_finish<float>(be, losses.view(), exps_of(s), partials_device.cview(),
+                                               target_device.cview());
+    const std::vector<float> got = losses.to_host(be);
+    if (s == 0) r.losses = got;
+    CAPTURE(s);
+    CHECK(got == r.losses);
+  }
+
+  // Backward, writing over garbage (or over the probs).
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    const Tensor<float> probs = exps_of(s);
+    std::vector<float> p(static_cast<std::size_t>(N * R));
+    be.copy_to_host(p.data(), probs.data(), p.size() * sizeof(float));
+    const DeviceTensor separate(be, std::vector<float>(static_cast<std::size_t>(N * R), 5.0f), Shape{N, R});
+    const Tensor<float> dlogits = in_place ? probs : separate.view();
+    vocab_parallel_cross_entropy_backward<float>(be, dlogits, probs, target_device.cview(), s * R, c.vocab, scale);
+    std::vector<float> d(static_cast<std::size_t>(N * R));
+    be.copy_to_host(d.data(), dlogits.data(), d.size() * sizeof(float));
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t j = 0; j < R; ++j) {
+        r.probs[n * c.padded + s * R + j] = p[n * R + j];
+        r.dlogits[n * c.padded + s * R + j] = d[n * R + j];
+      }
+  }
+  return r;
+}
+
+struct CrossEntropyReference {
+  std::vector<double> losses, probs, dlogits;
+};
+
+//! Plain double reference over the whole vocabulary. A target outside [0, vocab) is no slice's:
+//! a negative one ignores the row (loss 0, no gradient), a larger one (invalid: the caller's
+//! check) contributes no target term.
+CrossEntropyReference reference(const CrossEntropyCase& c, const std::vector<float>& logits,
+                                const std::vector<std::int32_t>& targets, double scale) {
+  CrossEntropyReference r{std::vector<double>(static_cast<std::size_t>(c.N)),
+                          std::vector<double>(static_cast<std::size_t>(c.N * c.padded), 0.0),
+                          std::vector<double>(static_cast<std::size_t>(c.N * c.padded), 0.0)};
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    const float* row = logits.data() + n * c.padded;
+    double max = std::numeric_limits<double>::lowest();
+    for (std::int64_t i = 0; i < c.vocab; ++i) max = std::max(max, static_cast<double>(row[i]));
+    double sum = 0;
+    for (std::int64_t i = 0; i < c.vocab; ++i) sum += std::exp(row[i] - max);
+    for (std::int64_t i = 0; i < c.vocab; ++i) r.probs[n * c.padded + i] = std::exp(row[i] - max) / sum;
+    const bool valid = targets[n] >= 0 && targets[n] < c.vocab;
+    r.losses[n] = targets[n] >= 0 ? std::log(sum) - (valid ? row[targets[n]] - max : 0.0) : 0.0;
+    if (targets[n] < 0) continue;
+    for (std::int64_t i = 0; i < c.vocab; ++i) r.dlogits[n * c.padded + i] = scale * r.probs[n * c.padded + i];
+    if (valid) r.dlogits[n * c.padded + targets[n]] -= scale;
+  }
+  return r;
+}
+
+//! The sliced run against the double reference; padding exactly 0.
+void check_cross_entropy(const Sliced& got, const CrossEntropyReference& want, const CrossEntropyCase& c) {
+  check_close(got.losses, want.losses, float_tolerance, "losses");
+  check_close(got.probs, want.probs, float_tolerance, "probs");
+  check_close(got.dlogits, want.dlogits, float_tolerance, "dlogits");
+  std::int64_t nonzero_padding = 0;
+  for (std::int64_t n = 0; n < c.N; ++n)
+    for (std::int64_t i = c.vocab; i < c.padded; ++i)
+      nonzero_padding += got.probs[n * c.padded + i] != 0.0f || got.dlogits[n * c.padded + i] != 0.0f;
+  CHECK(nonzero_padding == 0);
+}
+
+// ------------------------------------------------------------------------------------------
+// Host cases: the shape checks every kernel runs before any CUDA call (shared with the CPU
+// kernels; they never read ids, which live on the device).
+
+TEST_CASE("the shared embedding shape checks name the kernel and the argument, and never read ids") {
+  namespace d = detail::vocab_parallel;
+  float storage[64] = {};
+  const std::vector<std::int32_t> ids{-1, -5, int32_max, int32_min, 3, 7};  // values are not checked here
+  const Tensor<const std::int32_t> tokens(ids.data(), Shape{2, 3});
+  const Tensor<const float> slice(storage, Shape{4, 5}), wpe(storage, Shape{3, 5});
+  constexpr const char* forward = "vocab_parallel_embedding_forward";
+  const d::EmbeddingDims dims = d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}), tokens, slice, 8,
+                                                          wpe, forward, "out", "wte_slice", "wpe");
+  CHECK(dims.batch == 2);
+  CHECK(dims.seq == 3);
+  CHECK(dims.channels == 5);
+  CHECK_NOTHROW(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}), tokens, slice, 0,
+                                          Tensor<const float>{}, forward, "out", "wte_slice", "wpe"));
+  CHECK_THROWS_WITH_AS(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 4}), tokens, slice, 0, wpe,
+                                                 forward, "out", "wte_slice", "wpe"),
+                       "loom: vocab_parallel_embedding_forward: argument out shape: got [2, 3, 4]; expected [2, 3, 5]",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}),
+                                                 Tensor<const std::int32_t>(ids.data(), Shape{6}), slice, 0, wpe,
+                                                 forward, "out", "wte_slice", "wpe"),
+                       "loom: vocab_parallel_embedding_forward: argument tokens shape: got [6]; expected [B, T] "
+                       "(rank 2)",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}), tokens,
+                                                 Tensor<const float>(storage, Shape{20}), 0, wpe, forward, "out",
+                                                 "wte_slice", "wpe"),
+                       doctest::Contains("argument wte_slice shape: got [20]; expected a [rows, C] slice"), Error);
+  CHECK_THROWS_WITH_AS(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}), tokens, slice, -1, wpe,
+                                                 forward, "out", "wte_slice", "wpe"),
+                       "loom: vocab_parallel_embedding_forward: argument vocab_begin: got -1; must be >= 0", Error);
+  CHECK_THROWS_WITH_AS(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}), tokens, slice, 0,
+                                                 Tensor<const float>(storage, Shape{2, 5}), forward, "out",
+                                                 "wte_slice", "wpe"),
+                       "loom: vocab_parallel_embedding_forward: argument tokens sequence length T: got 3; must be <= "
+                       "the rows of wpe (2)",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_embedding_shapes(Tensor<float>(storage, Shape{2, 3, 5}), tokens, slice, 0,
+                                                 Tensor<const float>(storage, Shape{3, 4}), forward, "out",
+                                                 "wte_slice", "wpe"),
+                       "loom: vocab_parallel_embedding_forward: argument wpe shape: got [3, 4]; expected [3, 5]",
+                       Error);
+}
+
+TEST_CASE("the shared cross-entropy shape checks name the kernel and the argument, and never read targets") {
+  namespace d = detail::vocab_parallel;
+  float storage[64] = {};
+  double statistics[16] = {};
+  const std::vector<std::int32_t> ids{int32_max, -3, int32_min};  // values are not checked here
+  const Tensor<const std::int32_t> targets(ids.data(), Shape{3});
+  const Tensor<const float> logits(storage, Shape{3, 4});
+  const Tensor<float> exps(storage, Shape{3, 4});
+  const Tensor<double> row_max(statistics, Shape{3}), partials(statistics, Shape{2, 3});
+
+  const d::CrossEntropyDims dims = d::check_max(row_max, logits, 6, 8, "vocab_parallel_cross_entropy_max");
+  CHECK(dims.rows == 3);
+  CHECK(dims.slice_columns == 4);
+  CHECK(dims.real_columns == 2);  // columns 6, 7 of vocab 8; 8, 9 are padding
+  CHECK(d::check_slice(logits, 12, 8, "k", "logits").real_columns == 0);  // all padding
+  CHECK(d::check_slice(logits, 0, 100, "k", "logits").real_columns == 4);
+  CHECK_THROWS_WITH_AS(d::check_max(Tensor<double>(statistics, Shape{2}), logits, 0, 8,
+                                    "vocab_parallel_cross_entropy_max"),
+                       "loom: vocab_parallel_cross_entropy_max: argument row_max element count: got 2; expected 3",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_max(row_max, logits, 0, 0, "vocab_parallel_cross_entropy_max"),
+                       "loom: vocab_parallel_cross_entropy_max: argument vocab: got 0; must be >= 1", Error);
+  CHECK_THROWS_WITH_AS(d::check_max(row_max, Tensor<const float>(storage, Shape{}), 0, 8,
+                                    "vocab_parallel_cross_entropy_max"),
+                       "loom: vocab_parallel_cross_entropy_max: argument logits shape: got []; expected [N, Vs] "
+                       "(rank >= 1)",
+                       Error);
+
+  constexpr const char* partials_kernel = "vocab_parallel_cross_entropy_partials";
+  CHECK_NOTHROW(
+      d::check_partials(exps, partials, logits, Tensor<const double>(row_max), targets, 0, 8, partials_kernel));
+  CHECK_THROWS_WITH_AS(d::check_partials(Tensor<float>(storage, Shape{4, 3}), partials, logits,
+                                         Tensor<const double>(row_max), targets, 0, 8, partials_kernel),
+                       "loom: vocab_parallel_cross_entropy_partials: argument exps shape: got [4, 3]; expected [3, 4]",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_partials(exps, Tensor<double>(statistics, Shape{3}), logits,
+                                         Tensor<const double>(row_max), targets, 0, 8, partials_kernel),
+                       doctest::Contains("argument partials element count: got 3; expected 6"), Error);
+  CHECK_THROWS_WITH_AS(d::check_partials(exps, partials, logits, Tensor<const double>(row_max),
+                                         Tensor<const std::int32_t>(ids.data(), Shape{2}), 0, 8, partials_kernel),
+                       "loom: vocab_parallel_cross_entropy_partials: argument targets element count: got 2; "
+                       "expected 3",
+                       Error);
+
+  constexpr const char* finish = "vocab_parallel_cross_entropy_finish";
+  const Tensor<float> losses(storage + 32, Shape{3});
+  const d::FinishDims finish_dims = d::check_finish(losses, exps, Tensor<const double>(partials), targets, finish);
+  CHECK(finish_dims.rows == 3);
+  CHECK(finish_dims.columns == 4);
+  CHECK_THROWS_WITH_AS(d::check_finish(Tensor<float>(storage + 32, Shape{4}), exps, Tensor<const double>(partials),
+                                       targets, finish),
+                       "loom: vocab_parallel_cross_entropy_finish: argument losses element count: got 4; expected 3",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_finish(losses, Tensor<float>(storage, Shape{}), Tensor<const double>(partials),
+                                       targets, finish),
+                       "loom: vocab_parallel_cross_entropy_finish: argument probs shape: got []; expected [N, Vs] "
+                       "(rank >= 1)",
+                       Error);
+
+  constexpr const char* backward = "vocab_parallel_cross_entropy_backward";
+  CHECK_NOTHROW(d::check_backward(exps, logits, targets, 0, 8, backward));
+  CHECK_THROWS_WITH_AS(d::check_backward(Tensor<float>(storage, Shape{2, 6}), logits, targets, 0, 8, backward),
+                       "loom: vocab_parallel_cross_entropy_backward: argument dlogits shape: got [2, 6]; expected "
+                       "[3, 4]",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_backward(exps, logits, targets, -2, 8, backward),
+                       "loom: vocab_parallel_cross_entropy_backward: argument vocab_begin: got -2; must be >= 0",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_backward(Tensor<float>(nullptr, Shape{3, 4}), logits, targets, 0, 8, backward),
+                       doctest::Contains("argument dlogits: got a tensor without data"), Error);
+}
+
+TEST_CASE("launch sizes of the vocab-parallel kernels and the sort's key for other slices' ids") {
+  namespace v = detail::cuda_vocab_parallel;
+  CHECK(v::blocks_for_rows(1) == 1);
+  CHECK(v::blocks_for_rows(7) == 7);
+  CHECK(v::blocks_for_rows(std::int64_t{1} << 40) == v::max_row_blocks);
+  CHECK(v::row_threads % 32 == 0);
+  CHECK(v::row_threads <= 1024);
+  CHECK(v::not_in_slice_key(25152) == 25152u);  // GPT-2's padded 50304 over two ranks: 15 bits sorted
+  CHECK(v::not_in_slice_key(std::int64_t{1} << 40) == 0x80000000u);  // above every int32 local id
+}
+
+// ------------------------------------------------------------------------------------------
+// Device cases: return at once without a GPU.
+
+TEST_CASE("vocab_parallel_embedding over 1, 2, 3 slices: the CPU kernels' bits, +=, two runs alike") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  std::uint32_t seed = 10;
+  for (const std::int64_t C : {1, 7, 65, 300}) {
+    const EmbeddingCase c{3, 5, C, 50, 54, 7};  // 54 rows: 4 of padding; 54 = 2 x 27 = 3 x 18
+    const EmbeddingCase prime{3, 5, C, 53, 54, 7};  // 15 distinct ids of 53
+    for (const std::int64_t slices : {1, 2, 3}) {
+      check_embedding(be, c, cycling_tokens(c), slices, seed += 10);
+      check_embedding(be, prime, distinct_tokens(prime), slices, seed += 10);
+    }
+  }
+}
+
+TEST_CASE("vocab_parallel_embedding_backward: one token repeated over more rows than a block") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  std::uint32_t seed = 500;
+  for (const std::int64_t C : {1, 65}) {
+    const EmbeddingCase c{3, 701, C, 50, 54, 701};
+    for (const std::int64_t slices : {1, 2, 3}) {
+      check_embedding(be, c, repeated_tokens(c, 20), slices, seed += 10);  // id 20: slice 0, 0 or 1 of 1, 2, 3
+      check_embedding(be, c, repeated_tokens(c, 0), slices, seed += 10);   // the first row
+      check_embedding(be, c, repeated_tokens(c, 49), slices, seed += 10);  // the last real row
+    }
+  }
+  // Every token the same: one segment of all B * T rows.
+  const EmbeddingCase all_one{5, 333, 7, 50, 54, 333};
+  check_embedding(be, all_one, std::vector<std::int32_t>(5 * 333, 30), 2, 900);
+}
+
+TEST_CASE("vocab_parallel_embedding: ids outside the table are no slice's rows (never read or written)") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const EmbeddingCase c{3, 5, 9, 50, 54, 6};
+  // Invalid on purpose (the caller's host check rejects them): the device must stay in bounds.
+  std::vector<std::int32_t> tokens = cycling_tokens(c);
+  tokens[0] = -1;
+  tokens[3] = int32_min;
+  tokens[7] = int32_max;
+  tokens[8] = 54;  // one past the padded table
+  tokens[14] = -54;
+  for (const std::int64_t slices : {1, 2, 3}) check_embedding(be, c, tokens, slices, 1000 + slices);
+}
+
+TEST_CASE("vocab_parallel_embedding: empty batches and slices of no rows do nothing") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const DeviceTensor dwte(be, random_floats(4 * 3, 1), Shape{4, 3}), dwpe(be, random_floats(2 * 3, 2), Shape{2, 3});
+  const std::vector<float> dwte0 = dwte.to_host(be), dwpe0 = dwpe.to_host(be);
+  const DeviceIds none(be, {}, Shape{0, 2});
+  vocab_parallel_embedding_forward<float>(be, Tensor<float>(nullptr, Shape{0, 2, 3}), none.cview(), dwte.cview(), 0,
+                                          dwpe.cview());
+  vocab_parallel_embedding_backward<float>(be, dwte.view(), 0, dwpe.view(),
+                                           Tensor<const float>(nullptr, Shape{0, 2, 3}), none.cview());
+  CHECK(dwte.to_host(be) == dwte0);
+  CHECK(dwpe.to_host(be) == dwpe0);
+  // A slice of no rows: only the position gradient.
+  const DeviceIds ids(be, {0, 1, 2, 3}, Shape{2, 2});
+  const std::vector<float> dout = random_floats(2 * 2 * 3, 3);
+  const DeviceTensor dout_device(be, dout, Shape{2, 2, 3});
+  vocab_parallel_embedding_backward<float>(be, Tensor<float>(nullptr, Shape{0, 3}), 4, dwpe.view(),
+                                           dout_device.cview(), ids.cview());
+  std::vector<float> want = dwpe0;
+  for (std::int64_t bt = 0; bt < 4; ++bt)
+    for (std::int64_t j = 0; j < 3; ++j) want[(bt % 2) * 3 + j] += dout[bt * 3 + j];
+  CHECK(dwpe.to_host(be) == want);
+  be.synchronize();
+}
+
+TEST_CASE("vocab_parallel_cross_entropy over 1, 2, 3 slices matches the double reference, in place or not") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  // One slice; padding in the last slice; a slice that is all padding (10 of 21 over 3; 1 of
+  // 3 over 3); rows wider than a block (600 columns).
+  for (const CrossEntropyCase c : {CrossEntropyCase{5, 7, 8, 1}, CrossEntropyCase{5, 50, 52, 2},
+                                   CrossEntropyCase{7, 10, 21, 3}, CrossEntropyCase{4, 1, 3, 3},
+                                   CrossEntropyCase{6, 1000, 1200, 2}, CrossEntropyCase{3, 1000, 1002, 3}}) {
+    CAPTURE(c.N);
+    CAPTURE(c.vocab);
+    CAPTURE(c.padded);
+    CAPTURE(c.slices);
+    const std::vector<float> logits = make_logits(c, 11);
+    const std::vector<std::int32_t> targets = make_targets(c);
+    const CrossEntropyReference want = reference(c, logits, targets, 0.25);
+    Sliced first;
+    for (const bool in_place : {false, true}) {
+      CAPTURE(in_place);
+      const Sliced got = run_sliced(be, c, logits, targets, 0.25f, in_place);
+      check_cross_entropy(got, want, c);
+      if (!in_place) {
+        first = got;
+        continue;
+      }
+      // In place or not, the same bits; and the same bits again on a second run.
+      CHECK(got.losses == first.losses);
+      CHECK(got.probs == first.probs);
+      CHECK(got.dlogits == first.dlogits);
+      const Sliced again = run_sliced(be, c, logits, targets, 0.25f, in_place);
+      CHECK(again.losses == got.losses);
+      CHECK(again.probs == got.probs);
+      CHECK(again.dlogits == got.dlogits);
+    }
+  }
+}
+
+TEST_CASE("vocab_parallel_cross_entropy: targets outside [0, vocab) are no slice's (never read)") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const CrossEntropyCase c{7, 10, 21, 3};
+  const std::vector<float> logits = make_logits(c, 12);
+  // -1 and int32_min ignore their rows; 10 (a padding column), 25 and int32_max are invalid (the
+  // caller's host check rejects them) and must stay in bounds: no slice holds them.
+  const std::vector<std::int32_t> targets{3, -1, 10, 25, int32_max, int32_min, 9};
+  for (const bool in_place : {false, true}) {
+    CAPTURE(in_place);
+    check_cross_entropy(run_sliced(be, c, logits, targets, 0.5f, in_place), reference(c, logits, targets, 0.5), c);
+  }
+}
+
+TEST_CASE("vocab_parallel kernels reject wrong shapes before any CUDA call, naming the argument") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  Buffer<float, loom::cuda> buffer(be, 64, MemoryCategory::workspace);
+  Buffer<double, loom::cuda> statistics(be, 16, MemoryCategory::workspace);
+  const DeviceIds ids(be, {0, 1, 2, 3, 4, 5}, Shape{2, 3});
+  const Tensor<const std::int32_t> targets(ids.buffer.data(), Shape{6});
+  const Tensor<float> x(buffer.data(), Shape{6, 4});
+  CHECK_THROWS_WITH_AS(vocab_parallel_embedding_forward<float>(
+                           be, Tensor<float>(buffer.data(), Shape{2, 3, 5}), ids.cview(),
+                           Tensor<const float>(buffer.data(), Shape{4, 4}), 0, Tensor<const float>{}),
+                       "loom: vocab_parallel_embedding_forward: argument out shape: got [2, 3, 5]; expected [2, 3, 4]",
+                       Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_embedding_backward<float>(be, Tensor<float>(buffer.data(), Shape{4, 4}), 0,
+                                                                Tensor<float>(buffer.data(), Shape{2, 4}),
+                                                                Tensor<const float>(buffer.data(), Shape{2, 3, 4}),
+                                                                ids.cview()),
+                       doctest::Contains("argument tokens sequence length T: got 3; must be <= the rows of dwpe (2)"),
+                       Error);
+  CHECK_THROWS_WITH_AS(
+      vocab_parallel_cross_entropy_max<float>(be, Tensor<double>(statistics.data(), Shape{5}), x, 0, 4),
+                       doctest::Contains("vocab_parallel_cross_entropy_max: argument row_max element count"), Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_partials<float>(
+                           be, x, Tensor<double>(statistics.data(), Shape{2, 6}), x,
+                           Tensor<const double>(statistics.data(), Shape{6}),
+                           Tensor<const std::int32_t>(ids.buffer.data(), Shape{5}), 0, 4),
+                       doctest::Contains("vocab_parallel_cross_entropy_partials: argument targets element count"),
+                       Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_finish<float>(be, Tensor<float>(buffer.data(), Shape{5}), x,
+                                                                  Tensor<const double>(statistics.data(), Shape{2, 6}),
+                                                                  targets),
+                       doctest::Contains("vocab_parallel_cross_entropy_finish: argument losses element count"), Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_backward<float>(be, Tensor<float>(buffer.data(), Shape{4, 6}), x,
+                                                                    targets, 0, 4, 1.0f),
+                       doctest::Contains("vocab_parallel_cross_entropy_backward: argument dlogits shape"), Error);
+  be.synchronize();  // nothing was launched, nothing failed
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }
