@@ -9,6 +9,7 @@
 //   gpt2_train --demo --dp 2 --tp 2                     # 4 ranks: 2 replicas of a 2-way TP model
 //   gpt2_train --demo --pp 2                            # 2 pipeline stages, 1F1B
 //   gpt2_train --demo --pp 2 --schedule interleaved --virtual-stages 2
+//   gpt2_train --demo --device cuda --dp 2              # 2 ranks on the GPU(s) (gpt2_train_cuda.cu)
 //
 // One idea: a Trainer composed of a Model, an Optimizer, a Schedule and a Strategy runs a step on
 // a global batch; every rank passes the same global batch and trains on its slice; everything
@@ -17,407 +18,26 @@
 // instantiations (with_schedule, with_strategy, with_optimizer below).
 
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdio>
-#include <fstream>
-#include <iostream>
-#include <optional>
-#include <type_traits>
-#include <span>
 #include <string>
 #include <thread>
-#include <variant>
-#include <vector>
 
+#include "loom/backend/cpu/kernels.hpp"
 #include "loom/comm/threads.hpp"
-#include "loom/io/llmc_checkpoint.hpp"
-#include "loom/io/synthetic.hpp"
-#include "loom/io/token_file.hpp"
-#include "loom/loom.hpp"
 #if LOOM_EXAMPLE_WITH_MPI
 #include "loom/comm/mpi.hpp"
 #endif
+#include "gpt2_train.hpp"
 
 namespace {
 
-struct Options {
-  std::string model = "tiny";
-  std::optional<std::int64_t> layers, heads, channels;
-  std::int64_t steps = 100;
-  std::int64_t batch = 8;  // sequences per global batch
-  std::int64_t micro_batch = 0;  // 0 = the whole batch in one micro-batch
-  std::int64_t accumulation = 0;  // 0 = batch / micro_batch
-  std::int64_t seq = 64;
-  double lr = 1e-3;
-  std::int64_t warmup = 0;
-  double min_lr_factor = 0.1;
-  double clip = 1.0;
-  double weight_decay = 0.1;
-  std::string optimizer = "adamw";
-  std::uint64_t seed = 1337;
-  std::string data = "synthetic";
-  double jump_probability = 0.1;
-  std::string metrics;
-  std::string init;
-  std::string save;
-  int threads = 0;
-  double peak_tflops = 0;
-  std::int64_t log_every = 1;
-  int dp = 1;
-  int tp = 1;
-  int pp = 1;
-  std::string schedule;  // empty: 1f1b with pipeline stages, accumulation without
-  std::optional<int> virtual_stages;  // interleaved only; 2 when not given
-  int zero = 0;
-  int prefetch = 1;
-  std::string comm = "threads";
-  std::size_t bucket_mib = 25;
-  bool no_overlap = false;
-  bool demo = false;
-};
+using gpt2_example::Options;
 
-using Source = std::variant<loom::io::SyntheticMarkov, loom::io::TokenFile>;
-
-Source open_data(const Options& o, std::int64_t model_vocab) {
-  if (o.data == "synthetic")
-    return loom::io::SyntheticMarkov({.vocab_size = model_vocab,
-                                      .jump_probability = o.jump_probability,
-                                      .seed = o.seed + 1});
-  if (o.data.starts_with("bytes:")) return loom::io::TokenFile::bytes(o.data.substr(6));
-  return loom::io::TokenFile::open(o.data, model_vocab);
-}
-
-std::int64_t source_vocab(const Source& s) {
-  return std::visit([](const auto& src) { return src.vocab_size(); }, s);
-}
-
-loom::gpt2::Config model_config(const Options& o) {
-  loom::gpt2::Config c = loom::gpt2::config_by_name(o.model);
-  if (o.layers) c.num_layers = *o.layers;
-  if (o.heads) c.num_heads = *o.heads;
-  if (o.channels) c.channels = *o.channels;
-  // Byte-level data and the synthetic task use a 256-token vocabulary.
-  if (o.data == "synthetic" || o.data.starts_with("bytes:")) c.vocab_size = c.padded_vocab_size = 256;
-  c.max_seq_len = std::max(c.max_seq_len, o.seq);
-  if (!o.init.empty()) c = loom::io::read_llmc_config(o.init);
-  c.validate();
-  return c;
-}
-
-nlohmann::json memory_json(const loom::MemoryTracker& m) {
-  nlohmann::json j;
-  for (int i = 0; i < loom::memory_category_count; ++i) {
-    const auto c = static_cast<loom::MemoryCategory>(i);
-    j[std::string(loom::name(c))] = {{"bytes", m.current(c)}, {"peak_bytes", m.peak(c)}};
-  }
-  j["total"] = {{"bytes", m.current_total()}, {"peak_bytes", m.peak_total()}};
-  return j;
-}
-
-//! Each rank's memory by category, gathered to rank 0 and printed there with the rank's mesh
-//! coordinates and, with pipeline stages, the activation slots it holds (they differ by stage).
-template <class Group>
-void print_memory_per_rank(Group& world, const loom::MeshShape& shape, const loom::MemoryTracker& m,
-                           std::int64_t activation_slots) {
-  constexpr int fields = loom::memory_category_count + 2;  // the categories, the peak, the slots
-  std::vector<double> mine(fields), all(static_cast<std::size_t>(fields * world.size()));
-  for (int i = 0; i < loom::memory_category_count; ++i)
-    mine[i] = loom::MemoryTracker::mib(m.current(static_cast<loom::MemoryCategory>(i)));
-  mine[fields - 2] = loom::MemoryTracker::mib(m.peak_total());
-  mine[fields - 1] = static_cast<double>(activation_slots);
-  world.all_gather(std::span<double>(mine), std::span<double>(all));
-  if (world.rank() != 0) return;
-  const bool pipeline = shape.pp > 1;
-  std::printf("memory per rank after step 1 (MiB):\n  rank dp tp pp");
-  for (int i = 0; i < loom::memory_category_count; ++i)
-    std::printf(" %15s", std::string(loom::name(static_cast<loom::MemoryCategory>(i))).c_str());
-  std::printf(" %10s%s\n", "peak", pipeline ? "  slots" : "");
-  for (int r = 0; r < world.size(); ++r) {
-    const loom::MeshCoordinates c = loom::mesh_coordinates(shape, r);
-    std::printf("  %4d %2d %2d %2d", r, c.dp, c.tp, c.pp);
-    const double* row = all.data() + static_cast<std::ptrdiff_t>(r) * fields;
-    for (int i = 0; i < loom::memory_category_count; ++i) std::printf(" %15.2f", row[i]);
-    std::printf(" %10.2f", row[fields - 2]);
-    if (pipeline) std::printf(" %6.0f", row[fields - 1]);
-    std::printf("\n");
-  }
-}
-
-//! "embedding", "h3" or "head": what layer `layer` of a GPT-2 of `config` is.
-std::string layer_name(const loom::gpt2::Config& config, int layer) {
-  if (layer == loom::gpt2::embedding_layer) return "embedding";
-  if (layer == loom::gpt2::head_layer(config)) return "head";
-  return "h" + std::to_string(layer - 1);
-}
-
-//! Each stage's model layers (trainer.stage(), per chunk), activation slots and parameters,
-//! gathered over `pipeline` (collective over it: every rank calls this) and printed by its
-//! stage 0 when `print`.
-template <class Group, class Stage>
-void print_pipeline_stages(Group& pipeline, const Stage& stage, const loom::gpt2::Config& config,
-                           std::int64_t activation_slots, bool tensor_parallel, bool print) {
-  const int chunks = stage.chunks();  // the same on every stage
-  const int fields = 2 + 2 * chunks;
-  std::vector<double> mine(static_cast<std::size_t>(fields)), all(static_cast<std::size_t>(fields * pipeline.size()));
-  mine[0] = static_cast<double>(activation_slots);
-  mine[1] = static_cast<double>(stage.layout().total());
-  for (int c = 0; c < chunks; ++c) {
-    mine[2 + 2 * c] = stage.chunk_model_layers(c).first;
-    mine[3 + 2 * c] = stage.chunk_model_layers(c).last;
-  }
-  pipeline.all_gather(std::span<double>(mine), std::span<double>(all));
-  if (!print) return;
-  for (int s = 0; s < pipeline.size(); ++s) {
-    const double* row = all.data() + static_cast<std::ptrdiff_t>(s) * fields;
-    std::string layers;
-    for (int c = 0; c < chunks; ++c) {
-      const int first = static_cast<int>(row[2 + 2 * c]), last = static_cast<int>(row[3 + 2 * c]);
-      if (c > 0) layers += ", ";
-      layers += first == last ? std::to_string(first) + " (" + layer_name(config, first) + ")"
-                              : std::to_string(first) + ".." + std::to_string(last) + " (" +
-                                    layer_name(config, first) + ".." + layer_name(config, last) + ")";
-    }
-    std::printf("  stage %d: layers %s, %.0f activation slot(s), %.0f parameters held%s\n", s, layers.c_str(),
-                row[0], row[1], tensor_parallel ? " per TP rank" : "");
-  }
-}
-
-//! A schedule type's name on the command line (--schedule) and in the library.
-struct ScheduleNames {
-  const char* option;
-  const char* type;
-};
-template <class S>
-constexpr ScheduleNames schedule_names() {
-  if constexpr (std::is_same_v<S, loom::GPipe>) return {"gpipe", "GPipe"};
-  else if constexpr (std::is_same_v<S, loom::OneFOneB>) return {"1f1b", "OneFOneB"};
-  else if constexpr (std::is_same_v<S, loom::Interleaved1F1B>) return {"interleaved", "Interleaved1F1B"};
-  else if constexpr (std::is_same_v<S, loom::ZeroBubbleH1>) return {"zb-h1", "ZeroBubbleH1"};
-  else return {"accumulation", "GradientAccumulation"};
-}
-
-//! The schedule, its micro-batches and, for a pipeline, its bubble as the host simulator
-//! predicts it with the zero-bubble paper's costs (F = 1, B = 2, I = W = 1).
-template <class S>
-std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shape) {
-  constexpr ScheduleNames names = schedule_names<S>();
-  const std::string head = std::string(names.option) + " (" + names.type;
-  if (shape.micro_batches < 1) return head + ")";  // the batch does not split: step 1 says why
-  if constexpr (!loom::pipelined_schedule<S>) {
-    return head + ", " + std::to_string(shape.micro_batches) + " micro-batch(es) per step per rank)";
-  } else {
-    char bubble[32];
-    std::snprintf(bubble, sizeof bubble, "%.1f%%", 100.0 * loom::simulate(schedule, shape).idle_fraction());
-    return head + ", " + std::to_string(shape.micro_batches) + " micro-batches per pipeline per step, " +
-           std::to_string(shape.virtual_stages) + " chunk(s) per rank, simulated bubble " + bubble + " at F=1 B=2)";
-  }
-}
-
-//! The ZeRO formula for this rank's parameters + gradients + optimizer state (fp32, so 4 bytes
-//! each and 4 per optimizer slot), beside what it holds; padding and the working set apart.
-template <class Strategy>
-void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots) {
-  using loom::MemoryCategory;
-  const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
-  const double state = 4.0 * slots;
-  const int stage = std::is_same_v<Strategy, loom::Zero<1>> ? 1 : std::is_same_v<Strategy, loom::Zero<2>> ? 2 : 3;
-  const double formula = stage == 1 ? 8 * psi + state * psi / n
-                       : stage == 2 ? 4 * psi + (4 + state) * psi / n
-                                    : (8 + state) * psi / n;
-  const double held = static_cast<double>(m.current(MemoryCategory::parameters) + m.current(MemoryCategory::gradients) +
-                                          m.current(MemoryCategory::optimizer_state));
-  std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots), "
-              "held %.2f MiB, of which padding %.2f MiB (%lld elements); working set (communication, peak) %.2f MiB\n",
-              stage, formula / (1 << 20), psi, plan.ranks(), slots, held / (1 << 20), (held - formula) / (1 << 20),
-              static_cast<long long>(plan.padding()), loom::MemoryTracker::mib(m.peak(MemoryCategory::communication)));
-}
-
-template <class Schedule, class Strategy, class Opt, class Group>
-int train(const Options& o, loom::Mesh<Group>& mesh, Opt optimizer, Strategy strategy, Schedule schedule, int threads) {
-  using namespace loom;
-  Group& group = mesh.data_parallel();
-  Group& world = mesh.world();
-  const bool lead = world.rank() == 0;
-  const int stages = mesh.shape().pp;
-  const gpt2::Config config = model_config(o);
-  const Source data = open_data(o, config.vocab_size);
-  LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
-             "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
-  LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
-             "must be in [1, max_seq_len = " + std::to_string(config.max_seq_len) + "]");
-  // --micro-batch 0: each rank's whole slice in one micro-batch, or, under a pipeline schedule,
-  // 2 x pp micro-batches per pipeline (one alone would leave all but one stage idle).
-  const std::int64_t per_slice = pipelined_schedule<Schedule> ? 2 * stages : 1;
-  const std::int64_t micro =
-      o.micro_batch == 0 ? std::max<std::int64_t>(1, o.batch / (group.size() * per_slice)) : o.micro_batch;
-  if (o.accumulation > 0)
-    LOOM_CHECK(o.batch == micro * o.accumulation * group.size(), "--accumulation", o.accumulation,
-               "--batch (" + std::to_string(o.batch) + ") must equal --micro-batch (" +
-                   std::to_string(micro) + ") x --accumulation x data-parallel ranks (" +
-                   std::to_string(group.size()) + ")");
-  cpu backend(threads);
-  const WarmupCosineLr lr{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps, .min_lr_factor = o.min_lr_factor};
-  lr.validate();
-  // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
-  // against the pipeline (accumulation runs one stage) on every rank, before any step.
-  Trainer<gpt2::Model<cpu, float>, Opt, Schedule, Strategy> trainer(
-      backend, mesh, gpt2::Model<cpu, float>(config, mesh.tensor_parallel()), optimizer, lr,
-      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
-  if (!o.init.empty()) {
-    // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard).
-    std::vector<float> weights(static_cast<std::size_t>(trainer.model().layout().total()));
-    io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), weights.data());
-    trainer.load_parameters(weights);
-  }
-  // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
-  // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
-  // that does not split into micro-batches is left to step 1, whose message names the rule.
-  const std::int64_t split = micro * group.size();
-  const ScheduleShape shape{.stages = stages,
-                            .stage = trainer.pipeline_rank(),
-                            .micro_batches = o.batch % split == 0 ? o.batch / split : 0,
-                            .virtual_stages = trainer.stage().chunks()};
-  const std::int64_t slots = shape.micro_batches > 0 ? trainer.schedule().live_micro_batches(shape) : 0;
-
-  if (lead) {
-  std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
-              detail::to_text(config).c_str());
-  std::printf("  parameters %lld (stored %lld), %d threads per rank, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s)\n",
-              static_cast<long long>(config.parameter_count()),
-              static_cast<long long>(config.stored_parameter_count()), backend.threads(),
-              static_cast<long long>(o.batch), static_cast<long long>(o.seq),
-              static_cast<long long>(micro), static_cast<long long>(o.batch / split),
-              stages > 1 ? "pipeline" : "rank");
-  std::printf("  strategy %s over %d rank(s) (%s), mesh %s schedule %s\n", detail::to_text(strategy).c_str(),
-              world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
-              describe_schedule(schedule, shape).c_str());
-  std::visit([&](const auto& src) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>)
-      std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
-                  detail::to_text(src.config()).c_str(), std::log(double(src.vocab_size())),
-                  src.entropy_floor());
-    else
-      std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
-                  static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
-  }, data);
-  }
-  if (stages > 1) {
-    if (lead) std::printf("  pipeline: %d layers (embedding, %lld blocks, head) in %d stages x %d chunk(s):\n",
-                          trainer.model().num_layers(), static_cast<long long>(config.num_layers), stages,
-                          trainer.stage().chunks());
-    print_pipeline_stages(mesh.pipeline(), trainer.stage(), config, slots, mesh.shape().tp > 1, lead);
-  }
-  std::fflush(stdout);
-
-  std::ofstream metrics;
-  if (lead && !o.metrics.empty()) {
-    metrics.open(o.metrics);
-    LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
-  }
-  double first_loss = 0, last_loss = 0;
-  for (std::int64_t s = 0; s < o.steps; ++s) {
-    const io::Batch batch = std::visit([&](const auto& src) { return src.batch_at(s, o.batch, o.seq); }, data);
-    const StepMetrics m = trainer.step(batch);
-    if (s == 0) first_loss = m.loss;
-    last_loss = m.loss;
-    const double tflops = m.flops / m.seconds / 1e12;
-    const MemoryTracker& mem = trainer.memory();
-    if (lead && (s % o.log_every == 0 || s + 1 == o.steps)) {
-      std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
-                  static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
-      if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
-      // Rank 0's measured bubble: the share of its step spent waiting for other stages.
-      if (stages > 1) std::printf(" | pipeline wait %.1f%%", 100.0 * m.pipeline_wait_seconds / m.seconds);
-      std::printf(" | mem %.1f MiB (peak %.1f)\n", MemoryTracker::mib(mem.current_total()),
-                  MemoryTracker::mib(mem.peak_total()));
-      std::fflush(stdout);
-    }
-    if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
-    if (s == 0 && world.size() > 1) print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
-    if constexpr (requires { trainer.engine().plan(); })
-      if (s == 0 && lead) print_zero_memory(trainer.engine().plan(), mem, strategy, Opt::state_slots);
-    if (metrics.is_open()) {
-      nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
-                          {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
-                          {"seconds", m.seconds}, {"tokens_per_second", m.tokens_per_second},
-                          {"tflops", tflops}, {"memory", memory_json(mem)}};
-      if (o.peak_tflops > 0) j["mfu"] = tflops / o.peak_tflops;
-      if (stages > 1) j["pipeline_wait_seconds"] = m.pipeline_wait_seconds;
-      metrics << j.dump() << '\n';
-      metrics.flush();
-    }
-  }
-  if (lead)
-    std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
-  if (!o.save.empty()) {
-    // Collective over the pipeline (each stage contributes its layers) and, under ZeRO-3, over
-    // the data-parallel group: every rank gathers, rank 0 writes.
-    const std::vector<float> weights = trainer.gather_parameters();
-    if (lead) {
-      io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), weights.data());
-      std::printf("saved %s\n", o.save.c_str());
-    }
-  }
-  return 0;
-}
-
-//! Calls `fn` with the schedule --schedule names (main has filled in the default).
-template <class Fn>
-int with_schedule(const Options& o, Fn&& fn) {
-  if (o.schedule == "gpipe") return fn(loom::GPipe{});
-  if (o.schedule == "1f1b") return fn(loom::OneFOneB{});
-  if (o.schedule == "interleaved") return fn(loom::Interleaved1F1B{.virtual_stages = o.virtual_stages.value_or(2)});
-  if (o.schedule == "zb-h1") return fn(loom::ZeroBubbleH1{});
-  return fn(loom::GradientAccumulation{});
-}
-
-//! Calls `fn` with the strategy of --zero: SingleRank on one data-parallel rank, DataParallel on
-//! more, or a ZeRO stage. Under a pipeline schedule only DataParallel (a no-op reduction on one
-//! rank) and Zero<1> exist: Zero<2>/<3> do not compile with one (main rejects them first), and
-//! leaving SingleRank out keeps the instantiations few.
-template <class Schedule, class Fn>
-int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
-  const std::size_t bucket_bytes = o.bucket_mib << 20;
-  const bool overlap = !o.no_overlap;
-  if constexpr (loom::pipelined_schedule<Schedule>) {
-    if (o.zero == 1) return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap});
-    return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
-  } else {
-    switch (o.zero) {
-      case 1: return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap});
-      case 2: return fn(loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = overlap});
-      case 3: return fn(loom::Zero<3>{.bucket_bytes = bucket_bytes, .overlap = overlap, .prefetch = o.prefetch});
-      default:
-        if (data_parallel_ranks == 1) return fn(loom::SingleRank{});
-        return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
-    }
-  }
-}
-
-//! Calls `fn` with the optimizer of --optimizer.
-template <class Fn>
-int with_optimizer(const Options& o, Fn&& fn) {
-  if (o.optimizer == "sgd") return fn(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
-  return fn(loom::AdamW({.weight_decay = o.weight_decay}));
-}
-
-//! Builds the dp x tp x pp mesh over `world` and trains with the schedule, strategy and
-//! optimizer the options name.
-template <class Group>
-int train_on(const Options& o, Group& world, int threads) {
-  LOOM_CHECK(world.size() % (o.tp * o.pp) == 0, "--tp x --pp", std::to_string(o.tp) + " x " + std::to_string(o.pp),
-             "must divide the number of ranks (" + std::to_string(world.size()) + ")");
-  loom::Mesh<Group> mesh(world, {.dp = world.size() / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
-  return with_schedule(o, [&](auto schedule) {
-    return with_strategy<decltype(schedule)>(o, mesh.data_parallel().size(), [&](auto strategy) {
-      return with_optimizer(o, [&](auto optimizer) { return train(o, mesh, optimizer, strategy, schedule, threads); });
-    });
-  });
-}
-
-int run(const Options& o, int& argc, char**& argv) {
+//! Trains on the CPU backend: one rank, thread ranks, or MPI processes.
+int run_cpu(const Options& o, int& argc, char**& argv) {
+  using gpt2_example::train_on;
   const int cores = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (o.comm == "mpi") {
 #if LOOM_EXAMPLE_WITH_MPI
@@ -426,7 +46,8 @@ int run(const Options& o, int& argc, char**& argv) {
                  "x --tp x --pp must equal the MPI world size (" + std::to_string(world.size()) +
                      ") with --comm mpi (or leave --dp at 1 to take the rest)");
       // Each process uses --threads (0 = every core of its machine).
-      const int code = train_on(o, world, o.threads);
+      loom::cpu backend(o.threads);
+      const int code = train_on(o, backend, world);
       if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
     });
 #else
@@ -436,13 +57,15 @@ int run(const Options& o, int& argc, char**& argv) {
   const int ranks = o.dp * o.tp * o.pp;
   if (ranks == 1) {
     loom::SelfCommunicator self;
-    return train_on(o, self, o.threads);
+    loom::cpu backend(o.threads);
+    return train_on(o, backend, self);
   }
   // Thread ranks share the cores: each gets its share of --threads (at least one).
   const int per_rank = std::max(1, cores / ranks);
   int code = 0;
   loom::threads::run(ranks, [&](loom::threads::Communicator& comm) {
-    const int c = train_on(o, comm, per_rank);
+    loom::cpu backend(per_rank);
+    const int c = train_on(o, backend, comm);
     if (comm.rank() == 0) code = c;
   });
   return code;
@@ -450,9 +73,17 @@ int run(const Options& o, int& argc, char**& argv) {
 
 }  // namespace
 
+#if !LOOM_EXAMPLE_WITH_CUDA
+int gpt2_example::run_cuda(const Options&, int&, char**&) {
+  throw loom::Error("--device", "cuda",
+                    "this gpt2_train was built without CUDA (it needs the CUDA toolkit and CMake's CUDA "
+                    "language: LOOM_ENABLE_CUDA=ON)");
+}
+#endif
+
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"Train GPT-2 with loom (CPU backend): one rank, or a DP x TP x PP mesh of thread or MPI ranks."};
+  CLI::App app{"Train GPT-2 with loom on the CPU or on GPUs: one rank, or a DP x TP x PP mesh of thread or MPI ranks."};
   app.add_flag("--demo", o.demo,
                "The README demo: a 4-layer, 128-channel GPT-2 on the synthetic task; finishes in "
                "under 2 minutes on 2 cores. Other options given after it still apply.");
@@ -514,8 +145,16 @@ int main(int argc, char** argv) {
                  "--schedule interleaved: model chunks per pipeline rank (default 2); pp x this must not "
                  "exceed the model's layers, and micro-batches per pipeline must divide by pp")
       ->check(CLI::PositiveNumber);
-  app.add_option("--comm", o.comm, "Communicator: threads (ranks as threads) or mpi (run under mpirun)")
-      ->capture_default_str()->check(CLI::IsMember({"threads", "mpi"}));
+  app.add_option("--device", o.device,
+                 "cpu, or cuda: each rank on a GPU (thread ranks take GPUs round robin and may share one)")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--gpus", o.gpus, "--device cuda with thread ranks: GPUs to use (0 = every GPU)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--comm", o.comm,
+                 "Communicator: threads (ranks as threads), mpi (run under mpirun); with --device cuda also "
+                 "nccl (thread ranks, NCCL between their GPUs, one GPU each) or mpi-nccl (MPI processes, "
+                 "NCCL between their GPUs). threads and mpi move GPU buffers through host memory")
+      ->capture_default_str()->check(CLI::IsMember({"threads", "mpi", "nccl", "mpi-nccl"}));
   app.add_option("--bucket-mib", o.bucket_mib, "DDP gradient bucket size in MiB")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--no-overlap", o.no_overlap, "DDP/ZeRO: reduce all buckets after backward instead of during it");
@@ -556,7 +195,9 @@ int main(int argc, char** argv) {
                             "): they reduce-scatter gradients in every micro-batch's backward, and a tied "
                             "parameter's gradient must be summed across stages before it is sharded. Use "
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
-    return run(o, argc, argv);
+    if ((o.comm == "nccl" || o.comm == "mpi-nccl") && o.device != "cuda")
+      throw loom::Error("--comm", o.comm, "NCCL moves GPU buffers: it needs --device cuda");
+    return o.device == "cuda" ? gpt2_example::run_cuda(o, argc, argv) : run_cpu(o, argc, argv);
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;

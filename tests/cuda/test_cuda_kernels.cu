@@ -351,7 +351,7 @@ TEST_CASE("shape checks name the kernel and the argument (host side, before any 
 
 TEST_CASE("matmul_forward matches the host product, with and without bias, [N,C] and [B,T,C]") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   for (const MatmulCase c : {MatmulCase{1, 1, 1}, MatmulCase{3, 5, 7}, MatmulCase{65, 33, 17},
                              MatmulCase{256, 768, 512}}) {
     for (const bool with_bias : {true, false}) {
@@ -375,7 +375,7 @@ TEST_CASE("matmul_forward matches the host product, with and without bias, [N,C]
 
 TEST_CASE("matmul_backward accumulates din, dweight and dbias; empty ones are skipped") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   for (const MatmulCase c : {MatmulCase{1, 1, 1}, MatmulCase{3, 5, 7}, MatmulCase{65, 33, 17},
                              MatmulCase{256, 768, 512}}) {
     CAPTURE(c.N);
@@ -423,7 +423,7 @@ TEST_CASE("matmul_backward accumulates din, dweight and dbias; empty ones are sk
 
 TEST_CASE("each backend gets its own cuBLAS handle, bound to its stream") {
   if (!have_gpu()) return;
-  cuda first(0), second(0);
+  loom::cuda first(0), second(0);
   const cublasHandle_t a = first.cublas();
   CHECK(first.cublas() == a);
   const cublasHandle_t b = second.cublas();
@@ -437,8 +437,8 @@ TEST_CASE("each backend gets its own cuBLAS handle, bound to its stream") {
 
 TEST_CASE("matmul kernels reject wrong shapes, naming the argument") {
   if (!have_gpu()) return;
-  cuda be(0);
-  Buffer<float, cuda> buffer(be, 64, MemoryCategory::workspace);
+  loom::cuda be(0);
+  Buffer<float, loom::cuda> buffer(be, 64, MemoryCategory::workspace);
   const Tensor<float> in(buffer.data(), Shape{2, 5}), weight(buffer.data(), Shape{3, 5});
   const Tensor<float> out(buffer.data(), Shape{2, 3}), bad(buffer.data(), Shape{2, 4});
   CHECK_THROWS_WITH_AS(matmul_forward<float>(be, bad, in, weight, Tensor<const float>{}),
@@ -456,7 +456,7 @@ TEST_CASE("matmul kernels reject wrong shapes, naming the argument") {
 
 TEST_CASE("layernorm_forward matches the two-pass host statistics") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   constexpr float eps = 1e-5f;
   for (const LayernormCase c : {LayernormCase{1, 1, 0}, LayernormCase{1, 7, 0}, LayernormCase{7, 1001, 0},
                                 LayernormCase{65, 33, 0}, LayernormCase{65, 33, 10}, LayernormCase{256, 768, 0}}) {
@@ -482,7 +482,7 @@ TEST_CASE("layernorm_forward matches the two-pass host statistics") {
 
 TEST_CASE("layernorm_forward of a constant row gives the bias") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   const std::vector<float> w = random_floats(7, 310), b = random_floats(7, 311);
   const DeviceTensor in(be, std::vector<float>(14, 3.0f), Shape{2, 7}), weight(be, w, Shape{7}),
       bias(be, b, Shape{7});
@@ -498,7 +498,7 @@ TEST_CASE("layernorm_forward of a constant row gives the bias") {
 
 TEST_CASE("layernorm_backward accumulates the host formula of the derivative, the same bits each run") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   constexpr double eps = 1e-5;
   for (const LayernormCase c : {LayernormCase{1, 1, 0}, LayernormCase{1, 7, 0}, LayernormCase{7, 1001, 0},
                                 LayernormCase{65, 33, 10}, LayernormCase{256, 768, 0}}) {
@@ -567,8 +567,8 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
 
 TEST_CASE("layernorm kernels reject wrong shapes, naming the argument") {
   if (!have_gpu()) return;
-  cuda be(0);
-  Buffer<float, cuda> buffer(be, 64, MemoryCategory::workspace);
+  loom::cuda be(0);
+  Buffer<float, loom::cuda> buffer(be, 64, MemoryCategory::workspace);
   const Tensor<float> x(buffer.data(), Shape{2, 5}), c5(buffer.data(), Shape{5}), n2(buffer.data(), Shape{2});
   const Tensor<float> n3(buffer.data(), Shape{3}), c4(buffer.data(), Shape{4});
   CHECK_THROWS_WITH_AS(layernorm_forward<float>(be, x, n3, n2, x, c5, c5),
@@ -583,7 +583,7 @@ TEST_CASE("layernorm kernels reject wrong shapes, naming the argument") {
 
 TEST_CASE("gelu_forward and gelu_backward (accumulating) match the tanh form") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   const double s = 0.7978845608028654, k = 0.044715;
   for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{70001},
                                std::int64_t{1} << 21}) {
@@ -605,7 +605,7 @@ TEST_CASE("gelu_forward and gelu_backward (accumulating) match the tanh form") {
     check_close(out.to_host(be), out_ref, float_tolerance, "out");
     check_close(din.to_host(be), din_ref, din_mag, float_tolerance, "din");
   }
-  Buffer<float, cuda> buffer(be, 16, MemoryCategory::workspace);
+  Buffer<float, loom::cuda> buffer(be, 16, MemoryCategory::workspace);
   CHECK_THROWS_WITH_AS(gelu_forward<float>(be, Tensor<float>(buffer.data(), Shape{3}),
                                            Tensor<const float>(buffer.data(), Shape{4})),
                        doctest::Contains("gelu_forward: argument out element count: got 3; expected 4"), Error);
@@ -617,7 +617,7 @@ TEST_CASE("gelu_forward and gelu_backward (accumulating) match the tanh form") {
 
 TEST_CASE("residual_forward and residual_backward are the exact float sums") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{300007}}) {
     CAPTURE(n);
     const std::vector<float> a = random_floats(n, 600), b = random_floats(n, 601), g = random_floats(n, 602),
@@ -639,7 +639,7 @@ TEST_CASE("residual_forward and residual_backward are the exact float sums") {
     CHECK(ga.to_host(be) == da_ref);
     CHECK(gb.to_host(be) == db_ref);
   }
-  Buffer<float, cuda> buffer(be, 16, MemoryCategory::workspace);
+  Buffer<float, loom::cuda> buffer(be, 16, MemoryCategory::workspace);
   CHECK_THROWS_WITH_AS(residual_forward<float>(be, Tensor<float>(buffer.data(), Shape{4}),
                                                Tensor<const float>(buffer.data(), Shape{3}),
                                                Tensor<const float>(buffer.data(), Shape{4})),
@@ -652,7 +652,7 @@ TEST_CASE("residual_forward and residual_backward are the exact float sums") {
 
 TEST_CASE("copy, add_to and zero") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{300007}}) {
     CAPTURE(n);
     const std::vector<float> a = random_floats(n, 700), b = random_floats(n, 701);
@@ -667,7 +667,7 @@ TEST_CASE("copy, add_to and zero") {
     CHECK(y.to_host(be) == std::vector<float>(a.size(), 0.0f));
   }
   zero<float>(be, Tensor<float>{});  // empty: nothing to do, nothing thrown
-  Buffer<float, cuda> buffer(be, 16, MemoryCategory::workspace);
+  Buffer<float, loom::cuda> buffer(be, 16, MemoryCategory::workspace);
   CHECK_THROWS_WITH_AS(add_to<float>(be, Tensor<float>(buffer.data(), Shape{3}),
                                      Tensor<const float>(buffer.data(), Shape{4})),
                        doctest::Contains("add_to: argument dst element count: got 3; expected 4"), Error);
@@ -678,7 +678,7 @@ TEST_CASE("copy, add_to and zero") {
 
 TEST_CASE("adamw_update and sgd_momentum_update follow torch's formulas over three steps") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{100003}}) {
     for (const double weight_decay : {0.0, 0.1}) {
       CAPTURE(n);
@@ -733,7 +733,7 @@ TEST_CASE("adamw_update and sgd_momentum_update follow torch's formulas over thr
 
 TEST_CASE("adamw's first step moves every parameter by lr (bias correction); bad arguments throw") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   const std::int64_t n = 1001;
   std::vector<float> g = random_floats(n, 820, 0.1f, 1.0f);
   for (std::size_t i = 0; i < g.size(); i += 2) g[i] = -g[i];  // both signs, |g| >= 0.1
@@ -764,7 +764,7 @@ TEST_CASE("adamw's first step moves every parameter by lr (bias correction); bad
 
 TEST_CASE("sum_of_squares accumulates in double, deterministically; scale is the float product") {
   if (!have_gpu()) return;
-  cuda be(0);
+  loom::cuda be(0);
   for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{100003},
                                (std::int64_t{1} << 20) + 3}) {
     CAPTURE(n);

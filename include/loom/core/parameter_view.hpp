@@ -56,11 +56,12 @@ class ParameterView {
     for (int w = 0; w < count_; ++w) f(windows_[w].begin, windows_[w].end, windows_[w].data);
   }
 
-  //! The read-only view of the same windows.
-  operator ParameterView<const T>() const noexcept
-    requires(!std::is_const_v<T>)
-  {
-    ParameterView<const T> view;
+  //! The read-only view of the same windows. (A template, so that ParameterView<const T> has
+  //! no conversion to its own type, which nvcc warns about even when it is constrained away.)
+  template <class U = T>
+    requires(!std::is_const_v<U>)
+  operator ParameterView<const U>() const noexcept {
+    ParameterView<const U> view;
     for (int w = 0; w < count_; ++w) view.add(windows_[w].begin, windows_[w].end, windows_[w].data);
     return view;
   }

@@ -54,6 +54,11 @@ class cuda {
   }
 
   int device() const noexcept { return device_; }
+  //! Whether float GEMMs may use TF32 tensor-core products (on by default, as cuBLAS users
+  //! usually choose; PyTorch's torch.backends.cuda.matmul.allow_tf32). Off gives full fp32
+  //! products, e.g. for parity tests against the CPU backend at fp32 tolerances.
+  bool tf32() const noexcept { return tf32_; }
+  void set_tf32(bool allowed) noexcept { tf32_ = allowed; }
   //! The stream every operation of this rank is ordered on.
   cudaStream_t stream() const noexcept { return stream_; }
   //! The rank's cuBLAS handle, bound to its stream (created on first use: a backend that runs
@@ -132,6 +137,7 @@ class cuda {
   void activate() const { LOOM_CUDA_CHECK(cudaSetDevice(device_)); }
 
   int device_;
+  bool tf32_ = true;
   cudaStream_t stream_ = nullptr;
   mutable cublasHandle_t cublas_ = nullptr;  // created by the first cublas() call
   std::unique_ptr<detail::CachingAllocator> allocator_;

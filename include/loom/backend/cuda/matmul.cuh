@@ -19,10 +19,12 @@
 
 namespace loom::detail::cuda_matmul {
 
-//! Products in TF32 (10-bit mantissa inputs, fp32 accumulation) on tensor cores: about 8x the
-//! fp32 rate on an H100, at a relative error near 1e-3 of sum |a_i b_i| instead of 1e-7.
-//! CUBLAS_COMPUTE_32F here would give full fp32 products.
-inline constexpr cublasComputeType_t compute_type = CUBLAS_COMPUTE_32F_FAST_TF32;
+//! The GEMMs' products: TF32 (10-bit mantissa inputs, fp32 accumulation) on tensor cores where
+//! the backend allows it (the default): about 8x the fp32 rate on an H100, at a relative error
+//! near 1e-3 of sum |a_i b_i| instead of 1e-7. Full fp32 products otherwise (cuda::set_tf32).
+inline cublasComputeType_t compute_type(const cuda& be) noexcept {
+  return be.tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
 
 //! One column-major cuBLAS GEMM, C = alpha op(A) op(B) + beta C with C m x n and k the inner
 //! extent. The row-major tensors are handed to cuBLAS as their column-major transposes.
@@ -53,7 +55,7 @@ inline void gemm(const cuda& be, const Gemm& g, const float* a, const float* b, 
   const float alpha = 1.0f;
   const cublasStatus_t status =
       cublasGemmEx_64(be.cublas(), g.op_a, g.op_b, g.m, g.n, g.k, &alpha, a, CUDA_R_32F,
-                      g.lda, b, CUDA_R_32F, g.ldb, &beta, c, CUDA_R_32F, g.ldc, compute_type,
+                      g.lda, b, CUDA_R_32F, g.ldb, &beta, c, CUDA_R_32F, g.ldc, compute_type(be),
                       CUBLAS_GEMM_DEFAULT);
   if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
     cublas_check(status, (std::string(kernel) + ": cublasGemmEx_64(m = " + to_text(g.m) +

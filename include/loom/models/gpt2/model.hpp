@@ -404,7 +404,8 @@ class Model {
     d.fch = st.fch;
     d.qkv = st.qkv;
     // Everything the chain accumulates into starts at zero (res2 is copied into).
-    for (const Tensor<T>& t : {d.fch_gelu, d.fch, d.ln2, d.atty, d.qkv, d.ln1}) zero<T>(be, t);
+    const Tensor<T> accumulated[] = {d.fch_gelu, d.fch, d.ln2, d.atty, d.qkv, d.ln1};
+    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
     copy<T>(be, st.output, a.output_grad);
     block_backward_chain(be, o, p, g, a, b, d, BlockLinearGrads{});
   }

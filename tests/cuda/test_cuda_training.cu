@@ -1,0 +1,203 @@
+// GPT-2 training on the CUDA backend against one CPU rank (DESIGN.md invariant 3): one GPU, then
+// every strategy and schedule with several ranks sharing the GPU(s) through the threads
+// communicator staged through host memory, then NCCL (a world of one GPU, and 2 ranks where
+// there are 2 GPUs).
+//
+// Tolerance: 1e-4 relative on losses, gradient norms and weights after 5 AdamW steps, with TF32
+// off (full fp32 products). The CPU meshes agree with one rank to 1e-5; the GPU kernels add
+// other summation orders (warp and block reductions, cuBLAS's blocking), each within a few
+// float ulps, which AdamW's normalised steps can amplify on near-zero gradient elements by up to
+// ~10x over 5 steps. A wrong kernel, a missing collective or a lost micro-batch is off by 1e-2 or
+// more. TF32 products (the default) are checked separately at 2e-2 on the losses.
+//
+// Without a GPU nothing runs: the program reports skipped (exit 77).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "loom/backend/cuda/kernels.cuh"
+#include "loom/comm/staged.hpp"
+#include "loom/comm/threads.hpp"
+#include "loom/models/gpt2/model.hpp"
+#include "loom/optim/adamw.hpp"
+#include "loom/parallel/data_parallel.hpp"
+#include "loom/parallel/mesh.hpp"
+#include "loom/parallel/single_rank.hpp"
+#include "loom/parallel/trainer.hpp"
+#include "loom/parallel/zero.hpp"
+#include "loom/schedule/gradient_accumulation.hpp"
+#include "loom/schedule/interleaved.hpp"
+#include "loom/schedule/one_f_one_b.hpp"
+#include "loom/schedule/zero_bubble.hpp"
+#if LOOM_TEST_WITH_NCCL
+#include "loom/comm/nccl.hpp"
+#endif
+#include "device_check.hpp"
+#include "support/parity_check.hpp"
+#include "training_reference.hpp"
+
+using namespace loom;
+using namespace loom::test;
+using loom::cuda_test::have_gpu;
+
+namespace {
+
+using Gpt = gpt2::Model<loom::cuda, float>;
+constexpr double gpu_tolerance = 1e-4;
+constexpr std::int64_t global_batch = 4, seq = 16;
+
+//! The one-rank CPU reference for `clip`, computed once.
+const ParityRun& reference(double clip) {
+  static const ParityRun without = cpu_reference_run(global_batch, seq, 0.0);
+  static const ParityRun with = cpu_reference_run(global_batch, seq, 0.05);
+  return clip > 0 ? with : without;
+}
+
+//! The GPU of thread rank `rank`: the GPUs round robin.
+int gpu_of(int rank) { return rank % loom::cuda::device_count(); }
+
+//! The failures one per line, for a CHECK's message.
+std::string joined(const std::vector<std::string>& failures) {
+  std::string text;
+  for (const std::string& f : failures) text += f + "\n";
+  return text;
+}
+
+//! Runs `body(world)` on `ranks` thread ranks; returns each rank's failures: the text `body`
+//! returned, or what it threw (an exception must not leave a thread rank).
+template <class Body>
+std::vector<std::string> rank_failures(int ranks, Body&& body) {
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  threads::run(ranks, [&](threads::Communicator& world) {
+    std::string failure;
+    try {
+      failure = body(world);
+    } catch (const std::exception& e) {
+      failure = std::string(" threw: ") + e.what();
+    }
+    if (!failure.empty()) {
+      std::lock_guard lock(mutex);
+      failures.push_back("rank " + std::to_string(world.rank()) + ":" + failure);
+    }
+  });
+  return failures;
+}
+
+//! Trains `shape` on thread ranks that share the GPU(s), each staging its buffers through host
+//! memory for the threads communicator; returns every rank's failures against the reference.
+template <class Strategy, class Schedule>
+std::vector<std::string> staged_mesh_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule) {
+  const ParameterLayout global_layout = Gpt(small_test_config()).layout();
+  return rank_failures(shape.size(), [&](threads::Communicator& world) {
+    loom::cuda be(gpu_of(world.rank()));
+    be.set_tf32(false);
+    StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
+    Mesh<StagedCommunicator<threads::Communicator, loom::cuda>> mesh(staged, shape);
+    Trainer<Gpt, AdamW, Schedule, Strategy> trainer(
+        be, mesh, Gpt(small_test_config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}), parity_lr(),
+        {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5}, strategy, schedule);
+    const ParityRun run = train_steps(trainer, global_batch, seq);
+    return parity_failures(trainer, run, reference(clip), global_layout, gpu_tolerance);
+  });
+}
+
+template <class Strategy, class Schedule = GradientAccumulation>
+void check_staged(MeshShape shape, Strategy strategy = {}, Schedule schedule = {}) {
+  for (double clip : {0.0, 0.05}) {
+    CAPTURE(clip);
+    const std::vector<std::string> failures = staged_mesh_failures(shape, clip, strategy, schedule);
+    CHECK_MESSAGE(failures.empty(), joined(failures));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2 on one GPU trains as one CPU rank does (fp32 products), and close with TF32") {
+  if (!have_gpu()) return;
+  for (double clip : {0.0, 0.05}) {
+    CAPTURE(clip);
+    loom::cuda be(0);
+    be.set_tf32(false);
+    Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                {.micro_batch_size = global_batch, .clip_grad_norm = clip, .seed = 5});
+    check_parity(train_steps(trainer, global_batch, seq), reference(clip), gpu_tolerance);
+  }
+  loom::cuda be(0);  // TF32 on: each product rounds its inputs to 10 mantissa bits
+  Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                              {.micro_batch_size = 2, .seed = 5});
+  const ParityRun run = train_steps(trainer, global_batch, seq);
+  for (std::size_t s = 0; s < run.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(run.losses[s] - reference(0.0).losses[s]) <= 2e-2 * reference(0.0).losses[s]);
+  }
+}
+
+TEST_CASE("a device batch is checked on the host before its copy") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config()), AdamW(), ConstantLr{.lr = 1e-3}, {.micro_batch_size = 2});
+  TestBatch bad = make_batch(0, global_batch, seq, small_test_config().vocab_size);
+  bad.tokens[5] = 50;
+  CHECK_THROWS_WITH_AS(trainer.step(bad), doctest::Contains("token at position 5: got 50"), Error);
+  CHECK(trainer.steps() == 0);
+}
+
+TEST_CASE("ranks sharing the GPU: DDP and ZeRO-1/2/3 train as one rank") {
+  if (!have_gpu()) return;
+  check_staged<DataParallel>({.dp = 2, .tp = 1, .pp = 1});
+  check_staged<DataParallel>({.dp = 4, .tp = 1, .pp = 1}, DataParallel{.bucket_bytes = 4096});
+  check_staged<Zero<1>>({.dp = 2, .tp = 1, .pp = 1});
+  check_staged<Zero<2>>({.dp = 2, .tp = 1, .pp = 1});
+  check_staged<Zero<3>>({.dp = 4, .tp = 1, .pp = 1});
+}
+
+TEST_CASE("ranks sharing the GPU: tensor parallelism and DP x TP train as one rank") {
+  if (!have_gpu()) return;
+  check_staged<DataParallel>({.dp = 1, .tp = 2, .pp = 1});
+  check_staged<Zero<1>>({.dp = 2, .tp = 2, .pp = 1});
+}
+
+TEST_CASE("ranks sharing the GPU: pipeline schedules and a 2 x 2 x 2 mesh train as one rank") {
+  if (!have_gpu()) return;
+  check_staged<DataParallel, OneFOneB>({.dp = 1, .tp = 1, .pp = 2});
+  check_staged<DataParallel, ZeroBubbleH1>({.dp = 1, .tp = 1, .pp = 2});
+  check_staged<DataParallel, Interleaved1F1B>({.dp = 1, .tp = 1, .pp = 2}, DataParallel{},
+                                              Interleaved1F1B{.virtual_stages = 2});
+  check_staged<Zero<1>, OneFOneB>({.dp = 2, .tp = 2, .pp = 2});
+}
+
+#if LOOM_TEST_WITH_NCCL
+TEST_CASE("NCCL: a world of one GPU, and DDP, ZeRO-3 and TP over two GPUs, train as one rank") {
+  if (!have_gpu()) return;
+  const ParameterLayout global_layout = Gpt(small_test_config()).layout();
+  const auto run_on = [&]<class Strategy>(MeshShape shape, Strategy strategy) {
+    const std::vector<std::string> failures = rank_failures(shape.size(), [&](threads::Communicator& world) {
+      loom::cuda be(world.rank());
+      be.set_tf32(false);
+      nccl::Communicator group = nccl::Communicator::bootstrap(be, world);
+      Mesh<nccl::Communicator> mesh(group, shape);
+      Trainer<Gpt, AdamW, GradientAccumulation, Strategy> trainer(
+          be, mesh, Gpt(small_test_config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}), parity_lr(),
+          {.micro_batch_size = 1, .clip_grad_norm = 0.05, .seed = 5}, strategy);
+      const ParityRun run = train_steps(trainer, global_batch, seq);
+      return parity_failures(trainer, run, reference(0.05), global_layout, gpu_tolerance);
+    });
+    CHECK_MESSAGE(failures.empty(), joined(failures));
+  };
+  run_on({.dp = 1, .tp = 1, .pp = 1}, SingleRank{});
+  if (loom::cuda::device_count() < 2) {
+    MESSAGE("one GPU: the 2-rank NCCL cases need two (NCCL refuses two ranks of a group on one GPU)");
+    return;
+  }
+  run_on({.dp = 2, .tp = 1, .pp = 1}, DataParallel{});
+  run_on({.dp = 2, .tp = 1, .pp = 1}, Zero<3>{});
+  run_on({.dp = 1, .tp = 2, .pp = 1}, DataParallel{});
+}
+#endif
+
+int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }
