@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -781,6 +782,12 @@ TEST_CASE("sum_of_squares accumulates in double, deterministically; scale is the
     const double parts = sum_of_squares<float>(be, Tensor<const float>(dx.buffer.data(), Shape{half})) +
                          sum_of_squares<float>(be, Tensor<const float>(dx.buffer.data() + half, Shape{n - half}));
     CHECK(std::abs(parts - expected) <= 1e-12 * expected);
+    // The same ranges (and an empty one) in one call, one wait: the sum of the two, in double.
+    const Tensor<const float> ranges[] = {Tensor<const float>(dx.buffer.data(), Shape{half}), Tensor<const float>{},
+                                          Tensor<const float>(dx.buffer.data() + half, Shape{n - half})};
+    const double batched = sum_of_squares<float>(be, std::span<const Tensor<const float>>(ranges));
+    CHECK(std::abs(batched - expected) <= 1e-12 * expected);
+    CHECK(sum_of_squares<float>(be, std::span<const Tensor<const float>>(ranges)) == batched);
 
     const double factor = 0.37;
     std::vector<float> scaled(x.size());

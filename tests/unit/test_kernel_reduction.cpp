@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "loom/backend/cpu/reduction.hpp"
@@ -57,6 +58,21 @@ TEST_CASE_TEMPLATE("sum_elements matches a plain double sum, the same bits on an
   const std::vector<float> ones((1u << 24) + 1, 1.0f);
   CHECK(loom::kernels::sum_elements<float>(two, Tensor<const float>(ones.data(), loom::Shape{static_cast<std::int64_t>(ones.size())})) ==
         16777217.0);
+}
+
+TEST_CASE("sum_of_squares over parts adds each part's sum in order (the same bits), empty parts count 0") {
+  const cpu be(2);
+  const auto x = loom::test::random_vector<float>(200000, 13, -2.0, 2.0);
+  const std::int64_t cuts[] = {0, 1, 8, 8, 16392, 100003, 200000};  // an empty part in the middle
+  std::vector<Tensor<const float>> parts;
+  double want = 0;
+  for (std::size_t i = 0; i + 1 < std::size(cuts); ++i) {
+    parts.emplace_back(x.data() + cuts[i], loom::Shape{cuts[i + 1] - cuts[i]});
+    want += loom::kernels::sum_of_squares<float>(be, parts.back());
+  }
+  parts.emplace_back();  // Tensor<T>{}: no data
+  CHECK(loom::kernels::sum_of_squares<float>(be, std::span<const Tensor<const float>>(parts)) == want);
+  CHECK(loom::kernels::sum_of_squares<float>(be, std::span<const Tensor<const float>>()) == 0.0);
 }
 
 TEST_CASE("sum_of_squares of an empty tensor is zero") {

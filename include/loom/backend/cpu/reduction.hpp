@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
@@ -64,6 +65,15 @@ namespace loom::inline kernels {
 template <class T>
 double sum_of_squares(const cpu& be, Tensor<const T> x) {
   return detail::reduction::sum_chunked<true>(be, x);
+}
+
+//! The sum of squares of several tensors, added in order (the gradient norm's ranges): the same
+//! bits as adding sum_of_squares of each.
+template <class T>
+double sum_of_squares(const cpu& be, std::span<const Tensor<const T>> parts) {
+  double total = 0;
+  for (const Tensor<const T>& x : parts) total += sum_of_squares<T>(be, x);
+  return total;
 }
 
 //! Sum of the elements of `x` (a micro-batch's per-token losses), accumulated in double;

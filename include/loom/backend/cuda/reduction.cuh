@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
@@ -89,6 +90,39 @@ template <class T>
 double sum_of_squares(cuda& be, Tensor<const T> x) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
   return detail::cuda_reduction::sum_to_host<true>(be, x, "sum_of_squares");
+}
+
+//! The sum of squares of several tensors (the gradient norm's ranges, one per parameter), in
+//! double, with one wait for the stream instead of one per tensor: each tensor's total lands
+//! in device memory, and the totals are added in order on the device. Deterministic.
+template <class T>
+double sum_of_squares(cuda& be, std::span<const Tensor<const T>> parts) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  namespace r = detail::cuda_reduction;
+  if (parts.empty()) return 0.0;
+  const auto count = static_cast<std::int64_t>(parts.size());
+  detail::cuda_kernels::activate(be);
+  // [partials of the tensor being summed | one total per tensor | the sum of the totals]
+  Buffer<double, cuda> scratch(be, r::max_blocks + count + 1, MemoryCategory::workspace);
+  double* partial = scratch.data();
+  double* totals = partial + r::max_blocks;
+  be.fill_zero(totals, sizeof(double) * static_cast<std::size_t>(count));  // empty tensors add 0
+  for (std::int64_t i = 0; i < count; ++i) {
+    const Tensor<const T>& x = parts[static_cast<std::size_t>(i)];
+    if (x.empty()) continue;
+    const std::int64_t blocks = r::blocks_for(x.numel());
+    // Stream order lets every tensor reuse the partials once the previous total has read them.
+    r::partial_sums_kernel<true><<<static_cast<unsigned>(blocks), r::threads, 0, be.stream()>>>(partial, x.data(),
+                                                                                                 x.numel());
+    detail::cuda_check_launch("sum_of_squares (parts) partial_sums_kernel");
+    r::total_kernel<<<1, r::threads, 0, be.stream()>>>(totals + i, partial, blocks);
+    detail::cuda_check_launch("sum_of_squares (parts) total_kernel");
+  }
+  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(totals + count, totals, count);
+  detail::cuda_check_launch("sum_of_squares (parts) total_kernel");
+  double total = 0;
+  be.copy_to_host(&total, totals + count, sizeof(double));
+  return total;
 }
 
 //! Sum of the elements of `x`, accumulated in double (a micro-batch's per-token losses), on the

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
@@ -50,15 +52,17 @@ void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layo
 template <class B, class T>
 double gradient_sum_of_squares(B& backend, const ParameterLayout& layout, const FlatRange<T>& range,
                                bool count_replicated) {
-  double sum = 0;
+  // One call over all the ranges: a device backend waits for its stream once, not per parameter.
+  std::vector<Tensor<const T>> parts;
+  parts.reserve(layout.entries().size());
   for (const auto& e : layout.entries()) {
     if (e.spec.tied_copy || (!count_replicated && e.spec.replicated_over_tensor_parallel())) continue;
     const std::int64_t first = std::max(range.begin, e.offset);
     const std::int64_t last = std::min(range.end, e.offset + e.numel());
     if (first >= last) continue;
-    sum += sum_of_squares<T>(backend, Tensor<const T>(range.grads + (first - range.begin), Shape{last - first}));
+    parts.emplace_back(range.grads + (first - range.begin), Shape{last - first});
   }
-  return sum;
+  return sum_of_squares<T>(backend, std::span<const Tensor<const T>>(parts));
 }
 
 }  // namespace loom::detail

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the CUDA tests and gpt2_train on a GPU, in one call on a lent device machine.
+#
+#   scripts/gpu_check.sh build [ARCH]   # here (the dev VM): build the CUDA test programs and
+#                                       # gpt2_train for sm_ARCH (default 90) into build-gpu/
+#   scripts/gpu_check.sh run            # there (run with carry ["build-gpu"]): run them all
+#
+# The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest or
+# CLI11, so the programs are built here and carried (the binaries only: a few tens of MiB).
+# `run` finds the CUDA and NCCL libraries the binaries need, runs every CUDA test program and a
+# few gpt2_train layouts, writes each one's output under $OUT (or build-gpu/logs), and prints a
+# table last: name, exit code (77 = skipped), seconds, and the line that matters.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="$root/build-gpu"
+programs=(test_cuda_backend test_cuda_kernels test_cuda_attention test_cuda_vocab_parallel test_nccl
+          test_cuda_training)
+
+build() {
+  local arch="${1:-90}" build_dir="$root/build/gpu"
+  set -e
+  cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_ENABLE_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES="$arch" -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_EXAMPLES=ON \
+        -DLOOM_BUILD_BENCH=OFF -DLOOM_EXAMPLES_NATIVE=OFF
+  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train
+  rm -rf "$bin" && mkdir -p "$bin"
+  for p in "${programs[@]}"; do cp "$build_dir/tests/cuda/$p" "$bin/"; done
+  cp "$build_dir/examples/gpt2_train" "$bin/"
+  du -sh "$bin"
+  echo "carry: [\"build-gpu\"]; then: scripts/gpu_check.sh run"
+}
+
+#! Adds to LD_LIBRARY_PATH the folders that hold the libraries a binary cannot find.
+find_libraries() {
+  local missing lib dir
+  missing=$(for f in "$bin"/*; do ldd "$f" 2>/dev/null; done | awk '/not found/ {print $1}' | sort -u)
+  for lib in $missing; do
+    dir=$(find /usr/local/cuda*/ /usr/lib /opt /usr/local/lib -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)
+    if [[ -n "$dir" ]]; then
+      export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      echo "found $lib in $dir"
+    else
+      echo "missing: $lib"
+    fi
+  done
+}
+
+run() {
+  local logs="${OUT:-$bin/logs}" table=() name rc start seconds summary
+  mkdir -p "$logs"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$logs/gpu.txt"
+  find_libraries
+  run_one() {  # name, command...
+    name="$1"; shift
+    start=$EPOCHREALTIME
+    (cd "$bin" && timeout 900 "$@") > "$logs/$name.log" 2>&1
+    rc=$?
+    seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
+    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error" "$logs/$name.log" | tail -1)
+    table+=("$(printf '%-34s %4s %7.1f  %s' "$name" "$rc" "$seconds" "$summary")")
+  }
+  for p in "${programs[@]}"; do run_one "$p" "./$p"; done
+  local demo=(./gpt2_train --demo --device cuda --steps 60 --log-every 20)
+  run_one gpt2_train_1gpu "${demo[@]}"
+  run_one gpt2_train_dp2_staged "${demo[@]}" --dp 2
+  run_one gpt2_train_zero3_staged "${demo[@]}" --dp 2 --zero 3
+  run_one gpt2_train_dp2_tp2_staged "${demo[@]}" --dp 2 --tp 2
+  run_one gpt2_train_pp2_staged "${demo[@]}" --pp 2
+  run_one gpt2_train_nccl_1 "${demo[@]}" --comm nccl
+  # GPT-2 small at sequence 1024 on one GPU (float, TF32): the first throughput figure; MFU
+  # against the H100 SXM's dense TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
+  run_one gpt2_train_small_1024 ./gpt2_train --device cuda --model small --batch 8 --micro-batch 8 --seq 1024 \
+          --steps 8 --log-every 1 --lr 6e-4 --peak-tflops 494.7
+  printf '%-34s %4s %7s  %s\n' program rc seconds summary
+  printf '%s\n' "${table[@]}"
+}
+
+case "${1:-}" in
+  build) shift; build "$@" ;;
+  run) run ;;
+  *) sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
