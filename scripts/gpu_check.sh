@@ -5,11 +5,13 @@
 #                                       # gpt2_train for sm_ARCH (default 90) into build-gpu/
 #   scripts/gpu_check.sh run            # there (run with carry ["build-gpu"]): run them all
 #
-# The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest or
-# CLI11, so the programs are built here and carried (the binaries only: a few tens of MiB).
+# The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest,
+# CLI11 or OpenMPI, so the programs are built here without MPI, for a generic x86-64 (no
+# -march=native), and carried: the binaries only, about 12 MiB.
 # `run` finds the CUDA and NCCL libraries the binaries need, runs every CUDA test program and a
-# few gpt2_train layouts, writes each one's output under $OUT (or build-gpu/logs), and prints a
-# table last: name, exit code (77 = skipped), seconds, and the line that matters.
+# few gpt2_train layouts, then bench/pytorch_gpu.py (PyTorch's GPT-2 small steps on the same GPU),
+# writes each one's output under $OUT (or build-gpu/logs), and prints a table last: name, exit
+# code (77 = skipped), seconds, and the line that matters.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$root/build-gpu"
@@ -21,7 +23,7 @@ build() {
   set -e
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_ENABLE_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="$arch" -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_EXAMPLES=ON \
-        -DLOOM_BUILD_BENCH=OFF -DLOOM_EXAMPLES_NATIVE=OFF
+        -DLOOM_BUILD_BENCH=OFF -DLOOM_EXAMPLES_NATIVE=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
   cmake --build "$build_dir" --target "${programs[@]}" gpt2_train
   rm -rf "$bin" && mkdir -p "$bin"
   for p in "${programs[@]}"; do cp "$build_dir/tests/cuda/$p" "$bin/"; done
@@ -56,7 +58,7 @@ run() {
     (cd "$bin" && timeout 900 "$@") > "$logs/$name.log" 2>&1
     rc=$?
     seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
-    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error" "$logs/$name.log" | tail -1)
+    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-" "$logs/$name.log" | tail -1)
     table+=("$(printf '%-34s %4s %7.1f  %s' "$name" "$rc" "$seconds" "$summary")")
   }
   for p in "${programs[@]}"; do run_one "$p" "./$p"; done
@@ -71,6 +73,8 @@ run() {
   # against the H100 SXM's dense TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
   run_one gpt2_train_small_1024 ./gpt2_train --device cuda --model small --batch 8 --micro-batch 8 --seq 1024 \
           --steps 8 --log-every 1 --lr 6e-4 --peak-tflops 494.7
+  # PyTorch on the same GPU (the device image has it): eager and compiled, fp32 (TF32) and bf16.
+  run_one pytorch_gpu python3 "$root/bench/pytorch_gpu.py" --json "$logs/pytorch_gpu.json"
   printf '%-34s %4s %7s  %s\n' program rc seconds summary
   printf '%s\n' "${table[@]}"
 }
