@@ -36,10 +36,14 @@ int train_on_gpu(const Options& o, World& world, int device) {
   loom::cuda backend(device);
   if (o.comm == "nccl" || o.comm == "mpi-nccl") {
 #if LOOM_EXAMPLE_WITH_NCCL
-    LOOM_CHECK(o.pp == 1, "--pp", o.pp,
-               "pipeline stages over NCCL are not supported yet (NCCL matches point-to-point messages in "
-               "the order they are issued and has no tags, which interleaved schedules need); use --comm "
-               "threads or mpi, which stage GPU buffers through host memory, with --pp");
+    // NCCL matches point-to-point messages in issue order, without tags, and a send holds up the
+    // rank's stream until it is received: under those rules only GPipe's order is safe
+    // (tests/unit/test_pipeline_stream_order.cpp); 1F1B, ZB-H1 and interleaved would deadlock.
+    LOOM_CHECK(o.pp == 1 || o.schedule == "gpipe", "--schedule", o.schedule,
+               "pipeline stages over NCCL run --schedule gpipe only for now: 1F1B, ZB-H1 and interleaved "
+               "schedules would deadlock under NCCL's in-order point-to-point (a send and a receive "
+               "between two stages need to be issued as one group, which loom's communicators cannot "
+               "do yet); use --comm threads or mpi, which stage GPU buffers through host memory");
     loom::nccl::Communicator group = loom::nccl::Communicator::bootstrap(backend, world);
     return train_on(o, backend, group);
 #else

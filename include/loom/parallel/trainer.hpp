@@ -686,23 +686,31 @@ class Trainer {
       T* grads = engine_.backward_grads(0).at(tied.offset, tied.numel);
       for (std::int64_t begin = 0; begin < tied.numel; begin += piece) {
         const std::int64_t n = std::min(piece, tied.numel - begin);
-        std::vector<Request>& sent = tied_sent_;  // kept between steps: no allocation per step
-        sent.clear();
-        for (int h : tied.holders)
-          if (h != me) sent.push_back(pipeline_.send_async(std::span<const T>(grads + begin, static_cast<std::size_t>(n)), h, tag));
-        // Each holder's piece: ours in place, the others received into the buffer.
+        const std::span<const T> mine(grads + begin, static_cast<std::size_t>(n));
+        // Each holder's piece, in holder order: ours in place, the others received into the
+        // buffer. The exchange goes pair by pair in holder order, the lower rank of a pair
+        // sending first: no two holders ever both wait to send to each other, which would
+        // deadlock where a send holds up the rank's later work until it is received (NCCL's
+        // stream order; test_pipeline_stream_order).
         std::vector<const T*>& parts = tied_parts_;
         parts.clear();
         std::int64_t received = 0;
-        for (int h : tied.holders)
+        for (int h : tied.holders) {
           if (h == me) {
             parts.push_back(grads + begin);
-          } else {
-            T* into = tied_buffer_.data() + (1 + received++) * length;
-            pipeline_.recv(std::span<T>(into, static_cast<std::size_t>(n)), h, tag);
-            parts.push_back(into);
+            continue;
           }
-        for (auto& r : sent) r.wait();
+          T* into = tied_buffer_.data() + (1 + received++) * length;
+          const std::span<T> theirs(into, static_cast<std::size_t>(n));
+          if (me < h) {
+            pipeline_.send(mine, h, tag);
+            pipeline_.recv(theirs, h, tag);
+          } else {
+            pipeline_.recv(theirs, h, tag);
+            pipeline_.send(mine, h, tag);
+          }
+          parts.push_back(into);
+        }
         T* sum = tied_buffer_.data();
         copy<T>(*backend_, Tensor<T>(sum, Shape{n}), Tensor<const T>(parts[0], Shape{n}));
         for (std::size_t i = 1; i < parts.size(); ++i)
@@ -776,7 +784,6 @@ class Trainer {
   std::int64_t slot_elements_ = 0;
   Buffer<T, backend_type> workspace_, hidden_grads_, received_grad_, tied_buffer_;
   Buffer<std::int32_t, backend_type> batch_;  //!< the global batch in backend memory (device backends)
-  std::vector<Request> tied_sent_;      // exchange_tied_gradients' sends in flight
   std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
   detail::BufferPool<T, backend_type> mailbox_pool_;
   std::vector<std::pair<int, Buffer<T, backend_type>>> mailbox_;  // messages to this rank's own chunks
