@@ -42,9 +42,7 @@ int run_cpu(const Options& o, int& argc, char**& argv) {
   if (o.comm == "mpi") {
 #if LOOM_EXAMPLE_WITH_MPI
     return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
-      LOOM_CHECK(o.dp == 1 || o.dp * o.tp * o.pp == world.size(), "--dp", o.dp,
-                 "x --tp x --pp must equal the MPI world size (" + std::to_string(world.size()) +
-                     ") with --comm mpi (or leave --dp at 1 to take the rest)");
+      gpt2_example::check_mpi_world(o, world.size());
       // Each process uses --threads (0 = every core of its machine).
       loom::cpu backend(o.threads);
       const int code = train_on(o, backend, world);

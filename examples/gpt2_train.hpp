@@ -431,6 +431,14 @@ int train_on(const Options& o, Backend& backend, Group& world) {
   });
 }
 
+//! Under MPI the mesh is the world: --dp x --tp x --pp must equal its size, or --dp be left at 1
+//! to take what tp x pp leaves. Checked on every process before any work.
+inline void check_mpi_world(const Options& o, int world_size) {
+  LOOM_CHECK(o.dp == 1 || o.dp * o.tp * o.pp == world_size, "--dp", o.dp,
+             "x --tp x --pp must equal the MPI world size (" + std::to_string(world_size) + ") with --comm " +
+                 o.comm + " (or leave --dp at 1 to take the rest)");
+}
+
 //! --device cuda: trains on GPUs (gpt2_train_cuda.cu); throws where gpt2_train was built
 //! without CUDA.
 int run_cuda(const Options& o, int& argc, char**& argv);

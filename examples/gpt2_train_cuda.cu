@@ -70,9 +70,7 @@ int run_cuda(const Options& o, int& argc, char**& argv) {
   if (o.comm == "mpi" || o.comm == "mpi-nccl") {
 #if LOOM_EXAMPLE_WITH_MPI
     return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
-      LOOM_CHECK(o.dp == 1 || o.dp * o.tp * o.pp == world.size(), "--dp", o.dp,
-                 "x --tp x --pp must equal the MPI world size (" + std::to_string(world.size()) +
-                     ") with --comm " + o.comm + " (or leave --dp at 1 to take the rest)");
+      check_mpi_world(o, world.size());
       const int code = train_on_gpu(o, world, local_rank(world.rank()) % visible);
       if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
     });

@@ -763,7 +763,7 @@ TEST_CASE("adamw's first step moves every parameter by lr (bias correction); bad
                        doctest::Contains("sgd_momentum_update: argument grads element count: got 3"), Error);
 }
 
-TEST_CASE("sum_of_squares accumulates in double, deterministically; scale is the float product") {
+TEST_CASE("sum_of_squares and sum_elements accumulate in double, deterministically; scale is the float product") {
   if (!have_gpu()) return;
   loom::cuda be(0);
   for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{100003},
@@ -795,10 +795,26 @@ TEST_CASE("sum_of_squares accumulates in double, deterministically; scale is the
     scale<float>(be, dx.view(), factor);
     CHECK(dx.to_host(be) == scaled);
   }
+  // sum_elements: the same passes without the squares, against a long double sum.
+  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{1001}, (std::int64_t{1} << 20) + 3}) {
+    CAPTURE(n);
+    const std::vector<float> x = random_floats(n, 901);
+    long double exact = 0, magnitude = 0;
+    for (float v : x) {
+      exact += v;
+      magnitude += std::abs(v);
+    }
+    const DeviceTensor dx(be, x, Shape{n});
+    const double got = sum_elements<float>(be, dx.cview());
+    CHECK(std::abs(got - static_cast<double>(exact)) <= 1e-12 * static_cast<double>(magnitude));
+    CHECK(sum_elements<float>(be, dx.cview()) == got);
+  }
   // 2^24 + 1 ones: a float accumulator would stop at 2^24.
   const std::int64_t ones = (std::int64_t{1} << 24) + 1;
   const DeviceTensor one(be, std::vector<float>(static_cast<std::size_t>(ones), 1.0f), Shape{ones});
   CHECK(sum_of_squares<float>(be, one.cview()) == 16777217.0);
+  CHECK(sum_elements<float>(be, one.cview()) == 16777217.0);
+  CHECK(sum_elements<float>(be, Tensor<const float>{}) == 0.0);
   CHECK(sum_of_squares<float>(be, Tensor<const float>{}) == 0.0);
   CHECK(sum_of_squares<float>(be, Tensor<const float>(one.buffer.data(), Shape{0})) == 0.0);
   scale<float>(be, Tensor<float>{}, 2.0);  // empty: left alone

@@ -59,20 +59,25 @@ __global__ void scale_kernel(T* x, T factor, std::int64_t n) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) x[i] *= factor;
 }
 
+//! Enqueues *out = the sum (of squares when `Square`) of x[0, n) in double, n > 0: both passes,
+//! the first writing up to max_blocks partials into `partial`.
+template <bool Square, class T>
+void enqueue_sum(const cuda& be, const T* x, std::int64_t n, double* partial, double* out, const char* kernel) {
+  const std::int64_t blocks = blocks_for(n);
+  partial_sums_kernel<Square><<<static_cast<unsigned>(blocks), threads, 0, be.stream()>>>(partial, x, n);
+  cuda_check_launch(kernel);
+  total_kernel<<<1, threads, 0, be.stream()>>>(out, partial, blocks);
+  cuda_check_launch(kernel);
+}
+
 //! Sum (of squares when `Square`) of `x` in double on the host; see sum_of_squares.
 template <bool Square, class T>
 double sum_to_host(cuda& be, Tensor<const T> x, const char* kernel) {
-  namespace r = cuda_reduction;
   if (x.empty()) return 0.0;  // Tensor<T>{} has no data (its rank-0 shape counts one element)
-  const std::int64_t n = x.numel();
-  const std::int64_t blocks = r::blocks_for(n);
+  const std::int64_t blocks = blocks_for(x.numel());
   cuda_kernels::activate(be);
   Buffer<double, cuda> scratch(be, blocks + 1, MemoryCategory::workspace);
-  r::partial_sums_kernel<Square><<<static_cast<unsigned>(blocks), r::threads, 0, be.stream()>>>(scratch.data(),
-                                                                                                x.data(), n);
-  cuda_check_launch(kernel);
-  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(scratch.data() + blocks, scratch.data(), blocks);
-  cuda_check_launch(kernel);
+  enqueue_sum<Square>(be, x.data(), x.numel(), scratch.data(), scratch.data() + blocks, kernel);
   double total = 0;
   be.copy_to_host(&total, scratch.data() + blocks, sizeof(double));
   return total;
@@ -109,14 +114,8 @@ double sum_of_squares(cuda& be, std::span<const Tensor<const T>> parts) {
   be.fill_zero(totals, sizeof(double) * static_cast<std::size_t>(count));  // empty tensors add 0
   for (std::int64_t i = 0; i < count; ++i) {
     const Tensor<const T>& x = parts[static_cast<std::size_t>(i)];
-    if (x.empty()) continue;
-    const std::int64_t blocks = r::blocks_for(x.numel());
     // Stream order lets every tensor reuse the partials once the previous total has read them.
-    r::partial_sums_kernel<true><<<static_cast<unsigned>(blocks), r::threads, 0, be.stream()>>>(partial, x.data(),
-                                                                                                 x.numel());
-    detail::cuda_check_launch("sum_of_squares (parts) partial_sums_kernel");
-    r::total_kernel<<<1, r::threads, 0, be.stream()>>>(totals + i, partial, blocks);
-    detail::cuda_check_launch("sum_of_squares (parts) total_kernel");
+    if (!x.empty()) r::enqueue_sum<true>(be, x.data(), x.numel(), partial, totals + i, "sum_of_squares (parts)");
   }
   r::total_kernel<<<1, r::threads, 0, be.stream()>>>(totals + count, totals, count);
   detail::cuda_check_launch("sum_of_squares (parts) total_kernel");
