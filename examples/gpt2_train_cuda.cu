@@ -36,14 +36,6 @@ int train_on_gpu(const Options& o, World& world, int device) {
   loom::cuda backend(device);
   if (o.comm == "nccl" || o.comm == "mpi-nccl") {
 #if LOOM_EXAMPLE_WITH_NCCL
-    // NCCL matches point-to-point messages in issue order, without tags, and a send holds up the
-    // rank's stream until it is received: under those rules only GPipe's order is safe
-    // (tests/unit/test_pipeline_stream_order.cpp); 1F1B, ZB-H1 and interleaved would deadlock.
-    LOOM_CHECK(o.pp == 1 || o.schedule == "gpipe", "--schedule", o.schedule,
-               "pipeline stages over NCCL run --schedule gpipe only for now: 1F1B, ZB-H1 and interleaved "
-               "schedules would deadlock under NCCL's in-order point-to-point (a send and a receive "
-               "between two stages need to be issued as one group, which loom's communicators cannot "
-               "do yet); use --comm threads or mpi, which stage GPU buffers through host memory");
     loom::nccl::Communicator group = loom::nccl::Communicator::bootstrap(backend, world);
     return train_on(o, backend, group);
 #else
@@ -65,6 +57,17 @@ int local_rank(int world_rank) {
 }  // namespace
 
 int run_cuda(const Options& o, int& argc, char**& argv) {
+  if (o.comm == "nccl" || o.comm == "mpi-nccl") {
+    // NCCL matches point-to-point messages in issue order, without tags, and runs a rank's
+    // operations in order on its stream. The executor issues each send in one group with the next
+    // action's receive, which keeps GPipe, 1F1B and ZB-H1 safe under those rules; interleaved
+    // 1F1B still deadlocks (tests/unit/test_pipeline_stream_order.cpp).
+    LOOM_CHECK(o.pp == 1 || o.schedule != "interleaved", "--schedule", o.schedule,
+               "interleaved pipelines over NCCL would deadlock for now (the pipeline wraps around, so two "
+               "stages each hold a send to the other, which needs the next receives posted in the same "
+               "group); use gpipe, 1f1b or zb-h1 with NCCL, or --comm threads or mpi, which stage GPU "
+               "buffers through host memory");
+  }
   const int visible = loom::cuda::device_count();
   LOOM_CHECK(visible > 0, "--device", "cuda", "no CUDA device is available to this process");
   if (o.comm == "mpi" || o.comm == "mpi-nccl") {

@@ -14,6 +14,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -250,6 +251,16 @@ Failures check_broadcast(C& comm) {
   return failures;
 }
 
+//! Records every element of `got` that is not value(from, first_index + i).
+template <class T>
+void expect_received(Recorder& record, const std::vector<T>& got, int from, std::size_t first_index, const char* what) {
+  for (std::size_t i = 0; i < got.size(); ++i)
+    record.expect(as_double(got[i]) == value(from, first_index + i), [&] {
+      return std::string(what) + ": element " + std::to_string(i) + " is " + std::to_string(as_double(got[i])) +
+             ", expected " + std::to_string(value(from, first_index + i));
+    });
+}
+
 //! send/recv: a ring (send_async to the next rank, blocking recv from the previous one), pairs
 //! exchanging with blocking calls, tags received out of order, and FIFO order within one tag.
 template <loom::Communicator C>
@@ -262,11 +273,7 @@ Failures check_send_recv(C& comm) {
     for (std::size_t count : lengths) {
       Recorder record(failures, describe("send/recv", type_name<T>(), count), rank);
       auto expect_values = [&](const std::vector<T>& got, int from, std::size_t first_index, const char* what) {
-        for (std::size_t i = 0; i < count; ++i)
-          record.expect(as_double(got[i]) == value(from, first_index + i), [&] {
-            return std::string(what) + ": element " + std::to_string(i) + " is " + std::to_string(as_double(got[i])) +
-                   ", expected " + std::to_string(value(from, first_index + i));
-          });
+        expect_received(record, got, from, first_index, what);
       };
       record.guard([&] {
         // Ring: every rank sends first, so send_async must not wait for the receiver.
@@ -315,6 +322,74 @@ Failures check_send_recv(C& comm) {
       });
     }
   });
+  return failures;
+}
+
+//! start_group: a ring where every rank sends to the next and receives from the previous in one
+//! group (every send offered before any receive completes, which deadlocks if a send waits for
+//! its receiver first), pairs exchanging both ways in one group, two groups in a row matched in
+//! issue order, and an empty group. All tags are 0, so a communicator without tags (NCCL) runs
+//! it too.
+template <loom::Communicator C>
+Failures check_group(C& comm) {
+  Failures failures;
+  const int n = comm.size(), rank = comm.rank();
+  {
+    Recorder record(failures, "start_group(empty)", rank);
+    record.guard([&] {
+      std::vector<loom::Request> none = comm.start_group(std::span<const loom::CollectiveCall>());
+      record.expect(none.empty(), [&] { return std::to_string(none.size()) + " requests for an empty group"; });
+    });
+  }
+  if (n < 2) return failures;
+  const int next = (rank + 1) % n, previous = (rank + n - 1) % n;
+  for_each_type([&]<class T>() {
+    for (std::size_t count : lengths) {
+      Recorder record(failures, describe("start_group", type_name<T>(), count), rank);
+      auto expect_values = [&](const std::vector<T>& got, int from, std::size_t first_index, const char* what) {
+        expect_received(record, got, from, first_index, what);
+      };
+      record.guard([&] {
+        // Ring, the send listed first on every rank.
+        std::vector<T> out = values_of<T>(rank, count), in(count);
+        const std::array ring{comm.send_call(std::span<const T>(out), next), comm.recv_call(std::span<T>(in), previous)};
+        std::vector<loom::Request> done = comm.start_group(ring);
+        record.expect(done.size() == 2, [&] { return std::to_string(done.size()) + " requests for a group of 2"; });
+        loom::wait_all(done);
+        expect_values(in, previous, 0, "ring");
+      });
+      record.guard([&] {
+        // Pairs (0, 1), (2, 3), ...: both send first in one group; then a second group in a row.
+        const int partner = rank ^ 1;
+        if (partner >= n) return;
+        std::vector<T> first = values_of<T>(rank, count, 100), second = values_of<T>(rank, count, 200);
+        std::vector<T> got_first(count), got_second(count);
+        const std::array one{comm.send_call(std::span<const T>(first), partner),
+                             comm.recv_call(std::span<T>(got_first), partner)};
+        const std::array two{comm.recv_call(std::span<T>(got_second), partner),
+                             comm.send_call(std::span<const T>(second), partner)};
+        std::vector<loom::Request> a = comm.start_group(one);
+        std::vector<loom::Request> b = comm.start_group(two);
+        b[0].wait();  // the second group's receive, before anything of the first is waited for
+        loom::wait_all(a);
+        loom::wait_all(b);
+        expect_values(got_first, partner, 100, "pair, first group");
+        expect_values(got_second, partner, 200, "pair, second group");
+      });
+    }
+  });
+  Recorder record(failures, "start_group(bad call)", rank);
+  bool refused = false;
+  try {
+    std::vector<float> data(1);
+    const std::array bad{loom::CollectiveCall{.kind = loom::Collective::all_reduce, .input = data.data(),
+                                              .output = data.data(), .count = 1}};
+    std::vector<loom::Request> done = comm.start_group(bad);
+    loom::wait_all(done);
+  } catch (const std::exception&) {
+    refused = true;
+  }
+  record.expect(refused, [] { return std::string("a group holding an all_reduce was not refused"); });
   return failures;
 }
 
@@ -499,8 +574,8 @@ template <loom::Communicator C>
 Failures run_all(C& comm) {
   Failures all;
   for (Failures part : {check_all_reduce(comm), check_reduce_scatter(comm), check_all_gather(comm),
-                        check_broadcast(comm), check_send_recv(comm), check_barrier(comm), check_split(comm),
-                        check_in_flight(comm)})
+                        check_broadcast(comm), check_send_recv(comm), check_group(comm), check_barrier(comm),
+                        check_split(comm), check_in_flight(comm)})
     all.insert(all.end(), part.begin(), part.end());
   return all;
 }

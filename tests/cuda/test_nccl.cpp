@@ -19,13 +19,13 @@ int gpus() { return cuda::device_count(); }
 
 //! The collectives that NCCL supports with loom's semantics. Point-to-point messages are
 //! matched in issue order per peer (NCCL has no tags), so the tagged send/recv patterns of the
-//! suite are not among them.
+//! suite are not among them; its groups (untagged, both ways at once) are.
 conformance::Failures nccl_conformance(nccl::Communicator& comm) {
   conformance::Failures all;
   for (conformance::Failures part :
        {conformance::check_all_reduce(comm), conformance::check_reduce_scatter(comm),
-        conformance::check_all_gather(comm), conformance::check_broadcast(comm), conformance::check_barrier(comm),
-        conformance::check_split(comm), conformance::check_in_flight(comm)})
+        conformance::check_all_gather(comm), conformance::check_broadcast(comm), conformance::check_group(comm),
+        conformance::check_barrier(comm), conformance::check_split(comm), conformance::check_in_flight(comm)})
     all.insert(all.end(), part.begin(), part.end());
   return all;
 }

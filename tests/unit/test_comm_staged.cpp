@@ -4,6 +4,7 @@
 // asynchronous, in place, in sub-groups and through a CommunicatorRef.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cstddef>
 #include <cstring>
 #include <span>
@@ -283,6 +284,16 @@ TEST_CASE("staged: asynchronous calls copy the result back when wait() or test()
     sent.wait();
     expect(ScrambledCpu::to_plain(in) == values(previous, count), "recv_async values");
     copies.expect_since(1, 1, count * sizeof(float), count * sizeof(float), "send_async + recv_async");
+
+    // The same ring as one group: the send staged in at the start, the receive copied out at the
+    // end.
+    std::vector<float> group_out = ScrambledCpu::to_device(values(rank, count + 3)), group_in(count + 3);
+    const std::array ring{comm.send_call(std::span<const float>(group_out), next, 8),
+                          comm.recv_call(std::span<float>(group_in), previous, 8)};
+    std::vector<loom::Request> done = comm.start_group(ring);
+    loom::wait_all(done);
+    expect(ScrambledCpu::to_plain(group_in) == values(previous, count + 3), "start_group values");
+    copies.expect_since(1, 1, (count + 3) * sizeof(float), (count + 3) * sizeof(float), "start_group");
 
     // A request destroyed without wait() completes, copy back included; one in flight
     // survives moving the communicator.

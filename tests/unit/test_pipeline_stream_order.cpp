@@ -1,14 +1,17 @@
-// Which pipeline schedules the executor can run over NCCL, found on the CPU: NCCL has no tags
+// Whether the executor runs every pipeline schedule over NCCL, found on the CPU: NCCL has no tags
 // (point-to-point messages between two ranks match in the order they were issued) and it runs
 // every operation of a rank in order on the rank's stream, so a send holds up everything the rank
-// issued after it until its receiver has posted the matching receive. StreamOrderCommunicator
-// gives thread ranks exactly those rules; a schedule whose messages would match wrongly fails
-// with the tags that NCCL would have mixed up, and one that would deadlock times out.
+// issued after it until its receiver has posted the matching receive; only the sends and
+// receives of one group (ncclGroupStart/End) progress together. StreamOrderCommunicator gives
+// thread ranks exactly those rules; a schedule whose messages would match wrongly fails with the
+// tags that NCCL would have mixed up, and one that would deadlock times out.
 #include <doctest/doctest.h>
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -21,10 +24,12 @@ using namespace loom::test;
 
 namespace {
 
-//! Thread ranks under NCCL's ordering rules. Every operation completes before the next starts
-//! (one stream); a send completes when its receiver has taken it (rendezvous: the receiver
-//! acknowledges); sends and receives between two ranks match in issue order whatever their
-//! tags, and a receive that gets a message tagged otherwise than it asked throws, naming both.
+//! Thread ranks under NCCL's ordering rules. Every operation, or group of sends and receives,
+//! completes before the next starts (one stream); a send completes when its receiver has taken
+//! it (rendezvous: the receiver acknowledges); sends and receives between two ranks match in
+//! issue order whatever their tags, and a receive that gets a message tagged otherwise than it
+//! asked throws, naming both. Within a group every send is offered before any receive waits, and
+//! the group ends when its receives have arrived and its sends have been taken.
 class StreamOrderCommunicator : public CollectiveInterface<StreamOrderCommunicator> {
  public:
   using loom_communicator = void;
@@ -34,40 +39,61 @@ class StreamOrderCommunicator : public CollectiveInterface<StreamOrderCommunicat
   int size() const { return inner_.size(); }
 
   void run(const CollectiveCall& call) {
-    if (call.kind == Collective::send) {
-      const float tag = static_cast<float>(call.tag);
-      inner_.send(std::span<const float>(&tag, 1), call.peer, message_tag);
-      CollectiveCall payload = call;
-      payload.tag = message_tag;
-      inner_.run(payload);
-      float ack = 0;
-      inner_.recv(std::span<float>(&ack, 1), call.peer, ack_tag);
-    } else if (call.kind == Collective::recv) {
-      float tag = 0;
-      inner_.recv(std::span<float>(&tag, 1), call.peer, message_tag);
-      if (static_cast<int>(tag) != call.tag)
-        throw Error("stream-order recv: rank " + std::to_string(rank()) + " from rank " + std::to_string(call.peer) +
-                        ": asked for the message tagged " + std::to_string(call.tag),
-                    static_cast<int>(tag), "NCCL would deliver this message (issued first between the two ranks) instead");
-      CollectiveCall payload = call;
-      payload.tag = message_tag;
-      inner_.run(payload);
-      const float ack = 1;
-      inner_.send(std::span<const float>(&ack, 1), call.peer, ack_tag);
-    } else {
+    if (call.kind == Collective::send || call.kind == Collective::recv)
+      start_group(std::span<const CollectiveCall>(&call, 1));
+    else
       inner_.run(call);
-    }
   }
   //! Runs `call` to completion: the stream would not start anything after it before it ends.
   Request start(const CollectiveCall& call) {
     run(call);
     return Request();
   }
+  //! Runs the group to completion.
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
+    check_group(calls);
+    std::erase_if(acknowledgements_, [](Request& r) { return r.test(); });
+    std::vector<float> tags;  // headers: each send's tag, ahead of its payload on one inner tag
+    tags.reserve(calls.size());
+    std::vector<Request> offered;
+    for (const CollectiveCall& call : calls)
+      if (call.kind == Collective::send) {
+        tags.push_back(static_cast<float>(call.tag));
+        offered.push_back(inner_.send_async(std::span<const float>(&tags.back(), 1), call.peer, message_tag));
+        CollectiveCall payload = call;
+        payload.tag = message_tag;
+        offered.push_back(inner_.start(payload));
+      }
+    for (const CollectiveCall& call : calls)
+      if (call.kind == Collective::recv) {
+        float tag = 0;
+        inner_.recv(std::span<float>(&tag, 1), call.peer, message_tag);
+        if (static_cast<int>(tag) != call.tag)
+          throw Error("stream-order recv: rank " + std::to_string(rank()) + " from rank " + std::to_string(call.peer) +
+                          ": asked for the message tagged " + std::to_string(call.tag),
+                      static_cast<int>(tag),
+                      "NCCL would deliver this message (issued first between the two ranks) instead");
+        CollectiveCall payload = call;
+        payload.tag = message_tag;
+        inner_.run(payload);
+        // The sender takes the acknowledgement after its group's own receives: not waited for.
+        acknowledgements_.push_back(inner_.send_async(std::span<const float>(&acknowledgement, 1), call.peer, ack_tag));
+      }
+    for (const CollectiveCall& call : calls)
+      if (call.kind == Collective::send) {
+        float ack = 0;
+        inner_.recv(std::span<float>(&ack, 1), call.peer, ack_tag);
+      }
+    wait_all(offered);
+    return std::vector<Request>(calls.size());
+  }
   StreamOrderCommunicator split(int color, int key) { return StreamOrderCommunicator(inner_.split(color, key)); }
 
  private:
   static constexpr int message_tag = 0, ack_tag = 1;
+  static constexpr float acknowledgement = 1;
   threads::Communicator inner_;
+  std::vector<Request> acknowledgements_;  // sent, not yet taken
 };
 static_assert(Communicator<StreamOrderCommunicator>);
 
@@ -103,29 +129,42 @@ std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milli
   return outcome;
 }
 
+//! A deadlock shows as a timeout: 60 s, or LOOM_TEST_STREAM_ORDER_TIMEOUT_MS.
+std::chrono::milliseconds stream_order_timeout() {
+  const char* ms = std::getenv("LOOM_TEST_STREAM_ORDER_TIMEOUT_MS");
+  return std::chrono::milliseconds(ms != nullptr ? std::atoi(ms) : 60000);
+}
+
 }  // namespace
 
-TEST_CASE("under NCCL's ordering rules GPipe trains as one rank on every pipeline shape") {
+TEST_CASE("under NCCL's ordering rules GPipe, 1F1B and ZB-H1 train as one rank on every pipeline shape") {
+  // Before the executor issued each send in one group with the next action's receive, 1F1B and
+  // ZB-H1 deadlocked here: stage 0 sent micro-batch 1's activation while the last stage sent
+  // micro-batch 0's gradient, each send waiting for a receive the other rank had queued behind
+  // its own send.
+  const auto trains_as_one_rank = [](MeshShape shape, auto schedule, std::string schedule_name) {
+    CAPTURE(shape);
+    CAPTURE(schedule_name);
+    const std::string outcome = stream_order_outcome(shape, schedule, stream_order_timeout());
+    CHECK_MESSAGE(outcome.empty(), outcome);
+  };
   for (const MeshShape shape : {MeshShape{.dp = 1, .tp = 1, .pp = 2}, MeshShape{.dp = 1, .tp = 1, .pp = 4},
                                 MeshShape{.dp = 2, .tp = 1, .pp = 2}, MeshShape{.dp = 1, .tp = 2, .pp = 2}}) {
-    CAPTURE(shape);
-    const std::string outcome = stream_order_outcome(shape, GPipe{}, std::chrono::seconds(60));
-    CHECK_MESSAGE(outcome.empty(), outcome);
+    trains_as_one_rank(shape, GPipe{}, "GPipe");
+    trains_as_one_rank(shape, OneFOneB{}, "1F1B");
+    trains_as_one_rank(shape, ZeroBubbleH1{}, "ZB-H1");
   }
 }
 
-TEST_CASE("under NCCL's ordering rules 1F1B, ZB-H1 and interleaved deadlock (so they are refused over NCCL)") {
-  // Stage 0 sends micro-batch 1's activation while the last stage sends micro-batch 0's gradient:
-  // each send waits for a receive the other rank has queued behind its own send. Megatron issues
-  // such pairs as one group (batched isend/irecv); loom's communicators have no grouped
-  // send-and-receive yet, so gpt2_train and the docs refuse these schedules with NCCL. This test
-  // turns red when that changes, to say so.
-  const MeshShape shape{.dp = 1, .tp = 1, .pp = 2};
-  const auto deadlocks = [&](auto schedule) {
-    const std::string outcome = stream_order_outcome(shape, schedule, std::chrono::seconds(3));
-    CHECK_MESSAGE(outcome.find("did not receive") != std::string::npos, outcome);
-  };
-  deadlocks(OneFOneB{});
-  deadlocks(ZeroBubbleH1{});
-  deadlocks(Interleaved1F1B{.virtual_stages = 2});
+TEST_CASE("under NCCL's ordering rules interleaved 1F1B still deadlocks (so it is refused over NCCL)") {
+  // The pipeline wraps around (virtual stage 1 on rank 1 feeds stage 2 on rank 0), so two ranks
+  // come to hold a gradient send to each other at once, and pairing each send with the next
+  // action's receive does not cover it: rank 1's gradient for stage 2 waits in a group whose
+  // receive rank 0 has matched, while rank 0 sends stage 1's gradient first. Megatron-LM posts
+  // the next iteration's receives with this one's sends (four operations per group); the
+  // executor does not yet. This test turns red when that changes, to say so.
+  const std::string outcome =
+      stream_order_outcome(MeshShape{.dp = 1, .tp = 1, .pp = 2}, Interleaved1F1B{.virtual_stages = 2},
+                           std::chrono::seconds(3));
+  CHECK_MESSAGE(outcome.find("within 3000 ms") != std::string::npos, outcome);
 }

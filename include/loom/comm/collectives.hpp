@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "loom/comm/concepts.hpp"
 #include "loom/comm/request.hpp"
@@ -15,7 +17,10 @@ namespace loom {
 
 //! Derive `class MyComm : public CollectiveInterface<MyComm>` and provide `rank()`, `size()`,
 //! `run(const CollectiveCall&)` and `start(const CollectiveCall&) -> Request`; this adds the
-//! typed blocking and asynchronous collectives of the Communicator concept.
+//! typed blocking and asynchronous collectives of the Communicator concept, and a start_group
+//! that starts each call of the group in turn (right where start() never waits for a peer; a
+//! communicator whose operations wait in issue order, like NCCL's on one stream, provides its
+//! own).
 template <class Derived>
 class CollectiveInterface {
  public:
@@ -45,12 +50,12 @@ class CollectiveInterface {
   //! be reused.
   template <CommScalar T>
   void send(std::span<const T> data, int peer, int tag = 0) {
-    self().run(point_to_point_call(Collective::send, data.data(), nullptr, data.size(), dtype_of<T>, peer, tag));
+    self().run(send_call(data, peer, tag));
   }
   //! Receives `data.size()` elements sent by rank `peer` with `tag`.
   template <CommScalar T>
   void recv(std::span<T> data, int peer, int tag = 0) {
-    self().run(point_to_point_call(Collective::recv, nullptr, data.data(), data.size(), dtype_of<T>, peer, tag));
+    self().run(recv_call(data, peer, tag));
   }
   //! Returns when every rank has called barrier().
   void barrier() { self().run(CollectiveCall{.kind = Collective::barrier}); }
@@ -74,11 +79,40 @@ class CollectiveInterface {
   }
   template <CommScalar T>
   Request send_async(std::span<const T> data, int peer, int tag = 0) {
-    return self().start(point_to_point_call(Collective::send, data.data(), nullptr, data.size(), dtype_of<T>, peer, tag));
+    return self().start(send_call(data, peer, tag));
   }
   template <CommScalar T>
   Request recv_async(std::span<T> data, int peer, int tag = 0) {
-    return self().start(point_to_point_call(Collective::recv, nullptr, data.data(), data.size(), dtype_of<T>, peer, tag));
+    return self().start(recv_call(data, peer, tag));
+  }
+
+  //! Starts the sends and receives of `calls` as one unit: none of them waits for another to
+  //! complete, so a rank may send to a peer and receive from it (or from another) in one group
+  //! without either waiting for the other first. Returns one Request per call, in order (on
+  //! some communicators, NCCL's, each completes only with the whole group). The calls must be
+  //! send or recv (see send_call and recv_call); between two ranks, sends and receives of one
+  //! tag still match in issue order, across groups too.
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
+    check_group(calls);
+    std::vector<Request> requests;
+    requests.reserve(calls.size());
+    for (const CollectiveCall& call : calls) requests.push_back(self().start(call));
+    return requests;
+  }
+
+  //! The CollectiveCall of send(data, peer, tag), checked, for start_group.
+  template <CommScalar T>
+  CollectiveCall send_call(std::span<const T> data, int peer, int tag = 0) const {
+    return point_to_point_call(Collective::send, data.data(), nullptr, data.size(), dtype_of<T>, peer, tag);
+  }
+  template <CommScalar T>
+  CollectiveCall send_call(std::span<T> data, int peer, int tag = 0) const {
+    return send_call(std::span<const T>(data), peer, tag);
+  }
+  //! The CollectiveCall of recv(data, peer, tag), checked, for start_group.
+  template <CommScalar T>
+  CollectiveCall recv_call(std::span<T> data, int peer, int tag = 0) const {
+    return point_to_point_call(Collective::recv, nullptr, data.data(), data.size(), dtype_of<T>, peer, tag);
   }
 
   // The same calls on spans of mutable data where the interface reads (spans do not convert
@@ -106,6 +140,18 @@ class CollectiveInterface {
   template <CommScalar T>
   Request send_async(std::span<T> data, int peer, int tag = 0) {
     return send_async(std::span<const T>(data), peer, tag);
+  }
+
+ protected:
+  //! A group may hold only sends and receives, to ranks of the group other than this one.
+  void check_group(std::span<const CollectiveCall> calls) const {
+    for (const CollectiveCall& call : calls) {
+      LOOM_CHECK(call.kind == Collective::send || call.kind == Collective::recv, "start_group: a call",
+                 std::string(name(call.kind)), "must be a send or a recv");
+      const std::string what = std::string("start_group: peer of a ") + std::string(name(call.kind));
+      check_rank(call.peer, what);
+      LOOM_CHECK(call.peer != self().rank(), what, call.peer, "must differ from this rank");
+    }
   }
 
  private:

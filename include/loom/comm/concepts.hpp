@@ -11,6 +11,7 @@
 #include <span>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "loom/comm/request.hpp"
 #include "loom/core/bf16.hpp"
@@ -117,17 +118,19 @@ struct CommOptions {
 //! a non-template core that runs a CollectiveCall blocking (`run`) or asynchronously (`start`,
 //! returning a loom::Request), typed collectives over spans of float, double and bf16 (the
 //! CollectiveInterface front end provides them from the core), and `split(color, key)` making
-//! sub-groups (collective; ranks with the same color form a group, ordered by key then rank).
+//! sub-groups (collective; ranks with the same color form a group, ordered by key then rank),
+//! and `start_group` starting several sends and receives as one unit (none waits for another).
 //! Opt in with `using loom_communicator = void;`.
 template <class C>
 concept Communicator =
     requires { typename C::loom_communicator; } && std::movable<C> &&
     requires(C& c, const C& cc, const CollectiveCall& call, std::span<float> data,
-             std::span<const float> input, int color, int key) {
+             std::span<const float> input, std::span<const CollectiveCall> group, int color, int key) {
       { cc.rank() } -> std::convertible_to<int>;
       { cc.size() } -> std::convertible_to<int>;
       c.run(call);
       { c.start(call) } -> std::same_as<Request>;
+      { c.start_group(group) } -> std::same_as<std::vector<Request>>;
       { c.split(color, key) } -> std::same_as<C>;
       c.all_reduce(data, ReduceOp::sum);
       c.reduce_scatter(input, data, ReduceOp::sum);

@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/comm/collectives.hpp"
@@ -211,14 +212,31 @@ class Communicator : public CollectiveInterface<Communicator> {
     state_->check_healthy();
     if (call.kind == Collective::barrier) return start(barrier_call());
     if (on_host(call)) {
-      run_staged(call);
+      run_staged(std::span<const CollectiveCall>(&call, 1));
       return {};
     }
     enqueue(call);
-    cudaEvent_t event = nullptr;
-    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    LOOM_CUDA_CHECK(cudaEventRecord(event, state_->backend->stream()));
-    return Request(detail::EventRequest(state_, event, call));
+    return completion(call);
+  }
+
+  //! Starts the sends and receives of `calls` as one NCCL group (ncclGroupStart/ncclGroupEnd):
+  //! they progress together on the stream, so a rank may send to a peer and receive from it in
+  //! one group, where a send issued alone would hold up the stream until its receiver posts the
+  //! receive. One Request per call, each complete when the whole group is. Host buffers: the
+  //! group is staged and completes before this returns.
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
+    state_->check_healthy();
+    this->check_group(calls);
+    std::vector<Request> requests(calls.size());
+    if (calls.empty()) return requests;
+    for (const CollectiveCall& call : calls)
+      if (on_host(call)) {
+        run_staged(calls);
+        return requests;
+      }
+    enqueue_group(calls);
+    for (std::size_t i = 0; i < calls.size(); ++i) requests[i] = completion(calls[i]);
+    return requests;
   }
 
   //! Ranks with the same `color` form a new group, ordered by `key` then rank (ncclCommSplit;
@@ -291,42 +309,78 @@ class Communicator : public CollectiveInterface<Communicator> {
     s.finish(r, "nccl enqueue");
   }
 
-  //! Host buffers: copied to device scratch, run there, copied back.
-  void run_staged(const CollectiveCall& call) {
+  //! A Request that completes with what was last enqueued on the stream.
+  Request completion(const CollectiveCall& call) {
+    cudaEvent_t event = nullptr;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    LOOM_CUDA_CHECK(cudaEventRecord(event, state_->backend->stream()));
+    return Request(detail::EventRequest(state_, event, call));
+  }
+
+  //! Issues the calls as one group on the stream (device buffers).
+  void enqueue_group(std::span<const CollectiveCall> calls) {
+    state_->finish(ncclGroupStart(), "ncclGroupStart");
+    for (const CollectiveCall& call : calls) enqueue(call);
+    state_->finish(ncclGroupEnd(), "ncclGroupEnd");
+  }
+
+  //! Host buffers: each call's data copied to device scratch, the calls run there (as one group
+  //! when there are several), the results copied back.
+  void run_staged(std::span<const CollectiveCall> calls) {
     loom::cuda& be = *state_->backend;
-    const std::size_t element = size_of(call.dtype), n = static_cast<std::size_t>(size());
-    std::size_t in_bytes = 0, out_bytes = 0;
-    switch (call.kind) {
-      case Collective::all_reduce:
-      case Collective::broadcast: in_bytes = out_bytes = call.count * element; break;
-      case Collective::reduce_scatter: in_bytes = n * call.count * element, out_bytes = call.count * element; break;
-      case Collective::all_gather: in_bytes = call.count * element, out_bytes = n * call.count * element; break;
-      case Collective::send: in_bytes = call.count * element; break;
-      case Collective::recv: out_bytes = call.count * element; break;
-      case Collective::barrier: break;
+    const std::size_t n = static_cast<std::size_t>(size());
+    // Per call: bytes read (input) and written (output); all_reduce and broadcast work on
+    // `output` alone and read it.
+    auto bytes_of = [n](const CollectiveCall& call) -> std::pair<std::size_t, std::size_t> {
+      const std::size_t b = call.bytes();
+      switch (call.kind) {
+        case Collective::all_reduce:
+        case Collective::broadcast: return {0, b};
+        case Collective::reduce_scatter: return {n * b, b};
+        case Collective::all_gather: return {b, n * b};
+        case Collective::send: return {b, 0};
+        case Collective::recv: return {0, b};
+        case Collective::barrier: break;
+      }
+      return {0, 0};
+    };
+    std::size_t total = 0;
+    for (const CollectiveCall& call : calls) {
+      const auto [in, out] = bytes_of(call);
+      total += in + out;
     }
-    const std::size_t total = in_bytes + out_bytes;
-    void* scratch = be.allocate(total == 0 ? 1 : total, MemoryCategory::communication);
+    const std::size_t scratch_bytes = total == 0 ? 1 : total;
+    void* scratch = be.allocate(scratch_bytes, MemoryCategory::communication);
     struct Free {
       loom::cuda& be;
       void* p;
       std::size_t bytes;
       ~Free() { be.deallocate(p, bytes, MemoryCategory::communication); }
-    } free_scratch{be, scratch, total == 0 ? 1 : total};
-    auto* in = static_cast<char*>(scratch);
-    char* out = in + in_bytes;
-    CollectiveCall device = call;
-    if (in_bytes > 0 && call.input != nullptr) be.copy_from_host(in, call.input, in_bytes);
-    // In-place forms read the output buffer; all_reduce and broadcast work on `output` alone.
-    if (call.kind == Collective::all_reduce || call.kind == Collective::broadcast) {
-      be.copy_from_host(out, call.output, out_bytes);
-      device.output = out;
-    } else {
-      device.input = in;
-      device.output = out;
+    } free_scratch{be, scratch, scratch_bytes};
+    std::vector<CollectiveCall> device(calls.begin(), calls.end());
+    char* next = static_cast<char*>(scratch);
+    for (CollectiveCall& call : device) {
+      const auto [in_bytes, out_bytes] = bytes_of(call);
+      char* in = next;
+      char* out = in + in_bytes;
+      next = out + out_bytes;
+      if (call.kind == Collective::all_reduce || call.kind == Collective::broadcast) {
+        be.copy_from_host(out, call.output, out_bytes);
+        call.input = out;
+      } else {
+        if (in_bytes > 0) be.copy_from_host(in, call.input, in_bytes);
+        call.input = in;
+      }
+      call.output = out;
     }
-    run(device);
-    if (out_bytes > 0) be.copy_to_host(call.output, out, out_bytes);
+    if (device.size() == 1)
+      enqueue(device.front());
+    else
+      enqueue_group(device);
+    completion(device.front()).wait();
+    for (std::size_t i = 0; i < device.size(); ++i)
+      if (const std::size_t out_bytes = bytes_of(device[i]).second; out_bytes > 0 && device[i].kind != Collective::send)
+        be.copy_to_host(calls[i].output, device[i].output, out_bytes);
   }
 
   std::shared_ptr<detail::State> state_;

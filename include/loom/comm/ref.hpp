@@ -4,7 +4,9 @@
 //! MPI, NCCL) it runs over; the cost is one indirect call per collective, which moves a whole
 //! gradient bucket.
 
+#include <span>
 #include <type_traits>
+#include <vector>
 
 #include "loom/comm/collectives.hpp"
 #include "loom/comm/concepts.hpp"
@@ -30,6 +32,8 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
   void run(const CollectiveCall& call) { ops_->run(object_, call); }
   //! Starts `call` on the referenced communicator.
   Request start(const CollectiveCall& call) { return ops_->start(object_, call); }
+  //! Starts the group on the referenced communicator (its own start_group).
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) { return ops_->start_group(object_, calls); }
 
  private:
   struct Ops {
@@ -37,18 +41,21 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
     int (*size)(const void*);
     void (*run)(void*, const CollectiveCall&);
     Request (*start)(void*, const CollectiveCall&);
+    std::vector<Request> (*start_group)(void*, std::span<const CollectiveCall>);
   };
   template <class C>
   static constexpr Ops ops_for{
       [](const void* c) { return static_cast<int>(static_cast<const C*>(c)->rank()); },
       [](const void* c) { return static_cast<int>(static_cast<const C*>(c)->size()); },
       [](void* c, const CollectiveCall& call) { static_cast<C*>(c)->run(call); },
-      [](void* c, const CollectiveCall& call) { return static_cast<C*>(c)->start(call); }};
+      [](void* c, const CollectiveCall& call) { return static_cast<C*>(c)->start(call); },
+      [](void* c, std::span<const CollectiveCall> calls) { return static_cast<C*>(c)->start_group(calls); }};
 
   static constexpr Ops self_ops{
       [](const void*) { return 0; }, [](const void*) { return 1; },
       [](void*, const CollectiveCall& call) { SelfCommunicator{}.run(call); },
-      [](void*, const CollectiveCall& call) { return SelfCommunicator{}.start(call); }};
+      [](void*, const CollectiveCall& call) { return SelfCommunicator{}.start(call); },
+      [](void*, std::span<const CollectiveCall> calls) { return SelfCommunicator{}.start_group(calls); }};
 
   void* object_;
   const Ops* ops_;

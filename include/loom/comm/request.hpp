@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <new>
+#include <span>
 #include <type_traits>
 #include <utility>
 
@@ -119,5 +120,10 @@ class Request {
   alignas(std::max_align_t) unsigned char storage_[inline_bytes];
   const Ops* ops_ = nullptr;
 };
+
+//! Waits for every request of `requests` (e.g. a start_group's), in order.
+inline void wait_all(std::span<Request> requests) {
+  for (Request& r : requests) r.wait();
+}
 
 }  // namespace loom

@@ -16,13 +16,17 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
+#include <span>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "loom/backend/concepts.hpp"
 #include "loom/comm/collectives.hpp"
 #include "loom/comm/concepts.hpp"
 #include "loom/comm/request.hpp"
+#include "loom/core/error.hpp"
 
 namespace loom {
 
@@ -184,6 +188,38 @@ class StagedCommunicator : public CollectiveInterface<StagedCommunicator<C, B>> 
       return Request();
     }
     return Request(State{std::move(pending)});
+  }
+
+  //! Stages every send's data now, starts the calls as one group on the inner communicator (its
+  //! own start_group, so a group keeps its meaning there), and returns a Request per call; each
+  //! receive's data is copied into the caller's buffer by the wait() or test() that sees it
+  //! complete.
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
+    this->check_group(calls);
+    std::vector<std::unique_ptr<Pending>> parts;
+    parts.reserve(calls.size());
+    std::vector<CollectiveCall> host_calls;
+    host_calls.reserve(calls.size());
+    for (const CollectiveCall& call : calls) {
+      auto& part = parts.emplace_back(std::make_unique<Pending>(*backend_, detail::staging_plan(call, rank(), size())));
+      stage(part->plan, part->input(), part->output());
+      host_calls.push_back(detail::with_host_buffers(call, part->input(), part->output()));
+    }
+    std::vector<Request> inner = inner_.start_group(std::span<const CollectiveCall>(host_calls));
+    LOOM_CHECK(inner.size() == calls.size(), "staged start_group: requests from the inner communicator", inner.size(),
+               "must be one per call (" + std::to_string(calls.size()) + ")");
+    std::vector<Request> requests;
+    requests.reserve(calls.size());
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      parts[i]->inner = std::move(inner[i]);
+      if (parts[i]->inner.done()) {
+        parts[i]->finish();
+        requests.emplace_back();
+      } else {
+        requests.emplace_back(State{std::move(parts[i])});
+      }
+    }
+    return requests;
   }
 
   //! Collective over the group: the inner communicator's split, staged through the same

@@ -4,14 +4,16 @@
 //! global batch, whatever the split into micro-batches).
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <span>
+#include <optional>
 #include <ostream>
-#include <utility>
+#include <span>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "loom/comm/concepts.hpp"
@@ -140,6 +142,7 @@ class Trainer {
     const auto loss_scale = static_cast<scalar_type>(1.0 / static_cast<double>(target_tokens));
 
     engine_.begin_step();
+    pending_send_.reset();  // only a step that threw leaves one, pointing into old slots
     deferred_notification_ = false;
     wait_seconds_ = 0;
     double loss_sum = 0;
@@ -195,6 +198,7 @@ class Trainer {
     const std::int64_t micro_batches = plan(tokens, targets);
     const std::int64_t target_tokens = count_targets(targets);
     std::tie(tokens, targets) = place_batch(tokens, targets);
+    pending_send_.reset();
     double loss_sum = 0;
     // Micro-batch by micro-batch through the chunks in order: every receive has its send ahead.
     for (std::int64_t mb = 0; mb < micro_batches; ++mb)
@@ -514,7 +518,6 @@ class Trainer {
   Slot& acquire(std::int64_t mb, int chunk) {
     for (Slot& s : slots_)
       if (s.micro_batch < 0) {
-        s.output_sent.wait();  // the output buffer is about to be rewritten
         s.micro_batch = mb;
         s.chunk = chunk;
         return s;
@@ -549,7 +552,12 @@ class Trainer {
   double forward(std::int64_t mb, int chunk, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(chunk)];
     Slot& slot = acquire(mb, chunk);
+    // The last action's send still reads this slot (evaluate() frees slots at once): it must be
+    // done before the receive or the layers write here, so it cannot wait to join the receive.
+    if (pending_send_ && pending_send_->done == &slot.output_sent) flush_send();
+    slot.output_sent.wait();
     if (p.receives) receive(hidden(slot, p, 0), p.virtual_stage - 1, message_tag(0, mb, p.virtual_stage));
+    flush_send();
     double loss_sum = 0;
     for (int j = 0; j < p.count; ++j) {
       const int l = p.first + j;
@@ -561,8 +569,7 @@ class Trainer {
       loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
     }
-    if (p.sends)
-      slot.output_sent = transmit(hidden(slot, p, p.count), p.virtual_stage + 1, message_tag(0, mb, p.virtual_stage + 1));
+    if (p.sends) transmit(hidden(slot, p, p.count), p.virtual_stage + 1, message_tag(0, mb, p.virtual_stage + 1), slot.output_sent);
     return loss_sum;
   }
 
@@ -574,6 +581,7 @@ class Trainer {
     const std::int64_t mb = action.micro_batch;
     const std::int64_t n = stage_.hidden_elements(shape_);
     if (p.sends) receive(Tensor<T>(received_grad_.data(), hidden_shape()), p.virtual_stage + 1, message_tag(1, mb, p.virtual_stage));
+    flush_send();
     if (p.receives) slot.input_grad_sent.wait();
     int current = 0;  // which half of hidden_grads_ holds d loss / d output of layer j
     for (int j = p.count - 1; j >= 0; --j) {
@@ -607,8 +615,8 @@ class Trainer {
       current = 1 - current;
     }
     if (p.receives)
-      slot.input_grad_sent = transmit(Tensor<T>(slot.input_grad.data(), hidden_shape()), p.virtual_stage - 1,
-                                      message_tag(1, mb, p.virtual_stage - 1));
+      transmit(Tensor<T>(slot.input_grad.data(), hidden_shape()), p.virtual_stage - 1,
+               message_tag(1, mb, p.virtual_stage - 1), slot.input_grad_sent);
     if (action.kind == Action::Kind::backward) release(slot);
   }
 
@@ -618,6 +626,7 @@ class Trainer {
     if constexpr (SplitBackwardModel<M>) {
       const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
       Slot& slot = find(action.micro_batch, action.chunk);
+      flush_send();
       for (int j = p.count - 1; j >= 0; --j) {
         const int l = p.first + j;
         BackwardArgs<T> a{.tokens = tokens,
@@ -663,6 +672,7 @@ class Trainer {
   }
 
   void wait_for_sends() {
+    flush_send();
     const auto start = std::chrono::steady_clock::now();
     for (Slot& s : slots_) {
       s.output_sent.wait();
@@ -688,10 +698,10 @@ class Trainer {
         const std::int64_t n = std::min(piece, tied.numel - begin);
         const std::span<const T> mine(grads + begin, static_cast<std::size_t>(n));
         // Each holder's piece, in holder order: ours in place, the others received into the
-        // buffer. The exchange goes pair by pair in holder order, the lower rank of a pair
-        // sending first: no two holders ever both wait to send to each other, which would
-        // deadlock where a send holds up the rank's later work until it is received (NCCL's
-        // stream order; test_pipeline_stream_order).
+        // buffer. The exchange goes pair by pair in holder order, each pair's send and receive
+        // as one group: two holders that each sent first and then received would deadlock where
+        // a send holds up the rank's later work until it is received (NCCL's stream order;
+        // test_pipeline_stream_order).
         std::vector<const T*>& parts = tied_parts_;
         parts.clear();
         std::int64_t received = 0;
@@ -702,13 +712,9 @@ class Trainer {
           }
           T* into = tied_buffer_.data() + (1 + received++) * length;
           const std::span<T> theirs(into, static_cast<std::size_t>(n));
-          if (me < h) {
-            pipeline_.send(mine, h, tag);
-            pipeline_.recv(theirs, h, tag);
-          } else {
-            pipeline_.recv(theirs, h, tag);
-            pipeline_.send(mine, h, tag);
-          }
+          const std::array exchange{pipeline_.send_call(mine, h, tag), pipeline_.recv_call(theirs, h, tag)};
+          std::vector<Request> done = pipeline_.start_group(exchange);
+          wait_all(done);
           parts.push_back(into);
         }
         T* sum = tied_buffer_.data();
@@ -729,23 +735,46 @@ class Trainer {
   }
   static constexpr int tied_tag_base = 30000;
 
-  //! Sends `data` to the rank of virtual stage `to` without waiting (the returned request
-  //! completes when `data` may be reused). With one pipeline rank the message stays here.
-  Request transmit(Tensor<T> data, int to, int tag) {
+  //! Sends `data` to the rank of virtual stage `to`; `done` gets the Request that completes when
+  //! `data` may be reused. The send is issued at the start of the next action, in one group with
+  //! that action's receive when it has one (flush_send, receive). With one pipeline rank the
+  //! message stays here.
+  void transmit(Tensor<T> data, int to, int tag, Request& done) {
     const int peer = to % pipeline_.size();
-    if (peer != pipeline_.rank())
-      return pipeline_.send_async(std::span<const T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag);
+    if (peer != pipeline_.rank()) {
+      flush_send();
+      pending_send_ = PendingSend{
+          pipeline_.send_call(std::span<const T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag), &done};
+      return;
+    }
     Buffer<T, backend_type> copy_of = mailbox_pool_.acquire(data.numel());
     copy<T>(*backend_, Tensor<T>(copy_of.data(), Shape{data.numel()}), Tensor<const T>(data.data(), Shape{data.numel()}));
     mailbox_.push_back({tag, std::move(copy_of)});
-    return {};
   }
-  //! Receives into `data` what the rank of virtual stage `from` sent with `tag`.
+  //! Issues the pending send alone (the action after it receives nothing from another rank).
+  void flush_send() {
+    if (!pending_send_) return;
+    const PendingSend send = *pending_send_;
+    pending_send_.reset();
+    *send.done = pipeline_.start(send.call);
+  }
+  //! Receives into `data` what the rank of virtual stage `from` sent with `tag`; a pending send
+  //! goes in one group with it.
   void receive(Tensor<T> data, int from, int tag) {
     const int peer = from % pipeline_.size();
     if (peer != pipeline_.rank()) {
       const auto start = std::chrono::steady_clock::now();
-      pipeline_.recv(std::span<T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag);
+      const CollectiveCall into = pipeline_.recv_call(std::span<T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag);
+      if (pending_send_) {
+        const std::array group{pending_send_->call, into};
+        Request* sent = pending_send_->done;
+        pending_send_.reset();
+        std::vector<Request> requests = pipeline_.start_group(group);
+        *sent = std::move(requests[0]);  // waited for when its buffer is reused, as before
+        requests[1].wait();
+      } else {
+        pipeline_.run(into);
+      }
       wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       return;
     }
@@ -787,6 +816,16 @@ class Trainer {
   std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
   detail::BufferPool<T, backend_type> mailbox_pool_;
   std::vector<std::pair<int, Buffer<T, backend_type>>> mailbox_;  // messages to this rank's own chunks
+  //! A send the last action made, not yet issued: NCCL runs a rank's operations in issue order
+  //! on one stream, so a send issued alone before the next action's receive would hold that
+  //! receive up until the peer takes the send, while the peer may be waiting to send us what we
+  //! receive (1F1B's steady state: one stage sends an activation as the next sends a gradient
+  //! back). Issuing both as one group (as Megatron-LM batches isend/irecv) lets both proceed.
+  struct PendingSend {
+    CollectiveCall call;
+    Request* done;  //!< the slot's output_sent or input_grad_sent
+  };
+  std::optional<PendingSend> pending_send_;
   bool deferred_notification_ = false;
   double wait_seconds_ = 0;  // this step's time blocked on other stages
 };
