@@ -344,10 +344,12 @@ class Communicator : public CollectiveInterface<Communicator> {
       }
       return {0, 0};
     };
+    // Each part starts 256-byte aligned, like a cudaMalloc'd buffer, whatever the sizes before it.
+    const auto padded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
     std::size_t total = 0;
     for (const CollectiveCall& call : calls) {
       const auto [in, out] = bytes_of(call);
-      total += in + out;
+      total += padded(in) + padded(out);
     }
     const std::size_t scratch_bytes = total == 0 ? 1 : total;
     void* scratch = be.allocate(scratch_bytes, MemoryCategory::communication);
@@ -362,8 +364,8 @@ class Communicator : public CollectiveInterface<Communicator> {
     for (CollectiveCall& call : device) {
       const auto [in_bytes, out_bytes] = bytes_of(call);
       char* in = next;
-      char* out = in + in_bytes;
-      next = out + out_bytes;
+      char* out = in + padded(in_bytes);
+      next = out + padded(out_bytes);
       if (call.kind == Collective::all_reduce || call.kind == Collective::broadcast) {
         be.copy_from_host(out, call.output, out_bytes);
         call.input = out;
