@@ -33,6 +33,7 @@ namespace {
 class StreamOrderCommunicator : public CollectiveInterface<StreamOrderCommunicator> {
  public:
   using loom_communicator = void;
+  static constexpr bool point_to_point_in_issue_order = true;
   explicit StreamOrderCommunicator(threads::Communicator inner) : inner_(std::move(inner)) {}
 
   int rank() const { return inner_.rank(); }
@@ -156,15 +157,70 @@ TEST_CASE("under NCCL's ordering rules GPipe, 1F1B and ZB-H1 train as one rank o
   }
 }
 
-TEST_CASE("under NCCL's ordering rules interleaved 1F1B still deadlocks (so it is refused over NCCL)") {
+TEST_CASE("over NCCL's ordering rules interleaved 1F1B is refused before anything is sent") {
   // The pipeline wraps around (virtual stage 1 on rank 1 feeds stage 2 on rank 0), so two ranks
   // come to hold a gradient send to each other at once, and pairing each send with the next
-  // action's receive does not cover it: rank 1's gradient for stage 2 waits in a group whose
-  // receive rank 0 has matched, while rank 0 sends stage 1's gradient first. Megatron-LM posts
-  // the next iteration's receives with this one's sends (four operations per group); the
-  // executor does not yet. This test turns red when that changes, to say so.
+  // action's receive does not cover it. The Trainer models every rank's groups first (it needs
+  // no timeout to find this) and says where they would stop.
   const std::string outcome =
       stream_order_outcome(MeshShape{.dp = 1, .tp = 1, .pp = 2}, Interleaved1F1B{.virtual_stages = 2},
-                           std::chrono::seconds(3));
-  CHECK_MESSAGE(outcome.find("within 3000 ms") != std::string::npos, outcome);
+                           std::chrono::seconds(60));
+  CHECK_MESSAGE(outcome.find("over a communicator that runs point-to-point in issue order (NCCL): got would "
+                             "deadlock; rank 0 waits in {send g") != std::string::npos,
+                outcome);
+}
+
+namespace {
+
+//! Every rank's executor groups for schedule `S` on `p` ranks, `m` micro-batches, `v` chunks.
+template <class S>
+std::string modelled_outcome(const S& schedule, int p, std::int64_t m, int v = 1) {
+  std::vector<std::vector<detail::PlannedGroup>> by_rank;
+  for (int s = 0; s < p; ++s) {
+    const ScheduleShape shape{.stages = p, .stage = s, .micro_batches = m, .virtual_stages = v};
+    by_rank.push_back(detail::executor_groups(schedule.actions(shape), shape));
+  }
+  return detail::in_order_deadlock(by_rank);
+}
+
+detail::PlannedMessage message(bool send, int peer, std::int64_t micro_batch) {
+  return {.send = send, .peer = peer, .direction = 0, .micro_batch = micro_batch, .to_stage = 1};
+}
+
+}  // namespace
+
+TEST_CASE("the model of NCCL's rules agrees with the emulation: GPipe, 1F1B, ZB-H1 safe, interleaved not") {
+  for (int p : {2, 3, 4, 8})
+    for (std::int64_t m : {std::int64_t{1}, std::int64_t{p}, std::int64_t{2 * p + 1}, std::int64_t{4 * p}}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      CHECK(modelled_outcome(GPipe{}, p, m).empty());
+      CHECK(modelled_outcome(OneFOneB{}, p, m).empty());
+      CHECK(modelled_outcome(ZeroBubbleH1{}, p, m).empty());
+    }
+  for (int p : {2, 4})
+    for (int v : {2, 3}) {
+      CAPTURE(p);
+      CAPTURE(v);
+      const std::string why = modelled_outcome(Interleaved1F1B{.virtual_stages = v}, p, 2 * p, v);
+      CHECK_MESSAGE(why.find("waits in {") != std::string::npos, why);
+    }
+}
+
+TEST_CASE("the model of NCCL's rules finds crossed sends, messages out of order, and unmatched ones") {
+  using Groups = std::vector<std::vector<detail::PlannedGroup>>;
+  // Each rank sends to the other first, alone: both wait.
+  const Groups crossed{{{message(true, 1, 0)}, {message(false, 1, 0)}}, {{message(true, 0, 0)}, {message(false, 0, 0)}}};
+  CHECK(detail::in_order_deadlock(crossed) ==
+        "rank 0 waits in {send a0 for stage 1 to rank 1}; rank 1 waits in {send a0 for stage 1 to rank 0}");
+  // The same as one group on each rank: both complete.
+  const Groups grouped{{{message(true, 1, 0), message(false, 1, 0)}}, {{message(false, 0, 0), message(true, 0, 0)}}};
+  CHECK(detail::in_order_deadlock(grouped).empty());
+  // Sent 0 then 1, received 1 then 0: without tags the first receive gets message 0.
+  const Groups swapped{{{message(true, 1, 0)}, {message(true, 1, 1)}}, {{message(false, 0, 1)}, {message(false, 0, 0)}}};
+  CHECK(detail::in_order_deadlock(swapped) ==
+        "rank 1: recv a1 for stage 1 from rank 0 would get rank 0's send a0 for stage 1 to rank 1 (sent in that order, "
+        "and point-to-point has no tags)");
+  const Groups unmatched{{{message(true, 1, 0)}}, {}};
+  CHECK(detail::in_order_deadlock(unmatched) == "rank 0: send a0 for stage 1 to rank 1 is never received");
 }

@@ -114,6 +114,19 @@ struct CommOptions {
   }
 };
 
+//! Whether communicator `C` runs a rank's point-to-point operations in issue order, without tags,
+//! each holding up what the rank issued after it until its peer takes part (NCCL on one stream):
+//! `static constexpr bool point_to_point_in_issue_order = true;` says so. Only the calls of one
+//! start_group then progress together, and the pipeline executor checks its plan against
+//! these rules before a step (loom/parallel/detail/in_order_check.hpp).
+template <class C>
+inline constexpr bool point_to_point_in_issue_order = [] {
+  if constexpr (requires { C::point_to_point_in_issue_order; })
+    return static_cast<bool>(C::point_to_point_in_issue_order);
+  else
+    return false;
+}();
+
 //! A Communicator is a group of ranks that run collectives together. It has a rank and a size,
 //! a non-template core that runs a CollectiveCall blocking (`run`) or asynchronously (`start`,
 //! returning a loom::Request), typed collectives over spans of float, double and bf16 (the

@@ -158,6 +158,8 @@ class EventRequest {
 class Communicator : public CollectiveInterface<Communicator> {
  public:
   using loom_communicator = void;
+  //! Point-to-point runs on the stream in issue order, untagged (see loom::point_to_point_in_issue_order).
+  static constexpr bool point_to_point_in_issue_order = true;
 
   //! Joins the group `id` of `size` ranks as `rank` (collective: every rank constructs with the
   //! same id and size), on `backend`'s device and stream, which must outlive the communicator.

@@ -27,6 +27,9 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
       : object_(&comm), ops_(&ops_for<C>) {}
 
   int rank() const { return ops_->rank(object_); }
+  //! Whether the referenced communicator runs a rank's sends and receives in issue order,
+  //! untagged, each holding up the next (point_to_point_in_issue_order<C>: NCCL).
+  bool point_to_point_in_issue_order() const noexcept { return ops_->in_issue_order; }
   int size() const { return ops_->size(object_); }
   //! Runs `call` to completion on the referenced communicator.
   void run(const CollectiveCall& call) { ops_->run(object_, call); }
@@ -42,6 +45,7 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
     void (*run)(void*, const CollectiveCall&);
     Request (*start)(void*, const CollectiveCall&);
     std::vector<Request> (*start_group)(void*, std::span<const CollectiveCall>);
+    bool in_issue_order;
   };
   template <class C>
   static constexpr Ops ops_for{
@@ -49,13 +53,15 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
       [](const void* c) { return static_cast<int>(static_cast<const C*>(c)->size()); },
       [](void* c, const CollectiveCall& call) { static_cast<C*>(c)->run(call); },
       [](void* c, const CollectiveCall& call) { return static_cast<C*>(c)->start(call); },
-      [](void* c, std::span<const CollectiveCall> calls) { return static_cast<C*>(c)->start_group(calls); }};
+      [](void* c, std::span<const CollectiveCall> calls) { return static_cast<C*>(c)->start_group(calls); },
+      loom::point_to_point_in_issue_order<C>};
 
   static constexpr Ops self_ops{
       [](const void*) { return 0; }, [](const void*) { return 1; },
       [](void*, const CollectiveCall& call) { SelfCommunicator{}.run(call); },
       [](void*, const CollectiveCall& call) { return SelfCommunicator{}.start(call); },
-      [](void*, std::span<const CollectiveCall> calls) { return SelfCommunicator{}.start_group(calls); }};
+      [](void*, std::span<const CollectiveCall> calls) { return SelfCommunicator{}.start_group(calls); },
+      false};
 
   void* object_;
   const Ops* ops_;

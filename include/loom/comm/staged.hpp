@@ -142,6 +142,8 @@ class StagedCommunicator : public CollectiveInterface<StagedCommunicator<C, B>> 
  public:
   //! Opts in to the loom::Communicator concept.
   using loom_communicator = void;
+  //! As the inner communicator orders its point-to-point calls.
+  static constexpr bool point_to_point_in_issue_order = loom::point_to_point_in_issue_order<C>;
 
   //! Takes over `inner` (the rank's place in the group); copies go through `backend`.
   StagedCommunicator(C inner, B& backend) noexcept(std::is_nothrow_move_constructible_v<C>)

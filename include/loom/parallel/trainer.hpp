@@ -25,6 +25,7 @@
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/parallel/concepts.hpp"
 #include "loom/parallel/detail/buffer_pool.hpp"
+#include "loom/parallel/detail/in_order_check.hpp"
 #include "loom/parallel/mesh.hpp"
 #include "loom/parallel/pipeline_stage.hpp"
 #include "loom/parallel/stage_partition.hpp"
@@ -389,6 +390,25 @@ class Trainer {
     return micro_batches;
   }
 
+  //! Over a communicator that runs point-to-point in issue order (NCCL), refuses a schedule whose
+  //! messages would deadlock there, before anything is sent: every rank's actions follow from
+  //! the schedule and the shape, so this rank models all of them (detail::in_order_deadlock).
+  void check_in_issue_order(const ScheduleShape& mine) const {
+    if (pipeline_.size() < 2 || !pipeline_.point_to_point_in_issue_order()) return;
+    std::vector<std::vector<detail::PlannedGroup>> by_rank;
+    for (int s = 0; s < pipeline_.size(); ++s) {
+      ScheduleShape theirs = mine;
+      theirs.stage = s;
+      by_rank.push_back(detail::executor_groups(s == mine.stage ? actions_ : schedule_.actions(theirs), theirs));
+    }
+    const std::string why = detail::in_order_deadlock(by_rank);
+    if (!why.empty())
+      throw Error("trainer: pipeline schedule on " + detail::to_text(mine) +
+                      " over a communicator that runs point-to-point in issue order (NCCL)",
+                  "would deadlock", why + ". GPipe, OneFOneB and ZeroBubbleH1 run there; or use a communicator "
+                  "with tags (threads, MPI, or one staged through host memory)");
+  }
+
   //! Where each chunk's layers keep their activations inside a slot.
   struct ChunkPlan {
     int first = 0, count = 0;  //!< local layers [first, first + count)
@@ -419,6 +439,7 @@ class Trainer {
           seen[static_cast<std::size_t>(a.chunk)] = true;
         }
       }
+      check_in_issue_order(schedule_shape);
       planned_micro_batches_ = micro_batches;
     }
     const std::int64_t slots = schedule_.live_micro_batches(schedule_shape);
