@@ -148,9 +148,7 @@ class CollectiveInterface {
     for (const CollectiveCall& call : calls) {
       LOOM_CHECK(call.kind == Collective::send || call.kind == Collective::recv, "start_group: a call",
                  std::string(name(call.kind)), "must be a send or a recv");
-      const std::string what = std::string("start_group: peer of a ") + std::string(name(call.kind));
-      check_rank(call.peer, what);
-      LOOM_CHECK(call.peer != self().rank(), what, call.peer, "must differ from this rank");
+      check_peer(call.peer, std::string("start_group: peer of a ") + std::string(name(call.kind)));
     }
   }
 
@@ -191,14 +189,17 @@ class CollectiveInterface {
   }
   CollectiveCall point_to_point_call(Collective kind, const void* input, void* output, std::size_t count,
                                      DType dtype, int peer, int tag) const {
-    const std::string what = std::string(name(kind)) + ": peer";
-    check_rank(peer, what);
-    LOOM_CHECK(peer != self().rank(), what, peer, "must differ from this rank");
+    check_peer(peer, std::string(name(kind)) + ": peer");
     LOOM_CHECK(tag >= 0, std::string(name(kind)) + ": tag", tag, "must be >= 0");
     return {.kind = kind, .input = input, .output = output, .count = count, .dtype = dtype,
             .peer = peer, .tag = tag};
   }
 
+  //! A point-to-point peer: a rank of the group other than this one.
+  void check_peer(int peer, const std::string& what) const {
+    check_rank(peer, what);
+    LOOM_CHECK(peer != self().rank(), what, peer, "must differ from this rank");
+  }
   void check_rank(int r, const std::string& what) const {
     LOOM_CHECK(r >= 0 && r < self().size(), what, r,
                "must be a rank of the group, in [0, " + std::to_string(self().size()) + ")");

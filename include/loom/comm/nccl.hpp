@@ -11,6 +11,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -22,6 +23,7 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/comm/collectives.hpp"
 #include "loom/comm/concepts.hpp"
+#include "loom/comm/detail/staging.hpp"
 #include "loom/comm/request.hpp"
 #include "loom/core/error.hpp"
 
@@ -327,31 +329,17 @@ class Communicator : public CollectiveInterface<Communicator> {
   }
 
   //! Host buffers: each call's data copied to device scratch, the calls run there (as one group
-  //! when there are several), the results copied back.
+  //! when there are several), the results copied back (what moves: loom::detail::staging_plan).
   void run_staged(std::span<const CollectiveCall> calls) {
     loom::cuda& be = *state_->backend;
-    const std::size_t n = static_cast<std::size_t>(size());
-    // Per call: bytes read (input) and written (output); all_reduce and broadcast work on
-    // `output` alone and read it.
-    auto bytes_of = [n](const CollectiveCall& call) -> std::pair<std::size_t, std::size_t> {
-      const std::size_t b = call.bytes();
-      switch (call.kind) {
-        case Collective::all_reduce:
-        case Collective::broadcast: return {0, b};
-        case Collective::reduce_scatter: return {n * b, b};
-        case Collective::all_gather: return {b, n * b};
-        case Collective::send: return {b, 0};
-        case Collective::recv: return {0, b};
-        case Collective::barrier: break;
-      }
-      return {0, 0};
-    };
     // Each part starts 256-byte aligned, like a cudaMalloc'd buffer, whatever the sizes before it.
     const auto padded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+    std::vector<loom::detail::StagingPlan> plans;
+    plans.reserve(calls.size());
     std::size_t total = 0;
     for (const CollectiveCall& call : calls) {
-      const auto [in, out] = bytes_of(call);
-      total += padded(in) + padded(out);
+      plans.push_back(loom::detail::staging_plan(call, rank(), size()));
+      total += padded(plans.back().input_bytes) + padded(plans.back().output_bytes);
     }
     const std::size_t scratch_bytes = total == 0 ? 1 : total;
     void* scratch = be.allocate(scratch_bytes, MemoryCategory::communication);
@@ -361,21 +349,16 @@ class Communicator : public CollectiveInterface<Communicator> {
       std::size_t bytes;
       ~Free() { be.deallocate(p, bytes, MemoryCategory::communication); }
     } free_scratch{be, scratch, scratch_bytes};
-    std::vector<CollectiveCall> device(calls.begin(), calls.end());
-    char* next = static_cast<char*>(scratch);
-    for (CollectiveCall& call : device) {
-      const auto [in_bytes, out_bytes] = bytes_of(call);
-      char* in = next;
-      char* out = in + padded(in_bytes);
-      next = out + padded(out_bytes);
-      if (call.kind == Collective::all_reduce || call.kind == Collective::broadcast) {
-        be.copy_from_host(out, call.output, out_bytes);
-        call.input = out;
-      } else {
-        if (in_bytes > 0) be.copy_from_host(in, call.input, in_bytes);
-        call.input = in;
-      }
-      call.output = out;
+    std::vector<CollectiveCall> device;
+    device.reserve(calls.size());
+    auto* next = static_cast<std::byte*>(scratch);
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      const loom::detail::StagingPlan& plan = plans[i];
+      std::byte* in = next;
+      std::byte* out = in + padded(plan.input_bytes);
+      next = out + padded(plan.output_bytes);
+      if (plan.stage_bytes > 0) be.copy_from_host(plan.stage_into_output ? out : in, plan.stage_from, plan.stage_bytes);
+      device.push_back(loom::detail::with_scratch_buffers(calls[i], in, out));
     }
     if (device.size() == 1)
       enqueue(device.front());
@@ -383,8 +366,7 @@ class Communicator : public CollectiveInterface<Communicator> {
       enqueue_group(device);
     completion(device.front()).wait();
     for (std::size_t i = 0; i < device.size(); ++i)
-      if (const std::size_t out_bytes = bytes_of(device[i]).second; out_bytes > 0 && device[i].kind != Collective::send)
-        be.copy_to_host(calls[i].output, device[i].output, out_bytes);
+      if (plans[i].copy_back_bytes > 0) be.copy_to_host(plans[i].copy_back_to, device[i].output, plans[i].copy_back_bytes);
   }
 
   std::shared_ptr<detail::State> state_;

@@ -27,10 +27,10 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
       : object_(&comm), ops_(&ops_for<C>) {}
 
   int rank() const { return ops_->rank(object_); }
+  int size() const { return ops_->size(object_); }
   //! Whether the referenced communicator runs a rank's sends and receives in issue order,
   //! untagged, each holding up the next (point_to_point_in_issue_order<C>: NCCL).
   bool point_to_point_in_issue_order() const noexcept { return ops_->in_issue_order; }
-  int size() const { return ops_->size(object_); }
   //! Runs `call` to completion on the referenced communicator.
   void run(const CollectiveCall& call) { ops_->run(object_, call); }
   //! Starts `call` on the referenced communicator.

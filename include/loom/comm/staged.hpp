@@ -16,8 +16,8 @@
 
 #include <cstddef>
 #include <memory>
-#include <string>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -25,6 +25,7 @@
 #include "loom/backend/concepts.hpp"
 #include "loom/comm/collectives.hpp"
 #include "loom/comm/concepts.hpp"
+#include "loom/comm/detail/staging.hpp"
 #include "loom/comm/request.hpp"
 #include "loom/core/error.hpp"
 
@@ -48,86 +49,6 @@ class HostScratch {
   std::unique_ptr<std::byte[]> data_;
   std::size_t capacity_ = 0;
 };
-
-//! Where a staged call's data goes on the host, and what is copied in and out of the caller's
-//! buffers around the inner call.
-struct StagingPlan {
-  std::size_t input_bytes = 0;   //!< host input scratch
-  std::size_t output_bytes = 0;  //!< host output scratch
-  const void* stage_from = nullptr;  //!< caller's bytes copied to the host before the call
-  bool stage_into_output = false;    //!< ...into the output scratch (all_reduce, broadcast root)
-  std::size_t stage_bytes = 0;
-  void* copy_back_to = nullptr;  //!< caller's bytes the output scratch is copied to afterwards
-  std::size_t copy_back_bytes = 0;
-};
-
-//! The plan for `call` on rank `rank` of `size` ranks. Input and output scratch are always
-//! separate, so the inner call aliases exactly where the operation itself does (all_reduce,
-//! broadcast) and never because the caller's buffers overlapped.
-inline StagingPlan staging_plan(const CollectiveCall& call, int rank, int size) {
-  const std::size_t bytes = call.bytes();
-  const std::size_t group_bytes = bytes * static_cast<std::size_t>(size);
-  StagingPlan plan;
-  switch (call.kind) {
-    case Collective::all_reduce:
-      // Reduced in place: the output's current contents are this rank's contribution.
-      plan = {.output_bytes = bytes, .stage_from = call.output, .stage_into_output = true, .stage_bytes = bytes,
-              .copy_back_to = call.output, .copy_back_bytes = bytes};
-      break;
-    case Collective::broadcast:
-      // Only the root's data is read, and the root's data does not change.
-      if (call.peer == rank)
-        plan = {.output_bytes = bytes, .stage_from = call.output, .stage_into_output = true, .stage_bytes = bytes};
-      else
-        plan = {.output_bytes = bytes, .copy_back_to = call.output, .copy_back_bytes = bytes};
-      break;
-    case Collective::reduce_scatter:
-      plan = {.input_bytes = group_bytes, .output_bytes = bytes, .stage_from = call.input, .stage_bytes = group_bytes,
-              .copy_back_to = call.output, .copy_back_bytes = bytes};
-      break;
-    case Collective::all_gather:
-      plan = {.input_bytes = bytes, .output_bytes = group_bytes, .stage_from = call.input, .stage_bytes = bytes,
-              .copy_back_to = call.output, .copy_back_bytes = group_bytes};
-      break;
-    case Collective::send:
-      plan = {.input_bytes = bytes, .stage_from = call.input, .stage_bytes = bytes};
-      break;
-    case Collective::recv:
-      plan = {.output_bytes = bytes, .copy_back_to = call.output, .copy_back_bytes = bytes};
-      break;
-    case Collective::barrier:
-      break;
-  }
-  return plan;
-}
-
-//! `call` with its buffers replaced by host scratch (`input` may be null when the operation
-//! reads its output in place).
-inline CollectiveCall with_host_buffers(CollectiveCall call, std::byte* input, std::byte* output) noexcept {
-  switch (call.kind) {
-    case Collective::all_reduce:
-    case Collective::broadcast:
-      call.input = output;
-      call.output = output;
-      break;
-    case Collective::send:
-      call.input = input;
-      call.output = nullptr;
-      break;
-    case Collective::recv:
-      call.input = nullptr;
-      call.output = output;
-      break;
-    case Collective::reduce_scatter:
-    case Collective::all_gather:
-      call.input = input;
-      call.output = output;
-      break;
-    case Collective::barrier:
-      break;
-  }
-  return call;
-}
 
 }  // namespace detail
 
@@ -167,7 +88,7 @@ class StagedCommunicator : public CollectiveInterface<StagedCommunicator<C, B>> 
     std::byte* input = input_scratch_.reserve(plan.input_bytes);
     std::byte* output = output_scratch_.reserve(plan.output_bytes);
     stage(plan, input, output);
-    inner_.run(detail::with_host_buffers(call, input, output));
+    inner_.run(detail::with_scratch_buffers(call, input, output));
     copy_back(*backend_, plan, output);
   }
 
@@ -179,11 +100,11 @@ class StagedCommunicator : public CollectiveInterface<StagedCommunicator<C, B>> 
   Request start(const CollectiveCall& call) {
     const detail::StagingPlan plan = detail::staging_plan(call, rank(), size());
     if (plan.input_bytes == 0 && plan.output_bytes == 0)
-      return inner_.start(detail::with_host_buffers(call, nullptr, nullptr));  // nothing to stage or keep
+      return inner_.start(detail::with_scratch_buffers(call, nullptr, nullptr));  // nothing to stage or keep
 
     auto pending = std::make_unique<Pending>(*backend_, plan);
     stage(plan, pending->input(), pending->output());
-    pending->inner = inner_.start(detail::with_host_buffers(call, pending->input(), pending->output()));
+    pending->inner = inner_.start(detail::with_scratch_buffers(call, pending->input(), pending->output()));
     if (pending->inner.done()) {
       // Finished at once (a send its peer already waited for): no state to keep.
       copy_back(*backend_, plan, pending->output());
@@ -205,7 +126,7 @@ class StagedCommunicator : public CollectiveInterface<StagedCommunicator<C, B>> 
     for (const CollectiveCall& call : calls) {
       auto& part = parts.emplace_back(std::make_unique<Pending>(*backend_, detail::staging_plan(call, rank(), size())));
       stage(part->plan, part->input(), part->output());
-      host_calls.push_back(detail::with_host_buffers(call, part->input(), part->output()));
+      host_calls.push_back(detail::with_scratch_buffers(call, part->input(), part->output()));
     }
     std::vector<Request> inner = inner_.start_group(std::span<const CollectiveCall>(host_calls));
     LOOM_CHECK(inner.size() == calls.size(), "staged start_group: requests from the inner communicator", inner.size(),
