@@ -57,17 +57,9 @@ int local_rank(int world_rank) {
 }  // namespace
 
 int run_cuda(const Options& o, int& argc, char**& argv) {
-  if (o.comm == "nccl" || o.comm == "mpi-nccl") {
-    // NCCL matches point-to-point messages in issue order, without tags, and runs a rank's
-    // operations in order on its stream. The executor issues each send in one group with the next
-    // action's receive, which keeps GPipe, 1F1B and ZB-H1 safe under those rules; interleaved
-    // 1F1B still deadlocks (tests/unit/test_pipeline_stream_order.cpp).
-    LOOM_CHECK(o.pp == 1 || o.schedule != "interleaved", "--schedule", o.schedule,
-               "interleaved pipelines over NCCL would deadlock for now (the pipeline wraps around, so two "
-               "stages each hold a send to the other, which needs the next receives posted in the same "
-               "group); use gpipe, 1f1b or zb-h1 with NCCL, or --comm threads or mpi, which stage GPU "
-               "buffers through host memory");
-  }
+  // Every schedule runs over NCCL (no tags, one stream): the Trainer groups each stage's sends
+  // with the receives after them so that none waits behind another, and checks that plan for
+  // every rank before step 1 (docs/cuda.md, "Pipelines over NCCL").
   const int visible = loom::cuda::device_count();
   LOOM_CHECK(visible > 0, "--device", "cuda", "no CUDA device is available to this process");
   if (o.comm == "mpi" || o.comm == "mpi-nccl") {

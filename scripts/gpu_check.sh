@@ -69,6 +69,11 @@ run() {
   run_one gpt2_train_dp2_tp2_staged "${demo[@]}" --dp 2 --tp 2
   run_one gpt2_train_pp2_staged "${demo[@]}" --pp 2
   run_one gpt2_train_nccl_1 "${demo[@]}" --comm nccl
+  # NCCL needs a GPU per rank: pipelines over it where the machine has two.
+  if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
+    run_one gpt2_train_nccl_pp2_1f1b "${demo[@]}" --comm nccl --pp 2 --gpus 2
+    run_one gpt2_train_nccl_pp2_interleaved "${demo[@]}" --comm nccl --pp 2 --gpus 2 --schedule interleaved --virtual-stages 2
+  fi
   # GPT-2 small at sequence 1024 on one GPU (float, TF32): the first throughput figure; MFU
   # against the H100 SXM's dense TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
   run_one gpt2_train_small_1024 ./gpt2_train --device cuda --model small --batch 8 --micro-batch 8 --seq 1024 \

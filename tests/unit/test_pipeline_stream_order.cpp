@@ -7,10 +7,13 @@
 // tags that NCCL would have mixed up, and one that would deadlock times out.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -120,6 +123,18 @@ std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milli
                                                        DataParallel{.bucket_bytes = 4096}, schedule);
           const ParityRun run = train_steps(trainer, pipeline_global_batch, pipeline_seq);
           failure = parity_failures(trainer, run, pipeline_reference(0.0), global_model.layout());
+          // evaluate() sends forward only, micro-batch by micro-batch: the one-rank model with the
+          // trained weights gives the same loss (the weights are whole without tensor parallelism).
+          if (failure.empty() && shape.tp == 1) {
+            const auto batch = make_batch(parity_steps, pipeline_global_batch, pipeline_seq, pipeline_config().vocab_size);
+            const double got = trainer.evaluate(batch);
+            Trainer<Gpt, AdamW> one(be, Gpt(pipeline_config()), AdamW(), parity_lr(),
+                                    pipeline_options(0.0, pipeline_global_batch));
+            one.load_parameters(run.weights);
+            const double want = one.evaluate(batch);
+            if (!(std::abs(got - want) <= 1e-5 * std::abs(want)))
+              failure = "evaluate " + std::to_string(got) + ", one rank " + std::to_string(want);
+          }
         } catch (const std::exception& e) {
           failure = e.what();
         }
@@ -138,11 +153,14 @@ std::chrono::milliseconds stream_order_timeout() {
 
 }  // namespace
 
-TEST_CASE("under NCCL's ordering rules GPipe, 1F1B and ZB-H1 train as one rank on every pipeline shape") {
+TEST_CASE("under NCCL's ordering rules every pipeline schedule trains as one rank on every pipeline shape") {
   // Before the executor issued each send in one group with the next action's receive, 1F1B and
   // ZB-H1 deadlocked here: stage 0 sent micro-batch 1's activation while the last stage sent
   // micro-batch 0's gradient, each send waiting for a receive the other rank had queued behind
-  // its own send.
+  // its own send. Interleaved 1F1B needs more: the pipeline wraps around (virtual stage 1 on
+  // rank 1 feeds stage 2 on rank 0), so two ranks come to hold a gradient send to each other at
+  // once; it runs with each forward and the backward after it as one unit, the unit's sends in
+  // one group with the next unit's receives (Megatron-LM's steady state).
   const auto trains_as_one_rank = [](MeshShape shape, auto schedule, std::string schedule_name) {
     CAPTURE(shape);
     CAPTURE(schedule_name);
@@ -155,32 +173,70 @@ TEST_CASE("under NCCL's ordering rules GPipe, 1F1B and ZB-H1 train as one rank o
     trains_as_one_rank(shape, OneFOneB{}, "1F1B");
     trains_as_one_rank(shape, ZeroBubbleH1{}, "ZB-H1");
   }
-}
-
-TEST_CASE("over NCCL's ordering rules interleaved 1F1B is refused before anything is sent") {
-  // The pipeline wraps around (virtual stage 1 on rank 1 feeds stage 2 on rank 0), so two ranks
-  // come to hold a gradient send to each other at once, and pairing each send with the next
-  // action's receive does not cover it. The Trainer models every rank's groups first (it needs
-  // no timeout to find this) and says where they would stop.
-  const std::string outcome =
-      stream_order_outcome(MeshShape{.dp = 1, .tp = 1, .pp = 2}, Interleaved1F1B{.virtual_stages = 2},
-                           std::chrono::seconds(60));
-  CHECK_MESSAGE(outcome.find("over a communicator that runs point-to-point in issue order (NCCL): got would "
-                             "deadlock; rank 0 waits in {send g") != std::string::npos,
-                outcome);
+  for (const MeshShape shape : {MeshShape{.dp = 1, .tp = 1, .pp = 2}, MeshShape{.dp = 2, .tp = 1, .pp = 2},
+                                MeshShape{.dp = 1, .tp = 2, .pp = 2}})
+    trains_as_one_rank(shape, Interleaved1F1B{.virtual_stages = 2}, "interleaved v2");
 }
 
 namespace {
 
-//! Every rank's executor groups for schedule `S` on `p` ranks, `m` micro-batches, `v` chunks.
+//! GPipe with the last stage's backwards in reverse order: correct with tags (every message
+//! names its micro-batch), but without them stage 0's first gradient receive would get the
+//! last micro-batch's gradient, whichever way the sends and receives are grouped.
+struct ReversedLastBackwards {
+  using loom_schedule = void;
+  static constexpr bool pipelined = true;
+  std::vector<Action> actions(const ScheduleShape& shape) const {
+    std::vector<Action> out = GPipe{}.actions(shape);
+    if (shape.stage == shape.stages - 1)
+      std::reverse(out.begin() + static_cast<std::ptrdiff_t>(shape.micro_batches), out.end());
+    return out;
+  }
+  std::int64_t live_micro_batches(const ScheduleShape& shape) const { return shape.micro_batches; }
+};
+
+}  // namespace
+
+TEST_CASE("a schedule that no grouping completes under NCCL's ordering rules is refused before anything is sent") {
+  // The Trainer models every rank's groups when it plans a step shape; it needs no timeout.
+  const std::string outcome =
+      stream_order_outcome(MeshShape{.dp = 1, .tp = 1, .pp = 2}, ReversedLastBackwards{}, std::chrono::seconds(60));
+  CHECK_MESSAGE(outcome.find("over a communicator that runs point-to-point in issue order (NCCL): got would "
+                             "deadlock; grouped per action: rank 0: recv g0 for stage 0 from rank 1 would get rank "
+                             "1's send g15 for stage 0 to rank 0") != std::string::npos,
+                outcome);
+  CHECK_MESSAGE(outcome.find("; grouped per unit: ") != std::string::npos, outcome);
+  // With tags the same schedule trains as one rank.
+  check_pipeline_mesh(MeshShape{.dp = 1, .tp = 1, .pp = 2}, 0.0, ReversedLastBackwards{}, DataParallel{.bucket_bytes = 4096});
+}
+
+namespace {
+
+//! Every rank's executor groups for schedule `S` on `p` ranks, `m` micro-batches, `v` chunks,
+//! grouped `g`.
 template <class S>
-std::string modelled_outcome(const S& schedule, int p, std::int64_t m, int v = 1) {
+std::string modelled_outcome(const S& schedule, int p, std::int64_t m, int v,
+                             detail::MessageGrouping g = detail::MessageGrouping::per_action) {
   std::vector<std::vector<detail::PlannedGroup>> by_rank;
   for (int s = 0; s < p; ++s) {
     const ScheduleShape shape{.stages = p, .stage = s, .micro_batches = m, .virtual_stages = v};
-    by_rank.push_back(detail::executor_groups(schedule.actions(shape), shape));
+    by_rank.push_back(detail::executor_groups(schedule.actions(shape), shape, g));
   }
   return detail::in_order_deadlock(by_rank);
+}
+
+//! The grouping the Trainer would choose for schedule `S`.
+template <class S>
+std::optional<detail::MessageGrouping> chosen(const S& schedule, int p, std::int64_t m, int v = 1) {
+  const ScheduleShape shape{.stages = p, .stage = 0, .micro_batches = m, .virtual_stages = v};
+  return detail::choose_grouping(
+             [&](int s) {
+               ScheduleShape theirs = shape;
+               theirs.stage = s;
+               return schedule.actions(theirs);
+             },
+             shape)
+      .safe;
 }
 
 detail::PlannedMessage message(bool send, int peer, std::int64_t micro_batch) {
@@ -189,22 +245,66 @@ detail::PlannedMessage message(bool send, int peer, std::int64_t micro_batch) {
 
 }  // namespace
 
-TEST_CASE("the model of NCCL's rules agrees with the emulation: GPipe, 1F1B, ZB-H1 safe, interleaved not") {
+TEST_CASE("the model of NCCL's rules: every schedule has a grouping that completes, and it is the one chosen") {
+  using detail::MessageGrouping;
   for (int p : {2, 3, 4, 8})
     for (std::int64_t m : {std::int64_t{1}, std::int64_t{p}, std::int64_t{2 * p + 1}, std::int64_t{4 * p}}) {
       CAPTURE(p);
       CAPTURE(m);
-      CHECK(modelled_outcome(GPipe{}, p, m).empty());
-      CHECK(modelled_outcome(OneFOneB{}, p, m).empty());
-      CHECK(modelled_outcome(ZeroBubbleH1{}, p, m).empty());
+      CHECK(modelled_outcome(GPipe{}, p, m, 1).empty());
+      CHECK(modelled_outcome(OneFOneB{}, p, m, 1).empty());
+      CHECK(modelled_outcome(ZeroBubbleH1{}, p, m, 1).empty());
+      CHECK(chosen(GPipe{}, p, m) == MessageGrouping::per_action);
+      CHECK(chosen(OneFOneB{}, p, m) == MessageGrouping::per_action);
+      CHECK(chosen(ZeroBubbleH1{}, p, m) == MessageGrouping::per_action);
+      // Grouping by units does not suit GPipe: all forwards, then all backwards.
+      if (p >= 2 && m >= 2) CHECK_FALSE(modelled_outcome(GPipe{}, p, m, 1, MessageGrouping::per_unit).empty());
     }
-  for (int p : {2, 4})
-    for (int v : {2, 3}) {
-      CAPTURE(p);
-      CAPTURE(v);
-      const std::string why = modelled_outcome(Interleaved1F1B{.virtual_stages = v}, p, 2 * p, v);
-      CHECK_MESSAGE(why.find("waits in {") != std::string::npos, why);
+  // Interleaved: with m = p micro-batches (no steady state) the sends can go per action, and
+  // grouping by units would deadlock; from m = 2p on only units complete.
+  for (int p : {2, 3, 4, 8})
+    for (int v : {2, 3, 4})
+      for (std::int64_t m : {std::int64_t{p}, std::int64_t{2 * p}, std::int64_t{3 * p}, std::int64_t{4 * p}}) {
+        CAPTURE(p);
+        CAPTURE(v);
+        CAPTURE(m);
+        const Interleaved1F1B schedule{.virtual_stages = v};
+        const std::string per_action = modelled_outcome(schedule, p, m, v);
+        const std::string per_unit = modelled_outcome(schedule, p, m, v, MessageGrouping::per_unit);
+        if (m == p) {
+          CHECK_MESSAGE(per_action.empty(), per_action);
+          CHECK(chosen(schedule, p, m, v) == MessageGrouping::per_action);
+          if (p > 2) CHECK_MESSAGE(per_unit.find("waits in {") != std::string::npos, per_unit);
+        } else {
+          CHECK_MESSAGE(per_action.find("waits in {") != std::string::npos, per_action);
+          CHECK_MESSAGE(per_unit.empty(), per_unit);
+          CHECK(chosen(schedule, p, m, v) == MessageGrouping::per_unit);
+        }
+      }
+}
+
+TEST_CASE("a plan puts each send in the group before the next unit, with that unit's receives") {
+  using detail::MessageGrouping;
+  // Stage 0 of 2 under 1F1B with 2 micro-batches: F0, then F1 B0 (a unit), then B1.
+  const ScheduleShape shape{.stages = 2, .stage = 0, .micro_batches = 2, .virtual_stages = 1};
+  const std::vector<Action> actions = OneFOneB{}.actions(shape);
+  REQUIRE(actions.size() == 4);
+  const auto text = [](const std::vector<detail::PlannedGroup>& plan) {
+    std::string out;
+    for (const auto& g : plan) {
+      out += "[";
+      for (std::size_t c = 0; c < g.size(); ++c) out += (c ? ", " : "") + g[c].text();
+      out += "]";
     }
+    return out;
+  };
+  CHECK(text(detail::message_plan(actions, shape, MessageGrouping::per_action)) ==
+        "[][send a0 for stage 1 to rank 1][send a1 for stage 1 to rank 1, recv g0 for stage 0 from rank 1]"
+        "[recv g1 for stage 0 from rank 1][]");
+  // Per unit, B0's gradient is received before F1 computes, with F0's send.
+  CHECK(text(detail::message_plan(actions, shape, MessageGrouping::per_unit)) ==
+        "[][send a0 for stage 1 to rank 1, recv g0 for stage 0 from rank 1][][send a1 for stage 1 to rank 1, recv g1 "
+        "for stage 0 from rank 1][]");
 }
 
 TEST_CASE("the model of NCCL's rules finds crossed sends, messages out of order, and unmatched ones") {

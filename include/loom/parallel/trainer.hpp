@@ -135,6 +135,7 @@ class Trainer {
   //! One optimizer step on the global batch given as [batch, seq] tokens and targets.
   StepMetrics step(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
     const auto start = std::chrono::steady_clock::now();
+    forget_unfinished_step();
     const std::int64_t micro_batches = plan(tokens, targets);
     const std::int64_t target_tokens = count_targets(targets);
     LOOM_CHECK(target_tokens > 0, "trainer step: target tokens", target_tokens,
@@ -143,7 +144,6 @@ class Trainer {
     const auto loss_scale = static_cast<scalar_type>(1.0 / static_cast<double>(target_tokens));
 
     engine_.begin_step();
-    pending_send_.reset();  // only a step that threw leaves one, pointing into old slots
     deferred_notification_ = false;
     wait_seconds_ = 0;
     double loss_sum = 0;
@@ -151,6 +151,7 @@ class Trainer {
       const Action& a = actions_[i];
       const Tensor<const std::int32_t> mb_tokens = micro(batch_tokens, a.micro_batch),
                                        mb_targets = micro(batch_targets, a.micro_batch);
+      issue(plan_[i]);
       switch (a.kind) {
         case Action::Kind::forward: loss_sum += forward(a.micro_batch, a.chunk, mb_tokens, mb_targets); break;
         case Action::Kind::backward:
@@ -162,6 +163,7 @@ class Trainer {
           break;
       }
     }
+    issue(plan_.back());
     finish_pipeline();
     engine_.finish_gradients();
 
@@ -196,17 +198,19 @@ class Trainer {
   template <class Batch>
   double evaluate(const Batch& global) {
     Tensor<const std::int32_t> tokens = global.tokens_view(), targets = global.targets_view();
-    const std::int64_t micro_batches = plan(tokens, targets);
+    forget_unfinished_step();
+    plan(tokens, targets);
     const std::int64_t target_tokens = count_targets(targets);
     std::tie(tokens, targets) = place_batch(tokens, targets);
-    pending_send_.reset();
     double loss_sum = 0;
     // Micro-batch by micro-batch through the chunks in order: every receive has its send ahead.
-    for (std::int64_t mb = 0; mb < micro_batches; ++mb)
-      for (int c = 0; c < stage_.chunks(); ++c) {
-        loss_sum += forward(mb, c, micro(tokens, mb), micro(targets, mb));
-        release(find(mb, c));
-      }
+    for (std::size_t i = 0; i < evaluate_actions_.size(); ++i) {
+      const Action& a = evaluate_actions_[i];
+      issue(evaluate_plan_[i]);
+      loss_sum += forward(a.micro_batch, a.chunk, micro(tokens, a.micro_batch), micro(targets, a.micro_batch));
+      release(find(a.micro_batch, a.chunk));
+    }
+    issue(evaluate_plan_.back());
     wait_for_sends();
     return pipeline_sum(engine_.global_sum(loss_sum)) / static_cast<double>(target_tokens);
   }
@@ -390,23 +394,43 @@ class Trainer {
     return micro_batches;
   }
 
-  //! Over a communicator that runs point-to-point in issue order (NCCL), refuses a schedule whose
-  //! messages would deadlock there, before anything is sent: every rank's actions follow from
-  //! the schedule and the shape, so this rank models all of them (detail::in_order_deadlock).
-  void check_in_issue_order(const ScheduleShape& mine) const {
-    if (pipeline_.size() < 2 || !pipeline_.point_to_point_in_issue_order()) return;
-    std::vector<std::vector<detail::PlannedGroup>> by_rank;
-    for (int s = 0; s < pipeline_.size(); ++s) {
-      ScheduleShape theirs = mine;
-      theirs.stage = s;
-      by_rank.push_back(detail::executor_groups(s == mine.stage ? actions_ : schedule_.actions(theirs), theirs));
+  //! Plans which sends and receives go out together, for step() and for evaluate(): the first
+  //! grouping (detail::MessageGrouping) under which every rank's groups complete when
+  //! point-to-point runs in issue order (NCCL: no tags, one stream; detail::in_order_deadlock).
+  //! Every rank's actions follow from the schedule and the shape, so this rank models all of
+  //! them, and all ranks choose alike. Over such a communicator a schedule that no grouping
+  //! completes is refused here, before anything is sent; a communicator with tags runs any.
+  void plan_messages(const ScheduleShape& mine) {
+    plan_.clear();
+    evaluate_plan_.clear();
+    evaluate_actions_.clear();
+    for (std::int64_t mb = 0; mb < mine.micro_batches; ++mb)
+      for (int c = 0; c < mine.virtual_stages; ++c)
+        evaluate_actions_.push_back({.kind = Action::Kind::forward, .micro_batch = mb, .chunk = c});
+    if (pipeline_.size() < 2) {
+      plan_.resize(actions_.size() + 1);
+      evaluate_plan_.resize(evaluate_actions_.size() + 1);
+      return;
     }
-    const std::string why = detail::in_order_deadlock(by_rank);
-    if (!why.empty())
-      throw Error("trainer: pipeline schedule on " + detail::to_text(mine) +
+    const bool in_order = pipeline_.point_to_point_in_issue_order();
+    const auto refuse = [&](const char* what, const std::string& why) {
+      throw Error("trainer: pipeline " + std::string(what) + " on " + detail::to_text(mine) +
                       " over a communicator that runs point-to-point in issue order (NCCL)",
-                  "would deadlock", why + ". GPipe, OneFOneB and ZeroBubbleH1 run there; or use a communicator "
-                  "with tags (threads, MPI, or one staged through host memory)");
+                  "would deadlock", why + "; use a communicator with tags (threads, MPI, or one staged through host memory)");
+    };
+    const detail::GroupingChoice step = detail::choose_grouping(
+        [&](int s) {
+          ScheduleShape theirs = mine;
+          theirs.stage = s;
+          return s == mine.stage ? actions_ : schedule_.actions(theirs);
+        },
+        mine);
+    if (!step.safe && in_order) refuse("schedule", step.why_not);
+    plan_ = detail::message_plan(actions_, mine, step.safe.value_or(detail::MessageGrouping::per_action));
+    const detail::GroupingChoice evaluation = detail::choose_grouping([&](int) { return evaluate_actions_; }, mine);
+    if (!evaluation.safe && in_order) refuse("evaluation", evaluation.why_not);
+    evaluate_plan_ =
+        detail::message_plan(evaluate_actions_, mine, evaluation.safe.value_or(detail::MessageGrouping::per_action));
   }
 
   //! Where each chunk's layers keep their activations inside a slot.
@@ -439,7 +463,7 @@ class Trainer {
           seen[static_cast<std::size_t>(a.chunk)] = true;
         }
       }
-      check_in_issue_order(schedule_shape);
+      plan_messages(schedule_shape);
       planned_micro_batches_ = micro_batches;
     }
     const std::int64_t slots = schedule_.live_micro_batches(schedule_shape);
@@ -536,25 +560,41 @@ class Trainer {
     int chunk = -1;
   };
 
+  //! A free slot for the forward of (mb, chunk), once the send of its last output is done. A
+  //! slot whose output a send not yet issued still reads (evaluate() frees each slot at once) is
+  //! taken only when no other is free, and that send then goes out alone first.
   Slot& acquire(std::int64_t mb, int chunk) {
+    Slot* free = nullptr;
     for (Slot& s : slots_)
-      if (s.micro_batch < 0) {
-        s.micro_batch = mb;
-        s.chunk = chunk;
-        return s;
-      }
+      if (s.micro_batch < 0 && (free == nullptr || unissued_reads(*free))) free = &s;
+    if (free != nullptr) {
+      if (unissued_reads(*free)) issue_unissued_reading(*free);
+      free->output_sent.wait();
+      free->micro_batch = mb;
+      free->chunk = chunk;
+      return *free;
+    }
     throw Error("trainer: activation slots for forward F" + detail::to_text(mb) + "." + detail::to_text(chunk),
                 slots_.size(),
                 "the schedule said this many micro-batches are alive at once on this rank, but its actions "
                 "keep more (live_micro_batches is too small for actions)");
   }
-  Slot& find(std::int64_t mb, int chunk) {
+  Slot* held(std::int64_t mb, int chunk) {
     for (Slot& s : slots_)
-      if (s.micro_batch == mb && s.chunk == chunk) return s;
+      if (s.micro_batch == mb && s.chunk == chunk) return &s;
+    return nullptr;
+  }
+  Slot& find(std::int64_t mb, int chunk) {
+    if (Slot* s = held(mb, chunk)) return *s;
     throw Error("trainer: backward of micro-batch " + detail::to_text(mb) + ", chunk " + detail::to_text(chunk),
                 "no forward", "a schedule must run a micro-batch's forward before its backward");
   }
   static void release(Slot& s) { s.micro_batch = -1; }
+  //! Only a step that threw leaves sends not issued (into its slots) or slots held.
+  void forget_unfinished_step() {
+    unissued_.clear();
+    for (Slot& s : slots_) release(s);
+  }
 
   //! Hidden state j of a chunk in `slot`: 0 the chunk's input, j the output of its j-th layer.
   Tensor<T> hidden(Slot& slot, const ChunkPlan& p, int j) const {
@@ -572,13 +612,9 @@ class Trainer {
 
   double forward(std::int64_t mb, int chunk, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(chunk)];
-    Slot& slot = acquire(mb, chunk);
-    // The last action's send still reads this slot (evaluate() frees slots at once): it must be
-    // done before the receive or the layers write here, so it cannot wait to join the receive.
-    if (pending_send_ && pending_send_->done == &slot.output_sent) flush_send();
-    slot.output_sent.wait();
-    if (p.receives) receive(hidden(slot, p, 0), p.virtual_stage - 1, message_tag(0, mb, p.virtual_stage));
-    flush_send();
+    Slot* received = held(mb, chunk);  // a receive from another rank took the slot (issue)
+    Slot& slot = received != nullptr ? *received : acquire(mb, chunk);
+    if (p.receives && received == nullptr) take_local(hidden(slot, p, 0), message_tag(0, mb, p.virtual_stage));
     double loss_sum = 0;
     for (int j = 0; j < p.count; ++j) {
       const int l = p.first + j;
@@ -601,8 +637,9 @@ class Trainer {
     Slot& slot = find(action.micro_batch, action.chunk);
     const std::int64_t mb = action.micro_batch;
     const std::int64_t n = stage_.hidden_elements(shape_);
-    if (p.sends) receive(Tensor<T>(received_grad_.data(), hidden_shape()), p.virtual_stage + 1, message_tag(1, mb, p.virtual_stage));
-    flush_send();
+    // From another rank the gradient came in this action's group (issue).
+    if (p.sends && (p.virtual_stage + 1) % pipeline_.size() == pipeline_.rank())
+      take_local(Tensor<T>(received_grad_.data(), hidden_shape()), message_tag(1, mb, p.virtual_stage));
     if (p.receives) slot.input_grad_sent.wait();
     int current = 0;  // which half of hidden_grads_ holds d loss / d output of layer j
     for (int j = p.count - 1; j >= 0; --j) {
@@ -647,7 +684,6 @@ class Trainer {
     if constexpr (SplitBackwardModel<M>) {
       const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
       Slot& slot = find(action.micro_batch, action.chunk);
-      flush_send();
       for (int j = p.count - 1; j >= 0; --j) {
         const int l = p.first + j;
         BackwardArgs<T> a{.tokens = tokens,
@@ -693,7 +729,8 @@ class Trainer {
   }
 
   void wait_for_sends() {
-    flush_send();
+    LOOM_CHECK(unissued_.empty(), "trainer: sends left out of the message plan", unissued_.size(),
+               "every send goes out in a planned group (a bug in the executor)");
     const auto start = std::chrono::steady_clock::now();
     for (Slot& s : slots_) {
       s.output_sent.wait();
@@ -757,48 +794,81 @@ class Trainer {
   static constexpr int tied_tag_base = 30000;
 
   //! Sends `data` to the rank of virtual stage `to`; `done` gets the Request that completes when
-  //! `data` may be reused. The send is issued at the start of the next action, in one group with
-  //! that action's receive when it has one (flush_send, receive). With one pipeline rank the
-  //! message stays here.
+  //! `data` may be reused. A send to another rank goes out in the group the plan puts it in
+  //! (issue); with one pipeline rank the message stays here.
   void transmit(Tensor<T> data, int to, int tag, Request& done) {
     const int peer = to % pipeline_.size();
     if (peer != pipeline_.rank()) {
-      flush_send();
-      pending_send_ = PendingSend{
-          pipeline_.send_call(std::span<const T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag), &done};
+      unissued_.push_back(
+          {pipeline_.send_call(std::span<const T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag), &done});
       return;
     }
     Buffer<T, backend_type> copy_of = mailbox_pool_.acquire(data.numel());
     copy<T>(*backend_, Tensor<T>(copy_of.data(), Shape{data.numel()}), Tensor<const T>(data.data(), Shape{data.numel()}));
     mailbox_.push_back({tag, std::move(copy_of)});
   }
-  //! Issues the pending send alone (the action after it receives nothing from another rank).
-  void flush_send() {
-    if (!pending_send_) return;
-    const PendingSend send = *pending_send_;
-    pending_send_.reset();
-    *send.done = pipeline_.start(send.call);
-  }
-  //! Receives into `data` what the rank of virtual stage `from` sent with `tag`; a pending send
-  //! goes in one group with it.
-  void receive(Tensor<T> data, int from, int tag) {
-    const int peer = from % pipeline_.size();
-    if (peer != pipeline_.rank()) {
-      const auto start = std::chrono::steady_clock::now();
-      const CollectiveCall into = pipeline_.recv_call(std::span<T>(data.data(), static_cast<std::size_t>(data.numel())), peer, tag);
-      if (pending_send_) {
-        const std::array group{pending_send_->call, into};
-        Request* sent = pending_send_->done;
-        pending_send_.reset();
-        std::vector<Request> requests = pipeline_.start_group(group);
-        *sent = std::move(requests[0]);  // waited for when its buffer is reused, as before
-        requests[1].wait();
-      } else {
-        pipeline_.run(into);
+
+  //! Starts one planned group: its sends (made by earlier actions, in the order they were made)
+  //! and its receives (an activation into the slot it takes for its forward, a gradient into
+  //! received_grad_), and waits for the receives.
+  void issue(const detail::PlannedGroup& group) {
+    if (group.empty()) return;
+    const auto start = std::chrono::steady_clock::now();
+    // The receives' buffers first: taking a slot may send, alone, what still reads it (acquire).
+    group_into_.clear();
+    for (const detail::PlannedMessage& m : group) {
+      if (m.send) continue;
+      if (m.direction == 1) {
+        group_into_.push_back(received_grad_.data());
+        continue;
       }
-      wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      return;
+      const int chunk = m.to_stage / pipeline_.size();
+      group_into_.push_back(hidden(acquire(m.micro_batch, chunk), chunk_plans_[static_cast<std::size_t>(chunk)], 0).data());
     }
+    group_calls_.clear();
+    group_done_.clear();
+    const std::size_t n = static_cast<std::size_t>(stage_.hidden_elements(shape_));
+    std::size_t received = 0;
+    for (const detail::PlannedMessage& m : group) {
+      const int tag = message_tag(m.direction, m.micro_batch, m.to_stage);
+      if (!m.send) {
+        group_calls_.push_back(pipeline_.recv_call(std::span<T>(group_into_[received++], n), m.peer, tag));
+        group_done_.push_back(nullptr);
+        continue;
+      }
+      const auto it = std::find_if(unissued_.begin(), unissued_.end(),
+                                   [&](const UnissuedSend& u) { return u.call.peer == m.peer && u.call.tag == tag; });
+      if (it == unissued_.end()) continue;  // it went out alone already (acquire)
+      group_calls_.push_back(it->call);
+      group_done_.push_back(it->done);
+      unissued_.erase(it);
+    }
+    std::vector<Request> requests = pipeline_.start_group(group_calls_);
+    for (std::size_t k = 0; k < requests.size(); ++k)
+      if (group_done_[k] != nullptr)
+        *group_done_[k] = std::move(requests[k]);  // waited for when its buffer is reused
+      else
+        requests[k].wait();
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  //! Whether a send not yet issued reads `slot`'s output (the layers of a forward write there;
+  //! its input-gradient send may wait: only its backward writes input_grad, after
+  //! input_grad_sent).
+  bool unissued_reads(const Slot& slot) const {
+    return std::any_of(unissued_.begin(), unissued_.end(),
+                       [&](const UnissuedSend& u) { return u.done == &slot.output_sent; });
+  }
+  //! Issues, alone, the send not yet issued that reads `slot`'s output.
+  void issue_unissued_reading(Slot& slot) {
+    const auto it = std::find_if(unissued_.begin(), unissued_.end(),
+                                 [&](const UnissuedSend& u) { return u.done == &slot.output_sent; });
+    slot.output_sent = pipeline_.start(it->call);
+    unissued_.erase(it);
+  }
+
+  //! Takes the message this rank sent itself with `tag` (pp = 1, interleaved) into `data`.
+  void take_local(Tensor<T> data, int tag) {
     for (auto it = mailbox_.begin(); it != mailbox_.end(); ++it)
       if (it->first == tag) {
         copy<T>(*backend_, Tensor<T>(data.data(), Shape{data.numel()}), Tensor<const T>(it->second.data(), Shape{data.numel()}));
@@ -806,7 +876,7 @@ class Trainer {
         mailbox_.erase(it);
         return;
       }
-    throw Error("trainer: receive from this rank's own virtual stage " + detail::to_text(from), tag,
+    throw Error("trainer: receive from this rank's own virtual stage", tag,
                 "no message with this tag was sent (a schedule must run the sender first)");
   }
 
@@ -837,16 +907,23 @@ class Trainer {
   std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
   detail::BufferPool<T, backend_type> mailbox_pool_;
   std::vector<std::pair<int, Buffer<T, backend_type>>> mailbox_;  // messages to this rank's own chunks
-  //! A send the last action made, not yet issued: NCCL runs a rank's operations in issue order
-  //! on one stream, so a send issued alone before the next action's receive would hold that
-  //! receive up until the peer takes the send, while the peer may be waiting to send us what we
-  //! receive (1F1B's steady state: one stage sends an activation as the next sends a gradient
-  //! back). Issuing both as one group (as Megatron-LM batches isend/irecv) lets both proceed.
-  struct PendingSend {
+  //! Which sends and receives go out together before each action and after the last, for
+  //! step() and for evaluate() (plan_messages). NCCL runs a rank's operations in issue order on
+  //! one stream, so a send issued alone before a receive holds that receive up until the peer
+  //! takes the send, while the peer may be waiting to send us what we receive (1F1B's steady
+  //! state: one stage sends an activation as the next sends a gradient back). Issuing both as
+  //! one group (as Megatron-LM batches isend/irecv) lets both proceed.
+  std::vector<detail::PlannedGroup> plan_, evaluate_plan_;
+  std::vector<Action> evaluate_actions_;
+  //! Sends made by an action whose group has not been issued yet.
+  struct UnissuedSend {
     CollectiveCall call;
     Request* done;  //!< the slot's output_sent or input_grad_sent
   };
-  std::optional<PendingSend> pending_send_;
+  std::vector<UnissuedSend> unissued_;
+  std::vector<CollectiveCall> group_calls_;  // issue's scratch
+  std::vector<Request*> group_done_;
+  std::vector<T*> group_into_;
   bool deferred_notification_ = false;
   double wait_seconds_ = 0;  // this step's time blocked on other stages
 };

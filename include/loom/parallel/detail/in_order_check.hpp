@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,35 +38,82 @@ struct PlannedMessage {
 //! Calls the executor issues as one unit (Communicator::start_group), or one call alone.
 using PlannedGroup = std::vector<PlannedMessage>;
 
-//! The groups the Trainer's executor issues, in order, on pipeline rank `shape.stage` for the
-//! step `actions`: a send an action makes joins the next action's receive from another rank in
-//! one group, or goes alone before that action when it receives nothing from another rank
-//! (Trainer::transmit, receive, flush_send); the last send goes alone after the last action.
-//! Messages between a rank's own chunks (pp = 1) stay on the rank and are not listed. The
-//! exchange of tied gradients after the actions is not modelled: it goes pair by pair in holder
-//! order, each pair's send and receive in one group, which always match.
-inline std::vector<PlannedGroup> executor_groups(const std::vector<Action>& actions, const ScheduleShape& shape) {
-  const int p = shape.stages, stages = shape.stages * shape.virtual_stages;
-  std::vector<PlannedGroup> groups;
-  PlannedGroup pending;  // at most one send
+//! How the executor joins sends and receives into groups.
+//! - per_action: the sends an action makes go in one group with the next action's receive
+//!   from another rank, or alone before that action when it receives nothing from another rank.
+//! - per_unit: a forward directly followed by a backward (or backward_input) is one unit, as in
+//!   Megatron-LM's interleaved steady state; the sends of a unit go in one group with the
+//!   receives of the next unit, both of them posted before its forward computes.
+enum class MessageGrouping { per_action, per_unit };
+
+inline const char* to_string(MessageGrouping g) noexcept {
+  return g == MessageGrouping::per_action ? "per action" : "per unit";
+}
+
+//! The remote receive action `a` needs before it computes, if any: an activation for a forward
+//! (direction 0), an output gradient for a backward or backward_input (direction 1). Messages
+//! between a rank's own chunks (pp = 1) stay on the rank and are not listed.
+inline std::optional<PlannedMessage> planned_receive(const Action& a, const ScheduleShape& shape) {
+  const int p = shape.stages, stages = shape.stages * shape.virtual_stages, vs = virtual_stage(shape, a.chunk);
   const auto remote = [&](int stage) { return stage % p != shape.stage; };
-  for (const Action& a : actions) {
-    const int vs = virtual_stage(shape, a.chunk);
-    PlannedGroup group = pending;
-    pending.clear();
-    if (a.kind == Action::Kind::forward && vs > 0 && remote(vs - 1))
-      group.push_back({.send = false, .peer = (vs - 1) % p, .direction = 0, .micro_batch = a.micro_batch, .to_stage = vs});
-    else if ((a.kind == Action::Kind::backward || a.kind == Action::Kind::backward_input) && vs + 1 < stages &&
-             remote(vs + 1))
-      group.push_back({.send = false, .peer = (vs + 1) % p, .direction = 1, .micro_batch = a.micro_batch, .to_stage = vs});
-    if (!group.empty()) groups.push_back(std::move(group));
-    if (a.kind == Action::Kind::forward && vs + 1 < stages && remote(vs + 1))
-      pending.push_back({.send = true, .peer = (vs + 1) % p, .direction = 0, .micro_batch = a.micro_batch, .to_stage = vs + 1});
-    else if ((a.kind == Action::Kind::backward || a.kind == Action::Kind::backward_input) && vs > 0 && remote(vs - 1))
-      pending.push_back({.send = true, .peer = (vs - 1) % p, .direction = 1, .micro_batch = a.micro_batch, .to_stage = vs - 1});
+  if (a.kind == Action::Kind::forward && vs > 0 && remote(vs - 1))
+    return PlannedMessage{.send = false, .peer = (vs - 1) % p, .direction = 0, .micro_batch = a.micro_batch, .to_stage = vs};
+  if ((a.kind == Action::Kind::backward || a.kind == Action::Kind::backward_input) && vs + 1 < stages &&
+      remote(vs + 1))
+    return PlannedMessage{.send = false, .peer = (vs + 1) % p, .direction = 1, .micro_batch = a.micro_batch, .to_stage = vs};
+  return std::nullopt;
+}
+
+//! The remote send action `a` makes when it has computed, if any.
+inline std::optional<PlannedMessage> planned_send(const Action& a, const ScheduleShape& shape) {
+  const int p = shape.stages, stages = shape.stages * shape.virtual_stages, vs = virtual_stage(shape, a.chunk);
+  const auto remote = [&](int stage) { return stage % p != shape.stage; };
+  if (a.kind == Action::Kind::forward && vs + 1 < stages && remote(vs + 1))
+    return PlannedMessage{.send = true, .peer = (vs + 1) % p, .direction = 0, .micro_batch = a.micro_batch, .to_stage = vs + 1};
+  if ((a.kind == Action::Kind::backward || a.kind == Action::Kind::backward_input) && vs > 0 && remote(vs - 1))
+    return PlannedMessage{.send = true, .peer = (vs - 1) % p, .direction = 1, .micro_batch = a.micro_batch, .to_stage = vs - 1};
+  return std::nullopt;
+}
+
+//! The group the executor issues before each of `actions` on pipeline rank `shape.stage`, and
+//! after the last one (element actions.size()); empty where it issues nothing. In a group the
+//! sends come first, in the order they were made, then the receives in action order. A group
+//! holds at most one gradient receive (the executor has one buffer for it). The exchange of
+//! tied gradients after the actions is not planned here: it goes pair by pair in holder order,
+//! each pair's send and receive in one group, which always match.
+inline std::vector<PlannedGroup> message_plan(const std::vector<Action>& actions, const ScheduleShape& shape,
+                                              MessageGrouping grouping) {
+  std::vector<PlannedGroup> before(actions.size() + 1);
+  PlannedGroup sends;  // made by the last unit, not yet issued
+  for (std::size_t i = 0; i < actions.size();) {
+    std::size_t end = i + 1;
+    if (grouping == MessageGrouping::per_unit && actions[i].kind == Action::Kind::forward && end < actions.size() &&
+        (actions[end].kind == Action::Kind::backward || actions[end].kind == Action::Kind::backward_input))
+      ++end;
+    PlannedGroup& group = before[i];
+    group = std::move(sends);
+    sends.clear();
+    for (std::size_t k = i; k < end; ++k) {
+      if (const auto r = planned_receive(actions[k], shape)) group.push_back(*r);
+      if (const auto s = planned_send(actions[k], shape)) sends.push_back(*s);
+    }
+    i = end;
   }
-  if (!pending.empty()) groups.push_back(std::move(pending));
-  return groups;
+  before.back() = std::move(sends);
+  return before;
+}
+
+//! The groups of a plan in issue order, without the empty ones.
+inline std::vector<PlannedGroup> issued_groups(std::vector<PlannedGroup> plan) {
+  std::erase_if(plan, [](const PlannedGroup& g) { return g.empty(); });
+  return plan;
+}
+
+//! The groups the executor issues, in order, on pipeline rank `shape.stage` for the step
+//! `actions` under `grouping`.
+inline std::vector<PlannedGroup> executor_groups(const std::vector<Action>& actions, const ScheduleShape& shape,
+                                                 MessageGrouping grouping = MessageGrouping::per_action) {
+  return issued_groups(message_plan(actions, shape, grouping));
 }
 
 //! "" when the groups of every rank (`by_rank[r]`, in issue order) all complete under in-order
@@ -158,6 +206,33 @@ inline std::string in_order_deadlock(const std::vector<std::vector<PlannedGroup>
     stuck += "}";
   }
   return stuck;
+}
+
+//! The first grouping (per action, then per unit) under which the groups of every pipeline rank
+//! complete under in-order rules, or none; `why_not` says where each one tried would stop.
+struct GroupingChoice {
+  std::optional<MessageGrouping> safe;
+  std::string why_not;
+};
+
+//! `actions_of(stage)` gives the actions of pipeline rank `stage` on `shape` (whose `stage` is
+//! ignored).
+template <class ActionsOf>
+GroupingChoice choose_grouping(ActionsOf&& actions_of, ScheduleShape shape) {
+  std::vector<std::vector<Action>> actions;
+  for (int s = 0; s < shape.stages; ++s) actions.push_back(actions_of(s));
+  GroupingChoice choice;
+  for (const MessageGrouping g : {MessageGrouping::per_action, MessageGrouping::per_unit}) {
+    std::vector<std::vector<PlannedGroup>> by_rank;
+    for (int s = 0; s < shape.stages; ++s) {
+      shape.stage = s;
+      by_rank.push_back(executor_groups(actions[static_cast<std::size_t>(s)], shape, g));
+    }
+    const std::string why = in_order_deadlock(by_rank);
+    if (why.empty()) return {g, ""};
+    choice.why_not += (choice.why_not.empty() ? "" : "; ") + std::string("grouped ") + to_string(g) + ": " + why;
+  }
+  return choice;
 }
 
 }  // namespace loom::detail
