@@ -74,24 +74,30 @@ inline void check_close(const std::vector<float>& got, const std::vector<double>
 
 inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
-//! A device buffer with a shape, filled from the host.
-struct DeviceTensor {
-  Buffer<float, cuda> buffer;
+
+//! A device array of any element type (ids, bf16, double statistics) with a shape, filled from
+//! the host.
+template <class E>
+struct DeviceArray {
+  Buffer<E, cuda> buffer;
   Shape shape;
 
-  DeviceTensor(cuda& be, const std::vector<float>& host, Shape s)
+  DeviceArray(cuda& be, const std::vector<E>& host, Shape s)
       : buffer(be, s.numel(), MemoryCategory::workspace), shape(s) {
     REQUIRE(static_cast<std::int64_t>(host.size()) == s.numel());
     be.copy_from_host(buffer.data(), host.data(), buffer.bytes());
   }
-  Tensor<float> view() const { return {buffer.data(), shape}; }
-  Tensor<const float> cview() const { return view(); }
-  std::vector<float> to_host(const cuda& be) const {
-    std::vector<float> host(static_cast<std::size_t>(shape.numel()));
+  Tensor<E> view() const { return {buffer.data(), shape}; }
+  Tensor<const E> cview() const { return view(); }
+  std::vector<E> to_host(const cuda& be) const {
+    std::vector<E> host(static_cast<std::size_t>(shape.numel()));
     be.copy_to_host(host.data(), buffer.data(), buffer.bytes());
     return host;
   }
 };
+
+//! A device buffer of floats with a shape, filled from the host.
+using DeviceTensor = DeviceArray<float>;
 
 //! Runs the doctest cases; without a GPU, a clean run reports "skipped" (ctest
 //! SKIP_RETURN_CODE 77) because the device cases had nothing to check.

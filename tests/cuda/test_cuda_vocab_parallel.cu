@@ -37,26 +37,6 @@ using namespace loom::cuda_test;
 
 namespace {
 
-//! A device array of ids or double statistics with a shape, filled from the host.
-template <class E>
-struct DeviceArray {
-  Buffer<E, loom::cuda> buffer;
-  Shape shape;
-
-  DeviceArray(loom::cuda& be, const std::vector<E>& host, Shape s)
-      : buffer(be, s.numel(), MemoryCategory::workspace), shape(s) {
-    REQUIRE(static_cast<std::int64_t>(host.size()) == s.numel());
-    be.copy_from_host(buffer.data(), host.data(), buffer.bytes());
-  }
-  Tensor<E> view() const { return {buffer.data(), shape}; }
-  Tensor<const E> cview() const { return view(); }
-  std::vector<E> to_host(const loom::cuda& be) const {
-    std::vector<E> host(static_cast<std::size_t>(shape.numel()));
-    be.copy_to_host(host.data(), buffer.data(), buffer.bytes());
-    return host;
-  }
-};
-
 using DeviceIds = DeviceArray<std::int32_t>;
 using DeviceDoubles = DeviceArray<double>;
 

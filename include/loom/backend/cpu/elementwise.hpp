@@ -1,9 +1,10 @@
 #pragma once
-//! \file Plain element-wise helpers on the CPU backend: copy, accumulate, zero.
+//! \file Plain element-wise helpers on the CPU backend: copy, accumulate, zero (float, double, bf16).
 
 #include <cstring>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::inline kernels {
@@ -15,7 +16,7 @@ void copy(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
   if (dst.numel() > 0) std::memcpy(dst.data(), src.data(), sizeof(T) * dst.numel());
 }
 
-//! dst += src (same element count).
+//! dst += src (same element count; bf16 adds in float and rounds once).
 template <class T>
 void add_to(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
   check_numel(dst, src.numel(), "add_to", "dst");
@@ -23,13 +24,13 @@ void add_to(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
   const T* s = src.data();
   const std::int64_t n = dst.numel();
 #pragma omp parallel for simd num_threads(be.threads()) if (n > (1 << 16))
-  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+  for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(to_accumulate(d[i]) + to_accumulate(s[i]));
 }
 
 //! x = 0.
 template <class T>
 void zero(const cpu& be, Tensor<T> x) {
-  if (x.numel() > 0) std::memset(x.data(), 0, sizeof(T) * x.numel());
+  if (x.numel() > 0) std::memset(static_cast<void*>(x.data()), 0, sizeof(T) * x.numel());
 }
 
 }  // namespace loom::inline kernels

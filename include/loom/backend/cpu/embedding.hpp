@@ -8,13 +8,13 @@
 #include <string>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/embedding_grad.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::embedding {
 
-//! Channels per task of the backward.
-inline constexpr std::int64_t column_block = 64;
 //! Below this many elements a kernel stays on the calling thread.
 inline constexpr std::int64_t parallel_min_elements = 1 << 14;
 
@@ -95,7 +95,8 @@ void embedding_forward(const cpu& be, Tensor<T> out, Tensor<const std::int32_t> 
     const T* token_row = te + static_cast<std::int64_t>(ids[bt]) * C;
     const T* position_row = pe + (bt % Tn) * C;
     T* o = o_all + bt * C;
-    for (std::int64_t i = 0; i < C; ++i) o[i] = token_row[i] + position_row[i];
+    for (std::int64_t i = 0; i < C; ++i)
+      o[i] = static_cast<T>(to_accumulate(token_row[i]) + to_accumulate(position_row[i]));
   }
 }
 
@@ -109,26 +110,8 @@ void embedding_backward(const cpu& be, Tensor<T> dwte, Tensor<T> dwpe, Tensor<co
   const d::Dims dims = d::check_arguments(dout, tokens, dwte, dwpe, "embedding_backward", "dout", "dwte", "dwpe");
   const std::int64_t B = dims.batch, Tn = dims.seq, C = dims.channels;
 
-  const std::int32_t* ids = tokens.data();
-  const T* g_all = dout.data();
-  T* dte = dwte.data();
-  T* dpe = dwpe.data();
-  const std::int64_t rows = B * Tn;
-  const std::int64_t blocks = (C + d::column_block - 1) / d::column_block;
-#pragma omp parallel for num_threads(be.threads()) schedule(static) \
-    if (blocks > 1 && rows * C >= d::parallel_min_elements)
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    const std::int64_t j0 = blk * d::column_block, j1 = std::min(C, j0 + d::column_block);
-    for (std::int64_t bt = 0; bt < rows; ++bt) {
-      const T* g = g_all + bt * C;
-      T* token_row = dte + static_cast<std::int64_t>(ids[bt]) * C;
-      T* position_row = dpe + (bt % Tn) * C;
-      for (std::int64_t j = j0; j < j1; ++j) {
-        token_row[j] += g[j];
-        position_row[j] += g[j];
-      }
-    }
-  }
+  detail::embedding_grad::accumulate(be, dwte.data(), 0, dwte.extent(0), dwpe.data(), dout.data(), tokens.data(),
+                                     B, Tn, C);
 }
 
 }  // namespace loom::inline kernels

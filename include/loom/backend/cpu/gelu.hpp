@@ -1,6 +1,7 @@
 #pragma once
 //! \file GELU (the tanh approximation GPT-2 uses) on the CPU backend: Eigen array expressions
 //! over chunks, so that tanh is vectorised (Eigen's packet tanh for float), chunks in parallel.
+//! bf16 chunks are widened to float on the stack and each result rounded once.
 
 #include <Eigen/Core>
 
@@ -10,6 +11,8 @@
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/array_map.hpp"
+#include "loom/backend/cpu/detail/staging.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::gelu {
@@ -39,14 +42,17 @@ void gelu_forward(const cpu& be, Tensor<T> out, Tensor<const T> in) {
   check_numel(out, in.numel(), "gelu_forward", "out");
   const std::int64_t n = in.numel();
   const std::int64_t chunks = (n + d::chunk - 1) / d::chunk;
+  using A = accumulate_t<T>;
   const T* x_all = in.data();
   T* y_all = out.data();
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
   for (std::int64_t c = 0; c < chunks; ++c) {
     const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    const d::ConstArrayMap<T> x(x_all + begin, size);
-    d::ArrayMap<T>(y_all + begin, size) =
-        T(0.5) * x * (T(1) + (d::scaling<T> * (x + d::cubic<T> * x.cube())).tanh());
+    alignas(64) A x_stage[detail::stage_size<T, d::chunk>], y_stage[detail::stage_size<T, d::chunk>];
+    const d::ConstArrayMap<A> x(detail::load(x_all + begin, x_stage, size), size);
+    A* y = detail::output(y_all + begin, y_stage);
+    d::ArrayMap<A>(y, size) = A(0.5) * x * (A(1) + (d::scaling<A> * (x + d::cubic<A> * x.cube())).tanh());
+    detail::store(y_all + begin, y, size);
   }
 }
 
@@ -58,21 +64,26 @@ void gelu_backward(const cpu& be, Tensor<T> din, Tensor<const T> in, Tensor<cons
   check_numel(dout, in.numel(), "gelu_backward", "dout");
   const std::int64_t n = in.numel();
   const std::int64_t chunks = (n + d::chunk - 1) / d::chunk;
+  using A = accumulate_t<T>;
   const T* x_all = in.data();
   const T* g_all = dout.data();
   T* dx_all = din.data();
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
   for (std::int64_t c = 0; c < chunks; ++c) {
     const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    const d::ConstArrayMap<T> x(x_all + begin, size);
-    alignas(64) T tanh_buffer[d::chunk];
-    d::ArrayMap<T> th(tanh_buffer, size);
-    th = (d::scaling<T> * (x + d::cubic<T> * x.cube())).tanh();
+    constexpr std::int64_t staged = detail::stage_size<T, d::chunk>;
+    alignas(64) A x_stage[staged], g_stage[staged], dx_stage[staged];
+    const d::ConstArrayMap<A> x(detail::load(x_all + begin, x_stage, size), size);
+    A* dx = detail::load(dx_all + begin, dx_stage, size);
+    alignas(64) A tanh_buffer[d::chunk];
+    d::ArrayMap<A> th(tanh_buffer, size);
+    th = (d::scaling<A> * (x + d::cubic<A> * x.cube())).tanh();
     // d/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-    d::ArrayMap<T>(dx_all + begin, size) +=
-        d::ConstArrayMap<T>(g_all + begin, size) *
-        (T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th.square()) * d::scaling<T> *
-                                    (T(1) + T(3) * d::cubic<T> * x.square()));
+    d::ArrayMap<A>(dx, size) +=
+        d::ConstArrayMap<A>(detail::load(g_all + begin, g_stage, size), size) *
+        (A(0.5) * (A(1) + th) + A(0.5) * x * (A(1) - th.square()) * d::scaling<A> *
+                                    (A(1) + A(3) * d::cubic<A> * x.square()));
+    detail::store(dx_all + begin, dx, size);
   }
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 //! \file LayerNorm over the last axis on the CPU backend: rows in parallel, row statistics in one
-//! shifted pass accumulated in double.
+//! shifted pass accumulated in double. On bf16 every element is read as float, the row statistics
+//! are stored in float (accumulate_t), and each result is rounded once.
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +9,9 @@
 #include <string>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -27,11 +30,13 @@ inline constexpr std::int64_t parallel_min_elements = 1 << 14;
 namespace loom::inline kernels {
 
 //! LayerNorm over the last axis C of `in` (N rows): mean[N], rstd[N] = 1/sqrt(biased variance +
-//! eps), out = (in - mean) * rstd * weight + bias. `mean` and `rstd` hold N elements (any shape).
+//! eps), out = (in - mean) * rstd * weight + bias. `mean` and `rstd` hold N elements (any shape)
+//! in the accumulate type (float for bf16 storage).
 template <class T>
-void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<T> mean, Tensor<T> rstd,
-                       Tensor<const T> in, Tensor<const T> weight, Tensor<const T> bias,
-                       T eps = T(1e-5)) {
+void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> mean,
+                       Tensor<accumulate_t<T>> rstd, Tensor<const T> in, Tensor<const T> weight,
+                       Tensor<const T> bias, accumulate_t<T> eps = accumulate_t<T>(1e-5)) {
+  using A = accumulate_t<T>;
   namespace d = detail::layernorm;
   constexpr const char* kernel = "layernorm_forward";
   if (in.shape().rank() == 0)
@@ -48,29 +53,30 @@ void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<T> mean, Tensor<T> r
   const T* w = weight.data();
   const T* b = bias.data();
   T* o_all = out.data();
-  T* mean_all = mean.data();
-  T* rstd_all = rstd.data();
+  A* mean_all = mean.data();
+  A* rstd_all = rstd.data();
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * C >= d::parallel_min_elements)
   for (std::int64_t n = 0; n < N; ++n) {
     const T* x = x_all + n * C;
     // One pass: sums of (x - x[0]) and its square. The shift keeps E[d^2] - E[d]^2 free of
     // cancellation when the mean is large against the spread.
-    const double shift = static_cast<double>(x[0]);
+    const double shift = static_cast<double>(to_accumulate(x[0]));
     double sum = 0, sum_sq = 0;
 #pragma omp simd reduction(+ : sum, sum_sq)
     for (std::int64_t i = 0; i < C; ++i) {
-      const double dx = static_cast<double>(x[i]) - shift;
+      const double dx = static_cast<double>(to_accumulate(x[i])) - shift;
       sum += dx;
       sum_sq += dx * dx;
     }
     const double mean_shifted = sum / static_cast<double>(C);
     const double var = std::max(0.0, sum_sq / static_cast<double>(C) - mean_shifted * mean_shifted);
-    const T m = static_cast<T>(shift + mean_shifted);
-    const T r = static_cast<T>(1.0 / std::sqrt(var + static_cast<double>(eps)));
+    const A m = static_cast<A>(shift + mean_shifted);
+    const A r = static_cast<A>(1.0 / std::sqrt(var + static_cast<double>(eps)));
     mean_all[n] = m;
     rstd_all[n] = r;
     T* o = o_all + n * C;
-    for (std::int64_t i = 0; i < C; ++i) o[i] = (x[i] - m) * r * w[i] + b[i];
+    for (std::int64_t i = 0; i < C; ++i)
+      o[i] = static_cast<T>((to_accumulate(x[i]) - m) * r * to_accumulate(w[i]) + to_accumulate(b[i]));
   }
 }
 
@@ -79,7 +85,8 @@ void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<T> mean, Tensor<T> r
 template <class T>
 void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
-                        Tensor<const T> mean, Tensor<const T> rstd) {
+                        Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd) {
+  using A = accumulate_t<T>;
   namespace d = detail::layernorm;
   constexpr const char* kernel = "layernorm_backward";
   if (in.shape().rank() == 0)
@@ -97,8 +104,8 @@ void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<
   const T* x_all = in.data();
   const T* g_all = dout.data();
   const T* w = weight.data();
-  const T* mean_all = mean.data();
-  const T* rstd_all = rstd.data();
+  const A* mean_all = mean.data();
+  const A* rstd_all = rstd.data();
   [[maybe_unused]] const bool parallel = N * C >= d::parallel_min_elements;
 
   // Input gradient, row by row: din += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd
@@ -108,36 +115,45 @@ void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<
   for (std::int64_t n = 0; n < N; ++n) {
     const T* x = x_all + n * C;
     const T* g = g_all + n * C;
-    const T m = mean_all[n], r = rstd_all[n];
+    const A m = mean_all[n], r = rstd_all[n];
     double sum_dnorm = 0, sum_dnorm_norm = 0;
 #pragma omp simd reduction(+ : sum_dnorm, sum_dnorm_norm)
     for (std::int64_t i = 0; i < C; ++i) {
-      const T dnorm = w[i] * g[i];
+      const A dnorm = to_accumulate(w[i]) * to_accumulate(g[i]);
       sum_dnorm += static_cast<double>(dnorm);
-      sum_dnorm_norm += static_cast<double>(dnorm * ((x[i] - m) * r));
+      sum_dnorm_norm += static_cast<double>(dnorm * ((to_accumulate(x[i]) - m) * r));
     }
-    const T a = static_cast<T>(sum_dnorm / static_cast<double>(C));
-    const T c = static_cast<T>(sum_dnorm_norm / static_cast<double>(C));
+    const A a = static_cast<A>(sum_dnorm / static_cast<double>(C));
+    const A c = static_cast<A>(sum_dnorm_norm / static_cast<double>(C));
     T* dx = dx_all + n * C;
-    for (std::int64_t i = 0; i < C; ++i) dx[i] += (w[i] * g[i] - a - (x[i] - m) * r * c) * r;
+    for (std::int64_t i = 0; i < C; ++i) {
+      const A norm = (to_accumulate(x[i]) - m) * r;
+      dx[i] = static_cast<T>(to_accumulate(dx[i]) + (to_accumulate(w[i]) * to_accumulate(g[i]) - a - norm * c) * r);
+    }
   }
 
-  // Parameter gradients, by blocks of columns (no two threads on one element).
+  // Parameter gradients, by blocks of columns (no two threads on one element), each column summed
+  // in the accumulate type from its old value and rounded once.
   T* dw = dweight.data();
   T* db = dbias.data();
   const std::int64_t blocks = (C + d::column_block - 1) / d::column_block;
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (parallel && blocks > 1)
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    const std::int64_t j0 = blk * d::column_block, j1 = std::min(C, j0 + d::column_block);
+    const std::int64_t j0 = blk * d::column_block, width = std::min(C, j0 + d::column_block) - j0;
+    A sum_w[d::column_block], sum_b[d::column_block];
+    detail::widen_into(dw + j0, sum_w, width);
+    detail::widen_into(db + j0, sum_b, width);
     for (std::int64_t n = 0; n < N; ++n) {
-      const T* x = x_all + n * C;
-      const T* g = g_all + n * C;
-      const T m = mean_all[n], r = rstd_all[n];
-      for (std::int64_t j = j0; j < j1; ++j) {
-        dw[j] += (x[j] - m) * r * g[j];
-        db[j] += g[j];
+      const T* x = x_all + n * C + j0;
+      const T* g = g_all + n * C + j0;
+      const A m = mean_all[n], r = rstd_all[n];
+      for (std::int64_t j = 0; j < width; ++j) {
+        sum_w[j] += (to_accumulate(x[j]) - m) * r * to_accumulate(g[j]);
+        sum_b[j] += to_accumulate(g[j]);
       }
     }
+    detail::narrow_into(sum_w, dw + j0, width);
+    detail::narrow_into(sum_b, db + j0, width);
   }
 }
 

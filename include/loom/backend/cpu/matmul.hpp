@@ -1,15 +1,19 @@
 #pragma once
 //! \file Fully connected layer (matmul with bias) on the CPU backend: Eigen GEMMs over row-major
-//! maps of the flat tensors, using this rank's threads.
+//! maps of the flat tensors, using this rank's threads. On bf16 each output tile is one float
+//! GEMM over operand blocks widened to float, rounded once into the output.
 
 #include <Eigen/Core>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -49,6 +53,93 @@ Dims dims(const Tensor<const T>& in, const Tensor<const T>& weight, const char* 
 //! thread in row order, so the result does not depend on the thread count.
 inline constexpr std::int64_t bias_block = 64;
 
+//! Rows and columns of an output tile of the staged (bf16) GEMMs. Each tile is one float GEMM
+//! over the whole inner extent, so every output element is rounded once; the tiles, not Eigen's
+//! blocking, split the work between threads, so the result is the same bits for any thread count.
+inline constexpr std::int64_t tile = 128;
+//! Below this many multiply-adds a staged GEMM stays on the calling thread.
+inline constexpr std::int64_t parallel_min_products = std::int64_t{1} << 18;
+
+//! `m` or its transpose, as an Eigen expression.
+template <bool Transposed, class M>
+auto op(const M& m) {
+  if constexpr (Transposed)
+    return m.transpose();
+  else
+    return m;
+}
+
+//! c[M, N] = init + op(a) · op(b) for narrow storage (bf16), c row-major with rows N apart; op(a)
+//! is [M, K] and op(b) is [K, N], `a` and `b` row-major with rows `lda` and `ldb` apart (a
+//! transposed operand is stored [K, M] or [N, K]). init is c itself (`accumulate`), else `bias`
+//! [N] on every row, else 0. Per tile: the blocks of op(a) and op(b) widened to float, one Eigen
+//! float GEMM, one rounding per element.
+template <bool TransA, bool TransB, class T>
+void staged_gemm(const cpu& be, T* c, std::int64_t M, std::int64_t N, std::int64_t K, const T* a,
+                 std::int64_t lda, const T* b, std::int64_t ldb, const std::type_identity_t<T>* bias,
+                 bool accumulate) {
+  using A = accumulate_t<T>;
+  const std::int64_t col_tiles = (N + tile - 1) / tile, tiles = (M + tile - 1) / tile * col_tiles;
+  Staging<T> scratch(be.threads(), 2 * tile * K + tile * tile);
+#pragma omp parallel num_threads(be.threads()) if (tiles > 1 && M * N * K >= parallel_min_products)
+  {
+    serial_gemm_in_this_task();
+    A* a_block = scratch.at(thread_index());
+    A* b_block = a_block + tile * K;
+    A* c_block = b_block + tile * K;
+    std::int64_t staged_row_tile = -1;  // consecutive tiles of a thread share op(a)'s block
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tiles; ++t) {
+      const std::int64_t i0 = t / col_tiles * tile, j0 = t % col_tiles * tile;
+      const std::int64_t rows = std::min(tile, M - i0), cols = std::min(tile, N - j0);
+      if (t / col_tiles != staged_row_tile) {
+        if constexpr (TransA)
+          widen_block(a, lda, 0, K, i0, rows, a_block);
+        else
+          widen_block(a, lda, i0, rows, 0, K, a_block);
+        staged_row_tile = t / col_tiles;
+      }
+      if constexpr (TransB)
+        widen_block(b, ldb, j0, cols, 0, K, b_block);
+      else
+        widen_block(b, ldb, 0, K, j0, cols, b_block);
+      Matrix<A> out(c_block, rows, cols);
+      if (accumulate)
+        widen_block(c, N, i0, rows, j0, cols, c_block);
+      else if (bias != nullptr)
+        for (std::int64_t r = 0; r < rows; ++r) widen_into(bias + j0, c_block + r * cols, cols);
+      else
+        out.setZero();
+      if (K > 0)
+        out.noalias() += op<TransA>(ConstMatrix<A>(a_block, TransA ? K : rows, TransA ? rows : K)) *
+                         op<TransB>(ConstMatrix<A>(b_block, TransB ? cols : K, TransB ? K : cols));
+      narrow_block(c_block, cols, c + i0 * N + j0, N, rows, cols);
+    }
+  }
+}
+
+//! out = in · weight^T (+ bias) for float and double: one Eigen GEMM on this rank's threads.
+template <class T>
+void forward_in_place(const cpu& be, T* out, const T* in, const T* weight, const T* b, std::int64_t N,
+                      std::int64_t C, std::int64_t OC) {
+  Matrix<T> o(out, N, OC);
+  be.bind_gemm_threads();
+  if (b == nullptr) {
+    if (C == 0) {
+      o.setZero();
+      return;
+    }
+    // No bias: the GEMM writes the output directly (no zero-fill pass over N·OC elements).
+    o.noalias() = ConstMatrix<T>(in, N, C) * ConstMatrix<T>(weight, OC, C).transpose();
+    return;
+  }
+  // The bias rows are written by all threads, then the GEMM accumulates onto them.
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * OC >= (1 << 16))
+  for (std::int64_t n = 0; n < N; ++n) std::copy(b, b + OC, out + n * OC);
+  if (C == 0) return;
+  o.noalias() += ConstMatrix<T>(in, N, C) * ConstMatrix<T>(weight, OC, C).transpose();
+}
+
 }  // namespace loom::detail::matmul
 
 namespace loom::inline kernels {
@@ -67,24 +158,12 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
   if (!bias.empty()) check_shape(bias, Shape{OC}, kernel, "bias");
   if (N == 0 || OC == 0) return;
 
-  d::Matrix<T> o(out.data(), N, OC);
-  be.bind_gemm_threads();
-  if (bias.empty()) {
-    if (C == 0) {
-      o.setZero();
-      return;
-    }
-    // No bias: the GEMM writes the output directly (no zero-fill pass over N·OC elements).
-    o.noalias() = d::ConstMatrix<T>(in.data(), N, C) * d::ConstMatrix<T>(weight.data(), OC, C).transpose();
-    return;
+  if constexpr (is_narrow_storage<T>) {
+    d::staged_gemm<false, true>(be, out.data(), N, OC, C, in.data(), C, weight.data(), C,
+                                bias.empty() ? nullptr : bias.data(), false);
+  } else {
+    d::forward_in_place(be, out.data(), in.data(), weight.data(), bias.empty() ? nullptr : bias.data(), N, C, OC);
   }
-  // The bias rows are written by all threads, then the GEMM accumulates onto them.
-  const T* b = bias.data();
-  T* po = out.data();
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * OC >= (1 << 16))
-  for (std::int64_t n = 0; n < N; ++n) std::copy(b, b + OC, po + n * OC);
-  if (C == 0) return;
-  o.noalias() += d::ConstMatrix<T>(in.data(), N, C) * d::ConstMatrix<T>(weight.data(), OC, C).transpose();
 }
 
 //! Backward of matmul_forward, accumulating: din[N,C] += dout·weight, dweight[OC,C] +=
@@ -105,24 +184,35 @@ void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> 
   if (!dbias.empty()) check_shape(dbias, Shape{OC}, kernel, "dbias");
   if (N == 0 || OC == 0) return;
 
-  const d::ConstMatrix<T> g(dout.data(), N, OC);
-  be.bind_gemm_threads();
   if (C > 0) {
-    const d::ConstMatrix<T> x(in.data(), N, C), w(weight.data(), OC, C);
-    if (!din.empty()) d::Matrix<T>(din.data(), N, C).noalias() += g * w;
-    if (!dweight.empty()) d::Matrix<T>(dweight.data(), OC, C).noalias() += g.transpose() * x;
+    if constexpr (is_narrow_storage<T>) {
+      if (!din.empty())
+        d::staged_gemm<false, false>(be, din.data(), N, C, OC, dout.data(), OC, weight.data(), C, nullptr, true);
+      if (!dweight.empty())
+        d::staged_gemm<true, false>(be, dweight.data(), OC, C, N, dout.data(), OC, in.data(), C, nullptr, true);
+    } else {
+      be.bind_gemm_threads();
+      const d::ConstMatrix<T> g(dout.data(), N, OC), x(in.data(), N, C), w(weight.data(), OC, C);
+      if (!din.empty()) d::Matrix<T>(din.data(), N, C).noalias() += g * w;
+      if (!dweight.empty()) d::Matrix<T>(dweight.data(), OC, C).noalias() += g.transpose() * x;
+    }
   }
   if (!dbias.empty()) {
+    // Each column summed from its old value in the accumulate type, in row order, rounded once.
+    using A = accumulate_t<T>;
     const T* gd = dout.data();
     T* db = dbias.data();
     const std::int64_t blocks = (OC + d::bias_block - 1) / d::bias_block;
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (blocks > 1 && N * OC >= (1 << 15))
     for (std::int64_t blk = 0; blk < blocks; ++blk) {
-      const std::int64_t j0 = blk * d::bias_block, j1 = std::min(OC, j0 + d::bias_block);
+      const std::int64_t j0 = blk * d::bias_block, width = std::min(OC, j0 + d::bias_block) - j0;
+      A sum[d::bias_block];
+      detail::widen_into(db + j0, sum, width);
       for (std::int64_t n = 0; n < N; ++n) {
-        const T* row = gd + n * OC;
-        for (std::int64_t j = j0; j < j1; ++j) db[j] += row[j];
+        const T* row = gd + n * OC + j0;
+        for (std::int64_t j = 0; j < width; ++j) sum[j] += to_accumulate(row[j]);
       }
+      detail::narrow_into(sum, db + j0, width);
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::reduction {
@@ -27,11 +28,11 @@ double sum_serial(const T* x, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + lanes <= n; i += lanes)
     for (int k = 0; k < lanes; ++k) {
-      const double value = static_cast<double>(x[i + k]);
+      const double value = static_cast<double>(to_accumulate(x[i + k]));
       acc[k] += Square ? value * value : value;
     }
   for (int k = 0; i < n; ++i, ++k) {
-    const double value = static_cast<double>(x[i]);
+    const double value = static_cast<double>(to_accumulate(x[i]));
     acc[k] += Square ? value * value : value;
   }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
@@ -83,16 +84,17 @@ double sum_elements(const cpu& be, Tensor<const T> x) {
   return detail::reduction::sum_chunked<false>(be, x);
 }
 
-//! x *= factor (the factor rounded to T once). An empty tensor is left alone.
+//! x *= factor (the factor rounded to T's accumulate type once; bf16 elements are multiplied in
+//! float and rounded once). An empty tensor is left alone.
 template <class T>
 void scale(const cpu& be, Tensor<T> x, double factor) {
   if (x.empty()) return;
   const std::int64_t n = x.numel();
-  const T f = static_cast<T>(factor);
+  const accumulate_t<T> f = static_cast<accumulate_t<T>>(factor);
   T* data = x.data();
 #pragma omp parallel for simd num_threads(be.threads()) schedule(static) \
     if (n >= detail::reduction::parallel_min_elements)
-  for (std::int64_t i = 0; i < n; ++i) data[i] *= f;
+  for (std::int64_t i = 0; i < n; ++i) data[i] = static_cast<T>(to_accumulate(data[i]) * f);
 }
 
 }  // namespace loom::inline kernels

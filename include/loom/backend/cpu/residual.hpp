@@ -1,9 +1,10 @@
 #pragma once
-//! \file Residual connection (out = a + b) on the CPU backend.
+//! \file Residual connection (out = a + b) on the CPU backend (bf16: added in float, rounded once).
 
 #include <cstdint>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::residual {
@@ -26,7 +27,7 @@ void residual_forward(const cpu& be, Tensor<T> out, Tensor<const T> a, Tensor<co
   const T* y = b.data();
 #pragma omp parallel for simd num_threads(be.threads()) schedule(static) \
     if (n >= detail::residual::parallel_min_elements)
-  for (std::int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+  for (std::int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(to_accumulate(x[i]) + to_accumulate(y[i]));
 }
 
 //! Backward of residual_forward, accumulating: da += dout, db += dout.
@@ -41,8 +42,9 @@ void residual_backward(const cpu& be, Tensor<T> da, Tensor<T> db, Tensor<const T
 #pragma omp parallel for simd num_threads(be.threads()) schedule(static) \
     if (n >= detail::residual::parallel_min_elements)
   for (std::int64_t i = 0; i < n; ++i) {
-    ga[i] += g[i];
-    gb[i] += g[i];
+    const accumulate_t<T> gi = to_accumulate(g[i]);
+    ga[i] = static_cast<T>(to_accumulate(ga[i]) + gi);
+    gb[i] = static_cast<T>(to_accumulate(gb[i]) + gi);
   }
 }
 

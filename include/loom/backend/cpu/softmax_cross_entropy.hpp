@@ -10,6 +10,7 @@
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -53,6 +54,8 @@ template <class T>
 void softmax_cross_entropy_forward(const cpu& be, Tensor<T> losses, Tensor<T> probs,
                                    Tensor<const T> logits, Tensor<const std::int32_t> targets,
                                    std::int64_t vocab) {
+  static_assert(!is_narrow_storage<T>, "loom: softmax_cross_entropy_forward takes float or double; for bf16 use "
+                                       "the vocab_parallel_cross_entropy kernels (one slice for the whole vocabulary)");
   namespace ce = detail::cross_entropy;
   constexpr const char* kernel = "softmax_cross_entropy_forward";
   const auto d = ce::check(logits, targets, vocab, kernel, "logits");
@@ -90,6 +93,8 @@ template <class T>
 void softmax_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> probs,
                                     Tensor<const std::int32_t> targets, std::int64_t vocab,
                                     T scale) {
+  static_assert(!is_narrow_storage<T>, "loom: softmax_cross_entropy_backward takes float or double; for bf16 use "
+                                       "vocab_parallel_cross_entropy_backward");
   namespace ce = detail::cross_entropy;
   constexpr const char* kernel = "softmax_cross_entropy_backward";
   const auto d = ce::check(probs, targets, vocab, kernel, "probs");

@@ -15,16 +15,16 @@
 #include <string>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/detail/embedding_grad.hpp"
+#include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
 #include "loom/backend/detail/vocab_parallel_checks.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::vocab_parallel {
 
-//! Channels per task of the embedding backward (as embedding.hpp: no two threads share an
-//! element, and every element sums its contributions in (b, t) order).
-inline constexpr std::int64_t column_block = 64;
 //! Below this many elements a kernel stays on the calling thread.
 inline constexpr std::int64_t parallel_min_elements = 1 << 14;
 
@@ -60,6 +60,18 @@ inline void check_target_values(const Tensor<const std::int32_t>& targets, std::
                   "must be < vocab (" + detail::to_text(vocab) + "), or negative to ignore the row");
 }
 
+//! The largest of x[0, n), n > 0, in the accumulate type (exact: a max does not round).
+template <class T>
+accumulate_t<T> row_max(const T* x, std::int64_t n) {
+  if constexpr (is_narrow_storage<T>) {
+    accumulate_t<T> largest = to_accumulate(x[0]);
+    for (std::int64_t j = 1; j < n; ++j) largest = std::max(largest, to_accumulate(x[j]));
+    return largest;
+  } else {
+    return Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x, n).maxCoeff();
+  }
+}
+
 }  // namespace loom::detail::vocab_parallel
 
 namespace loom::inline kernels {
@@ -90,7 +102,8 @@ void vocab_parallel_embedding_forward(const cpu& be, Tensor<T> out, Tensor<const
     // The same expression as embedding_forward where both rows are present, so that the
     // owning rank reproduces its sums bit for bit.
     if (token_row && position_row)
-      for (std::int64_t i = 0; i < C; ++i) o[i] = token_row[i] + position_row[i];
+      for (std::int64_t i = 0; i < C; ++i)
+        o[i] = static_cast<T>(to_accumulate(token_row[i]) + to_accumulate(position_row[i]));
     else if (token_row)
       std::copy(token_row, token_row + C, o);
     else if (position_row)
@@ -111,30 +124,8 @@ void vocab_parallel_embedding_backward(const cpu& be, Tensor<T> dwte_slice, std:
   namespace d = detail::vocab_parallel;
   const d::EmbeddingDims dims = d::check_embedding(dout, tokens, dwte_slice, vocab_begin, dwpe,
                                                    "vocab_parallel_embedding_backward", "dout", "dwte_slice", "dwpe");
-  const std::int64_t Tn = dims.seq, C = dims.channels, rows = dims.batch * dims.seq;
-  const std::int64_t slice_rows = dwte_slice.extent(0);
-  const std::int32_t* ids = tokens.data();
-  const T* g_all = dout.data();
-  T* dte = dwte_slice.data();
-  T* dpe = dwpe.data();  // nullptr when empty
-  const std::int64_t blocks = (C + d::column_block - 1) / d::column_block;
-#pragma omp parallel for num_threads(be.threads()) schedule(static) \
-    if (blocks > 1 && rows * C >= d::parallel_min_elements)
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    const std::int64_t j0 = blk * d::column_block, j1 = std::min(C, j0 + d::column_block);
-    for (std::int64_t bt = 0; bt < rows; ++bt) {
-      const T* g = g_all + bt * C;
-      const std::int64_t local = static_cast<std::int64_t>(ids[bt]) - vocab_begin;
-      if (local >= 0 && local < slice_rows) {
-        T* token_row = dte + local * C;
-        for (std::int64_t j = j0; j < j1; ++j) token_row[j] += g[j];
-      }
-      if (dpe != nullptr) {
-        T* position_row = dpe + (bt % Tn) * C;
-        for (std::int64_t j = j0; j < j1; ++j) position_row[j] += g[j];
-      }
-    }
-  }
+  detail::embedding_grad::accumulate(be, dwte_slice.data(), vocab_begin, dwte_slice.extent(0), dwpe.data(),
+                                     dout.data(), tokens.data(), dims.batch, dims.seq, dims.channels);
 }
 
 //! Vocabulary-parallel cross-entropy, step 1 of 3: row_max[n] = the largest logits[n, j] over
@@ -151,8 +142,7 @@ void vocab_parallel_cross_entropy_max(const cpu& be, Tensor<double> row_max, Ten
   double* m = row_max.data();
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (dims.rows * Vs >= d::parallel_min_elements)
   for (std::int64_t n = 0; n < dims.rows; ++n)
-    m[n] = real > 0 ? static_cast<double>(Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x_all + n * Vs, real).maxCoeff())
-                    : std::numeric_limits<double>::lowest();
+    m[n] = real > 0 ? static_cast<double>(d::row_max(x_all + n * Vs, real)) : std::numeric_limits<double>::lowest();
 }
 
 //! Vocabulary-parallel cross-entropy, step 2 of 3, given the global `row_max` [N]: writes
@@ -170,6 +160,7 @@ void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor
   const d::CrossEntropyDims dims =
       d::check_partials(exps, partials, logits, row_max, targets, vocab_begin, vocab, kernel);
   d::check_target_values(targets, vocab, kernel);
+  using A = accumulate_t<T>;
   const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
   const T* x_all = logits.data();
   T* e_all = exps.data();
@@ -177,6 +168,9 @@ void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor
   double* sums = partials.data();
   double* shifted_targets = partials.data() + N;
   const std::int32_t* target_data = targets.data();
+  // bf16: each row's logits widened to float, their exps computed and summed in float before
+  // the one rounding.
+  detail::Staging<T> staging(be.threads(), real);
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
   for (std::int64_t n = 0; n < N; ++n) {
     const T* x = x_all + n * Vs;
@@ -185,38 +179,45 @@ void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor
     // As softmax_cross_entropy_forward: the target logit is read before e may overwrite it, and
     // shifted in double, so that the loss stays exact where its probability underflows.
     shifted_targets[n] = target_data[n] >= 0 && local_target >= 0 && local_target < real
-                             ? static_cast<double>(x[local_target]) - m[n]
+                             ? static_cast<double>(to_accumulate(x[local_target])) - m[n]
                              : 0.0;
+    A* stage = staging.at(detail::thread_index());
+    const A* xs = detail::load(x, stage, real);
+    A* es = detail::output(e, stage);  // in place: each element is read before it is written
     if (real > 0) {
-      const T max = static_cast<T>(m[n]);  // exact: the global max is one of the logits
-      Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(e, real) =
-          (Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x, real) - max).exp();
+      const A max = static_cast<A>(m[n]);  // exact: the global max is one of the logits
+      Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>>(es, real) =
+          (Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>(xs, real) - max).exp();
     }
-    sums[n] = detail::sum_as_double(e, real);
+    sums[n] = detail::sum_as_double(es, real);
+    detail::store(e, es, real);
     std::fill(e + real, e + Vs, T(0));
   }
 }
 
 //! Vocabulary-parallel cross-entropy, step 3 of 3, given the group's summed `partials` [2, N]:
 //! probs[n, :] = exps[n, :] / sum[n] in place (`probs` holds the exps of step 2), and
-//! losses[n] = log(sum[n]) - shifted_target[n], 0 where targets[n] < 0. Every rank of the group
-//! computes the same losses.
+//! losses[n] = log(sum[n]) - shifted_target[n], 0 where targets[n] < 0, in the accumulate type
+//! (float for bf16 probabilities). Every rank of the group computes the same losses.
 template <class T>
-void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<T> losses, Tensor<T> probs,
+void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
                                          Tensor<const double> partials, Tensor<const std::int32_t> targets) {
+  using A = accumulate_t<T>;
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
   const d::FinishDims dims = d::check_finish(losses, probs, partials, targets, kernel);
   const std::int64_t N = dims.rows, Vs = dims.columns;
   T* p_all = probs.data();
-  T* loss = losses.data();
+  A* loss = losses.data();
   const double* sums = partials.data();
   const double* shifted_targets = partials.data() + N;
   const std::int32_t* target_data = targets.data();
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
   for (std::int64_t n = 0; n < N; ++n) {
-    Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(p_all + n * Vs, Vs) *= static_cast<T>(1.0 / sums[n]);
-    loss[n] = target_data[n] >= 0 ? static_cast<T>(std::log(sums[n]) - shifted_targets[n]) : T(0);
+    const A factor = static_cast<A>(1.0 / sums[n]);
+    T* p = p_all + n * Vs;
+    for (std::int64_t j = 0; j < Vs; ++j) p[j] = static_cast<T>(to_accumulate(p[j]) * factor);
+    loss[n] = target_data[n] >= 0 ? static_cast<A>(std::log(sums[n]) - shifted_targets[n]) : A(0);
   }
 }
 
@@ -227,7 +228,8 @@ void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<T> losses, Tensor
 template <class T>
 void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> probs,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                                           std::int64_t vocab, T scale) {
+                                           std::int64_t vocab, accumulate_t<T> scale) {
+  using A = accumulate_t<T>;
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
   const d::CrossEntropyDims dims = d::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
@@ -246,9 +248,9 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
     }
     const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
     const bool owns_target = local_target >= 0 && local_target < real;
-    const T target_prob = owns_target ? p[local_target] : T(0);  // read before g (maybe p) is written
-    for (std::int64_t i = 0; i < real; ++i) g[i] = scale * p[i];
-    if (owns_target) g[local_target] = scale * (target_prob - T(1));
+    const A target_prob = owns_target ? to_accumulate(p[local_target]) : A(0);  // read before g (maybe p) is written
+    for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * to_accumulate(p[i]));
+    if (owns_target) g[local_target] = static_cast<T>(scale * (target_prob - A(1)));
     std::fill(g + real, g + Vs, T(0));
   }
 }

@@ -1,6 +1,7 @@
 #pragma once
 //! \file Causal multi-head self-attention (GPT-2) on the CUDA backend: cuBLAS strided-batched
-//! GEMMs (fp32 data; TF32 products where the backend allows them, as in matmul.cuh) over the
+//! GEMMs (fp32 data with TF32 products where the backend allows them, or bf16 data; fp32
+//! accumulation, as in matmul.cuh) over the
 //! heads of one batch element, reading q, k and v in place inside the packed qkv activations,
 //! and one-warp-per-row kernels for the causal softmax and its backward. This first version
 //! computes the whole T x T score matrix and zeroes its upper triangle; a flash-style tiled
@@ -19,6 +20,7 @@
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/cuda/matmul.cuh"
 #include "loom/backend/detail/attention_checks.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
@@ -82,7 +84,7 @@ inline BatchedGemm key_grad_gemm(const attention::Dims& d) {
   return {{CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 3 * C, T, 3 * C}, hs, T * T, hs, d.heads};
 }
 
-//! The forward's steps in order, over all batch elements: `run_gemm(plan, a, b, c, beta)` runs a
+//! The forward's steps in order, over all batch elements: `run_gemm(plan, a, b, c, float beta)` runs a
 //! BatchedGemm, `run_softmax(att, rows)` turns `rows` rows of raw scores into probabilities.
 //! Plain host code, so that the host test runs this very sequence with cuBLAS emulated.
 template <class T, class RunGemm, class RunSoftmax>
@@ -92,12 +94,12 @@ void forward_steps(const attention::Dims& d, T* out, T* att, const T* qkv, RunGe
   const BatchedGemm scores = scores_gemm(d), context = context_gemm(d);
   for (std::int64_t b = 0; b < B; ++b) {
     const T* q = qkv + b * Tn * 3 * C;  // q of head 0 of batch element b; k at + C, v at + 2C
-    run_gemm(scores, q + C, q, att + b * NH * Tn * Tn, T(0));
+    run_gemm(scores, q + C, q, att + b * NH * Tn * Tn, 0.0f);
   }
   run_softmax(att, B * NH * Tn);  // every row of every head at once
   for (std::int64_t b = 0; b < B; ++b) {
     const T* q = qkv + b * Tn * 3 * C;
-    run_gemm(context, q + 2 * C, att + b * NH * Tn * Tn, out + b * Tn * C, T(0));
+    run_gemm(context, q + 2 * C, att + b * NH * Tn * Tn, out + b * Tn * C, 0.0f);
   }
 }
 
@@ -117,23 +119,24 @@ void backward_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* q
     T *dk = dq + C, *dv = dq + 2 * C;
     const T* g = dout + b * Tn * C;
     const T* a = att + b * NH * Tn * Tn;
-    run_gemm(att_grad, v, g, dpre, T(0));  // datt, the whole T x T of each head
-    run_gemm(value_grad, g, a, dv, T(1));
+    run_gemm(att_grad, v, g, dpre, 0.0f);  // datt, the whole T x T of each head
+    run_gemm(value_grad, g, a, dv, 1.0f);
     run_softmax_grad(dpre, a, NH * Tn);  // datt -> dpre, in place
-    run_gemm(query_grad, k, dpre, dq, T(1));
-    run_gemm(key_grad, q, dpre, dk, T(1));
+    run_gemm(query_grad, k, dpre, dq, 1.0f);
+    run_gemm(key_grad, q, dpre, dk, 1.0f);
   }
 }
 
-//! Runs `g` on the backend's stream: C = A B (beta 0, C is not read) or C += A B (beta 1).
-inline void gemm(const cuda& be, const BatchedGemm& g, const float* a, const float* b, float* c, float beta,
-                 const char* kernel) {
+//! Runs `g` on the backend's stream: C = A B (beta 0, C is not read) or C += A B (beta 1); T in
+//! and out, fp32 scalars and accumulation.
+template <class T>
+void gemm(const cuda& be, const BatchedGemm& g, const T* a, const T* b, T* c, float beta, const char* kernel) {
   const float alpha = 1.0f;
   const Gemm& s = g.gemm;
+  constexpr cudaDataType_t type = cuda_matmul::data_type<T>();
   const cublasStatus_t status = cublasGemmStridedBatchedEx_64(
-      be.cublas(), s.op_a, s.op_b, s.m, s.n, s.k, &alpha, a, CUDA_R_32F, s.lda, g.stride_a, b, CUDA_R_32F,
-      s.ldb, g.stride_b, &beta, c, CUDA_R_32F, s.ldc, g.stride_c, g.batch, cuda_matmul::compute_type(be),
-      CUBLAS_GEMM_DEFAULT);
+      be.cublas(), s.op_a, s.op_b, s.m, s.n, s.k, &alpha, a, type, s.lda, g.stride_a, b, type, s.ldb, g.stride_b,
+      &beta, c, type, s.ldc, g.stride_c, g.batch, cuda_matmul::compute_type<T>(be), CUBLAS_GEMM_DEFAULT);
   if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
     cublas_check(status, (std::string(kernel) + ": cublasGemmStridedBatchedEx_64(m = " + to_text(s.m) +
                           ", n = " + to_text(s.n) + ", k = " + to_text(s.k) + ", batch = " +
@@ -151,48 +154,48 @@ __device__ inline T warp_max(T value) {
 //! One warp per row of att, in place: the raw scores x[0..t] of query t become
 //! softmax((x - max) * scale), the keys s > t become 0 (the CPU kernel's formula; scale > 0, so
 //! the raw max is the scaled max). Row r of [rows = B NH T, tokens] is query t = r % tokens.
-//! Each lane reads back only the elements it wrote, so no barrier is needed.
+//! In float; the exps are computed twice (for the sum, then for the result) so that a bf16
+//! probability is rounded once. Each lane reads back only the elements it wrote, so no barrier
+//! is needed.
 template <class T>
-__global__ void softmax_forward_kernel(T* att, std::int64_t rows, std::int64_t tokens, T scale) {
+__global__ void softmax_forward_kernel(T* att, std::int64_t rows, std::int64_t tokens, float scale) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= rows) return;  // the whole warp leaves together
   const std::int64_t t = row % tokens;
   T* a = att + row * tokens;
-  T max = a[0];  // key 0 is visible to every query
-  for (std::int64_t s = lane; s <= t; s += 32) max = fmaxf(max, a[s]);
+  float max = to_accumulate(a[0]);  // key 0 is visible to every query
+  for (std::int64_t s = lane; s <= t; s += 32) max = fmaxf(max, to_accumulate(a[s]));
   max = warp_max(max);
-  T sum = 0;
-  for (std::int64_t s = lane; s <= t; s += 32) {
-    const T e = expf((a[s] - max) * scale);
-    a[s] = e;
-    sum += e;
-  }
-  const T inverse = T(1) / cuda_kernels::warp_sum(sum);  // sum >= 1: the max term is exp(0)
-  for (std::int64_t s = lane; s <= t; s += 32) a[s] *= inverse;
-  for (std::int64_t s = t + 1 + lane; s < tokens; s += 32) a[s] = T(0);
+  float sum = 0;
+  for (std::int64_t s = lane; s <= t; s += 32) sum += expf((to_accumulate(a[s]) - max) * scale);
+  const float inverse = 1.0f / cuda_kernels::warp_sum(sum);  // sum >= 1: the max term is exp(0)
+  for (std::int64_t s = lane; s <= t; s += 32)
+    a[s] = static_cast<T>(expf((to_accumulate(a[s]) - max) * scale) * inverse);
+  for (std::int64_t s = t + 1 + lane; s < tokens; s += 32) a[s] = T(0.0f);
 }
 
 //! One warp per row, in place: the gradient g = datt of row t becomes the gradient of the raw
 //! scores, att * (g - sum_s att g) * scale over s <= t and 0 above the diagonal.
 template <class T>
-__global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens, T scale) {
+__global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= rows) return;  // the whole warp leaves together
   const std::int64_t t = row % tokens;
   T* g = grad + row * tokens;
   const T* a = att + row * tokens;
-  T dot = 0;
-  for (std::int64_t s = lane; s <= t; s += 32) dot += a[s] * g[s];
-  const T shift = cuda_kernels::warp_sum(dot);
-  for (std::int64_t s = lane; s <= t; s += 32) g[s] = a[s] * (g[s] - shift) * scale;
-  for (std::int64_t s = t + 1 + lane; s < tokens; s += 32) g[s] = T(0);
+  float dot = 0;
+  for (std::int64_t s = lane; s <= t; s += 32) dot += to_accumulate(a[s]) * to_accumulate(g[s]);
+  const float shift = cuda_kernels::warp_sum(dot);
+  for (std::int64_t s = lane; s <= t; s += 32)
+    g[s] = static_cast<T>(to_accumulate(a[s]) * (to_accumulate(g[s]) - shift) * scale);
+  for (std::int64_t s = t + 1 + lane; s < tokens; s += 32) g[s] = T(0.0f);
 }
 
 //! Launches softmax_forward_kernel over att[rows, tokens] (rows, tokens > 0).
 template <class T>
-void softmax_forward(const cuda& be, T* att, std::int64_t rows, std::int64_t tokens, T scale) {
+void softmax_forward(const cuda& be, T* att, std::int64_t rows, std::int64_t tokens, float scale) {
   namespace k = cuda_kernels;
   softmax_forward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, rows, tokens,
                                                                                           scale);
@@ -201,7 +204,7 @@ void softmax_forward(const cuda& be, T* att, std::int64_t rows, std::int64_t tok
 
 //! Launches softmax_backward_kernel over grad and att [rows, tokens] (rows, tokens > 0).
 template <class T>
-void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, T scale) {
+void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale) {
   namespace k = cuda_kernels;
   softmax_backward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows,
                                                                                            tokens, scale);
@@ -220,7 +223,7 @@ namespace loom::inline kernels {
 //! does not divide C. Per batch element two cuBLAS calls; one softmax launch for the whole batch.
 template <class T>
 void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward";
   const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads);
@@ -228,10 +231,10 @@ void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<cons
   check_data(qkv, kernel, "qkv");
 
   detail::cuda_kernels::activate(be);
-  const T scale = T(1) / std::sqrt(static_cast<T>(dims.head_size));  // the CPU kernel's value
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dims.head_size));  // the CPU kernel's value
   d::forward_steps(
       dims, out.data(), att.data(), qkv.data(),
-      [&](const d::BatchedGemm& g, const T* x, const T* y, T* z, T beta) { d::gemm(be, g, x, y, z, beta, kernel); },
+      [&](const d::BatchedGemm& g, const T* x, const T* y, T* z, float beta) { d::gemm(be, g, x, y, z, beta, kernel); },
       [&](T* scores, std::int64_t rows) { d::softmax_forward(be, scores, rows, dims.tokens, scale); });
 }
 
@@ -244,7 +247,7 @@ void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<cons
 template <class T>
 void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                         Tensor<const T> att, int num_heads) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward";
   const detail::attention::Dims dims = detail::attention::check_backward(dqkv, dout, qkv, att, num_heads);
@@ -252,13 +255,13 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
   check_data(qkv, kernel, "qkv");
 
   detail::cuda_kernels::activate(be);
-  const T scale = T(1) / std::sqrt(static_cast<T>(dims.head_size));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dims.head_size));
   // Freed (into the cache) when this returns, while the stream may still be using it: the
   // allocator hands a block out again only to work on the same stream, which runs after ours.
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
   d::backward_steps(
       dims, dqkv.data(), dout.data(), qkv.data(), att.data(), scratch.data(),
-      [&](const d::BatchedGemm& g, const T* x, const T* y, T* z, T beta) { d::gemm(be, g, x, y, z, beta, kernel); },
+      [&](const d::BatchedGemm& g, const T* x, const T* y, T* z, float beta) { d::gemm(be, g, x, y, z, beta, kernel); },
       [&](T* grad, const T* probabilities, std::int64_t rows) {
         d::softmax_backward(be, grad, probabilities, rows, dims.tokens, scale);
       });

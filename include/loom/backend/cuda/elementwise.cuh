@@ -8,6 +8,7 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::cuda_elementwise {
@@ -15,7 +16,7 @@ namespace loom::detail::cuda_elementwise {
 template <class T>
 __global__ void add_to_kernel(T* dst, const T* src, std::int64_t n) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
-    dst[i] += src[i];
+    dst[i] = static_cast<T>(to_accumulate(dst[i]) + to_accumulate(src[i]));
 }
 
 }  // namespace loom::detail::cuda_elementwise
@@ -25,7 +26,7 @@ namespace loom::inline kernels {
 //! dst = src (same element count): a device-to-device copy on the stream.
 template <class T>
 void copy(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   check_numel(dst, src.numel(), "copy", "dst");
   check_data(src, "copy", "src");
   if (dst.numel() == 0) return;
@@ -33,10 +34,10 @@ void copy(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
   be.copy(dst.data(), src.data(), sizeof(T) * static_cast<std::size_t>(dst.numel()));
 }
 
-//! dst += src (same element count).
+//! dst += src (same element count; bf16 adds in float and rounds once).
 template <class T>
 void add_to(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   check_numel(dst, src.numel(), "add_to", "dst");
   check_data(src, "add_to", "src");
@@ -51,7 +52,7 @@ void add_to(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
 //! x = 0 (a memset on the stream). An empty tensor is left alone.
 template <class T>
 void zero(const cuda& be, Tensor<T> x) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   if (x.empty()) return;
   detail::cuda_kernels::activate(be);
   be.fill_zero(x.data(), sizeof(T) * static_cast<std::size_t>(x.numel()));

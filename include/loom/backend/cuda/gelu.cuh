@@ -1,6 +1,7 @@
 #pragma once
 //! \file GELU (the tanh approximation GPT-2 uses) on the CUDA backend, element-wise. The
-//! per-element formulas are host/device functions, so the host tests check them directly.
+//! per-element formulas are host/device functions, so the host tests check them directly. bf16
+//! elements are loaded as float and each result rounded once.
 
 #include <cmath>
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/hd.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -31,13 +33,13 @@ LOOM_HD inline float gelu_derivative(float x) {
 template <class T>
 __global__ void forward_kernel(T* out, const T* in, std::int64_t n) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
-    out[i] = gelu(in[i]);
+    out[i] = static_cast<T>(gelu(to_accumulate(in[i])));
 }
 
 template <class T>
 __global__ void backward_kernel(T* din, const T* in, const T* dout, std::int64_t n) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
-    din[i] += dout[i] * gelu_derivative(in[i]);
+    din[i] = static_cast<T>(to_accumulate(din[i]) + to_accumulate(dout[i]) * gelu_derivative(to_accumulate(in[i])));
 }
 
 }  // namespace loom::detail::cuda_gelu
@@ -47,7 +49,7 @@ namespace loom::inline kernels {
 //! out = 0.5 in (1 + tanh(sqrt(2/pi) (in + 0.044715 in^3))) element-wise (equal element counts).
 template <class T>
 void gelu_forward(const cuda& be, Tensor<T> out, Tensor<const T> in) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   check_numel(out, in.numel(), "gelu_forward", "out");
   check_data(in, "gelu_forward", "in");
@@ -62,7 +64,7 @@ void gelu_forward(const cuda& be, Tensor<T> out, Tensor<const T> in) {
 //! din += dout * GELU'(in) element-wise (equal element counts).
 template <class T>
 void gelu_backward(const cuda& be, Tensor<T> din, Tensor<const T> in, Tensor<const T> dout) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   check_numel(din, in.numel(), "gelu_backward", "din");
   check_numel(dout, in.numel(), "gelu_backward", "dout");

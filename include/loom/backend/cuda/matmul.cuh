@@ -1,6 +1,7 @@
 #pragma once
-//! \file Fully connected layer (matmul with bias) on the CUDA backend: cuBLAS GEMMs (fp32 data,
-//! TF32 tensor-core products, fp32 accumulation) on the backend's stream, bias kernels beside.
+//! \file Fully connected layer (matmul with bias) on the CUDA backend: cuBLAS GEMMs (fp32 data with
+//! TF32 tensor-core products, or bf16 data with bf16 products; fp32 accumulation either way) on
+//! the backend's stream, bias kernels beside.
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
@@ -9,21 +10,39 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/core/accumulate.hpp"
+#include "loom/core/bf16.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::cuda_matmul {
 
-//! The GEMMs' products: TF32 (10-bit mantissa inputs, fp32 accumulation) on tensor cores where
-//! the backend allows it (the default): about 8x the fp32 rate on an H100, at a relative error
-//! near 1e-3 of sum |a_i b_i| instead of 1e-7. Full fp32 products otherwise (cuda::set_tf32).
-inline cublasComputeType_t compute_type(const cuda& be) noexcept {
-  return be.tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+//! The GEMMs' products for fp32 data: TF32 (10-bit mantissa inputs, fp32 accumulation) on tensor
+//! cores where the backend allows it (the default): about 8x the fp32 rate on an H100, at a
+//! relative error near 1e-3 of sum |a_i b_i| instead of 1e-7. Full fp32 products otherwise
+//! (cuda::set_tf32). bf16 data always computes in fp32 (CUBLAS_COMPUTE_32F): bf16 products are
+//! exact in fp32, the sums accumulate in fp32, and the result is rounded to bf16 once.
+template <class T = float>
+cublasComputeType_t compute_type(const cuda& be) noexcept {
+  if constexpr (std::is_same_v<T, bf16>)
+    return CUBLAS_COMPUTE_32F;
+  else
+    return be.tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
+//! cuBLAS's name for the element type T (float or bf16).
+template <class T>
+constexpr cudaDataType_t data_type() noexcept {
+  if constexpr (std::is_same_v<T, bf16>)
+    return CUDA_R_16BF;
+  else
+    return CUDA_R_32F;
 }
 
 //! One column-major cuBLAS GEMM, C = alpha op(A) op(B) + beta C with C m x n and k the inner
@@ -49,14 +68,15 @@ inline Gemm weight_grad_gemm(std::int64_t N, std::int64_t C, std::int64_t OC) {
 }
 
 
-//! Runs `g` on the backend's stream: C = A B (beta 0) or C += A B (beta 1), fp32 in and out.
-inline void gemm(const cuda& be, const Gemm& g, const float* a, const float* b, float* c, float beta,
-                 const char* kernel) {
+//! Runs `g` on the backend's stream: C = A B (beta 0) or C += A B (beta 1), T in and out (fp32
+//! scalars and accumulation; with bf16 C the fp32 result, beta C included, is rounded once).
+template <class T>
+void gemm(const cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, const char* kernel) {
   const float alpha = 1.0f;
+  constexpr cudaDataType_t type = data_type<T>();
   const cublasStatus_t status =
-      cublasGemmEx_64(be.cublas(), g.op_a, g.op_b, g.m, g.n, g.k, &alpha, a, CUDA_R_32F,
-                      g.lda, b, CUDA_R_32F, g.ldb, &beta, c, CUDA_R_32F, g.ldc, compute_type(be),
-                      CUBLAS_GEMM_DEFAULT);
+      cublasGemmEx_64(be.cublas(), g.op_a, g.op_b, g.m, g.n, g.k, &alpha, a, type, g.lda, b, type, g.ldb, &beta, c,
+                      type, g.ldc, compute_type<T>(be), CUBLAS_GEMM_DEFAULT);
   if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
     cublas_check(status, (std::string(kernel) + ": cublasGemmEx_64(m = " + to_text(g.m) +
                           ", n = " + to_text(g.n) + ", k = " + to_text(g.k) + ")")
@@ -79,41 +99,44 @@ Dims dims(const Tensor<const T>& in, const Tensor<const T>& weight, const char* 
   return {N, C, weight.extent(0)};
 }
 
-//! out[n, j] += bias[j]: x covers columns, y strides over rows.
+//! out[n, j] = bias[j]: x covers columns, y strides over rows. The GEMM then accumulates onto
+//! the bias (beta 1), as the CPU kernel does, so that a bf16 output is rounded once.
 template <class T>
-__global__ void add_bias_kernel(T* out, const T* bias, std::int64_t rows, std::int64_t cols) {
+__global__ void fill_bias_kernel(T* out, const T* bias, std::int64_t rows, std::int64_t cols) {
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= cols) return;
   const T b = bias[j];
-  for (std::int64_t n = blockIdx.y; n < rows; n += gridDim.y) out[n * cols + j] += b;
+  for (std::int64_t n = blockIdx.y; n < rows; n += gridDim.y) out[n * cols + j] = b;
 }
 
 //! dbias[j] += sum over rows of dout[n, j], in a fixed order (see cuda_kernels::column_tile).
+//! In fp32 (accumulate_t), rounded once into a bf16 dbias.
 template <class T>
 __global__ void bias_grad_kernel(T* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
   using cuda_kernels::column_row_threads;
   using cuda_kernels::column_tile;
-  __shared__ T partial[column_row_threads][column_tile];
+  using A = accumulate_t<T>;
+  __shared__ A partial[column_row_threads][column_tile];
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * column_tile + threadIdx.x;
-  T sum = 0;
+  A sum = 0;
   if (j < cols)
-    for (std::int64_t n = threadIdx.y; n < rows; n += column_row_threads) sum += dout[n * cols + j];
+    for (std::int64_t n = threadIdx.y; n < rows; n += column_row_threads) sum += to_accumulate(dout[n * cols + j]);
   partial[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y != 0 || j >= cols) return;
-  T total = 0;
+  A total = 0;
   for (int r = 0; r < column_row_threads; ++r) total += partial[r][threadIdx.x];
-  dbias[j] += total;
+  dbias[j] = static_cast<T>(to_accumulate(dbias[j]) + total);
 }
 
-//! Launches add_bias_kernel over out[rows, cols].
+//! Launches fill_bias_kernel over out[rows, cols].
 template <class T>
-void add_bias(const cuda& be, T* out, const T* bias, std::int64_t rows, std::int64_t cols) {
+void fill_bias(const cuda& be, T* out, const T* bias, std::int64_t rows, std::int64_t cols) {
   constexpr int threads = cuda_kernels::elementwise_threads;
   const dim3 grid(static_cast<unsigned>((cols + threads - 1) / threads),
                   static_cast<unsigned>(std::min<std::int64_t>(rows, 1024)));
-  add_bias_kernel<<<grid, threads, 0, be.stream()>>>(out, bias, rows, cols);
-  cuda_check_launch("matmul add_bias_kernel");
+  fill_bias_kernel<<<grid, threads, 0, be.stream()>>>(out, bias, rows, cols);
+  cuda_check_launch("matmul fill_bias_kernel");
 }
 
 //! Launches bias_grad_kernel: dbias[cols] += column sums of dout[rows, cols].
@@ -130,11 +153,12 @@ namespace loom::inline kernels {
 
 //! out[N,OC] = in[N,C] · weight[OC,C]^T + bias[OC] with N = in's rows, C = in's last extent;
 //! `in` and `out` may carry leading axes ([B,T,C] → [B,T,OC]). An empty `bias` means no bias.
-//! One cuBLAS GEMM (TF32 products), then the bias added by a kernel.
+//! The bias rows written by a kernel, then one cuBLAS GEMM accumulating onto them (TF32 products
+//! for float, bf16 products for bf16, fp32 accumulation).
 template <class T>
 void matmul_forward(const cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight,
                     Tensor<const T> bias) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
   constexpr const char* kernel = "matmul_forward";
   const d::Dims dims = d::dims(in, weight, kernel);
@@ -145,11 +169,12 @@ void matmul_forward(const cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<co
   check_data(in, kernel, "in");
 
   detail::cuda_kernels::activate(be);
-  if (C == 0)  // unreachable today (a zero last extent leaves no rows), kept for the contract
+  if (!bias.empty())
+    d::fill_bias(be, out.data(), bias.data(), N, OC);
+  else if (C == 0)  // unreachable today (a zero last extent leaves no rows), kept for the contract
     be.fill_zero(out.data(), sizeof(T) * static_cast<std::size_t>(N * OC));
-  else
-    d::gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), 0.0f, kernel);
-  if (!bias.empty()) d::add_bias(be, out.data(), bias.data(), N, OC);
+  if (C > 0)
+    d::gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), bias.empty() ? 0.0f : 1.0f, kernel);
 }
 
 //! Backward of matmul_forward, accumulating: din[N,C] += dout·weight, dweight[OC,C] +=
@@ -159,7 +184,7 @@ void matmul_forward(const cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<co
 template <class T>
 void matmul_backward(const cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
   constexpr const char* kernel = "matmul_backward";
   const d::Dims dims = d::dims(in, weight, kernel);

@@ -2,14 +2,17 @@
 //! \file Element-wise optimizer updates (AdamW, SGD with momentum) on the CUDA backend, over
 //! flat ranges of parameters, gradients and optimizer state. The per-element steps are
 //! host/device functions (the host tests check them directly); the scalar factors are computed
-//! on the host in double, as on the CPU.
+//! on the host in double, as on the CPU. bf16 parameters keep fp32 master weights and state (the
+//! overloads that take `master`).
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/hd.hpp"
 #include "loom/core/tensor.hpp"
@@ -59,24 +62,31 @@ LOOM_HD inline void sgd_element(float& p, float g, float& buf, const SgdFactors&
   p -= f.lr * (f.nesterov ? gd + f.momentum * b : b);
 }
 
+//! master, m, v in float, updated from the widened gradient; params = master rounded once. For
+//! float parameters `master` is `params` itself (the same value is written twice).
 template <class T>
-__global__ void adamw_kernel(T* params, const T* grads, T* m, T* v, std::int64_t n, AdamWFactors f) {
+__global__ void adamw_kernel(T* params, const T* grads, float* master, float* m, float* v, std::int64_t n,
+                             AdamWFactors f) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
-    T p = params[i], mi = m[i], vi = v[i];
-    adamw_element(p, grads[i], mi, vi, f);
-    params[i] = p;
+    float p = master[i], mi = m[i], vi = v[i];
+    adamw_element(p, to_accumulate(grads[i]), mi, vi, f);
+    master[i] = p;
     m[i] = mi;
     v[i] = vi;
+    params[i] = static_cast<T>(p);
   }
 }
 
+//! master and momentum in float; params = master rounded once (`master` is `params` for float).
 template <class T>
-__global__ void sgd_kernel(T* params, const T* grads, T* momentum, std::int64_t n, SgdFactors f) {
+__global__ void sgd_kernel(T* params, const T* grads, float* master, float* momentum, std::int64_t n,
+                           SgdFactors f) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
-    T p = params[i], b = momentum[i];
-    sgd_element(p, grads[i], b, f);
-    params[i] = p;
+    float p = master[i], b = momentum[i];
+    sgd_element(p, to_accumulate(grads[i]), b, f);
+    master[i] = p;
     momentum[i] = b;
+    params[i] = static_cast<T>(p);
   }
 }
 
@@ -84,13 +94,13 @@ __global__ void sgd_kernel(T* params, const T* grads, T* momentum, std::int64_t 
 
 namespace loom::inline kernels {
 
-//! One AdamW step on a flat range, PyTorch's formula (decoupled weight decay): p -= lr wd p;
-//! m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
-//! with t = h.step >= 1. The four tensors have equal element counts (any shapes).
+//! One AdamW step with fp32 master weights (mixed precision): `master`, `m` and `v` (float) are
+//! updated exactly as the float overload updates float parameters from the widened gradients,
+//! then params = master rounded once. All five tensors have equal element counts.
 template <class T>
-void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<T> m, Tensor<T> v,
-                  const AdamWUpdate& h) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<float> master, Tensor<float> m,
+                  Tensor<float> v, const AdamWUpdate& h) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   namespace d = detail::cuda_optimizer_updates;
   constexpr const char* kernel = "adamw_update";
@@ -99,12 +109,46 @@ void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tenso
   check_numel(grads, n, kernel, "grads");
   check_numel(m, n, kernel, "m");
   check_numel(v, n, kernel, "v");
+  check_numel(master, n, kernel, "master");
   LOOM_CHECK(h.step >= 1, "adamw_update: step", h.step, "steps count from 1");
   if (n == 0) return;
   k::activate(be);
   d::adamw_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      params.data(), grads.data(), m.data(), v.data(), n, d::adamw_factors(h));
+      params.data(), grads.data(), master.data(), m.data(), v.data(), n, d::adamw_factors(h));
   detail::cuda_check_launch("adamw_update");
+}
+
+//! One SGD-with-momentum step with fp32 master weights: `master` and `momentum` updated as the
+//! float overload updates float parameters, then params = master rounded once.
+template <class T>
+void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<float> master,
+                         Tensor<float> momentum, const SgdUpdate& h) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace k = detail::cuda_kernels;
+  namespace d = detail::cuda_optimizer_updates;
+  constexpr const char* kernel = "sgd_momentum_update";
+  const std::int64_t n = params.numel();
+  check_data(params, kernel, "params");
+  check_numel(grads, n, kernel, "grads");
+  check_numel(master, n, kernel, "master");
+  check_numel(momentum, n, kernel, "momentum");
+  if (n == 0) return;
+  k::activate(be);
+  d::sgd_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      params.data(), grads.data(), master.data(), momentum.data(), n, d::sgd_factors(h));
+  detail::cuda_check_launch("sgd_momentum_update");
+}
+
+//! One AdamW step on a flat range, PyTorch's formula (decoupled weight decay): p -= lr wd p;
+//! m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+//! with t = h.step >= 1. The four tensors have equal element counts (any shapes).
+template <class T>
+void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<T> m, Tensor<T> v,
+                  const AdamWUpdate& h) {
+  static_assert(std::is_same_v<T, float>,
+                "loom: adamw_update on bf16 parameters keeps fp32 master weights, m and v: call the "
+                "overload that takes `master`");
+  adamw_update<T>(be, params, grads, params, m, v, h);  // float: the parameters are their own master
 }
 
 //! One SGD-with-momentum step on a flat range, PyTorch's formula (no dampening): g' = g + wd p;
@@ -113,19 +157,10 @@ void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tenso
 template <class T>
 void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<T> momentum,
                          const SgdUpdate& h) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
-  namespace k = detail::cuda_kernels;
-  namespace d = detail::cuda_optimizer_updates;
-  constexpr const char* kernel = "sgd_momentum_update";
-  const std::int64_t n = params.numel();
-  check_data(params, kernel, "params");
-  check_numel(grads, n, kernel, "grads");
-  check_numel(momentum, n, kernel, "momentum");
-  if (n == 0) return;
-  k::activate(be);
-  d::sgd_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      params.data(), grads.data(), momentum.data(), n, d::sgd_factors(h));
-  detail::cuda_check_launch("sgd_momentum_update");
+  static_assert(std::is_same_v<T, float>,
+                "loom: sgd_momentum_update on bf16 parameters keeps fp32 master weights and momentum: "
+                "call the overload that takes `master`");
+  sgd_momentum_update<T>(be, params, grads, params, momentum, h);  // float: its own master
 }
 
 }  // namespace loom::inline kernels

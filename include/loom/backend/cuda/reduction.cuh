@@ -9,6 +9,7 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/memory.hpp"
 #include "loom/core/tensor.hpp"
@@ -37,7 +38,7 @@ __global__ void partial_sums_kernel(double* partial, const T* x, std::int64_t n)
   __shared__ double scratch[32];
   double sum = 0;
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
-    const double value = static_cast<double>(x[i]);
+    const double value = static_cast<double>(to_accumulate(x[i]));
     sum += Square ? value * value : value;
   }
   sum = cuda_kernels::block_sum(sum, scratch);
@@ -55,8 +56,9 @@ __global__ void total_kernel(A* total, const A* partial, std::int64_t count) {
 }
 
 template <class T>
-__global__ void scale_kernel(T* x, T factor, std::int64_t n) {
-  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) x[i] *= factor;
+__global__ void scale_kernel(T* x, accumulate_t<T> factor, std::int64_t n) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
+    x[i] = static_cast<T>(to_accumulate(x[i]) * factor);
 }
 
 //! Enqueues *out = the sum (of squares when `Square`) of x[0, n) in double, n > 0: both passes,
@@ -93,7 +95,7 @@ namespace loom::inline kernels {
 //! because its scratch (the partial sums) comes from the backend's allocator (workspace).
 template <class T>
 double sum_of_squares(cuda& be, Tensor<const T> x) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   return detail::cuda_reduction::sum_to_host<true>(be, x, "sum_of_squares");
 }
 
@@ -102,7 +104,7 @@ double sum_of_squares(cuda& be, Tensor<const T> x) {
 //! in device memory, and the totals are added in order on the device. Deterministic.
 template <class T>
 double sum_of_squares(cuda& be, std::span<const Tensor<const T>> parts) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace r = detail::cuda_reduction;
   if (parts.empty()) return 0.0;
   const auto count = static_cast<std::int64_t>(parts.size());
@@ -128,20 +130,21 @@ double sum_of_squares(cuda& be, std::span<const Tensor<const T>> parts) {
 //! host; waits for the stream. Deterministic as sum_of_squares. An empty tensor gives 0.
 template <class T>
 double sum_elements(cuda& be, Tensor<const T> x) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   return detail::cuda_reduction::sum_to_host<false>(be, x, "sum_elements");
 }
 
-//! x *= factor (the factor rounded to T once). An empty tensor is left alone.
+//! x *= factor (the factor rounded to float once; bf16 elements are multiplied in float and
+//! rounded once). An empty tensor is left alone.
 template <class T>
 void scale(const cuda& be, Tensor<T> x, double factor) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   if (x.empty()) return;
   const std::int64_t n = x.numel();
   k::activate(be);
   detail::cuda_reduction::scale_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      x.data(), static_cast<T>(factor), n);
+      x.data(), static_cast<accumulate_t<T>>(factor), n);
   detail::cuda_check_launch("scale");
 }
 

@@ -11,7 +11,8 @@
 //! Deterministic, no atomics: the embedding backward sorts the slice's token ids (CUB radix
 //! sort, stable) and adds each id's gradient rows in (b, t) order, the CPU kernel's order, so
 //! both backends give the same bits; the cross-entropy kernels give each row one block with a
-//! fixed reduction tree.
+//! fixed reduction tree. bf16 elements are loaded as float, every sum is in float (or double), and
+//! each stored result is rounded once; the losses are float (accumulate_t).
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/device/device_radix_sort.cuh>
@@ -27,6 +28,7 @@
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/detail/vocab_parallel_checks.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/memory.hpp"
 #include "loom/core/tensor.hpp"
@@ -63,13 +65,13 @@ __global__ void embedding_forward_kernel(T* out, const std::int32_t* ids, const 
     const bool in_slice = local >= 0 && local < slice_rows;
     const T* position_row = pe != nullptr ? pe + (bt % seq) * channels : nullptr;
     if (in_slice && position_row != nullptr)
-      out[i] = te[local * channels + j] + position_row[j];
+      out[i] = static_cast<T>(to_accumulate(te[local * channels + j]) + to_accumulate(position_row[j]));
     else if (in_slice)
       out[i] = te[local * channels + j];
     else if (position_row != nullptr)
       out[i] = position_row[j];
     else
-      out[i] = T(0);
+      out[i] = static_cast<T>(0.0f);
   }
 }
 
@@ -111,9 +113,9 @@ __global__ void token_grad_kernel(T* dwte, const std::uint32_t* keys, const std:
     }
     T* row = dwte + static_cast<std::int64_t>(key) * channels;
     for (std::int64_t j = threadIdx.x; j < channels; j += blockDim.x) {
-      T acc = row[j];
-      for (std::int64_t k = start; k < end; ++k) acc += dout[source_rows[k] * channels + j];
-      row[j] = acc;
+      accumulate_t<T> acc = to_accumulate(row[j]);
+      for (std::int64_t k = start; k < end; ++k) acc += to_accumulate(dout[source_rows[k] * channels + j]);
+      row[j] = static_cast<T>(acc);
     }
   }
 }
@@ -122,9 +124,9 @@ __global__ void token_grad_kernel(T* dwte, const std::uint32_t* keys, const std:
 template <class T>
 __global__ void position_grad_kernel(T* dwpe, const T* dout, std::int64_t batch, std::int64_t seq_channels) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < seq_channels; i += cuda_kernels::grid_stride()) {
-    T acc = dwpe[i];
-    for (std::int64_t b = 0; b < batch; ++b) acc += dout[b * seq_channels + i];
-    dwpe[i] = acc;
+    accumulate_t<T> acc = to_accumulate(dwpe[i]);
+    for (std::int64_t b = 0; b < batch; ++b) acc += to_accumulate(dout[b * seq_channels + i]);
+    dwpe[i] = static_cast<T>(acc);
   }
 }
 
@@ -133,12 +135,14 @@ __global__ void position_grad_kernel(T* dwpe, const T* dout, std::int64_t batch,
 template <class T>
 __global__ void max_kernel(double* row_max, const T* logits, std::int64_t rows, std::int64_t columns,
                            std::int64_t real) {
-  using Reduce = cub::BlockReduce<T, row_threads>;
+  using A = accumulate_t<T>;
+  using Reduce = cub::BlockReduce<A, row_threads>;
   __shared__ typename Reduce::TempStorage scratch;
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
     const T* x = logits + n * columns;
-    T largest = -::cuda::std::numeric_limits<T>::infinity();
-    for (std::int64_t j = threadIdx.x; j < real; j += blockDim.x) largest = ::cuda::maximum<>{}(largest, x[j]);
+    A largest = -::cuda::std::numeric_limits<A>::infinity();
+    for (std::int64_t j = threadIdx.x; j < real; j += blockDim.x)
+      largest = ::cuda::maximum<>{}(largest, to_accumulate(x[j]));
     largest = Reduce(scratch).Reduce(largest, ::cuda::maximum<>{});  // valid in thread 0
     if (threadIdx.x == 0)
       row_max[n] = real > 0 ? static_cast<double>(largest) : ::cuda::std::numeric_limits<double>::lowest();
@@ -160,37 +164,39 @@ __global__ void partials_kernel(T* exps, double* partials, const T* logits, cons
     const T* x = logits + n * columns;
     T* e = exps + n * columns;
     const double m = row_max[n];
-    const T shift = static_cast<T>(m);  // exact: the global max is one of the logits
+    const float shift = static_cast<float>(m);  // exact: the global max is one of the logits
     const std::int32_t target = targets[n];
     const std::int64_t local_target = static_cast<std::int64_t>(target) - vocab_begin;
     const bool owns_target = target >= 0 && local_target >= 0 && local_target < real;
     if (!owns_target && threadIdx.x == 0) partials[rows + n] = 0.0;
     double sum = 0;
     for (std::int64_t j = threadIdx.x; j < real; j += blockDim.x) {
-      const T value = x[j];
+      const float value = to_accumulate(x[j]);
       if (owns_target && j == local_target) partials[rows + n] = static_cast<double>(value) - m;
-      const T exp_value = ::expf(value - shift);
-      e[j] = exp_value;
-      sum += static_cast<double>(exp_value);
+      const float exp_value = ::expf(value - shift);
+      e[j] = static_cast<T>(exp_value);
+      sum += static_cast<double>(exp_value);  // the float exp, before a bf16 rounding
     }
-    for (std::int64_t j = real + threadIdx.x; j < columns; j += blockDim.x) e[j] = T(0);
+    for (std::int64_t j = real + threadIdx.x; j < columns; j += blockDim.x) e[j] = static_cast<T>(0.0f);
     sum = Reduce(scratch).Sum(sum);  // valid in thread 0
     if (threadIdx.x == 0) partials[n] = sum;
     __syncthreads();  // before the next row reuses `scratch`
   }
 }
 
-//! One block per row: probs *= 1 / sum (rounded to T once, as the CPU kernel), and
-//! losses[n] = log(sum) - shifted target, 0 where the target is negative.
+//! One block per row: probs *= 1 / sum (the factor rounded to float once, as the CPU kernel), and
+//! losses[n] (float) = log(sum) - shifted target, 0 where the target is negative.
 template <class T>
-__global__ void finish_kernel(T* losses, T* probs, const double* partials, const std::int32_t* targets,
+__global__ void finish_kernel(float* losses, T* probs, const double* partials, const std::int32_t* targets,
                               std::int64_t rows, std::int64_t columns) {
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
     const double sum = partials[n];
-    const T factor = static_cast<T>(1.0 / sum);
+    const float factor = static_cast<float>(1.0 / sum);
     T* p = probs + n * columns;
-    for (std::int64_t j = threadIdx.x; j < columns; j += blockDim.x) p[j] *= factor;
-    if (threadIdx.x == 0) losses[n] = targets[n] >= 0 ? static_cast<T>(::log(sum) - partials[rows + n]) : T(0);
+    for (std::int64_t j = threadIdx.x; j < columns; j += blockDim.x)
+      p[j] = static_cast<T>(to_accumulate(p[j]) * factor);
+    if (threadIdx.x == 0)
+      losses[n] = targets[n] >= 0 ? static_cast<float>(::log(sum) - partials[rows + n]) : 0.0f;
   }
 }
 
@@ -199,7 +205,7 @@ __global__ void finish_kernel(T* losses, T* probs, const double* partials, const
 //! read, then written, by the same thread (the target's one-hot included).
 template <class T>
 __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* targets, std::int64_t rows,
-                                std::int64_t columns, std::int64_t real, std::int64_t vocab_begin, T scale) {
+                                std::int64_t columns, std::int64_t real, std::int64_t vocab_begin, float scale) {
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
     const T* p = probs + n * columns;
     T* g = dlogits + n * columns;
@@ -208,10 +214,10 @@ __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* 
     const std::int64_t local_target = target >= 0 ? static_cast<std::int64_t>(target) - vocab_begin : -1;
     const std::int64_t active = target >= 0 ? real : 0;
     for (std::int64_t j = threadIdx.x; j < active; j += blockDim.x) {
-      const T prob = p[j];
-      g[j] = j == local_target ? scale * (prob - T(1)) : scale * prob;
+      const float prob = to_accumulate(p[j]);
+      g[j] = static_cast<T>(j == local_target ? scale * (prob - 1.0f) : scale * prob);
     }
-    for (std::int64_t j = active + threadIdx.x; j < columns; j += blockDim.x) g[j] = T(0);
+    for (std::int64_t j = active + threadIdx.x; j < columns; j += blockDim.x) g[j] = static_cast<T>(0.0f);
   }
 }
 
@@ -226,7 +232,7 @@ namespace loom::inline kernels {
 template <class T>
 void vocab_parallel_embedding_forward(const cuda& be, Tensor<T> out, Tensor<const std::int32_t> tokens,
                                       Tensor<const T> wte_slice, std::int64_t vocab_begin, Tensor<const T> wpe) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   constexpr const char* kernel = "vocab_parallel_embedding_forward";
   const detail::vocab_parallel::EmbeddingDims dims = detail::vocab_parallel::check_embedding_shapes(
@@ -253,7 +259,7 @@ void vocab_parallel_embedding_forward(const cuda& be, Tensor<T> out, Tensor<cons
 template <class T>
 void vocab_parallel_embedding_backward(cuda& be, Tensor<T> dwte_slice, std::int64_t vocab_begin, Tensor<T> dwpe,
                                        Tensor<const T> dout, Tensor<const std::int32_t> tokens) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_embedding_backward";
@@ -303,7 +309,7 @@ void vocab_parallel_embedding_backward(cuda& be, Tensor<T> dwte_slice, std::int6
 template <class T>
 void vocab_parallel_cross_entropy_max(const cuda& be, Tensor<double> row_max, Tensor<const T> logits,
                                       std::int64_t vocab_begin, std::int64_t vocab) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_max";
   const detail::vocab_parallel::CrossEntropyDims dims =
@@ -327,7 +333,7 @@ void vocab_parallel_cross_entropy_partials(const cuda& be, Tensor<T> exps, Tenso
                                            Tensor<const T> logits, Tensor<const double> row_max,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
                                            std::int64_t vocab) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_partials";
   const detail::vocab_parallel::CrossEntropyDims dims =
@@ -344,11 +350,12 @@ void vocab_parallel_cross_entropy_partials(const cuda& be, Tensor<T> exps, Tenso
 
 //! Vocabulary-parallel cross-entropy on the GPU, step 3 of 3, given the group's summed
 //! `partials` [2, N]: probs[n, :] = exps[n, :] / sum[n] in place, and losses[n] = log(sum[n]) -
-//! shifted_target[n], 0 where targets[n] < 0. Every rank of the group computes the same losses.
+//! shifted_target[n], 0 where targets[n] < 0, in float (accumulate_t). Every rank of the group
+//! computes the same losses.
 template <class T>
-void vocab_parallel_cross_entropy_finish(const cuda& be, Tensor<T> losses, Tensor<T> probs,
+void vocab_parallel_cross_entropy_finish(const cuda& be, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
                                          Tensor<const double> partials, Tensor<const std::int32_t> targets) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
   const detail::vocab_parallel::FinishDims dims =
@@ -368,8 +375,8 @@ void vocab_parallel_cross_entropy_finish(const cuda& be, Tensor<T> losses, Tenso
 template <class T>
 void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Tensor<const T> probs,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                                           std::int64_t vocab, T scale) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float only");
+                                           std::int64_t vocab, accumulate_t<T> scale) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
   const detail::vocab_parallel::CrossEntropyDims dims =

@@ -99,8 +99,8 @@ struct FinishDims {
 };
 
 //! vocab_parallel_cross_entropy_finish: probs [N, Vs], losses [N], partials [2, N], N targets.
-template <class T>
-FinishDims check_finish(const Tensor<T>& losses, const Tensor<T>& probs, const Tensor<const double>& partials,
+template <class L, class T>
+FinishDims check_finish(const Tensor<L>& losses, const Tensor<T>& probs, const Tensor<const double>& partials,
                         const Tensor<const std::int32_t>& targets, const char* kernel) {
   if (probs.shape().rank() < 1)
     throw Error(std::string(kernel) + ": argument probs shape", probs.shape(), "expected [N, Vs] (rank >= 1)");

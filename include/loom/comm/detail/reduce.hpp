@@ -11,27 +11,18 @@
 #include <type_traits>
 
 #include "loom/comm/concepts.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/bf16.hpp"
 
 namespace loom::detail {
 
-//! The type a reduction of T accumulates in: T itself, float for bf16.
-template <class T>
-struct Accumulator {
-  using type = T;
-};
-template <>
-struct Accumulator<bf16> {
-  using type = float;
-};
-
 //! Elements per block of a blocked reduction: the accumulator block (16 KiB) and the sources'
 //! blocks stay in the first-level cache while every source is folded in.
 template <class T>
-inline constexpr std::size_t reduction_block_elements = 16384 / sizeof(typename Accumulator<T>::type);
+inline constexpr std::size_t reduction_block_elements = 16384 / sizeof(accumulate_t<T>);
 
 template <class T>
-inline typename Accumulator<T>::type widen(T value) noexcept {
+inline accumulate_t<T> widen(T value) noexcept {
   if constexpr (std::is_same_v<T, bf16>)
     return std::bit_cast<float>(static_cast<std::uint32_t>(value.bits) << 16);
   else
@@ -56,7 +47,7 @@ inline void fold(A* __restrict accumulator, const T* __restrict source, std::siz
 template <ReduceOp Op, class T>
 void reduce_typed(const void* const* sources, int source_count, void* const* destinations,
                   int destination_count, std::size_t count, int divisor) noexcept {
-  using A = typename Accumulator<T>::type;
+  using A = accumulate_t<T>;
   constexpr std::size_t block = reduction_block_elements<T>;
   alignas(64) A accumulator[block];
   alignas(64) T rounded[std::is_same_v<T, A> ? 1 : block];

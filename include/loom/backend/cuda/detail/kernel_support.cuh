@@ -1,5 +1,5 @@
 #pragma once
-//! \file What the CUDA kernels share: the float-only rule, launch sizes, the device guard, warp
+//! \file What the CUDA kernels share: the element types, launch sizes, the device guard, warp
 //! and block sums, and the row-view shape check (host-only, no Eigen).
 
 #include <cuda_runtime_api.h>
@@ -12,15 +12,18 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
+#include "loom/core/accumulate.hpp"
+#include "loom/core/bf16.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::cuda_kernels {
 
-//! The element types the CUDA kernels take today: float (fp32 storage, fp32 arithmetic; the
-//! reductions that return to the host accumulate in double).
+//! The element types the CUDA kernels take: float (fp32 storage, fp32 arithmetic) and bf16 (bf16
+//! storage, loaded as float, fp32 arithmetic, one rounding per stored result). The reductions
+//! that return to the host accumulate in double.
 template <class T>
-inline constexpr bool supported = std::is_same_v<T, float>;
+inline constexpr bool supported = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 
 //! Threads per block of the element-wise kernels.
 inline constexpr int elementwise_threads = 256;

@@ -1,0 +1,321 @@
+// The CUDA kernels on bf16 tensors against the CPU backend's bf16 kernels (built by g++ in
+// bf16_reference.cpp) on the same inputs. Both load bf16 as float, compute and accumulate in
+// float and round each stored result once, so they differ by the float sums' order and by the
+// last rounding:
+//
+//   |device - cpu| <= 2^-8 (2 r |cpu| + e sqrt(K) t) + 2^-22 K sqrt(K) t
+//
+// with 2^-8 the unit roundoff of bf16, r the bf16 roundings of the result on each side (1; 2 for
+// the cross-entropy's probabilities: exps, then probabilities), K the reduction length behind
+// the result, t the size of one of its terms, and e the intermediate roundings the device takes
+// inside the reduction and the CPU does not (0 but for attention, whose scores, score gradients
+// and probabilities pass through bf16 between the cuBLAS calls, as in llm.c). The last part
+// allows a few float ulps per term for another summation order. The embedding gives the CPU's
+// bits (the same float additions in the same order); sum_of_squares accumulates in double (1e-12).
+//
+// Without a GPU the host case runs (the GEMM data types, the CPU reference) and the program exits
+// with 77 (ctest: skipped).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bf16_reference.hpp"
+#include "device_check.hpp"
+#include "loom/backend/cuda/kernels.cuh"
+#include "loom/core/bf16.hpp"
+#include "loom/core/buffer.hpp"
+
+using namespace loom::cuda_test;
+using loom::bf16;
+using loom::Buffer;
+using loom::MemoryCategory;
+using loom::Shape;
+using loom::Tensor;
+namespace ref = loom::cuda_test::cpu_bf16;
+
+namespace {
+
+//! n values uniform in [lo, hi), rounded to bf16.
+std::vector<bf16> random_bf16(std::int64_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::vector<bf16> out;
+  for (float x : random_floats(n, seed, lo, hi)) out.push_back(bf16(x));
+  return out;
+}
+
+std::vector<float> widened(const std::vector<bf16>& x) {
+  std::vector<float> out;
+  for (bf16 b : x) out.push_back(static_cast<float>(b));
+  return out;
+}
+
+template <class E>
+using Device = DeviceArray<E>;
+
+struct Bound {
+  std::int64_t terms = 1;     //!< K
+  double term = 1.0;          //!< t
+  double roundings = 1.0;     //!< r
+  double intermediate = 0.0;  //!< e
+};
+
+//! The bound of the file comment, element by element.
+void check_bf16(const std::vector<bf16>& got, const std::vector<bf16>& want, const Bound& b, const std::string& what) {
+  REQUIRE(got.size() == want.size());
+  const double k = static_cast<double>(b.terms), u = 1.0 / 256;
+  std::vector<double> expected, bound;
+  for (bf16 w : want) {
+    const double value = static_cast<float>(w);
+    expected.push_back(value);
+    bound.push_back(u * (2 * b.roundings * std::abs(value) + b.intermediate * std::sqrt(k) * b.term) +
+                    std::ldexp(1.0, -22) * k * std::sqrt(k) * b.term);
+  }
+  check_close(widened(got), expected, bound, 1.0, what, 0.0);
+}
+
+}  // namespace
+
+TEST_CASE("bf16: the GEMMs take bf16 data; the CPU reference runs (host)") {
+  CHECK(loom::detail::cuda_matmul::data_type<bf16>() == CUDA_R_16BF);
+  CHECK(loom::detail::cuda_matmul::data_type<float>() == CUDA_R_32F);
+  static_assert(loom::detail::cuda_kernels::supported<bf16>);
+  std::vector<bf16> out(1), in{bf16(2.0f)}, weight{bf16(3.0f)}, bias{bf16(0.5f)};
+  ref::matmul_forward(out, in, weight, bias, 1, 1, 1);
+  CHECK(static_cast<float>(out[0]) == 6.5f);
+}
+
+TEST_CASE("bf16: matmul forward and backward (bf16 cuBLAS GEMMs, fp32 accumulation)") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  struct Size {
+    std::int64_t N, C, OC;
+  };
+  for (const Size s : {Size{1, 1, 1}, Size{3, 5, 7}, Size{65, 33, 17}, Size{256, 768, 512}}) {
+    CAPTURE(s.N);
+    CAPTURE(s.C);
+    CAPTURE(s.OC);
+    const std::int64_t N = s.N, C = s.C, OC = s.OC;
+    const auto in = random_bf16(N * C, 1), weight = random_bf16(OC * C, 2), bias = random_bf16(OC, 3),
+               dout = random_bf16(N * OC, 4), din0 = random_bf16(N * C, 5), dweight0 = random_bf16(OC * C, 6),
+               dbias0 = random_bf16(OC, 7);
+    const Device<bf16> d_in(be, in, {N, C}), d_weight(be, weight, {OC, C}), d_bias(be, bias, {OC}),
+        d_dout(be, dout, {N, OC});
+    for (const bool with_bias : {true, false}) {
+      CAPTURE(with_bias);
+      std::vector<bf16> out(N * OC);
+      ref::matmul_forward(out, in, weight, with_bias ? bias : std::vector<bf16>{}, N, C, OC);
+      const Device<bf16> d_out(be, std::vector<bf16>(N * OC, bf16(99.0f)), {N, OC});
+      loom::kernels::matmul_forward<bf16>(be, d_out.view(), d_in.cview(), d_weight.cview(),
+                                          with_bias ? d_bias.cview() : Tensor<const bf16>{});
+      check_bf16(d_out.to_host(be), out, {.terms = C + 1}, "out");
+    }
+    std::vector<bf16> din = din0, dweight = dweight0, dbias = dbias0;
+    ref::matmul_backward(din, dweight, dbias, dout, in, weight, N, C, OC);
+    const Device<bf16> d_din(be, din0, {N, C}), d_dweight(be, dweight0, {OC, C}), d_dbias(be, dbias0, {OC});
+    loom::kernels::matmul_backward<bf16>(be, d_din.view(), d_dweight.view(), d_dbias.view(), d_dout.cview(),
+                                         d_in.cview(), d_weight.cview());
+    check_bf16(d_din.to_host(be), din, {.terms = OC + 1}, "din");
+    check_bf16(d_dweight.to_host(be), dweight, {.terms = N + 1}, "dweight");
+    check_bf16(d_dbias.to_host(be), dbias, {.terms = N + 1}, "dbias");
+  }
+}
+
+TEST_CASE("bf16: layernorm keeps float statistics and rounds each result once") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  struct Size {
+    std::int64_t N, C;
+  };
+  for (const Size s : {Size{1, 1}, Size{7, 33}, Size{256, 768}}) {
+    CAPTURE(s.N);
+    CAPTURE(s.C);
+    const std::int64_t N = s.N, C = s.C;
+    const auto in = random_bf16(N * C, 11, 9.0f, 11.0f), weight = random_bf16(C, 12), bias = random_bf16(C, 13),
+               dout = random_bf16(N * C, 14), din0 = random_bf16(N * C, 15), dw0 = random_bf16(C, 16),
+               db0 = random_bf16(C, 17);
+    std::vector<bf16> out(N * C), din = din0, dw = dw0, db = db0;
+    std::vector<float> mean(N), rstd(N);
+    ref::layernorm_forward(out, mean, rstd, in, weight, bias, N, C);
+    ref::layernorm_backward(din, dw, db, dout, in, weight, mean, rstd, N, C);
+
+    const Device<bf16> d_in(be, in, {N, C}), d_weight(be, weight, {C}), d_bias(be, bias, {C}),
+        d_out(be, std::vector<bf16>(N * C), {N, C}), d_dout(be, dout, {N, C}), d_din(be, din0, {N, C}),
+        d_dw(be, dw0, {C}), d_db(be, db0, {C});
+    const Device<float> d_mean(be, std::vector<float>(N), {N}), d_rstd(be, std::vector<float>(N), {N});
+    loom::kernels::layernorm_forward<bf16>(be, d_out.view(), d_mean.view(), d_rstd.view(), d_in.cview(),
+                                           d_weight.cview(), d_bias.cview());
+    check_close(d_mean.to_host(be), to_double(mean), float_tolerance, "mean");
+    check_close(d_rstd.to_host(be), to_double(rstd), float_tolerance, "rstd");
+    check_bf16(d_out.to_host(be), out, {.terms = C, .term = 3.0}, "out");
+    // The backward from the CPU's statistics, so that only the kernel differs.
+    const Device<float> h_mean(be, mean, {N}), h_rstd(be, rstd, {N});
+    loom::kernels::layernorm_backward<bf16>(be, d_din.view(), d_dw.view(), d_db.view(), d_dout.cview(), d_in.cview(),
+                                            d_weight.cview(), h_mean.cview(), h_rstd.cview());
+    check_bf16(d_din.to_host(be), din, {.terms = C, .term = 4.0}, "din");
+    check_bf16(d_dw.to_host(be), dw, {.terms = N + 1, .term = 4.0}, "dweight");
+    check_bf16(d_db.to_host(be), db, {.terms = N + 1}, "dbias");
+  }
+}
+
+TEST_CASE("bf16: gelu, residual, add_to and scale") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{1001}, std::int64_t{1} << 21}) {
+    CAPTURE(n);
+    const auto x = random_bf16(n, 21, -5.0f, 5.0f), g = random_bf16(n, 22), acc0 = random_bf16(n, 23);
+    std::vector<bf16> out(n), din = acc0, db = acc0;
+    const Device<bf16> d_x(be, x, {n}), d_g(be, g, {n}), d_out(be, std::vector<bf16>(n), {n}),
+        d_din(be, acc0, {n}), d_db(be, acc0, {n});
+
+    ref::gelu_forward(out, x);
+    loom::kernels::gelu_forward<bf16>(be, d_out.view(), d_x.cview());
+    check_bf16(d_out.to_host(be), out, {.term = 5.0}, "gelu out");
+    ref::gelu_backward(din, x, g);
+    loom::kernels::gelu_backward<bf16>(be, d_din.view(), d_x.cview(), d_g.cview());
+    check_bf16(d_din.to_host(be), din, {.term = 2.0}, "gelu din");
+
+    ref::residual_forward(out, x, g);
+    loom::kernels::residual_forward<bf16>(be, d_out.view(), d_x.cview(), d_g.cview());
+    CHECK(d_out.to_host(be) == out);  // one float addition, one rounding: the same bits
+    din = acc0;
+    const Device<bf16> d_da(be, acc0, {n});
+    ref::residual_backward(din, db, g);
+    loom::kernels::residual_backward<bf16>(be, d_da.view(), d_db.view(), d_g.cview());
+    CHECK(d_da.to_host(be) == din);
+    CHECK(d_db.to_host(be) == db);
+
+    const Device<bf16> d_sum(be, acc0, {n});
+    loom::kernels::add_to<bf16>(be, d_sum.view(), d_g.cview());
+    CHECK(d_sum.to_host(be) == db);  // acc0 + g, as residual_backward's db
+
+    std::vector<bf16> scaled = x;
+    ref::scale(scaled, 0.37);
+    loom::kernels::scale<bf16>(be, d_x.view(), 0.37);
+    CHECK(d_x.to_host(be) == scaled);
+
+    const double sum = ref::sum_of_squares(g);
+    CHECK(std::abs(loom::kernels::sum_of_squares<bf16>(be, d_g.cview()) - sum) <= 1e-12 * sum);
+  }
+}
+
+TEST_CASE("bf16: attention forward and backward") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  struct Size {
+    std::int64_t B, T, NH, hs;
+  };
+  for (const Size s : {Size{1, 1, 1, 1}, Size{2, 7, 3, 5}, Size{3, 65, 3, 16}, Size{2, 256, 4, 64}}) {
+    CAPTURE(s.B);
+    CAPTURE(s.T);
+    CAPTURE(s.NH);
+    CAPTURE(s.hs);
+    const std::int64_t B = s.B, T = s.T, C = s.NH * s.hs;
+    const int heads = static_cast<int>(s.NH);
+    const auto qkv = random_bf16(B * T * 3 * C, 31), dout = random_bf16(B * T * C, 32),
+               dqkv0 = random_bf16(B * T * 3 * C, 33);
+    // The device rounds the raw scores to bf16: a probability moves by up to 2^-8 of the largest
+    // |scaled score| on each side of the max; |q k| <= hs, scaled by 1/sqrt(hs).
+    const double score_roundings = 2.0 * std::sqrt(static_cast<double>(s.hs)) + 1.0;
+    std::vector<bf16> out(B * T * C), att(B * s.NH * T * T), dqkv = dqkv0;
+    ref::attention_forward(out, att, qkv, B, T, C, heads);
+    const Device<bf16> d_qkv(be, qkv, {B, T, 3 * C}), d_out(be, out, {B, T, C}),
+        d_att(be, att, {B, s.NH, T, T}), d_dout(be, dout, {B, T, C}), d_dqkv(be, dqkv0, {B, T, 3 * C});
+    loom::kernels::attention_forward<bf16>(be, d_out.view(), d_att.view(), d_qkv.cview(), heads);
+    check_bf16(d_att.to_host(be), att, {.intermediate = score_roundings}, "att");
+    check_bf16(d_out.to_host(be), out, {.terms = T, .intermediate = score_roundings + 1}, "out");
+    // The backward from the CPU's probabilities on both sides.
+    ref::attention_backward(dqkv, dout, qkv, att, B, T, C, heads);
+    const Device<bf16> h_att(be, att, {B, s.NH, T, T});
+    loom::kernels::attention_backward<bf16>(be, d_dqkv.view(), d_dout.cview(), d_qkv.cview(), h_att.cview(), heads);
+    check_bf16(d_dqkv.to_host(be), dqkv, {.terms = T + s.hs, .intermediate = 3.0}, "dqkv");
+  }
+}
+
+TEST_CASE("bf16: vocabulary-parallel embedding gives the CPU's bits") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const std::int64_t B = 3, T = 37, C = 130, V = 50, max_t = 40;
+  std::vector<std::int32_t> tokens(B * T);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 13) % V);
+  const auto wpe = random_bf16(max_t * C, 41), dout = random_bf16(B * T * C, 42), dwpe0 = random_bf16(max_t * C, 43);
+  for (const std::int64_t vocab_begin : {std::int64_t{0}, std::int64_t{20}}) {
+    CAPTURE(vocab_begin);
+    const std::int64_t rows = std::min<std::int64_t>(25, V - vocab_begin);
+    const auto slice = random_bf16(rows * C, 44), dslice0 = random_bf16(rows * C, 45);
+    std::vector<bf16> out(B * T * C), dslice = dslice0, dwpe = dwpe0;
+    ref::embedding_forward(out, tokens, slice, vocab_begin, wpe, B, T, C);
+    ref::embedding_backward(dslice, vocab_begin, dwpe, dout, tokens, B, T, C);
+    const Device<std::int32_t> d_tokens(be, tokens, {B, T});
+    const Device<bf16> d_slice(be, slice, {rows, C}), d_wpe(be, wpe, {max_t, C}), d_out(be, out, {B, T, C}),
+        d_dout(be, dout, {B, T, C}), d_dslice(be, dslice0, {rows, C}), d_dwpe(be, dwpe0, {max_t, C});
+    loom::kernels::vocab_parallel_embedding_forward<bf16>(be, d_out.view(), d_tokens.cview(), d_slice.cview(),
+                                                          vocab_begin, d_wpe.cview());
+    CHECK(d_out.to_host(be) == out);
+    loom::kernels::vocab_parallel_embedding_backward<bf16>(be, d_dslice.view(), vocab_begin, d_dwpe.view(),
+                                                           d_dout.cview(), d_tokens.cview());
+    CHECK(d_dslice.to_host(be) == dslice);
+    CHECK(d_dwpe.to_host(be) == dwpe);
+  }
+}
+
+TEST_CASE("bf16: vocabulary-parallel cross-entropy with float losses") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const std::int64_t N = 37, vocab = 1000, Vs = 1024;
+  std::vector<std::int32_t> targets(N);
+  for (std::int64_t n = 0; n < N; ++n) targets[n] = n == 3 ? -1 : static_cast<std::int32_t>((n * 97) % vocab);
+  const auto logits = random_bf16(N * Vs, 51, -4.0f, 4.0f);
+  std::vector<bf16> probs = logits, dlogits(N * Vs);
+  std::vector<float> losses(N);
+  ref::cross_entropy_forward(losses, probs, targets, N, Vs, vocab);
+  ref::cross_entropy_backward(dlogits, probs, targets, N, Vs, vocab, 1.0f / N);
+
+  const Device<std::int32_t> d_targets(be, targets, {N});
+  const Device<bf16> d_probs(be, logits, {N, Vs});
+  const Device<double> d_stats(be, std::vector<double>(3 * N), {3 * N});
+  const Device<float> d_losses(be, std::vector<float>(N), {N});
+  const Tensor<double> row_max(d_stats.buffer.data(), {N}), partials(d_stats.buffer.data() + N, {2, N});
+  loom::kernels::vocab_parallel_cross_entropy_max<bf16>(be, row_max, d_probs.cview(), 0, vocab);
+  loom::kernels::vocab_parallel_cross_entropy_partials<bf16>(be, d_probs.view(), partials, d_probs.cview(), row_max,
+                                                             d_targets.cview(), 0, vocab);
+  loom::kernels::vocab_parallel_cross_entropy_finish<bf16>(be, d_losses.view(), d_probs.view(), partials,
+                                                           d_targets.cview());
+  check_close(d_losses.to_host(be), to_double(losses), float_tolerance, "losses");
+  check_bf16(d_probs.to_host(be), probs, {.roundings = 2.0}, "probs");
+  const Device<bf16> d_dlogits(be, probs, {N, Vs});  // from the CPU's probabilities, in place
+  loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(be, d_dlogits.view(), d_dlogits.cview(),
+                                                             d_targets.cview(), 0, vocab, 1.0f / N);
+  CHECK(d_dlogits.to_host(be) == dlogits);  // one float product, one rounding
+}
+
+TEST_CASE("bf16: AdamW with fp32 master weights") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const std::int64_t n = 100003;
+  const auto initial = random_bf16(n, 61);
+  std::vector<bf16> params = initial;
+  std::vector<float> master = widened(initial), m(n, 0.0f), v(n, 0.0f);
+  const Device<bf16> d_params(be, initial, {n});
+  const Device<float> d_master(be, master, {n}), d_m(be, m, {n}), d_v(be, v, {n});
+  for (int step = 1; step <= 3; ++step) {
+    const loom::AdamWUpdate h{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = step};
+    const auto grads = random_bf16(n, 70 + step, -2.0f, 2.0f);
+    ref::adamw_update(params, grads, master, m, v, h);
+    const Device<bf16> d_grads(be, grads, {n});
+    loom::kernels::adamw_update<bf16>(be, d_params.view(), d_grads.cview(), d_master.view(), d_m.view(), d_v.view(), h);
+  }
+  // The device may fuse multiply-adds, so float-level agreement, not bits.
+  const std::vector<float> got_master = d_master.to_host(be);
+  check_close(got_master, to_double(master), float_tolerance, "master");
+  check_close(d_m.to_host(be), to_double(m), float_tolerance, "m");
+  check_close(d_v.to_host(be), to_double(v), float_tolerance, "v");
+  std::vector<bf16> rounded;
+  for (float x : got_master) rounded.push_back(bf16(x));
+  CHECK(d_params.to_host(be) == rounded);  // params = bf16(master), on the device too
+}
+
+int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }
