@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "loom/core/accumulate.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
@@ -41,7 +42,9 @@ struct BackwardArgs {
   Tensor<T> input_grad;         //!< += d loss / d input (empty for the first layer)
   Tensor<T> saved;              //!< what forward kept (backward may overwrite it)
   Tensor<T> workspace;          //!< workspace_elements(layer, shape) of scratch
-  T loss_scale = T(1);          //!< d total loss / d per-token loss (1 / tokens of the global batch)
+  //! d total loss / d per-token loss (1 / tokens of the global batch), in the accumulate type:
+  //! float for bf16, where 1 / tokens would lose all but 8 bits.
+  accumulate_t<T> loss_scale = accumulate_t<T>(1);
 };
 
 //! A Model is an ordered list of layers over named parameters in one flat layout, each layer

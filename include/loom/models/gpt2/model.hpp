@@ -8,12 +8,15 @@
 //! slice of the weights and computes its slice of the work; the collectives that join the
 //! slices happen inside forward and backward, over the model's tensor-parallel group.
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "loom/backend/concepts.hpp"
 #include "loom/comm/ref.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
@@ -23,7 +26,9 @@
 
 namespace loom::gpt2 {
 
-//! GPT-2 on backend `B` with scalar `T` (float to train, double for gradient checks).
+//! GPT-2 on backend `B` with scalar `T`: float to train, double for gradient checks, bf16 for
+//! mixed precision as llm.c trains (bf16 parameters, gradients and activations; arithmetic,
+//! per-row statistics and losses in float, `accumulate_t<T>`, kept inside the bf16 ranges).
 //! The kernels for `B` must be visible (e.g. include "loom/backend/cpu/kernels.hpp").
 template <Backend B, class T = float>
 class Model {
@@ -118,14 +123,18 @@ class Model {
     return s.batch * s.seq * config_.channels;
   }
 
-  //! Elements a layer keeps from forward to backward for one micro-batch, on this rank.
+  //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
+  //! what carve_head / carve_block take (counted by carving no range). For float and double,
+  //! N·(C + 3 + V/tp) for the head and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
+  //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention and
+  //! four row statistics); for bf16 each float statistic takes two elements and the count is
+  //! rounded up to even, so that ranges laid end to end keep their statistics 4-byte aligned.
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
-    const std::int64_t N = s.batch * s.seq, C = config_.channels;
     if (layer == embedding_layer) return 0;
-    if (layer == head_layer(config_)) return N * C + 3 * N + N * vocab_rows_;
-    // Replicated ln1, res2, ln2 (3·C), this rank's qkv, atty, fch, fch_gelu (3, 1, 4, 4 times
-    // C/tp), its heads' attention and four row statistics.
-    return N * C * 3 + N * attention_channels_ * 12 + 4 * N + s.batch * heads_ * s.seq * s.seq;
+    Carver counter{};
+    if (layer == head_layer(config_)) head_saved(counter, s);
+    else block_saved(counter, s);
+    return counter.elements();
   }
 
   //! Scratch a layer's backward needs (not kept between calls), on this rank.
@@ -242,14 +251,38 @@ class Model {
         fcproj_b;
   };
 
-  //! Carves consecutive tensors out of one flat range.
+  //! The type of per-row statistics and losses (float for bf16).
+  using A = accumulate_t<T>;
+
+  //! Carves consecutive tensors out of one flat range of T; without a range (`base` null) it
+  //! only counts. A tensor of another element type U (float statistics in a bf16 range) starts
+  //! at an offset rounded up to U's alignment and takes sizeof(U) / sizeof(T) elements a value;
+  //! `elements()` rounds the total up to the largest such alignment, so that ranges laid end to
+  //! end in one aligned buffer stay aligned. For U = T it is plain consecutive carving.
   struct Carver {
-    T* next;
-    Tensor<T> take(Shape shape) {
-      Tensor<T> t(next, shape);
-      next += shape.numel();
-      return t;
+    T* base = nullptr;
+    std::int64_t used = 0;   //!< elements of T taken so far, padding included
+    std::int64_t align = 1;  //!< the largest alignment taken, in elements of T
+
+    template <class U = T>
+    Tensor<U> take(Shape shape) {
+      static_assert(sizeof(U) % sizeof(T) == 0 && std::is_trivially_copyable_v<U>,
+                    "loom: a carved tensor's elements must be a whole number of T elements");
+      constexpr auto u_align = static_cast<std::int64_t>(alignof(U) > sizeof(T) ? alignof(U) / sizeof(T) : 1);
+      align = std::max(align, u_align);
+      used = (used + u_align - 1) / u_align * u_align;
+      U* at = nullptr;
+      if (base != nullptr) {
+        at = reinterpret_cast<U*>(base + used);
+        LOOM_CHECK(reinterpret_cast<std::uintptr_t>(at) % alignof(U) == 0, "gpt2: activation range address",
+                   reinterpret_cast<std::uintptr_t>(base),
+                   "must be aligned to " + detail::to_text(alignof(U)) +
+                       " bytes (ranges of activation_elements laid end to end from an aligned buffer are)");
+      }
+      used += shape.numel() * static_cast<std::int64_t>(sizeof(U) / sizeof(T));
+      return {at, shape};
     }
+    std::int64_t elements() const noexcept { return (used + align - 1) / align * align; }
   };
 
   std::int64_t C() const noexcept { return config_.channels; }
@@ -281,29 +314,34 @@ class Model {
     return {grads.at(offset, shape.numel()), shape};
   }
 
-  //! The activations a block keeps, carved from its `saved` range.
+  //! The activations a block keeps; the layernorm statistics in the accumulate type.
   struct BlockSaved {
-    Tensor<T> ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
+    Tensor<A> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd;
+    Tensor<T> ln1, qkv, att, atty, res2, ln2, fch, fch_gelu;
   };
-  BlockSaved carve_block(Tensor<T> saved, MicroBatchShape s) const {
+  //! The statistics come first: at the (aligned) start of the range they need no padding.
+  BlockSaved block_saved(Carver& c, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
                        F = mlp_channels_;
-    check_numel(saved, activation_elements(1, s), "gpt2 block", "saved");
-    Carver c{saved.data()};
     BlockSaved b;
+    b.ln1_mean = c.template take<A>({Bn * Tn});
+    b.ln1_rstd = c.template take<A>({Bn * Tn});
+    b.ln2_mean = c.template take<A>({Bn * Tn});
+    b.ln2_rstd = c.template take<A>({Bn * Tn});
     b.ln1 = c.take({Bn, Tn, C});
-    b.ln1_mean = c.take({Bn * Tn});
-    b.ln1_rstd = c.take({Bn * Tn});
     b.qkv = c.take({Bn, Tn, 3 * Ca});
     b.att = c.take({Bn, heads_, Tn, Tn});
     b.atty = c.take({Bn, Tn, Ca});
     b.res2 = c.take({Bn, Tn, C});
     b.ln2 = c.take({Bn, Tn, C});
-    b.ln2_mean = c.take({Bn * Tn});
-    b.ln2_rstd = c.take({Bn * Tn});
     b.fch = c.take({Bn, Tn, F});
     b.fch_gelu = c.take({Bn, Tn, F});
     return b;
+  }
+  BlockSaved carve_block(Tensor<T> saved, MicroBatchShape s) const {
+    check_numel(saved, activation_elements(block_layer(0), s), "gpt2 block", "saved");
+    Carver c{saved.data()};
+    return block_saved(c, s);
   }
 
   void block_forward(B& be, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
@@ -459,21 +497,26 @@ class Model {
     if (n > 0 || !stash.empty()) check_numel(stash, n, kernel, "stash");
   }
 
-  //! The activations the head keeps.
+  //! The activations the head keeps; ln_f's statistics and the per-token losses in the
+  //! accumulate type, first (see block_saved).
   struct HeadSaved {
-    Tensor<T> lnf, mean, rstd, probs, losses;
+    Tensor<A> mean, rstd, losses;
+    Tensor<T> lnf, probs;
   };
-  HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
+  HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
     const std::int64_t N = s.batch * s.seq;
+    HeadSaved h;
+    h.mean = c.template take<A>({N});
+    h.rstd = c.template take<A>({N});
+    h.losses = c.template take<A>({N});
+    h.lnf = c.take({N, config_.channels});
+    h.probs = c.take({N, vocab_rows_});
+    return h;
+  }
+  HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
     check_numel(saved, activation_elements(head_layer(config_), s), "gpt2 head", "saved");
     Carver c{saved.data()};
-    HeadSaved h;
-    h.lnf = c.take({N, config_.channels});
-    h.mean = c.take({N});
-    h.rstd = c.take({N});
-    h.probs = c.take({N, vocab_rows_});
-    h.losses = c.take({N});
-    return h;
+    return head_saved(c, s);
   }
 
   double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
@@ -498,7 +541,7 @@ class Model {
                                              config_.vocab_size);
     nn::sum_over_tensor_parallel(tensor_parallel_, partials);
     vocab_parallel_cross_entropy_finish<T>(be, h.losses, h.probs, partials, targets);
-    return sum_elements<T>(be, Tensor<const T>(h.losses));
+    return sum_elements<A>(be, Tensor<const A>(h.losses));
   }
 
   //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input
