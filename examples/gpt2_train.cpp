@@ -108,6 +108,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--optimizer", o.optimizer, "adamw or sgd (momentum 0.9)")
       ->capture_default_str()->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--dtype", o.dtype,
+                 "float, or bf16: parameters, gradients and activations in bf16, fp32 arithmetic, "
+                 "master weights and AdamW moments (mixed precision; adamw only)")
+      ->capture_default_str()->check(CLI::IsMember({"float", "bf16"}));
   app.add_option("--weight-decay", o.weight_decay, "Weight decay on matrices and embeddings")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();

@@ -59,6 +59,7 @@ struct Options {
   double clip = 1.0;
   double weight_decay = 0.1;
   std::string optimizer = "adamw";
+  std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   std::uint64_t seed = 1337;
   std::string data = "synthetic";
   double jump_probability = 0.1;
@@ -220,17 +221,18 @@ std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shap
   }
 }
 
-//! The ZeRO formula for this rank's parameters + gradients + optimizer state (fp32, so 4 bytes
-//! each and 4 per optimizer slot), beside what it holds; padding and the working set apart.
-template <class Strategy>
+//! The ZeRO formula for this rank's parameters + gradients + optimizer state (sizeof(T) bytes
+//! for each parameter and gradient, 4 per optimizer slot and, for bf16, 4 of fp32 master
+//! weights), beside what it holds; padding and the working set apart.
+template <class T, class Strategy>
 void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots) {
   using loom::MemoryCategory;
   const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
-  const double state = 4.0 * slots;
+  const double bytes = sizeof(T), state = 4.0 * slots + (loom::is_narrow_storage<T> ? 4.0 : 0.0);
   const int stage = std::is_same_v<Strategy, loom::Zero<1>> ? 1 : std::is_same_v<Strategy, loom::Zero<2>> ? 2 : 3;
-  const double formula = stage == 1 ? 8 * psi + state * psi / n
-                       : stage == 2 ? 4 * psi + (4 + state) * psi / n
-                                    : (8 + state) * psi / n;
+  const double formula = stage == 1 ? 2 * bytes * psi + state * psi / n
+                       : stage == 2 ? bytes * psi + (bytes + state) * psi / n
+                                    : (2 * bytes + state) * psi / n;
   const double held = static_cast<double>(m.current(MemoryCategory::parameters) + m.current(MemoryCategory::gradients) +
                                           m.current(MemoryCategory::optimizer_state));
   std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots), "
@@ -248,7 +250,7 @@ std::string describe_backend(const Backend& backend) {
     return "GPU " + std::to_string(backend.device()) + " for rank 0";
 }
 
-template <class Backend, class Schedule, class Strategy, class Opt, class Group>
+template <class T, class Backend, class Schedule, class Strategy, class Opt, class Group>
 int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optimizer, Strategy strategy,
           Schedule schedule) {
   using namespace loom;
@@ -276,14 +278,15 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   lr.validate();
   // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
-  Trainer<gpt2::Model<Backend, float>, Opt, Schedule, Strategy> trainer(
-      backend, mesh, gpt2::Model<Backend, float>(config, mesh.tensor_parallel()), optimizer, lr,
+  Trainer<gpt2::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
+      backend, mesh, gpt2::Model<Backend, T>(config, mesh.tensor_parallel()), optimizer, lr,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
   if (!o.init.empty()) {
-    // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard).
+    // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard); in
+    // bf16 the fp32 master weights take the file's values exactly.
     std::vector<float> weights(static_cast<std::size_t>(trainer.model().layout().total()));
     io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), weights.data());
-    trainer.load_parameters(weights);
+    trainer.load_parameters(std::span<const float>(weights));
   }
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
@@ -298,9 +301,10 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   if (lead) {
   std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
               detail::to_text(config).c_str());
-  std::printf("  parameters %lld (stored %lld), %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s)\n",
+  std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s)\n",
               static_cast<long long>(config.parameter_count()),
-              static_cast<long long>(config.stored_parameter_count()), describe_backend(backend).c_str(),
+              static_cast<long long>(config.stored_parameter_count()),
+              is_narrow_storage<T> ? "bf16 (fp32 master weights and moments)" : "float", describe_backend(backend).c_str(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
               static_cast<long long>(micro), static_cast<long long>(o.batch / split),
               stages > 1 ? "pipeline" : "rank");
@@ -351,7 +355,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
     if (s == 0 && world.size() > 1) print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
     if constexpr (requires { trainer.engine().plan(); })
-      if (s == 0 && lead) print_zero_memory(trainer.engine().plan(), mem, strategy, Opt::state_slots);
+      if (s == 0 && lead) print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots);
     if (metrics.is_open()) {
       nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
                           {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
@@ -368,7 +372,9 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   if (!o.save.empty()) {
     // Collective over the pipeline (each stage contributes its layers) and, under ZeRO-3, over
     // the data-parallel group: every rank gathers, rank 0 writes.
-    const std::vector<float> weights = trainer.gather_parameters();
+    // In bf16 these are the bf16 parameters (the master weights rounded), widened.
+    std::vector<float> weights;
+    for (const auto w : trainer.gather_parameters()) weights.push_back(static_cast<float>(w));
     if (lead) {
       io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), weights.data());
       std::printf("saved %s\n", o.save.c_str());
@@ -410,6 +416,17 @@ int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
   }
 }
 
+//! Calls `fn` with the element type of --dtype: float, or loom::bf16 (with AdamW only, which
+//! keeps the instantiations few).
+template <class Fn>
+int with_dtype(const Options& o, Fn&& fn) {
+  if (o.dtype == "bf16") {
+    LOOM_CHECK(o.optimizer == "adamw", "--optimizer", o.optimizer, "--dtype bf16 trains with adamw");
+    return fn(loom::bf16{});
+  }
+  return fn(float{});
+}
+
 //! Calls `fn` with the optimizer of --optimizer.
 template <class Fn>
 int with_optimizer(const Options& o, Fn&& fn) {
@@ -426,7 +443,13 @@ int train_on(const Options& o, Backend& backend, Group& world) {
   loom::Mesh<Group> mesh(world, {.dp = world.size() / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
   return with_schedule(o, [&](auto schedule) {
     return with_strategy<decltype(schedule)>(o, mesh.data_parallel().size(), [&](auto strategy) {
-      return with_optimizer(o, [&](auto optimizer) { return train(o, backend, mesh, optimizer, strategy, schedule); });
+      return with_dtype(o, [&](auto element) {
+        using T = decltype(element);
+        if constexpr (std::is_same_v<T, float>)
+          return with_optimizer(o, [&](auto optimizer) { return train<T>(o, backend, mesh, optimizer, strategy, schedule); });
+        else
+          return train<T>(o, backend, mesh, loom::AdamW({.weight_decay = o.weight_decay}), strategy, schedule);
+      });
     });
   });
 }

@@ -33,16 +33,19 @@ class AdamW {
   explicit AdamW(Options options) : options_(options) {}
   const Options& options() const noexcept { return options_; }
 
-  //! Updates one segment in place.
+  //! Updates one segment in place (bf16 parameters through their fp32 master copy).
   template <class B, class T>
   void update(B& backend, const OptimizerSegment<T>& s, double lr, std::int64_t step) const {
-    adamw_update<T>(backend, s.params, s.grads, s.state[0], s.state[1],
-                             AdamWUpdate{.lr = lr,
-                                         .beta1 = options_.beta1,
-                                         .beta2 = options_.beta2,
-                                         .eps = options_.eps,
-                                         .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
-                                         .step = step});
+    const AdamWUpdate h{.lr = lr,
+                        .beta1 = options_.beta1,
+                        .beta2 = options_.beta2,
+                        .eps = options_.eps,
+                        .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
+                        .step = step};
+    if constexpr (is_narrow_storage<T>)
+      adamw_update<T>(backend, s.params, s.grads, s.master, s.state[0], s.state[1], h);
+    else
+      adamw_update<T>(backend, s.params, s.grads, s.state[0], s.state[1], h);
   }
 
  private:

@@ -5,6 +5,7 @@
 #include <concepts>
 #include <cstdint>
 
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom {
@@ -13,12 +14,15 @@ namespace loom {
 inline constexpr int max_optimizer_state_slots = 2;
 
 //! One contiguous range an optimizer updates: part of a parameter tensor (or all of it) with
-//! its gradient and its state slots (each slot a range of the optimizer-state buffer).
+//! its gradient and its state slots (each slot a range of the optimizer-state buffer). Where the
+//! parameters are stored narrower than they compute (bf16), `master` holds their fp32 master
+//! copy, which the update steps and rounds into `params`; the state is in the accumulate type.
 template <class T>
 struct OptimizerSegment {
   Tensor<T> params;
   Tensor<const T> grads;
-  std::array<Tensor<T>, max_optimizer_state_slots> state{};
+  Tensor<accumulate_t<T>> master{};  //!< fp32 master weights for bf16 params; empty otherwise
+  std::array<Tensor<accumulate_t<T>>, max_optimizer_state_slots> state{};
   bool weight_decay = false;  //!< whether the parameter is decayed (AdamW: matrices only)
 };
 

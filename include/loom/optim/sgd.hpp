@@ -33,12 +33,14 @@ class SgdMomentum {
 
   template <class B, class T>
   void update(B& backend, const OptimizerSegment<T>& s, double lr, std::int64_t /*step*/) const {
-    sgd_momentum_update<T>(
-        backend, s.params, s.grads, s.state[0],
-        SgdUpdate{.lr = lr,
-                  .momentum = options_.momentum,
-                  .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
-                  .nesterov = options_.nesterov});
+    const SgdUpdate h{.lr = lr,
+                      .momentum = options_.momentum,
+                      .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
+                      .nesterov = options_.nesterov};
+    if constexpr (is_narrow_storage<T>)
+      sgd_momentum_update<T>(backend, s.params, s.grads, s.master, s.state[0], h);
+    else
+      sgd_momentum_update<T>(backend, s.params, s.grads, s.state[0], h);
   }
 
  private:

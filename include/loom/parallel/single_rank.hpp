@@ -30,11 +30,13 @@ class ReplicatedEngine {
         layout_(&context.layout),
         params_(context.backend, context.layout.total(), MemoryCategory::parameters),
         grads_(context.backend, context.layout.total(), MemoryCategory::gradients),
-        state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state) {
+        state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state),
+        master_(context.backend, context.layout.total()) {
     // Initial values are computed on the host, then moved to the backend's memory.
     std::vector<T> host(static_cast<std::size_t>(context.layout.total()));
     context.layout.initialize(host.data(), context.seed);
     context.backend.copy_from_host(params_.data(), host.data(), params_.bytes());
+    master_.initialize(context.layout, 0, 0, context.layout.total(), context.seed);
     grads_.zero();
     state_.zero();
   }
@@ -65,15 +67,24 @@ class ReplicatedEngine {
     if (grad_scale != 1.0) scale<T>(*backend_, grads_.view(), grad_scale);
     const std::int64_t total = layout_->total();
     apply_optimizer(optimizer, *backend_, *layout_,
-                    FlatRange<T>{.begin = 0, .end = total, .params = params_.data(),
-                                 .grads = grads_.data(), .state = state_.data(), .state_stride = total},
+                    FlatRange<T>{.begin = 0, .end = total, .params = params_.data(), .grads = grads_.data(),
+                                 .state = state_.data(), .state_stride = total, .master = master_.data()},
                     lr, step);
   }
 
   //! Copies the parameters, in layout order, to host memory `out` (layout().total() elements).
   void copy_parameters_to(T* out) const { backend_->copy_to_host(out, params_.data(), params_.bytes()); }
   //! Replaces the parameters with `in` (host memory, layout order), e.g. from a checkpoint.
-  void load_parameters(const T* in) { backend_->copy_from_host(params_.data(), in, params_.bytes()); }
+  //! Replaces the parameters with `in` (host memory, layout order, of T or, for bf16
+  //! parameters, fp32: the master weights take it exactly and the parameters rounded).
+  template <class U>
+  void load_parameters(const U* in) {
+    if constexpr (std::is_same_v<U, T>)
+      backend_->copy_from_host(params_.data(), in, params_.bytes());
+    else
+      backend_->copy_from_host(params_.data(), stored_as<T>(in, layout_->total()).data(), params_.bytes());
+    master_.load(0, in, layout_->total());
+  }
 
  protected:
   B& backend() const noexcept { return *backend_; }
@@ -82,7 +93,9 @@ class ReplicatedEngine {
  private:
   B* backend_;
   const ParameterLayout* layout_;
-  Buffer<T, B> params_, grads_, state_;
+  Buffer<T, B> params_, grads_;
+  Buffer<accumulate_t<T>, B> state_;
+  MasterWeights<B, T> master_;
 };
 }  // namespace detail
 

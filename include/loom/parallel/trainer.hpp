@@ -18,6 +18,7 @@
 
 #include "loom/comm/concepts.hpp"
 #include "loom/comm/ref.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
 #include "loom/models/concepts.hpp"
@@ -141,7 +142,8 @@ class Trainer {
     LOOM_CHECK(target_tokens > 0, "trainer step: target tokens", target_tokens,
                "a global batch needs at least one target >= 0");
     const auto [batch_tokens, batch_targets] = place_batch(tokens, targets);
-    const auto loss_scale = static_cast<scalar_type>(1.0 / static_cast<double>(target_tokens));
+    // In the accumulate type: 1 / tokens is no bf16 value.
+    const auto loss_scale = static_cast<accumulate_t<scalar_type>>(1.0 / static_cast<double>(target_tokens));
 
     engine_.begin_step();
     deferred_notification_ = false;
@@ -235,12 +237,13 @@ class Trainer {
   }
   //! Replaces every parameter with `values` (model().layout() order, host memory), e.g. from a
   //! checkpoint; every rank passes the same values and keeps its stage's part.
-  void load_parameters(std::span<const scalar_type> values) {
-    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == model().layout().total(), "load_parameters: elements",
-               values.size(), "must equal the layout's " + detail::to_text(model().layout().total()));
-    std::vector<scalar_type> mine(static_cast<std::size_t>(stage_.layout().total()));
-    stage_.gather_from(values.data(), mine.data());
-    engine_.load_parameters(mine.data());
+  void load_parameters(std::span<const scalar_type> values) { load_values(values); }
+  //! A bf16 model also takes fp32 values: its fp32 master weights get them exactly, its
+  //! parameters rounded.
+  void load_parameters(std::span<const accumulate_t<scalar_type>> values)
+    requires is_narrow_storage<scalar_type>
+  {
+    load_values(values);
   }
   //! The flat parameters in place, in stage().layout() order (the model's layout without
   //! pipeline stages), for strategies that hold them whole on every rank (SingleRank,
@@ -331,6 +334,15 @@ class Trainer {
   static void check_schedule(const S& schedule, CommunicatorRef pipeline, int chunks) {
     (void)schedule.actions(ScheduleShape{.stages = pipeline.size(), .stage = pipeline.rank(),
                                          .micro_batches = pipeline.size(), .virtual_stages = chunks});
+  }
+
+  template <class U>
+  void load_values(std::span<const U> values) {
+    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == model().layout().total(), "load_parameters: elements",
+               values.size(), "must equal the layout's " + detail::to_text(model().layout().total()));
+    std::vector<U> mine(static_cast<std::size_t>(stage_.layout().total()));
+    stage_.gather_from(values.data(), mine.data());
+    engine_.load_parameters(mine.data());
   }
 
   static std::vector<std::vector<ElementRange>> layer_parameters_of(const Stage& stage) {
@@ -632,7 +644,7 @@ class Trainer {
 
   //! A whole backward, or its input-gradient pass (backward_input), of one chunk.
   void backward(const Action& action, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
-                T loss_scale, bool completes) {
+                accumulate_t<T> loss_scale, bool completes) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
     Slot& slot = find(action.micro_batch, action.chunk);
     const std::int64_t mb = action.micro_batch;
@@ -680,7 +692,7 @@ class Trainer {
 
   //! The weight-gradient pass of one chunk (after its backward_input).
   void backward_weight(const Action& action, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
-                       T loss_scale, bool completes) {
+                       accumulate_t<T> loss_scale, bool completes) {
     if constexpr (SplitBackwardModel<M>) {
       const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
       Slot& slot = find(action.micro_batch, action.chunk);

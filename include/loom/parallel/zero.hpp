@@ -360,9 +360,14 @@ class ZeroEngine {
         context_(make_context(context)),
         layout_(&context.layout),
         state_(context.backend, plan_.shard_size() * context.state_slots, MemoryCategory::optimizer_state),
+        master_(context.backend, plan_.shard_size()),
         params_(context_, context.layout, context.seed, args...),
         grads_(context_, overlap) {
     state_.zero();
+    for (const ShardUnit& u : plan_.units()) {
+      const std::int64_t begin = plan_.owned_begin(u);
+      master_.initialize(context.layout, u.shard_offset, begin, begin + plan_.owned_count(u), context.seed);
+    }
   }
   ZeroEngine(const ZeroEngine&) = delete;
   ZeroEngine& operator=(const ZeroEngine&) = delete;
@@ -410,9 +415,13 @@ class ZeroEngine {
       if (grad_scale != 1.0) scale<T>(*context_.backend, Tensor<T>(grads_.owned(u), Shape{n}), grad_scale);
       const std::int64_t begin = plan_.owned_begin(u);
       detail::apply_optimizer(optimizer, *context_.backend, *layout_,
-                              detail::FlatRange<T>{.begin = begin, .end = begin + n, .params = params_.owned(u),
-                                                   .grads = grads_.owned(u), .state = state_.data() + u.shard_offset,
-                                                   .state_stride = plan_.shard_size()},
+                              detail::FlatRange<T>{.begin = begin,
+                                                   .end = begin + n,
+                                                   .params = params_.owned(u),
+                                                   .grads = grads_.owned(u),
+                                                   .state = state_.data() + u.shard_offset,
+                                                   .state_stride = plan_.shard_size(),
+                                                   .master = master_.data() ? master_.data() + u.shard_offset : nullptr},
                               lr, step);
     }
     params_.after_update();
@@ -420,8 +429,17 @@ class ZeroEngine {
 
   //! Every parameter in layout order (collective when parameters are sharded).
   void copy_parameters_to(T* out) { params_.copy_to(out); }
-  //! This rank keeps its part of `in` (every parameter, layout order).
-  void load_parameters(const T* in) { params_.load(in); }
+  //! This rank keeps its part of `in` (every parameter, layout order, of T or, for bf16
+  //! parameters, fp32: its master pieces take that exactly and the parameters rounded).
+  template <class U>
+  void load_parameters(const U* in) {
+    if constexpr (std::is_same_v<U, T>)
+      params_.load(in);
+    else
+      params_.load(stored_as<T>(in, layout_->total()).data());
+    for (const ShardUnit& u : plan_.units())
+      master_.load(u.shard_offset, in + plan_.owned_begin(u), plan_.owned_count(u));
+  }
 
  private:
   ShardContext<B> make_context(const EngineContext<B>& c) const {
@@ -433,7 +451,8 @@ class ZeroEngine {
   ShardPlan plan_;
   ShardContext<B> context_;
   const ParameterLayout* layout_;
-  Buffer<T, B> state_;
+  Buffer<accumulate_t<T>, B> state_;
+  MasterWeights<B, T> master_;
   P params_;
   G grads_;
 };

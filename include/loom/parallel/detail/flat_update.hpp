@@ -8,6 +8,9 @@
 #include <span>
 #include <vector>
 
+#include "loom/core/accumulate.hpp"
+#include "loom/core/buffer.hpp"
+#include "loom/core/memory.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
 #include "loom/optim/concepts.hpp"
@@ -15,15 +18,71 @@
 namespace loom::detail {
 
 //! The elements [begin, end) of the flat layout, and where they live on this rank: element
-//! `begin + i` is `params[i]`, `grads[i]`, and `state[k * state_stride + i]` for slot k.
+//! `begin + i` is `params[i]`, `grads[i]`, `master[i]` (fp32 master weights, where T is bf16)
+//! and `state[k * state_stride + i]` for slot k.
 template <class T>
 struct FlatRange {
   std::int64_t begin = 0, end = 0;
   T* params = nullptr;
   const T* grads = nullptr;
-  T* state = nullptr;
+  accumulate_t<T>* state = nullptr;
   std::int64_t state_stride = 0;
+  accumulate_t<T>* master = nullptr;
 };
+
+//! The fp32 master weights of parameters stored in bf16 (mixed precision: the optimizer steps
+//! the master copy and rounds it into the parameters, so that updates smaller than a bf16 step
+//! are not lost). Holds nothing where T is its own accumulate type (float, double). Counted as
+//! optimizer state: DESIGN.md's mixed-precision Adam is 2 + 2 bytes of parameters and
+//! gradients and 12 of fp32 master weights and moments per parameter.
+template <class B, class T>
+class MasterWeights {
+ public:
+  using A = accumulate_t<T>;
+  static constexpr bool held = is_narrow_storage<T>;
+
+  MasterWeights(B& backend, std::int64_t elements)
+      : backend_(&backend), buffer_(backend, held ? elements : 0, MemoryCategory::optimizer_state) {}
+
+  //! Element i, or nullptr where nothing is held.
+  A* data() noexcept { return held ? buffer_.data() : nullptr; }
+  //! Sets `n` elements from `offset` from host values of T (widened) or of the accumulate type.
+  template <class U>
+  void load(std::int64_t offset, const U* values, std::int64_t n) {
+    if constexpr (!held) {
+      return;
+    } else if constexpr (std::is_same_v<U, A>) {
+      backend_->copy_from_host(buffer_.data() + offset, values, sizeof(A) * static_cast<std::size_t>(n));
+    } else {
+      std::vector<A> wide(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) wide[static_cast<std::size_t>(i)] = static_cast<A>(values[i]);
+      load(offset, wide.data(), n);
+    }
+  }
+  //! Sets the master weights of the layout elements [begin, end), stored from `offset`, to their
+  //! initial values in fp32 (the parameters hold the same values rounded to T).
+  void initialize(const ParameterLayout& layout, std::int64_t offset, std::int64_t begin, std::int64_t end,
+                  std::uint64_t seed) {
+    if constexpr (held) {
+      std::vector<A> host(static_cast<std::size_t>(end - begin));
+      layout.initialize(host.data(), begin, end, seed);
+      load(offset, host.data(), end - begin);
+    }
+  }
+
+ private:
+  B* backend_;
+  Buffer<A, B> buffer_;
+};
+
+//! `values` (host memory) as T: themselves, or rounded once where they are wider (fp32 values
+//! for bf16 parameters).
+template <class T, class U>
+std::vector<T> stored_as(const U* values, std::int64_t n) {
+  std::vector<T> out(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = static_cast<T>(values[i]);
+  return out;
+}
 
 //! Applies `optimizer` at learning rate `lr` for step `step` to every parameter element of
 //! `range` (elements past the layout's total, padding, are left alone).
@@ -40,6 +99,7 @@ void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layo
     s.grads = {range.grads + local, Shape{n}};
     for (int k = 0; k < O::state_slots; ++k)
       s.state[k] = {range.state + k * range.state_stride + local, Shape{n}};
+    if (range.master != nullptr) s.master = {range.master + local, Shape{n}};
     s.weight_decay = e.spec.weight_decay;
     optimizer.update(backend, s, lr, step);
   }
