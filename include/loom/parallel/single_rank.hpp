@@ -74,9 +74,8 @@ class ReplicatedEngine {
 
   //! Copies the parameters, in layout order, to host memory `out` (layout().total() elements).
   void copy_parameters_to(T* out) const { backend_->copy_to_host(out, params_.data(), params_.bytes()); }
-  //! Replaces the parameters with `in` (host memory, layout order), e.g. from a checkpoint.
-  //! Replaces the parameters with `in` (host memory, layout order, of T or, for bf16
-  //! parameters, fp32: the master weights take it exactly and the parameters rounded).
+  //! Replaces the parameters with `in` (host memory, layout order), e.g. from a checkpoint: of T
+  //! or, for bf16 parameters, fp32 (the master weights take it exactly, the parameters rounded).
   template <class U>
   void load_parameters(const U* in) {
     if constexpr (std::is_same_v<U, T>)

@@ -100,6 +100,22 @@ void sgd_range(const cpu& be, A* p, const G* g, A* buf, std::int64_t n, const Sg
   }
 }
 
+//! One AdamW step on n elements, chunks in parallel: `p` (arithmetic type A) from gradients of
+//! storage type G, widened chunk by chunk; where `rounded` is given (bf16 parameters beside
+//! their fp32 master `p`), each chunk of `p` is rounded into it once.
+template <class A, class G, class R>
+void adamw_range(const cpu& be, A* p, const G* g, A* m, A* v, R* rounded, std::int64_t n, const AdamWUpdate& h) {
+  const AdamWFactors<A> f(h);
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t begin = c * chunk, size = std::min(chunk, n - begin);
+    alignas(64) A g_stage[detail::stage_size<G, chunk>];
+    adamw_chunk(p + begin, detail::load(g + begin, g_stage, size), m + begin, v + begin, size, f);
+    if (rounded != nullptr) detail::narrow_into(p + begin, rounded + begin, size);
+  }
+}
+
 //! params = master rounded once to T.
 template <class T>
 void round_params(const cpu& be, T* params, const accumulate_t<T>* master, std::int64_t n) {
@@ -121,20 +137,9 @@ void adamw_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor
   static_assert(!is_narrow_storage<T>,
                 "loom: adamw_update on bf16 parameters keeps fp32 master weights, m and v: call the "
                 "overload that takes `master`");
-  namespace d = detail::optimizer_updates;
-  d::check_adamw(params, grads, m, v, h);
-  const d::AdamWFactors<T> f(h);
-  const std::int64_t n = params.numel();
-  T* p_all = params.data();
-  const T* g_all = grads.data();
-  T* m_all = m.data();
-  T* v_all = v.data();
-  const std::int64_t chunks = (n + d::chunk - 1) / d::chunk;
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    d::adamw_chunk(p_all + begin, g_all + begin, m_all + begin, v_all + begin, size, f);
-  }
+  detail::optimizer_updates::check_adamw(params, grads, m, v, h);
+  detail::optimizer_updates::adamw_range(be, params.data(), grads.data(), m.data(), v.data(),
+                                         static_cast<T*>(nullptr), params.numel(), h);
 }
 
 //! One AdamW step with master weights (mixed precision): `master`, `m` and `v` are updated in
@@ -144,26 +149,10 @@ void adamw_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor
 template <class T>
 void adamw_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor<accumulate_t<T>> master,
                   Tensor<accumulate_t<T>> m, Tensor<accumulate_t<T>> v, const AdamWUpdate& h) {
-  namespace d = detail::optimizer_updates;
-  using A = accumulate_t<T>;
-  d::check_adamw(params, grads, m, v, h);
+  detail::optimizer_updates::check_adamw(params, grads, m, v, h);
   check_numel(master, params.numel(), "adamw_update", "master");
-  const d::AdamWFactors<A> f(h);
-  const std::int64_t n = params.numel();
-  T* p_all = params.data();
-  const T* g_all = grads.data();
-  A* master_all = master.data();
-  A* m_all = m.data();
-  A* v_all = v.data();
-  const std::int64_t chunks = (n + d::chunk - 1) / d::chunk;
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    alignas(64) A g_stage[detail::stage_size<T, d::chunk>];
-    d::adamw_chunk(master_all + begin, detail::load(g_all + begin, g_stage, size), m_all + begin, v_all + begin,
-                   size, f);
-    detail::narrow_into(master_all + begin, p_all + begin, size);  // one rounding, chunk by chunk
-  }
+  detail::optimizer_updates::adamw_range(be, master.data(), grads.data(), m.data(), v.data(), params.data(),
+                                         params.numel(), h);
 }
 
 //! One SGD-with-momentum step on a flat range, PyTorch's formula (no dampening): g' = g + wd p;
