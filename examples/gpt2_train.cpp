@@ -112,6 +112,10 @@ int main(int argc, char** argv) {
                  "float, or bf16: parameters, gradients and activations in bf16, fp32 arithmetic, "
                  "master weights and AdamW moments (mixed precision; adamw only)")
       ->capture_default_str()->check(CLI::IsMember({"float", "bf16"}));
+  app.add_option("--attention", o.attention,
+                 "stored: keep the attention probabilities (B x heads x seq^2 per block) for the backward; "
+                 "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM)")
+      ->capture_default_str()->check(CLI::IsMember({"stored", "recompute"}));
   app.add_option("--weight-decay", o.weight_decay, "Weight decay on matrices and embeddings")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();

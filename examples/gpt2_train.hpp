@@ -60,6 +60,7 @@ struct Options {
   double weight_decay = 0.1;
   std::string optimizer = "adamw";
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
+  std::string attention = "stored";  // stored (probabilities) or recompute (log-sum-exp only)
   std::uint64_t seed = 1337;
   std::string data = "synthetic";
   double jump_probability = 0.1;
@@ -110,6 +111,11 @@ inline loom::gpt2::Config model_config(const Options& o) {
   if (!o.init.empty()) c = loom::io::read_llmc_config(o.init);
   c.validate();
   return c;
+}
+
+//! The gpt2::Attention of --attention.
+inline loom::gpt2::Attention attention_choice(const Options& o) {
+  return o.attention == "recompute" ? loom::gpt2::Attention::recompute : loom::gpt2::Attention::stored;
 }
 
 inline nlohmann::json memory_json(const loom::MemoryTracker& m) {
@@ -279,7 +285,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
   Trainer<gpt2::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
-      backend, mesh, gpt2::Model<Backend, T>(config, mesh.tensor_parallel()), optimizer, lr,
+      backend, mesh, gpt2::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice(o)), optimizer, lr,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
   if (!o.init.empty()) {
     // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard); in
@@ -301,13 +307,13 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   if (lead) {
   std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
               detail::to_text(config).c_str());
-  std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s)\n",
+  std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s), attention %s\n",
               static_cast<long long>(config.parameter_count()),
               static_cast<long long>(config.stored_parameter_count()),
               is_narrow_storage<T> ? "bf16 (fp32 master weights and moments)" : "float", describe_backend(backend).c_str(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
               static_cast<long long>(micro), static_cast<long long>(o.batch / split),
-              stages > 1 ? "pipeline" : "rank");
+              stages > 1 ? "pipeline" : "rank", gpt2::name(trainer.model().attention()));
   std::printf("  strategy %s over %d rank(s) (%s), mesh %s schedule %s\n", detail::to_text(strategy).c_str(),
               world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
               describe_schedule(schedule, shape).c_str());

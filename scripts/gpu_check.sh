@@ -81,6 +81,14 @@ run() {
   # The benchmark: bf16 (fp32 master weights), MFU against the dense bf16 peak, 989.4.
   run_one gpt2_train_small_1024_bf16 ./gpt2_train --device cuda --model small --batch 16 --micro-batch 16 --seq 1024 \
           --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --peak-tflops 989.4
+  # The same with the attention keeping only log-sum-exp (B x 12 x 1024 values per block instead
+  # of B x 12 x 1024^2): its cost at micro-batch 16, and at 32 with the memory it frees.
+  for mb in 16 32; do
+    run_one gpt2_train_small_1024_bf16_recompute_$mb ./gpt2_train --device cuda --model small --batch $mb \
+            --micro-batch $mb --seq 1024 --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --attention recompute \
+            --peak-tflops 989.4
+  done
+  run_one gpt2_train_recompute_dp2_tp2 "${demo[@]}" --dp 2 --tp 2 --attention recompute
   # PyTorch on the same GPU (the device image has it): eager and compiled, fp32 (TF32) and bf16.
   run_one pytorch_gpu python3 "$root/bench/pytorch_gpu.py" --json "$logs/pytorch_gpu.json"
   printf '%-34s %4s %7s  %s\n' program rc seconds summary

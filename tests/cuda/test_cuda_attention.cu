@@ -1,13 +1,16 @@
 // The CUDA causal self-attention kernels against a plain host reference in double, at odd sizes
 // (B in {1,2,3}, T in {1,7,33,65}, NH in {1,3}, hs in {1,5,16}, and one GPT-2-like shape), with
 // the CPU kernel's contract: att exactly 0 above the diagonal, the backward accumulating (+=),
-// the same bits on every run, shape errors named.
+// the same bits on every run, shape errors named. Both contracts: att saved
+// (attention_forward/backward) and only the row log-sum-exp saved (attention_forward_lse/
+// backward_lse, whose backward recomputes the probabilities).
 //
-// Without a GPU the host cases still run: the argument checks, and the kernels' own sequence of
-// steps (detail::cuda_attention::forward_steps and backward_steps: plans, offsets, order) with
-// cuBLAS emulated on the host (which also checks cuBLAS's rules on the leading dimensions and
-// that no two GEMMs of a batch write the same element) and the softmax steps in float, as the
-// kernels do them. Then the program exits with 77 (ctest: skipped).
+// Without a GPU the host cases still run: the argument checks, and the kernels' own sequences of
+// steps (detail::cuda_attention::forward_steps, backward_steps, forward_lse_steps and
+// backward_lse_steps: plans, offsets, order) with cuBLAS emulated on the host (which also checks
+// cuBLAS's rules on the leading dimensions and that no two GEMMs of a batch write the same
+// element) and the row steps in float, as the kernels do them. Then the program exits with 77
+// (ctest: skipped).
 //
 // Tolerances. A result passes when |got - want| <= tolerance * magnitude + rounding, where
 // `magnitude` is the first-order error scale of the products, propagated through the softmax:
@@ -18,7 +21,11 @@
 //   magnitude is p_s * scale * (M_s + sum_j p_j M_j) with M_s = sum_i |q_i k_si|; out and the
 //   gradients add sum |terms| of their own GEMM and carry the errors of their inputs the same way;
 // - `rounding` is the fp32 rounding of the softmax steps (exp, the row sum of up to T terms, the
-//   scaling), bounded by (T + 64) * 2^-24 of the same scale; it does not shrink with TF32's bound.
+//   scaling), bounded by (T + 64) * 2^-24 of the same scale; it does not shrink with TF32's bound;
+// - lse = log sum_s exp(x_s scale) moves by sum_s p_s dx_s scale, so its magnitude is
+//   scale * sum_s p_s M_s, its rounding (T + 64) * 2^-24 * (1 + |max * scale|);
+// - probabilities recomputed from scores and lse carry the forward's att errors (the softmax's
+//   first-order error is the same), which the backward reference propagates into the gradients.
 // The host emulation (products in double, results rounded to float) is held to float_tolerance
 // (1e-5) with the same magnitudes; a wrong stride, offset or transpose is off by O(1).
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -31,6 +38,7 @@
 #include <ostream>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/backend/cuda/attention.cuh"
@@ -87,7 +95,7 @@ struct QkvIndex {
 };
 
 struct ForwardReference {
-  Reference att, out;
+  Reference att, out, lse;
 };
 
 ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv) {
@@ -95,7 +103,8 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
   const std::int64_t T = c.T, C = c.C();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs)), rounding = softmax_rounding(T);
   ForwardReference r{Reference(static_cast<std::size_t>(c.B * c.NH * T * T)),
-                     Reference(static_cast<std::size_t>(c.B * T * C))};
+                     Reference(static_cast<std::size_t>(c.B * T * C)),
+                     Reference(static_cast<std::size_t>(c.B * c.NH * T))};
   std::vector<double> score(static_cast<std::size_t>(T)), mag(static_cast<std::size_t>(T));
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h)
@@ -123,6 +132,10 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
           r.att.magnitude[row + s] = p * scale * (mag[s] + weighted);
           r.att.rounding[row + s] = p * rounding;
         }
+        const std::int64_t lse = (b * c.NH + h) * T + t;
+        r.lse.value[lse] = max * scale + std::log(sum);
+        r.lse.magnitude[lse] = scale * weighted;
+        r.lse.rounding[lse] = rounding * (1.0 + std::abs(max * scale));
         // Entries s > t stay 0 with magnitude 0: they must come out exactly 0.
         for (std::int64_t i = 0; i < c.hs; ++i) {
           const std::int64_t o = (b * T + t) * C + h * c.hs + i;
@@ -137,9 +150,12 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
   return r;
 }
 
-//! dqkv0 + the gradient w.r.t. qkv, from the float att the kernel reads.
+//! dqkv0 + the gradient w.r.t. qkv, from the float att the kernel reads. Where `att_error` is
+//! given, the kernel computes att itself (the lse backward recomputes it) with that error, which
+//! is propagated into the gradients' magnitude and rounding.
 Reference backward_reference(const Case& c, const std::vector<float>& qkv, const std::vector<float>& att,
-                             const std::vector<float>& dout, const std::vector<float>& dqkv0) {
+                             const std::vector<float>& dout, const std::vector<float>& dqkv0,
+                             const Reference* att_error = nullptr) {
   const QkvIndex at{c};
   const std::int64_t T = c.T, C = c.C();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs)), rounding = softmax_rounding(T);
@@ -149,11 +165,19 @@ Reference backward_reference(const Case& c, const std::vector<float>& qkv, const
     r.magnitude[i] = std::abs(dqkv0[i]);
   }
   std::vector<double> datt(static_cast<std::size_t>(T)), dmag(static_cast<std::size_t>(T)),
-      dpre(static_cast<std::size_t>(T)), dpre_mag(static_cast<std::size_t>(T));
+      dpre(static_cast<std::size_t>(T)), dpre_mag(static_cast<std::size_t>(T)),
+      dpre_round(static_cast<std::size_t>(T)), att_mag(static_cast<std::size_t>(T), 0.0),
+      att_round(static_cast<std::size_t>(T), 0.0);
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
-        const float* a = att.data() + ((b * c.NH + h) * T + t) * T;
+        const std::int64_t row = ((b * c.NH + h) * T + t) * T;
+        const float* a = att.data() + row;
+        if (att_error != nullptr)
+          for (std::int64_t s = 0; s <= t; ++s) {
+            att_mag[s] = att_error->magnitude[row + s];
+            att_round[s] = att_error->rounding[row + s];
+          }
         const float* g = dout.data() + (b * T + t) * C + h * c.hs;
         double shift = 0, weighted = 0;
         for (std::int64_t s = 0; s <= t; ++s) {
@@ -166,22 +190,29 @@ Reference backward_reference(const Case& c, const std::vector<float>& qkv, const
           shift += a[s] * datt[s];
           weighted += a[s] * dmag[s];
         }
+        double shift_mag = 0, shift_round = 0;  // of sum_s att datt from att's errors
+        for (std::int64_t s = 0; s <= t; ++s) {
+          shift_mag += att_mag[s] * std::abs(datt[s]);
+          shift_round += att_round[s] * std::abs(datt[s]);
+        }
         for (std::int64_t s = 0; s <= t; ++s) {
           dpre[s] = a[s] * (datt[s] - shift) * scale;
-          dpre_mag[s] = a[s] * scale * (dmag[s] + weighted);
+          dpre_mag[s] = scale * (a[s] * (dmag[s] + weighted + shift_mag) + att_mag[s] * std::abs(datt[s] - shift));
+          dpre_round[s] = scale * (a[s] * shift_round + att_round[s] * std::abs(datt[s] - shift));
         }
         for (std::int64_t s = 0; s <= t; ++s)
           for (std::int64_t i = 0; i < c.hs; ++i) {
             const std::int64_t dq = at(b, t, 0, h, i), dk = at(b, s, 1, h, i), dv = at(b, s, 2, h, i);
             const double q = qkv[dq], k = qkv[dk], value_term = static_cast<double>(a[s]) * g[i];
             r.value[dv] += value_term;
-            r.magnitude[dv] += std::abs(value_term);
+            r.magnitude[dv] += std::abs(value_term) + att_mag[s] * std::abs(g[i]);
+            r.rounding[dv] += att_round[s] * std::abs(g[i]);
             r.value[dq] += dpre[s] * k;
             r.magnitude[dq] += (std::abs(dpre[s]) + dpre_mag[s]) * std::abs(k);
-            r.rounding[dq] += rounding * dpre_mag[s] * std::abs(k);
+            r.rounding[dq] += (rounding * dpre_mag[s] + dpre_round[s]) * std::abs(k);
             r.value[dk] += dpre[s] * q;
             r.magnitude[dk] += (std::abs(dpre[s]) + dpre_mag[s]) * std::abs(q);
-            r.rounding[dk] += rounding * dpre_mag[s] * std::abs(q);
+            r.rounding[dk] += (rounding * dpre_mag[s] + dpre_round[s]) * std::abs(q);
           }
       }
   return r;
@@ -225,14 +256,22 @@ void emulate_cublas(const ca::BatchedGemm& bg, const float* a, const float* b, f
   CHECK(written_twice == 0);
 }
 
-//! softmax_forward_kernel's arithmetic on one row, sequentially.
-void host_softmax_row(float* a, std::int64_t t, std::int64_t tokens, float scale) {
+//! softmax_forward_kernel's arithmetic on one row, sequentially (the log-sum-exp into `lse`
+//! where it is not null).
+void host_softmax_row(float* a, std::int64_t t, std::int64_t tokens, float scale, float* lse = nullptr) {
   float max = a[0];
   for (std::int64_t s = 0; s <= t; ++s) max = std::fmax(max, a[s]);
   float sum = 0;
   for (std::int64_t s = 0; s <= t; ++s) sum += a[s] = std::exp((a[s] - max) * scale);
+  if (lse != nullptr) *lse = max * scale + std::log(sum);
   const float inverse = 1.0f / sum;
   for (std::int64_t s = 0; s <= t; ++s) a[s] *= inverse;
+  for (std::int64_t s = t + 1; s < tokens; ++s) a[s] = 0.0f;
+}
+
+//! probabilities_kernel's arithmetic on one row.
+void host_probabilities_row(float* a, float lse, std::int64_t t, std::int64_t tokens, float scale) {
+  for (std::int64_t s = 0; s <= t; ++s) a[s] = std::exp(std::fma(a[s], scale, -lse));
   for (std::int64_t s = t + 1; s < tokens; ++s) a[s] = 0.0f;
 }
 
@@ -254,16 +293,52 @@ void emulate_forward(const Case& c, const std::vector<float>& qkv, std::vector<f
                     });
 }
 
+//! softmax_backward_kernel's steps on the host, as the steps' run_softmax_grad.
+auto host_softmax_grad(const Case& c) {
+  return [c, scale = 1.0f / std::sqrt(static_cast<float>(c.hs))](float* grad, const float* probabilities,
+                                                                  std::int64_t rows) {
+    for (std::int64_t row = 0; row < rows; ++row)
+      host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, row % c.T, c.T, scale);
+  };
+}
+
+//! One [NH,T,T] scratch block of NaNs: the steps must write every element they read.
+std::vector<float> scratch_block(const Case& c) {
+  return std::vector<float>(static_cast<std::size_t>(c.NH * c.T * c.T), not_a_number);
+}
+
 //! attention_backward's steps on the host: the same plans, offsets and order.
 void emulate_backward(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
                       const std::vector<float>& qkv, const std::vector<float>& att) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
-  std::vector<float> dpre(static_cast<std::size_t>(c.NH * c.T * c.T), not_a_number);
+  std::vector<float> dpre = scratch_block(c);
   ca::backward_steps(c.dims(), dqkv.data(), dout.data(), qkv.data(), att.data(), dpre.data(), emulate_cublas,
-                     [&](float* grad, const float* probabilities, std::int64_t rows) {
-                       for (std::int64_t row = 0; row < rows; ++row)
-                         host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, row % c.T, c.T, scale);
-                     });
+                     host_softmax_grad(c));
+}
+
+//! attention_forward_lse's steps on the host.
+void emulate_forward_lse(const Case& c, const std::vector<float>& qkv, std::vector<float>& lse,
+                         std::vector<float>& out) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
+  std::vector<float> att = scratch_block(c);
+  ca::forward_lse_steps(c.dims(), out.data(), lse.data(), qkv.data(), att.data(), emulate_cublas,
+                        [&](float* scores, float* lse_b, std::int64_t rows) {
+                          for (std::int64_t row = 0; row < rows; ++row)
+                            host_softmax_row(scores + row * c.T, row % c.T, c.T, scale, lse_b + row);
+                        });
+}
+
+//! attention_backward_lse's steps on the host.
+void emulate_backward_lse(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
+                          const std::vector<float>& qkv, const std::vector<float>& lse) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
+  std::vector<float> att = scratch_block(c), dpre = scratch_block(c);
+  ca::backward_lse_steps(
+      c.dims(), dqkv.data(), dout.data(), qkv.data(), lse.data(), att.data(), dpre.data(), emulate_cublas,
+      [&](float* scores, const float* lse_b, std::int64_t rows) {
+        for (std::int64_t row = 0; row < rows; ++row)
+          host_probabilities_row(scores + row * c.T, lse_b[row], row % c.T, c.T, scale);
+      },
+      host_softmax_grad(c));
 }
 
 struct Data {
@@ -305,6 +380,16 @@ TEST_CASE("the attention algorithm with the cuBLAS plans matches the reference (
     std::vector<float> dqkv = data.dqkv0;
     emulate_backward(c, dqkv, data.dout, data.qkv, att_in);
     check_reference(dqkv, dref, float_tolerance, "dqkv");
+
+    // Only lse saved: the forward's lse, then the backward recomputing att from it.
+    std::vector<float> lse(ref.lse.value.size(), not_a_number), lse_out(ref.out.value.size(), not_a_number);
+    emulate_forward_lse(c, data.qkv, lse, lse_out);
+    check_reference(lse, ref.lse, float_tolerance, "lse");
+    check_reference(lse_out, ref.out, float_tolerance, "out (lse)");
+    const Reference lse_dref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0, &ref.att);
+    std::vector<float> lse_dqkv = data.dqkv0;
+    emulate_backward_lse(c, lse_dqkv, data.dout, data.qkv, lse);
+    check_reference(lse_dqkv, lse_dref, float_tolerance, "dqkv (lse)");
   }
 }
 
@@ -356,6 +441,34 @@ TEST_CASE("attention checks name the kernel and the argument, in the CPU kernel'
                        doctest::Contains("attention_backward: argument att: got a tensor without data"), Error);
 }
 
+TEST_CASE("attention_lse checks name the kernel and the argument, lse [B, NH, T] (host side)") {
+  namespace a = detail::attention;
+  std::vector<float> storage(1024, 0.0f);
+  float* p = storage.data();
+  const std::int64_t B = 2, T = 5, C = 6;
+  const Tensor<const float> qkv(p, {B, T, 3 * C}), dout(p, {B, T, C}), lse_c(p, {B, 2, T});
+  const Tensor<float> out(p, {B, T, C}), lse(p, {B, 2, T}), dqkv(p, {B, T, 3 * C});
+
+  const a::Dims d = a::check_forward_lse(out, lse, qkv, 2);
+  CHECK(d.heads == 2);
+  CHECK(d.head_size == 3);
+  CHECK_NOTHROW(a::check_backward_lse(dqkv, dout, qkv, lse_c, 2));
+
+  CHECK_THROWS_WITH_AS(a::check_forward_lse(out, lse, qkv, 4),
+                       "loom: attention_forward_lse: argument num_heads: got 4; must divide the channels C = 6",
+                       Error);
+  CHECK_THROWS_WITH_AS(a::check_forward_lse(out, Tensor<float>(p, {B, 2, T, T}), qkv, 2),
+                       "loom: attention_forward_lse: argument lse shape: got [2, 2, 5, 5]; expected [2, 2, 5]",
+                       Error);
+  CHECK_THROWS_WITH_AS(a::check_forward_lse(out, Tensor<float>(nullptr, {B, 2, T}), qkv, 2),
+                       doctest::Contains("attention_forward_lse: argument lse: got a tensor without data"), Error);
+  CHECK_THROWS_WITH_AS(a::check_backward_lse(Tensor<float>(p, {B, 3 * C, T}), dout, qkv, lse_c, 2),
+                       "loom: attention_backward_lse: argument dqkv shape: got [2, 18, 5]; expected [2, 5, 18]",
+                       Error);
+  CHECK_THROWS_WITH_AS(a::check_backward_lse(dqkv, dout, qkv, Tensor<const float>(p, {B, 3, T}), 2),
+                       "loom: attention_backward_lse: argument lse shape: got [2, 3, 5]; expected [2, 2, 5]", Error);
+}
+
 // ------------------------------------------------------------------------------------------
 // Device cases: return at once without a GPU.
 
@@ -363,6 +476,35 @@ std::vector<Case> device_cases() {
   std::vector<Case> cases = odd_cases();
   cases.push_back({2, 256, 4, 64});  // GPT-2's head size, aligned rows: the tensor-core paths
   return cases;
+}
+
+//! A device tensor of NaNs: every element must be written, and the beta-0 GEMMs must not read it.
+DeviceTensor nans(cuda& be, const Shape& shape) {
+  return DeviceTensor(be, std::vector<float>(static_cast<std::size_t>(shape.numel()), not_a_number), shape);
+}
+
+//! Runs `launch` (one kernel call) and checks that it gave back its workspace after a peak of
+//! `scratch` floats.
+template <class Launch>
+void check_scratch(cuda& be, std::int64_t scratch, Launch&& launch) {
+  const std::size_t workspace = be.memory().current(MemoryCategory::workspace);
+  be.memory().reset_peaks();
+  launch();
+  CHECK(be.memory().current(MemoryCategory::workspace) == workspace);
+  CHECK(be.memory().peak(MemoryCategory::workspace) == workspace + static_cast<std::size_t>(scratch) * sizeof(float));
+}
+
+//! Run 0 records `got`; every later run must give the same bits, tensor by tensor.
+void check_same_bits(int run, std::vector<std::vector<float>>& first, std::vector<std::vector<float>> got) {
+  if (run == 0) {
+    first = std::move(got);
+    return;
+  }
+  REQUIRE(got.size() == first.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == first[i]);
+  }
 }
 
 TEST_CASE("attention_forward matches the reference; att is exactly 0 above the diagonal; same bits each run") {
@@ -373,24 +515,16 @@ TEST_CASE("attention_forward matches the reference; att is exactly 0 above the d
     const Data data = make_data(c, 100);
     const ForwardReference ref = forward_reference(c, data.qkv);
     const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
-    std::vector<float> first_att, first_out;
+    std::vector<std::vector<float>> first;
     for (int run = 0; run < 2; ++run) {
       CAPTURE(run);
-      // NaN everywhere: every element must be written, and the beta-0 GEMMs must not read it.
-      const DeviceTensor att(be, std::vector<float>(ref.att.value.size(), not_a_number), Shape{c.B, c.NH, c.T, c.T});
-      const DeviceTensor out(be, std::vector<float>(ref.out.value.size(), not_a_number), Shape{c.B, c.T, c.C()});
+      const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
       attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH));
-      const std::vector<float> got_att = att.to_host(be), got_out = out.to_host(be);
+      std::vector<float> got_att = att.to_host(be), got_out = out.to_host(be);
       check_reference(got_att, ref.att, tf32_tolerance, "att");
       CHECK(nonzero_above_diagonal(c, got_att) == 0);
       check_reference(got_out, ref.out, tf32_tolerance, "out");
-      if (run == 0) {
-        first_att = got_att;
-        first_out = got_out;
-      } else {
-        CHECK(got_att == first_att);
-        CHECK(got_out == first_out);
-      }
+      check_same_bits(run, first, {std::move(got_att), std::move(got_out)});
     }
   }
 }
@@ -406,22 +540,16 @@ TEST_CASE("attention_backward accumulates the reference gradient, the same bits 
     const Shape qkv_shape{c.B, c.T, 3 * c.C()};
     const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
         att(be, att_in, Shape{c.B, c.NH, c.T, c.T});
-    std::vector<float> first;
+    std::vector<std::vector<float>> first;
     for (int run = 0; run < 2; ++run) {
       CAPTURE(run);
       const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
-      const std::size_t workspace = be.memory().current(MemoryCategory::workspace);
-      be.memory().reset_peaks();
-      attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
-      CHECK(be.memory().current(MemoryCategory::workspace) == workspace);
-      CHECK(be.memory().peak(MemoryCategory::workspace) ==
-            workspace + static_cast<std::size_t>(c.NH * c.T * c.T) * sizeof(float));
-      const std::vector<float> got = dqkv.to_host(be);
+      check_scratch(be, c.NH * c.T * c.T, [&] {
+        attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
+      });
+      std::vector<float> got = dqkv.to_host(be);
       check_reference(got, ref, tf32_tolerance, "dqkv");
-      if (run == 0)
-        first = got;
-      else
-        CHECK(got == first);
+      check_same_bits(run, first, {std::move(got)});
     }
   }
 }
@@ -433,15 +561,116 @@ TEST_CASE("attention_backward from attention_forward's own att (the training pat
   const Case c{2, 33, 3, 16};
   const Data data = make_data(c, 300);
   const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
-  const DeviceTensor att(be, std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T * c.T), not_a_number),
-                         Shape{c.B, c.NH, c.T, c.T});
-  const DeviceTensor out(be, std::vector<float>(static_cast<std::size_t>(c.B * c.T * c.C()), not_a_number),
-                         Shape{c.B, c.T, c.C()});
+  const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
   attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH));
   const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
   attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
   const Reference ref = backward_reference(c, data.qkv, att.to_host(be), data.dout, data.dqkv0);
   check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
+}
+
+TEST_CASE("attention_forward_lse matches the reference (out and lse); same bits each run; NH T^2 workspace") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const Case& c : device_cases()) {
+    CAPTURE(c);
+    const Data data = make_data(c, 400);
+    const ForwardReference ref = forward_reference(c, data.qkv);
+    const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
+    std::vector<std::vector<float>> first;
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
+      check_scratch(be, c.NH * c.T * c.T, [&] {
+        attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH));
+      });
+      std::vector<float> got_lse = lse.to_host(be), got_out = out.to_host(be);
+      check_reference(got_lse, ref.lse, tf32_tolerance, "lse");
+      check_reference(got_out, ref.out, tf32_tolerance, "out");
+      check_same_bits(run, first, {std::move(got_lse), std::move(got_out)});
+    }
+  }
+}
+
+TEST_CASE("attention_backward_lse accumulates the reference gradient, the same bits each run, 2 NH T^2 workspace") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const Case& c : device_cases()) {
+    CAPTURE(c);
+    const Data data = make_data(c, 500);
+    const ForwardReference forward = forward_reference(c, data.qkv);
+    // The kernel recomputes att from TF32 scores and the exact lse: att's errors, propagated.
+    const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
+                                             &forward.att);
+    const Shape qkv_shape{c.B, c.T, 3 * c.C()};
+    const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
+        lse(be, to_float(forward.lse.value), Shape{c.B, c.NH, c.T});
+    std::vector<std::vector<float>> first;
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
+      check_scratch(be, 2 * c.NH * c.T * c.T, [&] {
+        attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), lse.cview(),
+                                      static_cast<int>(c.NH));
+      });
+      std::vector<float> got = dqkv.to_host(be);
+      check_reference(got, ref, tf32_tolerance, "dqkv");
+      check_same_bits(run, first, {std::move(got)});
+    }
+  }
+}
+
+TEST_CASE("attention_backward_lse from attention_forward_lse's own lse (the training path)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const Case& c : {Case{2, 33, 3, 16}, Case{2, 256, 4, 64}}) {
+    CAPTURE(c);
+    const Data data = make_data(c, 600);
+    const ForwardReference forward = forward_reference(c, data.qkv);
+    const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
+    const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
+    attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH));
+    const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
+    attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), lse.cview(), static_cast<int>(c.NH));
+    // The recomputed att moves with the forward's lse as the forward's att does with its scores.
+    const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
+                                             &forward.att);
+    check_reference(out.to_host(be), forward.out, tf32_tolerance, "out");
+    check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
+  }
+}
+
+TEST_CASE("attention_lse kernels reject wrong shapes before any CUDA call, and skip empty batches") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  Buffer<float, cuda> buffer(be, 1024, MemoryCategory::workspace);
+  float* p = buffer.data();
+  const std::int64_t B = 2, T = 5, C = 6;
+  const Tensor<const float> qkv(p, {B, T, 3 * C}), dout(p, {B, T, C}), lse_c(p, {B, 2, T});
+  const Tensor<float> out(p, {B, T, C}), lse(p, {B, 2, T}), dqkv(p, {B, T, 3 * C});
+  const std::size_t workspace = be.memory().current(MemoryCategory::workspace);
+  be.memory().reset_peaks();
+  CHECK_THROWS_WITH_AS(attention_forward_lse<float>(be, out, lse, qkv, 4),
+                       doctest::Contains("attention_forward_lse: argument num_heads: got 4"), Error);
+  CHECK_THROWS_WITH_AS(attention_forward_lse<float>(be, out, Tensor<float>(p, {B, 3, T}), qkv, 2),
+                       doctest::Contains("attention_forward_lse: argument lse shape: got [2, 3, 5]"), Error);
+  CHECK_THROWS_WITH_AS(attention_forward_lse<float>(be, out, lse, Tensor<const float>(nullptr, {B, T, 3 * C}), 2),
+                       doctest::Contains("attention_forward_lse: argument qkv: got a tensor without data"), Error);
+  CHECK_THROWS_WITH_AS(attention_backward_lse<float>(be, dqkv, Tensor<const float>(p, {B, C, T}), qkv, lse_c, 2),
+                       doctest::Contains("attention_backward_lse: argument dout shape: got [2, 6, 5]"), Error);
+  CHECK_THROWS_WITH_AS(attention_backward_lse<float>(be, dqkv, dout, qkv, Tensor<const float>(p, {B, 2, T, T}), 2),
+                       doctest::Contains("attention_backward_lse: argument lse shape: got [2, 2, 5, 5]"), Error);
+  CHECK_THROWS_WITH_AS(
+      attention_backward_lse<float>(be, dqkv, dout, Tensor<const float>(nullptr, {B, T, 3 * C}), lse_c, 2),
+      doctest::Contains("attention_backward_lse: argument qkv: got a tensor without data"), Error);
+  CHECK(be.memory().peak(MemoryCategory::workspace) == workspace);  // nothing allocated before the checks
+  // B = 0 or T = 0: nothing to do, nothing read.
+  attention_forward_lse<float>(be, Tensor<float>(nullptr, {0, T, C}), Tensor<float>(nullptr, {0, 2, T}),
+                               Tensor<const float>(nullptr, {0, T, 3 * C}), 2);
+  attention_backward_lse<float>(be, Tensor<float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 0, C}),
+                                Tensor<const float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 2, 0}),
+                                2);
+  be.synchronize();
 }
 
 TEST_CASE("attention kernels reject wrong shapes on the device too, and skip empty batches") {

@@ -12,6 +12,9 @@
 // and probabilities pass through bf16 between the cuBLAS calls, as in llm.c). The last part
 // allows a few float ulps per term for another summation order. The embedding gives the CPU's
 // bits (the same float additions in the same order); sum_of_squares accumulates in double (1e-12).
+// Attention with only the row log-sum-exp saved gives the CPU's out and gradient (the CPU's stored
+// path) within the same bounds plus its recomputed probabilities' roundings; its float lse is
+// checked against a double loop over the bf16 inputs (lse_reference).
 //
 // Without a GPU the host case runs (the GEMM data types, the CPU reference) and the program exits
 // with 77 (ctest: skipped).
@@ -75,6 +78,42 @@ void check_bf16(const std::vector<bf16>& got, const std::vector<bf16>& want, con
                     std::ldexp(1.0, -22) * k * std::sqrt(k) * b.term);
   }
   check_close(widened(got), expected, bound, 1.0, what, 0.0);
+}
+
+//! The row log-sum-exp [B, NH, T] of causal attention over `qkv` [B, T, 3C], in double, and its
+//! bound: a score x rounded to bf16 moves lse by up to 2^-8 |x| scale, and the float softmax adds
+//! (T + 64) 2^-24 (1 + |max scale|).
+struct LseReference {
+  std::vector<double> value, bound;
+};
+LseReference lse_reference(const std::vector<bf16>& qkv, std::int64_t B, std::int64_t T, std::int64_t NH,
+                           std::int64_t hs) {
+  const std::vector<float> x = widened(qkv);
+  const std::int64_t C = NH * hs;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
+  LseReference r;
+  std::vector<double> scores;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < NH; ++h)
+      for (std::int64_t t = 0; t < T; ++t) {
+        scores.clear();
+        const float* q = x.data() + (b * T + t) * 3 * C + h * hs;
+        for (std::int64_t s = 0; s <= t; ++s) {
+          const float* k = x.data() + (b * T + s) * 3 * C + C + h * hs;
+          double dot = 0;
+          for (std::int64_t i = 0; i < hs; ++i) dot += static_cast<double>(q[i]) * k[i];
+          scores.push_back(dot * scale);
+        }
+        const double max = *std::max_element(scores.begin(), scores.end());
+        double sum = 0, largest = 0;
+        for (const double score : scores) {
+          sum += std::exp(score - max);
+          largest = std::max(largest, std::abs(score));
+        }
+        r.value.push_back(max + std::log(sum));
+        r.bound.push_back(largest / 256 + static_cast<double>(T + 64) * std::ldexp(1.0, -24) * (1 + std::abs(max)));
+      }
+  return r;
 }
 
 }  // namespace
@@ -202,7 +241,7 @@ TEST_CASE("bf16: gelu, residual, add_to and scale") {
   }
 }
 
-TEST_CASE("bf16: attention forward and backward") {
+TEST_CASE("bf16: attention forward and backward, with att or only the row log-sum-exp (float) saved") {
   if (!have_gpu()) return;
   loom::cuda be(0);
   struct Size {
@@ -232,6 +271,17 @@ TEST_CASE("bf16: attention forward and backward") {
     const Device<bf16> h_att(be, att, {B, s.NH, T, T});
     loom::kernels::attention_backward<bf16>(be, d_dqkv.view(), d_dout.cview(), d_qkv.cview(), h_att.cview(), heads);
     check_bf16(d_dqkv.to_host(be), dqkv, {.terms = T + s.hs, .intermediate = 3.0}, "dqkv");
+
+    // Only lse saved, the training path: the backward from the device's own lse recomputes the
+    // probabilities, which carry the bf16 scores' rounding (score_roundings) into the gradients.
+    const LseReference lse = lse_reference(qkv, B, T, s.NH, s.hs);
+    const Device<bf16> l_out(be, std::vector<bf16>(B * T * C), {B, T, C}), l_dqkv(be, dqkv0, {B, T, 3 * C});
+    const Device<float> l_lse(be, std::vector<float>(B * s.NH * T), {B, s.NH, T});
+    loom::kernels::attention_forward_lse<bf16>(be, l_out.view(), l_lse.view(), d_qkv.cview(), heads);
+    check_bf16(l_out.to_host(be), out, {.terms = T, .intermediate = score_roundings + 1}, "out (lse)");
+    check_close(l_lse.to_host(be), lse.value, lse.bound, 1.0, "lse", 0.0);
+    loom::kernels::attention_backward_lse<bf16>(be, l_dqkv.view(), d_dout.cview(), d_qkv.cview(), l_lse.cview(), heads);
+    check_bf16(l_dqkv.to_host(be), dqkv, {.terms = T + s.hs, .intermediate = 3.0 + score_roundings}, "dqkv (lse)");
   }
 }
 

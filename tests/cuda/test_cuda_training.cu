@@ -92,7 +92,8 @@ std::vector<std::string> rank_failures(int ranks, Body&& body) {
 //! Trains `shape` on thread ranks that share the GPU(s), each staging its buffers through host
 //! memory for the threads communicator; returns every rank's failures against the reference.
 template <class Strategy, class Schedule>
-std::vector<std::string> staged_mesh_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule) {
+std::vector<std::string> staged_mesh_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule,
+                                              gpt2::Attention attention = gpt2::Attention::stored) {
   const ParameterLayout global_layout = Gpt(small_test_config()).layout();
   return rank_failures(shape.size(), [&](threads::Communicator& world) {
     loom::cuda be(gpu_of(world.rank()));
@@ -100,8 +101,8 @@ std::vector<std::string> staged_mesh_failures(MeshShape shape, double clip, Stra
     StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
     Mesh<StagedCommunicator<threads::Communicator, loom::cuda>> mesh(staged, shape);
     Trainer<Gpt, AdamW, Schedule, Strategy> trainer(
-        be, mesh, Gpt(small_test_config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}), parity_lr(),
-        {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5}, strategy, schedule);
+        be, mesh, Gpt(small_test_config(), mesh.tensor_parallel(), attention), AdamW({.weight_decay = 0.1}),
+        parity_lr(), {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5}, strategy, schedule);
     const ParityRun run = train_steps(trainer, global_batch, seq);
     return parity_failures(trainer, run, reference(clip), global_layout, gpu_tolerance);
   });
@@ -136,6 +137,19 @@ TEST_CASE("GPT-2 on one GPU trains as one CPU rank does (fp32 products), and clo
     CAPTURE(s);
     CHECK(std::abs(run.losses[s] - reference(0.0).losses[s]) <= 2e-2 * reference(0.0).losses[s]);
   }
+}
+
+TEST_CASE("keeping only the attention's log-sum-exp, one GPU and a DP x TP mesh sharing it train as one CPU rank") {
+  if (!have_gpu()) return;
+  // The reference keeps the probabilities (Attention::stored): the two agree to rounding.
+  loom::cuda be(0);
+  be.set_tf32(false);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config(), gpt2::Attention::recompute), AdamW({.weight_decay = 0.1}),
+                              parity_lr(), {.micro_batch_size = global_batch, .seed = 5});
+  check_parity(train_steps(trainer, global_batch, seq), reference(0.0), gpu_tolerance);
+  const std::vector<std::string> failures = staged_mesh_failures(
+      {.dp = 2, .tp = 2, .pp = 1}, 0.05, DataParallel{}, GradientAccumulation{}, gpt2::Attention::recompute);
+  CHECK_MESSAGE(failures.empty(), joined(failures));
 }
 
 TEST_CASE("bf16 with fp32 master weights on one GPU, and ZeRO-3 on two ranks sharing it, track fp32") {

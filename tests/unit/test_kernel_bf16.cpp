@@ -240,7 +240,7 @@ TEST_CASE("bf16: matmul forward and backward use float GEMMs and round once") {
   }
 }
 
-TEST_CASE("bf16: attention forward and backward run each head in float") {
+TEST_CASE("bf16: attention forward and backward (both pairs) run each head in float") {
   const cpu one(1), two(2);
   struct Size {
     std::int64_t B, T, NH, hs;
@@ -270,6 +270,27 @@ TEST_CASE("bf16: attention forward and backward run each head in float") {
       loom::kernels::attention_backward<float>(*be, dqkv.fl({B, Tn, 3 * C}), dout.cfl({B, Tn, C}),
                                                qkv.cfl({B, Tn, 3 * C}), probs.cfl({B, NH, Tn, Tn}), heads);
       check_close(dqkv.narrow, dqkv.wide, 4.0 * static_cast<double>(s.hs + Tn), s.hs + Tn);
+
+      // The lse pair: out as above; lse is float, computed from the same values, so it differs
+      // from the float kernel's by float reassociation at most (|scaled score| <= 4 sqrt(hs), hs
+      // products and T exponentials summed), never by a bf16 rounding.
+      std::vector<float> lse(B * NH * Tn), lse_f(B * NH * Tn);
+      loom::kernels::attention_forward_lse<bf16>(*be, out.bf({B, Tn, C}), Tensor<float>(lse.data(), {B, NH, Tn}),
+                                                 qkv.cbf({B, Tn, 3 * C}), heads);
+      loom::kernels::attention_forward_lse<float>(*be, out.fl({B, Tn, C}), Tensor<float>(lse_f.data(), {B, NH, Tn}),
+                                                  qkv.cfl({B, Tn, 3 * C}), heads);
+      check_close(out.narrow, out.wide, 1.0, Tn);
+      const double lse_bound =
+          std::sqrt(static_cast<double>(s.hs + Tn)) * std::ldexp(1.0, -22) * (4.0 * std::sqrt(s.hs) + Tn);
+      for (std::size_t i = 0; i < lse.size(); ++i) CHECK(std::abs(lse[i] - lse_f[i]) <= lse_bound);
+      // The backward from the same (float) lse on both sides.
+      const Tensor<const float> saved(lse_f.data(), {B, NH, Tn});
+      Values dqkv_lse(B * Tn * 3 * C, 55);
+      loom::kernels::attention_backward_lse<bf16>(*be, dqkv_lse.bf({B, Tn, 3 * C}), dout.cbf({B, Tn, C}),
+                                                  qkv.cbf({B, Tn, 3 * C}), saved, heads);
+      loom::kernels::attention_backward_lse<float>(*be, dqkv_lse.fl({B, Tn, 3 * C}), dout.cfl({B, Tn, C}),
+                                                   qkv.cfl({B, Tn, 3 * C}), saved, heads);
+      check_close(dqkv_lse.narrow, dqkv_lse.wide, 4.0 * static_cast<double>(s.hs + Tn), s.hs + Tn);
     }
   }
 }

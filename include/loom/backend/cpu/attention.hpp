@@ -1,7 +1,10 @@
 #pragma once
 //! \file Causal multi-head self-attention (GPT-2) on the CPU backend: Eigen GEMMs per
 //! (batch, head) over strided views of the packed qkv activations, in blocks of query rows so
-//! that only the lower (causal) triangle of the score matrix is computed.
+//! that only the lower (causal) triangle of the score matrix is computed. Two pairs of kernels:
+//! attention_forward/attention_backward keep the probabilities [B,NH,T,T] for the backward;
+//! attention_forward_lse/attention_backward_lse keep only the row log-sum-exp [B,NH,T] and
+//! recompute the probabilities block by block (FlashAttention's contract).
 
 #include <Eigen/Core>
 
@@ -54,60 +57,111 @@ using loom::detail::ConstArrayMap;
 
 using loom::detail::thread_index;
 
-//! One (batch, head) of the forward in the accumulate type A: q, k, v [T, hs] with rows
-//! `qkv_stride` apart, att [T, T] contiguous, out [T, hs] with rows `out_stride` apart.
+//! x[i] = f(x[i]) for i in [0, n), where f is an element-wise Eigen expression of a chunk (an
+//! exp), evaluated in an aligned 16-element buffer. Every element then takes the same vectorised
+//! path wherever it lies in memory: Eigen's own loop over an unaligned row does its head and tail
+//! in scalar code, whose exp can differ in the last bit, which would tie results to addresses
+//! (att rows versus a per-thread block, one thread's block versus another's).
+template <class A, class F>
+void transform_in_chunks(A* x, std::int64_t n, F&& f) {
+  constexpr std::int64_t chunk = 16;  // a multiple of every packet size, AVX-512 included
+  using Chunk = Eigen::Array<A, chunk, 1>;
+  Chunk buffer;  // aligned by Eigen
+  std::int64_t i = 0;
+  for (; i + chunk <= n; i += chunk) {
+    Eigen::Map<Chunk> at(x + i);
+    buffer = at;  // copies are exact, aligned or not
+    buffer = f(buffer);
+    at = buffer;
+  }
+  if (i < n) {
+    const std::int64_t m = n - i;
+    std::copy_n(x + i, m, buffer.data());
+    std::fill(buffer.data() + m, buffer.data() + chunk, A(0));
+    buffer = f(buffer);
+    std::copy_n(buffer.data(), m, x + i);
+  }
+}
+
+//! scores[n, i1] (rows `Tn` apart) = Q[i0, i1) K[0, i1)^T, unscaled: the causal score block of
+//! query rows [i0, i1).
 template <class A>
-void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A* att, A* out,
-                  std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale) {
-  const ConstStrided<A> Q(q, Tn, hs, Eigen::OuterStride<>(qkv_stride));
-  const ConstStrided<A> K(k, Tn, hs, Eigen::OuterStride<>(qkv_stride));
-  const ConstStrided<A> V(v, Tn, hs, Eigen::OuterStride<>(qkv_stride));
-  Strided<A> Att(att, Tn, Tn, Eigen::OuterStride<>(Tn));
+void score_block(const ConstStrided<A>& Q, const ConstStrided<A>& K, std::int64_t i0, std::int64_t i1,
+                 A* scores, std::int64_t Tn) {
+  Strided<A> S(scores, i1 - i0, i1, Eigen::OuterStride<>(Tn));
+  S.noalias() = Q.middleRows(i0, i1 - i0) * K.topRows(i1).transpose();
+}
+
+//! One (batch, head) of the forward in the accumulate type A: q, k, v [T, hs] with rows
+//! `qkv_stride` apart, out [T, hs] with rows `out_stride` apart. The probabilities go to att
+//! [T, T] (contiguous, 0 above the diagonal); where att is null, each block of query rows goes in
+//! turn to `block` ([min(T, 64), T] scratch) and lse[t] = log Σ_{s<=t} exp(scale q_t·k_s) is kept
+//! instead. Either way out comes from the same arithmetic.
+template <class A>
+void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A* att, A* lse, A* block,
+                  A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale) {
+  const Eigen::OuterStride<> qkv_outer(qkv_stride);
+  const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> O(out, Tn, hs, Eigen::OuterStride<>(out_stride));
+  // att rows are T wide and zero to the end; a block row only needs its keys [0, i1).
   for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
     const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0;
-    auto scores = Att.block(i0, 0, n, i1);
-    scores.noalias() = Q.middleRows(i0, n) * K.topRows(i1).transpose();
+    A* probs = att != nullptr ? att + i0 * Tn : block;
+    score_block(Q, K, i0, i1, probs, Tn);
     // Row softmax over s <= t, in place; scale > 0, so the raw max is the scaled max.
     for (std::int64_t t = i0; t < i1; ++t) {
-      ArrayMap<A> row(att + t * Tn, t + 1);
-      const A max = row.maxCoeff();
-      row = ((row - max) * scale).exp();  // Eigen's vectorised exp
-      row *= static_cast<A>(1.0 / sum_as_double(row.data(), t + 1));
-      std::fill(att + t * Tn + t + 1, att + (t + 1) * Tn, A(0));
+      A* row = probs + (t - i0) * Tn;
+      const A max = ConstArrayMap<A>(row, t + 1).maxCoeff();
+      transform_in_chunks(row, t + 1, [&](const auto& x) { return ((x - max) * scale).exp(); });
+      const double sum = sum_as_double(row, t + 1);
+      ArrayMap<A>(row, t + 1) *= static_cast<A>(1.0 / sum);
+      if (lse != nullptr) lse[t] = static_cast<A>(static_cast<double>(max) * scale + std::log(sum));
+      std::fill(row + t + 1, row + (att != nullptr ? Tn : i1), A(0));
     }
-    O.middleRows(i0, n).noalias() = scores * V.topRows(i1);
+    O.middleRows(i0, n).noalias() = ConstStrided<A>(probs, n, i1, Eigen::OuterStride<>(Tn)) * V.topRows(i1);
   }
 }
 
 //! One (batch, head) of the backward in the accumulate type A: dq, dk, dv += the gradients of
-//! q, k, v (all [T, hs], rows `qkv_stride` apart) from dout [T, hs] (rows `dout_stride` apart)
-//! and att [T, T]; `work` is [min(T, block_rows), T] scratch.
+//! q, k, v (all [T, hs], rows `qkv_stride` apart) from dout [T, hs] (rows `dout_stride` apart).
+//! The probabilities come from att [T, T]; where att is null, each block of query rows [i0, i1)
+//! is recomputed into `block` from one score GEMM and lse [T]: P = exp(scale q_t·k_s - lse[t]).
+//! `work` and `block` are [min(T, block_rows), T] scratch (block unused with att).
 template <class A>
 void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std::int64_t qkv_stride,
-                   const A* dout, std::int64_t dout_stride, const A* att, A* work, std::int64_t Tn,
-                   std::int64_t hs, A scale) {
+                   const A* dout, std::int64_t dout_stride, const A* att, const A* lse, A* block, A* work,
+                   std::int64_t Tn, std::int64_t hs, A scale) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> dQ(dq, Tn, hs, qkv_outer), dK(dk, Tn, hs, qkv_outer), dV(dv, Tn, hs, qkv_outer);
   const ConstStrided<A> dO(dout, Tn, hs, Eigen::OuterStride<>(dout_stride));
-  const ConstStrided<A> Att(att, Tn, Tn, Eigen::OuterStride<>(Tn));
   Strided<A> W(work, std::min(Tn, block_rows), Tn, Eigen::OuterStride<>(Tn));
   for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
     const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0;
-    const auto att_block = Att.block(i0, 0, n, i1);
+    // P: rows [i0, i1), Tn apart, 0 above the diagonal.
+    const A* probs = att != nullptr ? att + i0 * Tn : block;
+    if (att == nullptr) {
+      score_block(Q, K, i0, i1, block, Tn);
+      for (std::int64_t t = i0; t < i1; ++t) {
+        A* row = block + (t - i0) * Tn;
+        const A shift = lse[t];
+        transform_in_chunks(row, t + 1, [&](const auto& x) { return (x * scale - shift).exp(); });
+        std::fill(row + t + 1, row + i1, A(0));
+      }
+    }
+    const ConstStrided<A> P(probs, n, i1, Eigen::OuterStride<>(Tn));
     const auto dO_block = dO.middleRows(i0, n);
-    // dV += att^T dO (att is 0 above the diagonal, so the block's upper part adds nothing).
-    dV.topRows(i1).noalias() += att_block.transpose() * dO_block;
-    // dAtt = dO V^T, then dS = att ∘ (dAtt - rowsum(dAtt ∘ att)) in place.
+    // dV += P^T dO (P is 0 above the diagonal, so the block's upper part adds nothing).
+    dV.topRows(i1).noalias() += P.transpose() * dO_block;
+    // dP = dO V^T, then dS = P ∘ (dP - rowsum(dP ∘ P)) in place.
     auto dS = W.topLeftCorner(n, i1);
     dS.noalias() = dO_block * V.topRows(i1).transpose();
     for (std::int64_t r = 0; r < n; ++r) {
       const std::int64_t t = i0 + r;
-      const ConstArrayMap<A> a(att + t * Tn, t + 1);
+      const ConstArrayMap<A> p(probs + r * Tn, t + 1);
       ArrayMap<A> g(work + r * Tn, t + 1);
-      const A shift = static_cast<A>(dot_as_double(g.data(), a.data(), t + 1));
-      g = a * (g - shift);
+      const A shift = static_cast<A>(dot_as_double(g.data(), p.data(), t + 1));
+      g = p * (g - shift);
       std::fill(g.data() + t + 1, g.data() + i1, A(0));  // row r spans keys [0, i1)
     }
     // Scores were q·k * scale: dQ += scale dS K, dK += scale dS^T Q.
@@ -120,6 +174,104 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
 template <class A>
 A softmax_scale(std::int64_t head_size) {
   return A(1) / std::sqrt(static_cast<A>(head_size));
+}
+
+//! attention_forward (att not null: the probabilities [B,NH,T,T] are kept) and
+//! attention_forward_lse (att null: lse [B,NH,T] is kept and each thread reuses one block) on
+//! checked arguments: one task per (batch, head). On bf16 each head's q, k, v are widened to
+//! float, the head runs in float, and out (and att) are rounded once.
+template <class T>
+void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>* lse, const T* qkv) {
+  using A = accumulate_t<T>;
+  const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
+  const A scale = softmax_scale<A>(hs);
+  const std::int64_t rows = std::min(Tn, block_rows);
+  // Allocated here, not in the parallel region, so that a failed allocation throws normally.
+  std::vector<A> blocks(att != nullptr ? 0 : static_cast<std::size_t>(be.threads() * rows * Tn));
+  // bf16: per thread q, k, v and out [T, hs] in float, and att [T, T] where it is kept.
+  Staging<T> staging(be.threads(), 4 * Tn * hs + (att != nullptr ? Tn * Tn : 0));
+
+#pragma omp parallel num_threads(be.threads())
+  {
+    serial_gemm_in_this_task();
+    const int thread = thread_index();
+    A* stage = staging.at(thread);
+    A* block = blocks.empty() ? nullptr : blocks.data() + thread * rows * Tn;
+#pragma omp for schedule(static)
+    for (std::int64_t bh = 0; bh < B * NH; ++bh) {
+      const std::int64_t b = bh / NH, h = bh % NH;
+      const T* q = qkv + b * Tn * 3 * C + h * hs;
+      T* att_head = att != nullptr ? att + bh * Tn * Tn : nullptr;
+      A* lse_head = lse != nullptr ? lse + bh * Tn : nullptr;
+      T* out_head = out + b * Tn * C + h * hs;
+      if constexpr (is_narrow_storage<T>) {
+        // q, k, v: three [T, hs] blocks C apart in qkv; then out and att.
+        for (int i = 0; i < 3; ++i) widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, stage + i * Tn * hs);
+        A* so = stage + 3 * Tn * hs;
+        A* sa = att != nullptr ? so + Tn * hs : nullptr;
+        head_forward<A>(stage, stage + Tn * hs, stage + 2 * Tn * hs, hs, sa, lse_head, block, so, hs, Tn, hs, scale);
+        if (att != nullptr) narrow_into(sa, att_head, Tn * Tn);
+        narrow_block(so, hs, out_head, C, Tn, hs);
+      } else {
+        head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, lse_head, block, out_head, C, Tn, hs, scale);
+      }
+    }
+  }
+}
+
+//! attention_backward (from att [B,NH,T,T]) and attention_backward_lse (att null: from lse
+//! [B,NH,T], recomputing the probabilities block by block) on checked arguments: one task per
+//! (batch, head), dqkv +=. On bf16 each head's operands (and its slice of dqkv) are widened to
+//! float, and dqkv rounded once.
+template <class T>
+void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att,
+                    const accumulate_t<T>* lse) {
+  using A = accumulate_t<T>;
+  const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
+  const A scale = softmax_scale<A>(hs);
+  const std::int64_t rows = std::min(Tn, block_rows);
+  // Per thread one [rows, T] block for dS, and one for the recomputed probabilities without att;
+  // allocated here, not in the parallel region, so that a failed allocation throws normally.
+  const std::int64_t per_thread = (att != nullptr ? 1 : 2) * rows * Tn;
+  std::vector<A> scratch(static_cast<std::size_t>(be.threads() * per_thread));
+  // bf16: per thread q, k, v, dq, dk, dv, dout [T, hs] in float, and att [T, T] where given.
+  Staging<T> staging(be.threads(), 7 * Tn * hs + (att != nullptr ? Tn * Tn : 0));
+
+#pragma omp parallel num_threads(be.threads())
+  {
+    serial_gemm_in_this_task();
+    const int thread = thread_index();
+    A* work = scratch.data() + thread * per_thread;
+    A* block = att != nullptr ? nullptr : work + rows * Tn;
+    A* stage = staging.at(thread);
+#pragma omp for schedule(static)
+    for (std::int64_t bh = 0; bh < B * NH; ++bh) {
+      const std::int64_t b = bh / NH, h = bh % NH;
+      const std::int64_t offset = b * Tn * 3 * C + h * hs;
+      const T* q = qkv + offset;
+      T* dq = dqkv + offset;
+      const T* g = dout + b * Tn * C + h * hs;
+      const T* a = att != nullptr ? att + bh * Tn * Tn : nullptr;
+      const A* l = lse != nullptr ? lse + bh * Tn : nullptr;
+      if constexpr (is_narrow_storage<T>) {
+        // q, k, v, dq, dk, dv: six [T, hs] blocks at C apart in qkv and dqkv; then dout, att.
+        A* blocks = stage;
+        for (int i = 0; i < 3; ++i) {
+          widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, blocks + i * Tn * hs);
+          widen_block(dq + i * C, 3 * C, 0, Tn, 0, hs, blocks + (3 + i) * Tn * hs);
+        }
+        A* sg = blocks + 6 * Tn * hs;
+        A* sa = a != nullptr ? sg + Tn * hs : nullptr;
+        widen_block(g, C, 0, Tn, 0, hs, sg);
+        if (a != nullptr) widen_into(a, sa, Tn * Tn);
+        head_backward<A>(blocks, blocks + Tn * hs, blocks + 2 * Tn * hs, blocks + 3 * Tn * hs, blocks + 4 * Tn * hs,
+                         blocks + 5 * Tn * hs, hs, sg, hs, sa, l, block, work, Tn, hs, scale);
+        for (int i = 0; i < 3; ++i) narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
+      } else {
+        head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, C, a, l, block, work, Tn, hs, scale);
+      }
+    }
+  }
 }
 
 }  // namespace loom::detail::attention
@@ -136,41 +288,9 @@ template <class T>
 void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv,
                        int num_heads) {
   namespace ad = detail::attention;
-  using A = accumulate_t<T>;
   const ad::Dims d = ad::check_forward(out, att, qkv, num_heads);
-  const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
-  if (B == 0 || Tn == 0 || C == 0) return;
-
-  const A scale = ad::softmax_scale<A>(hs);
-  const T* qkv_data = qkv.data();
-  T* att_data = att.data();
-  T* out_data = out.data();
-  // bf16: per thread q, k, v and out [T, hs] and att [T, T] in float.
-  detail::Staging<T> staging(be.threads(), 4 * Tn * hs + Tn * Tn);
-
-#pragma omp parallel num_threads(be.threads())
-  {
-    ad::serial_gemm_in_this_task();
-    A* stage = staging.at(ad::thread_index());
-#pragma omp for schedule(static)
-    for (std::int64_t bh = 0; bh < B * NH; ++bh) {
-      const std::int64_t b = bh / NH, h = bh % NH;
-      const T* q = qkv_data + b * Tn * 3 * C + h * hs;
-      T* att_head = att_data + bh * Tn * Tn;
-      T* out_head = out_data + b * Tn * C + h * hs;
-      if constexpr (is_narrow_storage<T>) {
-        // q, k, v: three [T, hs] blocks C apart in qkv; then out and att.
-        for (int i = 0; i < 3; ++i) detail::widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, stage + i * Tn * hs);
-        A* so = stage + 3 * Tn * hs;
-        A* sa = so + Tn * hs;
-        ad::head_forward<A>(stage, stage + Tn * hs, stage + 2 * Tn * hs, hs, sa, so, hs, Tn, hs, scale);
-        detail::narrow_into(sa, att_head, Tn * Tn);
-        detail::narrow_block(so, hs, out_head, C, Tn, hs);
-      } else {
-        ad::head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, out_head, C, Tn, hs, scale);
-      }
-    }
-  }
+  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  ad::forward_heads<T>(be, d, out.data(), att.data(), nullptr, qkv.data());
 }
 
 //! Causal multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv`
@@ -181,54 +301,36 @@ template <class T>
 void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout,
                         Tensor<const T> qkv, Tensor<const T> att, int num_heads) {
   namespace ad = detail::attention;
-  using A = accumulate_t<T>;
   const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads);
-  const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
-  if (B == 0 || Tn == 0 || C == 0) return;
+  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr);
+}
 
-  const A scale = ad::softmax_scale<A>(hs);
-  const std::int64_t rows = std::min(Tn, ad::block_rows);
-  // Allocated here, not in the parallel region, so that a failed allocation throws normally.
-  std::vector<A> scratch(static_cast<std::size_t>(be.threads() * rows * Tn));
-  // bf16: per thread q, k, v, dq, dk, dv, dout [T, hs] and att [T, T] in float.
-  detail::Staging<T> staging(be.threads(), 7 * Tn * hs + Tn * Tn);
-  const T* qkv_data = qkv.data();
-  const T* att_data = att.data();
-  const T* dout_data = dout.data();
-  T* dqkv_data = dqkv.data();
+//! Causal self-attention forward that keeps only the row log-sum-exp (FlashAttention's saved
+//! state): `out` [B,T,C] as attention_forward writes it (the same arithmetic, the same bits for
+//! float and double), and `lse` [B,NH,T], lse[b,h,t] = log Σ_{s<=t} exp(q_t·k_s/sqrt(hs))
+//! (natural log, row max subtracted), in the accumulate type. Scratch is one [64, T] block per
+//! thread; nothing of size [B,NH,T,T] is allocated.
+template <class T>
+void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
+                           int num_heads) {
+  namespace ad = detail::attention;
+  const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads);
+  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data());
+}
 
-#pragma omp parallel num_threads(be.threads())
-  {
-    ad::serial_gemm_in_this_task();
-    A* work = scratch.data() + ad::thread_index() * rows * Tn;
-    A* stage = staging.at(ad::thread_index());
-#pragma omp for schedule(static)
-    for (std::int64_t bh = 0; bh < B * NH; ++bh) {
-      const std::int64_t b = bh / NH, h = bh % NH;
-      const std::int64_t offset = b * Tn * 3 * C + h * hs;
-      const T* q = qkv_data + offset;
-      T* dq = dqkv_data + offset;
-      const T* g = dout_data + b * Tn * C + h * hs;
-      const T* a = att_data + bh * Tn * Tn;
-      if constexpr (is_narrow_storage<T>) {
-        // q, k, v, dq, dk, dv: six [T, hs] blocks at C apart in qkv and dqkv; then dout, att.
-        A* blocks = stage;
-        for (int i = 0; i < 3; ++i) {
-          detail::widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, blocks + i * Tn * hs);
-          detail::widen_block(dq + i * C, 3 * C, 0, Tn, 0, hs, blocks + (3 + i) * Tn * hs);
-        }
-        A* sg = blocks + 6 * Tn * hs;
-        A* sa = sg + Tn * hs;
-        detail::widen_block(g, C, 0, Tn, 0, hs, sg);
-        detail::widen_into(a, sa, Tn * Tn);
-        ad::head_backward<A>(blocks, blocks + Tn * hs, blocks + 2 * Tn * hs, blocks + 3 * Tn * hs,
-                             blocks + 4 * Tn * hs, blocks + 5 * Tn * hs, hs, sg, hs, sa, work, Tn, hs, scale);
-        for (int i = 0; i < 3; ++i) detail::narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
-      } else {
-        ad::head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, C, a, work, Tn, hs, scale);
-      }
-    }
-  }
+//! Causal self-attention backward from the `lse` [B,NH,T] saved by attention_forward_lse:
+//! `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C]. Per block of 64 query rows
+//! it recomputes the probabilities from one extra score GEMM, P = exp(q_t·k_s/sqrt(hs) - lse),
+//! then runs attention_backward's math. Scratch is two [64, T] blocks per thread.
+template <class T>
+void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
+                            Tensor<const accumulate_t<T>> lse, int num_heads) {
+  namespace ad = detail::attention;
+  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, lse, num_heads);
+  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, lse.data());
 }
 
 }  // namespace loom::inline kernels

@@ -3,9 +3,12 @@
 //! GEMMs (fp32 data with TF32 products where the backend allows them, or bf16 data; fp32
 //! accumulation, as in matmul.cuh) over the
 //! heads of one batch element, reading q, k and v in place inside the packed qkv activations,
-//! and one-warp-per-row kernels for the causal softmax and its backward. This first version
-//! computes the whole T x T score matrix and zeroes its upper triangle; a flash-style tiled
-//! kernel that skips it (and never stores att) comes later.
+//! and one-warp-per-row kernels for the causal softmax and its backward. Two contracts:
+//! attention_forward/backward save the probabilities att [B,NH,T,T] for the backward;
+//! attention_forward_lse/backward_lse save only each row's log-sum-exp lse [B,NH,T] and the
+//! backward recomputes the probabilities from the scores (FlashAttention's contract), so their
+//! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
+//! and zero its upper triangle; an SRAM-tiled flash kernel with the lse contract comes later.
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
@@ -84,46 +87,91 @@ inline BatchedGemm key_grad_gemm(const attention::Dims& d) {
   return {{CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 3 * C, T, 3 * C}, hs, T * T, hs, d.heads};
 }
 
-//! The forward's steps in order, over all batch elements: `run_gemm(plan, a, b, c, float beta)` runs a
-//! BatchedGemm, `run_softmax(att, rows)` turns `rows` rows of raw scores into probabilities.
-//! Plain host code, so that the host test runs this very sequence with cuBLAS emulated.
+// The steps below are plain host code taking the GEMM and row kernels as callables, so that the
+// host test runs these very sequences with cuBLAS emulated. `run_gemm(plan, a, b, c, float beta)`
+// runs a BatchedGemm; the row callables take a [rows, T] block of T x T matrices in place.
+
+//! Raw scores of every head of batch element b into `att_b` ([NH,T,T]).
+template <class T, class RunGemm>
+void scores_step(const attention::Dims& d, std::int64_t b, const T* qkv, T* att_b, RunGemm&& run_gemm) {
+  const T* q = qkv + b * d.tokens * 3 * d.channels;  // q of head 0; k at + C, v at + 2C
+  run_gemm(scores_gemm(d), q + d.channels, q, att_b, 0.0f);
+}
+
+//! out of batch element b from its probabilities `att_b` ([NH,T,T]).
+template <class T, class RunGemm>
+void context_step(const attention::Dims& d, std::int64_t b, T* out, const T* att_b, const T* qkv,
+                  RunGemm&& run_gemm) {
+  const T* q = qkv + b * d.tokens * 3 * d.channels;
+  run_gemm(context_gemm(d), q + 2 * d.channels, att_b, out + b * d.tokens * d.channels, 0.0f);
+}
+
+//! The backward of batch element b from its probabilities `att_b` ([NH,T,T]): datt into `dpre`
+//! ([NH,T,T] scratch), dv, `run_softmax_grad(dpre, att_b, rows)` turning datt into the score
+//! gradient in place, dq, dk.
+template <class T, class RunGemm, class RunSoftmaxGrad>
+void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T* dout, const T* qkv,
+                      const T* att_b, T* dpre, RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad) {
+  const std::int64_t Tn = d.tokens, C = d.channels;
+  // Head 0 of batch element b; the plans step from head to head.
+  const T* q = qkv + b * Tn * 3 * C;
+  const T *k = q + C, *v = q + 2 * C;
+  T* dq = dqkv + b * Tn * 3 * C;
+  T *dk = dq + C, *dv = dq + 2 * C;
+  const T* g = dout + b * Tn * C;
+  run_gemm(att_grad_gemm(d), v, g, dpre, 0.0f);  // datt, the whole T x T of each head
+  run_gemm(value_grad_gemm(d), g, att_b, dv, 1.0f);
+  run_softmax_grad(dpre, att_b, d.heads * Tn);  // datt -> dpre, in place
+  run_gemm(query_grad_gemm(d), k, dpre, dq, 1.0f);
+  run_gemm(key_grad_gemm(d), q, dpre, dk, 1.0f);
+}
+
+//! attention_forward's steps in order, over all batch elements: the scores of every batch
+//! element into att, `run_softmax(att, rows)` over all of them at once, then out.
 template <class T, class RunGemm, class RunSoftmax>
 void forward_steps(const attention::Dims& d, T* out, T* att, const T* qkv, RunGemm&& run_gemm,
                    RunSoftmax&& run_softmax) {
-  const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads;
-  const BatchedGemm scores = scores_gemm(d), context = context_gemm(d);
-  for (std::int64_t b = 0; b < B; ++b) {
-    const T* q = qkv + b * Tn * 3 * C;  // q of head 0 of batch element b; k at + C, v at + 2C
-    run_gemm(scores, q + C, q, att + b * NH * Tn * Tn, 0.0f);
-  }
+  const std::int64_t B = d.batch, Tn = d.tokens, NH = d.heads;
+  for (std::int64_t b = 0; b < B; ++b) scores_step(d, b, qkv, att + b * NH * Tn * Tn, run_gemm);
   run_softmax(att, B * NH * Tn);  // every row of every head at once
-  for (std::int64_t b = 0; b < B; ++b) {
-    const T* q = qkv + b * Tn * 3 * C;
-    run_gemm(context, q + 2 * C, att + b * NH * Tn * Tn, out + b * Tn * C, 0.0f);
-  }
+  for (std::int64_t b = 0; b < B; ++b) context_step(d, b, out, att + b * NH * Tn * Tn, qkv, run_gemm);
 }
 
-//! The backward's steps in order: per batch element, datt into `dpre` ([NH,T,T] scratch), dv,
-//! `run_softmax_grad(dpre, att_b, rows)` turning datt into the score gradient in place, dq, dk.
+//! attention_backward's steps in order: backward_element for each batch element, reading att.
 template <class T, class RunGemm, class RunSoftmaxGrad>
 void backward_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att, T* dpre,
                     RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad) {
-  const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads;
-  const BatchedGemm att_grad = att_grad_gemm(d), value_grad = value_grad_gemm(d),
-                    query_grad = query_grad_gemm(d), key_grad = key_grad_gemm(d);
-  for (std::int64_t b = 0; b < B; ++b) {
-    // Head 0 of batch element b; the plans step from head to head.
-    const T* q = qkv + b * Tn * 3 * C;
-    const T *k = q + C, *v = q + 2 * C;
-    T* dq = dqkv + b * Tn * 3 * C;
-    T *dk = dq + C, *dv = dq + 2 * C;
-    const T* g = dout + b * Tn * C;
-    const T* a = att + b * NH * Tn * Tn;
-    run_gemm(att_grad, v, g, dpre, 0.0f);  // datt, the whole T x T of each head
-    run_gemm(value_grad, g, a, dv, 1.0f);
-    run_softmax_grad(dpre, a, NH * Tn);  // datt -> dpre, in place
-    run_gemm(query_grad, k, dpre, dq, 1.0f);
-    run_gemm(key_grad, q, dpre, dk, 1.0f);
+  const std::int64_t NH = d.heads, Tn = d.tokens;
+  for (std::int64_t b = 0; b < d.batch; ++b)
+    backward_element(d, b, dqkv, dout, qkv, att + b * NH * Tn * Tn, dpre, run_gemm, run_softmax_grad);
+}
+
+//! attention_forward_lse's steps in order, one batch element at a time through `att_b` ([NH,T,T]
+//! scratch): scores, `run_softmax_lse(att_b, lse_b, rows)` turning them into probabilities and
+//! writing each row's log-sum-exp, out.
+template <class T, class A, class RunGemm, class RunSoftmaxLse>
+void forward_lse_steps(const attention::Dims& d, T* out, A* lse, const T* qkv, T* att_b, RunGemm&& run_gemm,
+                       RunSoftmaxLse&& run_softmax_lse) {
+  const std::int64_t rows = d.heads * d.tokens;  // of one batch element
+  for (std::int64_t b = 0; b < d.batch; ++b) {
+    scores_step(d, b, qkv, att_b, run_gemm);
+    run_softmax_lse(att_b, lse + b * rows, rows);
+    context_step(d, b, out, att_b, qkv, run_gemm);
+  }
+}
+
+//! attention_backward_lse's steps in order, one batch element at a time: scores into `att_b`
+//! ([NH,T,T] scratch), `run_probabilities(att_b, lse_b, rows)` recomputing the probabilities in
+//! place, then backward_element from them with `dpre` ([NH,T,T] scratch).
+template <class T, class A, class RunGemm, class RunProbabilities, class RunSoftmaxGrad>
+void backward_lse_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const A* lse, T* att_b,
+                        T* dpre, RunGemm&& run_gemm, RunProbabilities&& run_probabilities,
+                        RunSoftmaxGrad&& run_softmax_grad) {
+  const std::int64_t rows = d.heads * d.tokens;
+  for (std::int64_t b = 0; b < d.batch; ++b) {
+    scores_step(d, b, qkv, att_b, run_gemm);
+    run_probabilities(att_b, lse + b * rows, rows);
+    backward_element(d, b, dqkv, dout, qkv, att_b, dpre, run_gemm, run_softmax_grad);
   }
 }
 
@@ -151,64 +199,143 @@ __device__ inline T warp_max(T value) {
   return value;
 }
 
+//! In a one-warp-per-row kernel over [rows, tokens]: this thread's lane, its warp's row (>= rows
+//! for the warps past the end) and the query t = row % tokens of that row.
+struct WarpRow {
+  int lane;
+  std::int64_t row, t, tokens;
+  __device__ explicit WarpRow(std::int64_t tokens_)
+      : lane(static_cast<int>(threadIdx.x % 32)),
+        row(static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32),
+        t(row % tokens_),
+        tokens(tokens_) {}
+};
+
+//! The keys s > t of the warp's row `a` become 0 (the causal mask).
+template <class T>
+__device__ inline void zero_above_diagonal(T* a, const WarpRow& w) {
+  for (std::int64_t s = w.t + 1 + w.lane; s < w.tokens; s += 32) a[s] = T(0.0f);
+}
+
 //! One warp per row of att, in place: the raw scores x[0..t] of query t become
 //! softmax((x - max) * scale), the keys s > t become 0 (the CPU kernel's formula; scale > 0, so
-//! the raw max is the scaled max). Row r of [rows = B NH T, tokens] is query t = r % tokens.
+//! the raw max is the scaled max). Row r of [rows, tokens] is query t = r % tokens. Where `lse`
+//! is not null, lse[r] = max * scale + log sum_s exp((x_s - max) * scale), the row's log-sum-exp.
 //! In float; the exps are computed twice (for the sum, then for the result) so that a bf16
 //! probability is rounded once. Each lane reads back only the elements it wrote, so no barrier
 //! is needed.
 template <class T>
-__global__ void softmax_forward_kernel(T* att, std::int64_t rows, std::int64_t tokens, float scale) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= rows) return;  // the whole warp leaves together
-  const std::int64_t t = row % tokens;
-  T* a = att + row * tokens;
+__global__ void softmax_forward_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale) {
+  const WarpRow w(tokens);
+  if (w.row >= rows) return;  // the whole warp leaves together
+  T* a = att + w.row * tokens;
   float max = to_accumulate(a[0]);  // key 0 is visible to every query
-  for (std::int64_t s = lane; s <= t; s += 32) max = fmaxf(max, to_accumulate(a[s]));
+  for (std::int64_t s = w.lane; s <= w.t; s += 32) max = fmaxf(max, to_accumulate(a[s]));
   max = warp_max(max);
   float sum = 0;
-  for (std::int64_t s = lane; s <= t; s += 32) sum += expf((to_accumulate(a[s]) - max) * scale);
-  const float inverse = 1.0f / cuda_kernels::warp_sum(sum);  // sum >= 1: the max term is exp(0)
-  for (std::int64_t s = lane; s <= t; s += 32)
+  for (std::int64_t s = w.lane; s <= w.t; s += 32) sum += expf((to_accumulate(a[s]) - max) * scale);
+  sum = cuda_kernels::warp_sum(sum);  // >= 1: the max term is exp(0)
+  if (lse != nullptr && w.lane == 0) lse[w.row] = max * scale + logf(sum);
+  const float inverse = 1.0f / sum;
+  for (std::int64_t s = w.lane; s <= w.t; s += 32)
     a[s] = static_cast<T>(expf((to_accumulate(a[s]) - max) * scale) * inverse);
-  for (std::int64_t s = t + 1 + lane; s < tokens; s += 32) a[s] = T(0.0f);
+  zero_above_diagonal(a, w);
+}
+
+//! One warp per row of att, in place: the raw scores x[0..t] of query t become the
+//! probabilities exp(x * scale - lse[r]) that softmax_forward_kernel computed, the keys s > t
+//! become 0. The fused multiply-add rounds x * scale - lse once, so a probability keeps float's
+//! relative accuracy however large the scores are.
+template <class T>
+__global__ void probabilities_kernel(T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale) {
+  const WarpRow w(tokens);
+  if (w.row >= rows) return;  // the whole warp leaves together
+  T* a = att + w.row * tokens;
+  const float shift = lse[w.row];
+  for (std::int64_t s = w.lane; s <= w.t; s += 32)
+    a[s] = static_cast<T>(expf(fmaf(to_accumulate(a[s]), scale, -shift)));
+  zero_above_diagonal(a, w);
 }
 
 //! One warp per row, in place: the gradient g = datt of row t becomes the gradient of the raw
 //! scores, att * (g - sum_s att g) * scale over s <= t and 0 above the diagonal.
 template <class T>
 __global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= rows) return;  // the whole warp leaves together
-  const std::int64_t t = row % tokens;
-  T* g = grad + row * tokens;
-  const T* a = att + row * tokens;
+  const WarpRow w(tokens);
+  if (w.row >= rows) return;  // the whole warp leaves together
+  T* g = grad + w.row * tokens;
+  const T* a = att + w.row * tokens;
   float dot = 0;
-  for (std::int64_t s = lane; s <= t; s += 32) dot += to_accumulate(a[s]) * to_accumulate(g[s]);
+  for (std::int64_t s = w.lane; s <= w.t; s += 32) dot += to_accumulate(a[s]) * to_accumulate(g[s]);
   const float shift = cuda_kernels::warp_sum(dot);
-  for (std::int64_t s = lane; s <= t; s += 32)
+  for (std::int64_t s = w.lane; s <= w.t; s += 32)
     g[s] = static_cast<T>(to_accumulate(a[s]) * (to_accumulate(g[s]) - shift) * scale);
-  for (std::int64_t s = t + 1 + lane; s < tokens; s += 32) g[s] = T(0.0f);
+  zero_above_diagonal(g, w);
 }
 
-//! Launches softmax_forward_kernel over att[rows, tokens] (rows, tokens > 0).
+// The launchers: one warp per row of [rows, tokens] (rows, tokens > 0); `kernel` names the
+// public kernel in a launch error.
+
+//! Launches softmax_forward_kernel (writing lse where it is not null).
 template <class T>
-void softmax_forward(const cuda& be, T* att, std::int64_t rows, std::int64_t tokens, float scale) {
+void softmax_forward(const cuda& be, T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale,
+                     const char* kernel) {
   namespace k = cuda_kernels;
-  softmax_forward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, rows, tokens,
+  softmax_forward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens,
                                                                                           scale);
-  cuda_check_launch("attention_forward softmax_forward_kernel");
+  cuda_check_launch((std::string(kernel) + " softmax_forward_kernel").c_str());
 }
 
-//! Launches softmax_backward_kernel over grad and att [rows, tokens] (rows, tokens > 0).
+//! Launches probabilities_kernel.
 template <class T>
-void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale) {
+void probabilities(const cuda& be, T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale,
+                   const char* kernel) {
+  namespace k = cuda_kernels;
+  probabilities_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens,
+                                                                                        scale);
+  cuda_check_launch((std::string(kernel) + " probabilities_kernel").c_str());
+}
+
+//! Launches softmax_backward_kernel over grad and att.
+template <class T>
+void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale,
+                      const char* kernel) {
   namespace k = cuda_kernels;
   softmax_backward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows,
                                                                                            tokens, scale);
-  cuda_check_launch("attention_backward softmax_backward_kernel");
+  cuda_check_launch((std::string(kernel) + " softmax_backward_kernel").c_str());
+}
+
+//! What every attention kernel does after its shape checks: false where there is nothing to do
+//! (B, T or C is 0; nothing is read), else checks that qkv has data and makes the backend's
+//! device current.
+template <class T>
+bool ready_to_run(const cuda& be, const attention::Dims& d, const Tensor<const T>& qkv, const char* kernel) {
+  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return false;
+  check_data(qkv, kernel, "qkv");
+  cuda_kernels::activate(be);
+  return true;
+}
+
+//! The softmax scale 1/sqrt(hs) in float, the CPU kernel's value.
+inline float softmax_scale(const attention::Dims& d) {
+  return 1.0f / std::sqrt(static_cast<float>(d.head_size));
+}
+
+//! d::gemm on the backend's stream as the steps' `run_gemm`, naming `kernel` in a cuBLAS error.
+template <class T>
+auto gemm_runner(const cuda& be, const char* kernel) {
+  return [&be, kernel](const BatchedGemm& g, const T* a, const T* b, T* c, float beta) {
+    gemm(be, g, a, b, c, beta, kernel);
+  };
+}
+
+//! The steps' `run_softmax_grad`: softmax_backward_kernel on the backend's stream.
+template <class T>
+auto softmax_grad_runner(const cuda& be, const attention::Dims& d, const char* kernel) {
+  return [&be, tokens = d.tokens, scale = softmax_scale(d), kernel](T* grad, const T* att, std::int64_t rows) {
+    softmax_backward(be, grad, att, rows, tokens, scale, kernel);
+  };
 }
 
 }  // namespace loom::detail::cuda_attention
@@ -227,23 +354,20 @@ void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<cons
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward";
   const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads);
-  if (dims.batch == 0 || dims.tokens == 0 || dims.channels == 0) return;
-  check_data(qkv, kernel, "qkv");
-
-  detail::cuda_kernels::activate(be);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dims.head_size));  // the CPU kernel's value
-  d::forward_steps(
-      dims, out.data(), att.data(), qkv.data(),
-      [&](const d::BatchedGemm& g, const T* x, const T* y, T* z, float beta) { d::gemm(be, g, x, y, z, beta, kernel); },
-      [&](T* scores, std::int64_t rows) { d::softmax_forward(be, scores, rows, dims.tokens, scale); });
+  if (!d::ready_to_run(be, dims, qkv, kernel)) return;
+  const float scale = d::softmax_scale(dims);
+  d::forward_steps(dims, out.data(), att.data(), qkv.data(), d::gemm_runner<T>(be, kernel),
+                   [&](T* scores, std::int64_t rows) {
+                     d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale, kernel);
+                   });
 }
 
 //! Causal multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv`
 //! given `dout` [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward.
-//! Scratch: the score gradient of one batch element, [NH,T,T] floats from the backend's caching
-//! allocator (category workspace), reused for every batch element and returned before this
-//! ends. Per batch element four cuBLAS calls and one launch; no atomics, so the result is the
-//! same bits on every run.
+//! Scratch: the score gradient of one batch element, [NH,T,T] elements of T from the backend's
+//! caching allocator (category workspace), reused for every batch element and returned before
+//! this ends. Per batch element four cuBLAS calls and one launch; no atomics, so the result is
+//! the same bits on every run.
 template <class T>
 void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                         Tensor<const T> att, int num_heads) {
@@ -251,20 +375,64 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward";
   const detail::attention::Dims dims = detail::attention::check_backward(dqkv, dout, qkv, att, num_heads);
-  if (dims.batch == 0 || dims.tokens == 0 || dims.channels == 0) return;
-  check_data(qkv, kernel, "qkv");
-
-  detail::cuda_kernels::activate(be);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dims.head_size));
+  if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   // Freed (into the cache) when this returns, while the stream may still be using it: the
   // allocator hands a block out again only to work on the same stream, which runs after ours.
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
-  d::backward_steps(
-      dims, dqkv.data(), dout.data(), qkv.data(), att.data(), scratch.data(),
-      [&](const d::BatchedGemm& g, const T* x, const T* y, T* z, float beta) { d::gemm(be, g, x, y, z, beta, kernel); },
-      [&](T* grad, const T* probabilities, std::int64_t rows) {
-        d::softmax_backward(be, grad, probabilities, rows, dims.tokens, scale);
-      });
+  d::backward_steps(dims, dqkv.data(), dout.data(), qkv.data(), att.data(), scratch.data(),
+                    d::gemm_runner<T>(be, kernel), d::softmax_grad_runner<T>(be, dims, kernel));
+}
+
+//! Causal multi-head self-attention forward that saves only the row log-sum-exp (the
+//! FlashAttention contract; Megatron's selective recomputation): `out` [B,T,C] as
+//! attention_forward, and `lse` [B,NH,T] = log sum_{s<=t} exp(q_t·k_s/sqrt(hs)), computed as
+//! max·scale + log sum exp((x - max)·scale), in float for T = float and bf16. The probabilities
+//! of one batch element at a time live in [NH,T,T] elements of T of workspace from the
+//! backend's caching allocator (instead of B·NH·T² saved per layer), returned before this ends.
+//! Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two cuBLAS
+//! calls and one launch.
+template <class T>
+void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
+                           int num_heads) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace d = detail::cuda_attention;
+  constexpr const char* kernel = "attention_forward_lse";
+  const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads);
+  if (!d::ready_to_run(be, dims, qkv, kernel)) return;
+  const float scale = d::softmax_scale(dims);
+  // Returned to the cache while the stream may still use it: safe, as in attention_backward.
+  const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
+  d::forward_lse_steps(dims, out.data(), lse.data(), qkv.data(), scratch.data(), d::gemm_runner<T>(be, kernel),
+                       [&](T* scores, float* lse_b, std::int64_t rows) {
+                         d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, kernel);
+                       });
+}
+
+//! Causal multi-head self-attention backward from the `lse` [B,NH,T] saved by
+//! attention_forward_lse: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C].
+//! Per batch element the scores are recomputed and turned into the probabilities
+//! exp(x·scale - lse) (0 above the diagonal), then attention_backward's steps run on them.
+//! Scratch: [NH,T,T] probabilities and [NH,T,T] score gradients of one batch element (2·NH·T²
+//! elements of T, workspace), returned before this ends. Per batch element five cuBLAS calls and
+//! two launches; no atomics.
+template <class T>
+void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
+                            Tensor<const accumulate_t<T>> lse, int num_heads) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace d = detail::cuda_attention;
+  constexpr const char* kernel = "attention_backward_lse";
+  const detail::attention::Dims dims = detail::attention::check_backward_lse(dqkv, dout, qkv, lse, num_heads);
+  if (!d::ready_to_run(be, dims, qkv, kernel)) return;
+  const float scale = d::softmax_scale(dims);
+  const std::int64_t block = dims.heads * dims.tokens * dims.tokens;  // one [NH,T,T]
+  const Buffer<T, cuda> scratch(be, 2 * block, MemoryCategory::workspace);
+  d::backward_lse_steps(
+      dims, dqkv.data(), dout.data(), qkv.data(), lse.data(), scratch.data(), scratch.data() + block,
+      d::gemm_runner<T>(be, kernel),
+      [&](T* scores, const float* lse_b, std::int64_t rows) {
+        d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, kernel);
+      },
+      d::softmax_grad_runner<T>(be, dims, kernel));
 }
 
 }  // namespace loom::inline kernels

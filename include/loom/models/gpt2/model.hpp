@@ -26,6 +26,20 @@
 
 namespace loom::gpt2 {
 
+//! What a block keeps of its attention for the backward (docs/kernels_attention.md).
+enum class Attention {
+  //! The softmax probabilities, B·(H/tp)·T² elements of T per block (attention_forward); the
+  //! backward reads them.
+  stored,
+  //! Only each row's log-sum-exp, B·(H/tp)·T values of accumulate_t<T> per block
+  //! (attention_forward_lse); the backward recomputes the probabilities from q, k and it (one
+  //! more score GEMM), as FlashAttention does and Megatron-LM's selective recomputation.
+  recompute,
+};
+
+//! "stored" or "recompute".
+inline const char* name(Attention a) noexcept { return a == Attention::stored ? "stored" : "recompute"; }
+
 //! GPT-2 on backend `B` with scalar `T`: float to train, double for gradient checks, bf16 for
 //! mixed precision as llm.c trains (bf16 parameters, gradients and activations; arithmetic,
 //! per-row statistics and losses in float, `accumulate_t<T>`, kept inside the bf16 ranges).
@@ -38,15 +52,18 @@ class Model {
   using scalar_type = T;
 
   //! The whole model on one rank (a tensor-parallel group of one).
-  explicit Model(Config config) : Model(config, CommunicatorRef{}) {}
+  explicit Model(Config config, Attention attention = Attention::stored)
+      : Model(config, CommunicatorRef{}, attention) {}
 
   //! This rank's slice of the model, split over `tensor_parallel` (which must outlive the
   //! model; every rank of it constructs its Model with the same config): attention by heads,
   //! the MLP column-then-row, the vocabulary by rows of wte. layout() is this rank's local
-  //! layout. Throws loom::Error, before any work, when `config` does not split over the group
+  //! layout. `attention` chooses what the blocks keep for their attention's backward. Throws
+  //! loom::Error, before any work, when `config` does not split over the group
   //! (Config::validate_tensor_parallel).
-  Model(Config config, CommunicatorRef tensor_parallel)
+  Model(Config config, CommunicatorRef tensor_parallel, Attention attention = Attention::stored)
       : config_(config),
+        attention_(attention),
         tensor_parallel_(tensor_parallel),
         tensor_parallel_size_(tensor_parallel.size()),
         tensor_parallel_rank_(tensor_parallel.rank()),
@@ -71,6 +88,8 @@ class Model {
   }
 
   const Config& config() const noexcept { return config_; }
+  //! What the blocks keep for their attention's backward.
+  Attention attention() const noexcept { return attention_; }
   //! Where every parameter of this rank lives in the flat buffers (local shapes under tensor
   //! parallelism; each spec's Shard maps it to the global tensor).
   const ParameterLayout& layout() const noexcept { return layout_; }
@@ -126,9 +145,11 @@ class Model {
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
   //! N·(C + 3 + V/tp) for the head and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
-  //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention and
-  //! four row statistics); for bf16 each float statistic takes two elements and the count is
-  //! rounded up to even, so that ranges laid end to end keep their statistics 4-byte aligned.
+  //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention
+  //! probabilities and four row statistics), or + B·(H/tp)·T (the rows' log-sum-exp) in place
+  //! of the probabilities with Attention::recompute; for bf16 each float statistic takes two
+  //! elements and the count is rounded up to even, so that ranges laid end to end keep their
+  //! statistics 4-byte aligned.
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
     if (layer == embedding_layer) return 0;
     Carver counter{};
@@ -314,9 +335,10 @@ class Model {
     return {grads.at(offset, shape.numel()), shape};
   }
 
-  //! The activations a block keeps; the layernorm statistics in the accumulate type.
+  //! The activations a block keeps; the layernorm statistics and the attention's log-sum-exp in
+  //! the accumulate type. Of `att` (Attention::stored) and `lse` (recompute) one is empty.
   struct BlockSaved {
-    Tensor<A> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd;
+    Tensor<A> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse;
     Tensor<T> ln1, qkv, att, atty, res2, ln2, fch, fch_gelu;
   };
   //! The statistics come first: at the (aligned) start of the range they need no padding.
@@ -328,9 +350,10 @@ class Model {
     b.ln1_rstd = c.template take<A>({Bn * Tn});
     b.ln2_mean = c.template take<A>({Bn * Tn});
     b.ln2_rstd = c.template take<A>({Bn * Tn});
+    if (attention_ == Attention::recompute) b.lse = c.template take<A>({Bn, heads_, Tn});
     b.ln1 = c.take({Bn, Tn, C});
     b.qkv = c.take({Bn, Tn, 3 * Ca});
-    b.att = c.take({Bn, heads_, Tn, Tn});
+    if (attention_ == Attention::stored) b.att = c.take({Bn, heads_, Tn, Tn});
     b.atty = c.take({Bn, Tn, Ca});
     b.res2 = c.take({Bn, Tn, C});
     b.ln2 = c.take({Bn, Tn, C});
@@ -352,7 +375,10 @@ class Model {
                                   param(p, o.ln1_b, {C}));
     // Column-parallel qkv (f: the replicated ln1 goes in as it is): this rank's heads' q, k, v.
     matmul_forward<T>(be, b.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
-    attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_));
+    if (attention_ == Attention::stored)
+      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_));
+    else
+      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_));
     // Row-parallel projection (g: all-reduce the partial sums). The replicated bias rides on
     // the first rank's partial sum, so the all-reduce adds it once at no extra pass.
     matmul_forward<T>(be, b.res2, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
@@ -484,7 +510,10 @@ class Model {
     // res2 = input + attn(ln1(input)).
     add_to<T>(be, a.input_grad, d.res2);
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.res2, b.atty, param(p, o.proj_w, {C, Ca}));
-    attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_));
+    if (attention_ == Attention::stored)
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_));
+    else
+      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.lse, static_cast<int>(heads_));
     matmul_backward<T>(be, d.ln1, w.qkv_w, w.qkv_b, d.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
     nn::column_parallel_input_grad(tensor_parallel_, d.ln1);
     layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.ln1, a.input,
@@ -565,6 +594,7 @@ class Model {
   }
 
   Config config_;
+  Attention attention_ = Attention::stored;
   // Collectives are not const; the model's forward and backward are (they change no member).
   mutable CommunicatorRef tensor_parallel_;
   std::int64_t tensor_parallel_size_ = 1, tensor_parallel_rank_ = 0;
