@@ -289,7 +289,7 @@ void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const
                        int num_heads) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_forward(out, att, qkv, num_heads);
-  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  if (d.empty()) return;
   ad::forward_heads<T>(be, d, out.data(), att.data(), nullptr, qkv.data());
 }
 
@@ -302,7 +302,7 @@ void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout,
                         Tensor<const T> qkv, Tensor<const T> att, int num_heads) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads);
-  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  if (d.empty()) return;
   ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr);
 }
 
@@ -316,7 +316,7 @@ void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>>
                            int num_heads) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads);
-  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  if (d.empty()) return;
   ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data());
 }
 
@@ -329,7 +329,7 @@ void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout,
                             Tensor<const accumulate_t<T>> lse, int num_heads) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, lse, num_heads);
-  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return;
+  if (d.empty()) return;
   ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, lse.data());
 }
 

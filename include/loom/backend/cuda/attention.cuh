@@ -311,7 +311,7 @@ void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, 
 //! device current.
 template <class T>
 bool ready_to_run(const cuda& be, const attention::Dims& d, const Tensor<const T>& qkv, const char* kernel) {
-  if (d.batch == 0 || d.tokens == 0 || d.channels == 0) return false;
+  if (d.empty()) return false;
   check_data(qkv, kernel, "qkv");
   cuda_kernels::activate(be);
   return true;

@@ -14,6 +14,8 @@ namespace loom::detail::attention {
 //! Shape of one attention call, validated.
 struct Dims {
   std::int64_t batch, tokens, channels, heads, head_size;
+  //! Whether there is nothing to compute (B, T or C is 0): the kernels return before any work.
+  bool empty() const noexcept { return batch == 0 || tokens == 0 || channels == 0; }
 };
 
 //! Checks that `qkv` is [B, T, 3C] and that `num_heads` > 0 divides C.

@@ -30,6 +30,15 @@ struct FlatRange {
   accumulate_t<T>* master = nullptr;
 };
 
+//! `values` (host memory) as T: rounded once where they are wider (fp32 values for bf16
+//! parameters), widened where narrower.
+template <class T, class U>
+std::vector<T> stored_as(const U* values, std::int64_t n) {
+  std::vector<T> out(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = static_cast<T>(values[i]);
+  return out;
+}
+
 //! The fp32 master weights of parameters stored in bf16 (mixed precision: the optimizer steps
 //! the master copy and rounds it into the parameters, so that updates smaller than a bf16 step
 //! are not lost). Holds nothing where T is its own accumulate type (float, double). Counted as
@@ -54,9 +63,7 @@ class MasterWeights {
     } else if constexpr (std::is_same_v<U, A>) {
       backend_->copy_from_host(buffer_.data() + offset, values, sizeof(A) * static_cast<std::size_t>(n));
     } else {
-      std::vector<A> wide(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i) wide[static_cast<std::size_t>(i)] = static_cast<A>(values[i]);
-      load(offset, wide.data(), n);
+      load(offset, stored_as<A>(values, n).data(), n);
     }
   }
   //! Sets the master weights of the layout elements [begin, end), stored from `offset`, to their
@@ -74,15 +81,6 @@ class MasterWeights {
   B* backend_;
   Buffer<A, B> buffer_;
 };
-
-//! `values` (host memory) as T: themselves, or rounded once where they are wider (fp32 values
-//! for bf16 parameters).
-template <class T, class U>
-std::vector<T> stored_as(const U* values, std::int64_t n) {
-  std::vector<T> out(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = static_cast<T>(values[i]);
-  return out;
-}
 
 //! Applies `optimizer` at learning rate `lr` for step `step` to every parameter element of
 //! `range` (elements past the layout's total, padding, are left alone).
