@@ -34,14 +34,6 @@ struct Options {
   std::string json;
 };
 
-//! Uniform values in [-1, 1), keyed by `name`.
-std::vector<float> random_values(std::int64_t n, const char* name) {
-  const loom::CounterRng rng(7, name);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(2 * rng.uniform(i) - 1);
-  return v;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -59,7 +51,8 @@ int main(int argc, char** argv) {
 
   const double load = bench::load_average();
   const std::int64_t B = o.batch, T = o.seq, C = o.channels, H = o.heads;
-  const std::vector<float> qkv = random_values(B * T * 3 * C, "qkv"), dout = random_values(B * T * C, "dout");
+  const std::vector<float> qkv = bench::uniform_values(B * T * 3 * C, 7, "qkv"),
+                           dout = bench::uniform_values(B * T * C, 7, "dout");
   std::vector<float> out(static_cast<std::size_t>(B * T * C)), att(static_cast<std::size_t>(B * H * T * T)),
       lse(static_cast<std::size_t>(B * H * T)), dqkv(qkv.size());
   const cpu be(o.threads);
@@ -77,7 +70,7 @@ int main(int argc, char** argv) {
   kernels.push_back({"attention_backward", [&] { attention_backward<float>(be, dq_t, g, q, att_t, o.heads); }, {}});
   kernels.push_back({"attention_forward_lse", [&] { attention_forward_lse<float>(be, o_t, lse_t, q, o.heads); }, {}});
   kernels.push_back(
-      {"attention_backward_lse", [&] { attention_backward_lse<float>(be, dq_t, g, q, lse_t, o.heads); }, {}});
+      {"attention_backward_lse", [&] { attention_backward_lse<float>(be, dq_t, g, q, o_t, lse_t, o.heads); }, {}});
   for (int round = 0; round <= o.calls; ++round)
     for (Kernel& k : kernels) {
       const double seconds = bench::time_seconds(k.run);

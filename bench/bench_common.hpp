@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "loom/core/error.hpp"
+#include "loom/core/rng.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -29,6 +31,17 @@ namespace loom::bench {
 struct Stats {
   double mean = 0, stddev = 0, median = 0, min = 0;
 };
+
+//! `n` values uniform in [lo, hi), keyed by `seed` and `name` (loom's counter-based generator, so
+//! a benchmark's inputs are the same on every machine).
+inline std::vector<float> uniform_values(std::int64_t n, std::uint64_t seed, const char* name, float lo = -1.0f,
+                                         float hi = 1.0f) {
+  const loom::CounterRng rng(seed, name);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i)
+    v[static_cast<std::size_t>(i)] = lo + (hi - lo) * static_cast<float>(rng.uniform(i));
+  return v;
+}
 
 inline Stats summarize(std::vector<double> samples) {
   Stats s;

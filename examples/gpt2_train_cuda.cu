@@ -34,6 +34,7 @@ namespace {
 template <class World>
 int train_on_gpu(const Options& o, World& world, int device) {
   loom::cuda backend(device);
+  backend.set_flash_attention(o.flash_attention);
   if (o.comm == "nccl" || o.comm == "mpi-nccl") {
 #if LOOM_EXAMPLE_WITH_NCCL
     loom::nccl::Communicator group = loom::nccl::Communicator::bootstrap(backend, world);

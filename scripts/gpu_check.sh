@@ -15,19 +15,19 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$root/build-gpu"
-programs=(test_cuda_backend test_cuda_kernels test_cuda_attention test_cuda_vocab_parallel test_cuda_bf16 test_nccl
-          test_cuda_training)
+programs=(test_cuda_backend test_cuda_kernels test_cuda_attention test_cuda_flash_attention test_cuda_vocab_parallel
+          test_cuda_bf16 test_nccl test_cuda_training)
 
 build() {
   local arch="${1:-90}" build_dir="$root/build/gpu"
   set -e
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_ENABLE_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="$arch" -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_EXAMPLES=ON \
-        -DLOOM_BUILD_BENCH=OFF -DLOOM_EXAMPLES_NATIVE=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
-  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train
+        -DLOOM_BUILD_BENCH=ON -DLOOM_BENCH_NATIVE=OFF -DLOOM_EXAMPLES_NATIVE=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
+  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train loom_cuda_attention_bench
   rm -rf "$bin" && mkdir -p "$bin"
   for p in "${programs[@]}"; do cp "$build_dir/tests/cuda/$p" "$bin/"; done
-  cp "$build_dir/examples/gpt2_train" "$bin/"
+  cp "$build_dir/examples/gpt2_train" "$build_dir/bench/loom_cuda_attention_bench" "$bin/"
   du -sh "$bin"
   echo "carry: [\"build-gpu\"]; then: scripts/gpu_check.sh run"
 }
@@ -58,7 +58,7 @@ run() {
     (cd "$bin" && timeout 900 "$@") > "$logs/$name.log" 2>&1
     rc=$?
     seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
-    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-" "$logs/$name.log" | tail -1)
+    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward" "$logs/$name.log" | tail -1)
     table+=("$(printf '%-34s %4s %7.1f  %s' "$name" "$rc" "$seconds" "$summary")")
   }
   for p in "${programs[@]}"; do run_one "$p" "./$p"; done
@@ -83,11 +83,17 @@ run() {
           --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --peak-tflops 989.4
   # The same with the attention keeping only log-sum-exp (B x 12 x 1024 values per block instead
   # of B x 12 x 1024^2): its cost at micro-batch 16, and at 32 with the memory it frees.
+  # On bf16 it runs the SRAM-tiled kernels; --no-flash-attention gives the cuBLAS ones beside them.
   for mb in 16 32; do
     run_one gpt2_train_small_1024_bf16_recompute_$mb ./gpt2_train --device cuda --model small --batch $mb \
             --micro-batch $mb --seq 1024 --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --attention recompute \
             --peak-tflops 989.4
   done
+  run_one gpt2_train_small_1024_bf16_recompute_16_cublas ./gpt2_train --device cuda --model small --batch 16 \
+          --micro-batch 16 --seq 1024 --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --attention recompute \
+          --no-flash-attention --peak-tflops 989.4
+  # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
+  run_one cuda_attention_bench ./loom_cuda_attention_bench --json "$logs/cuda_attention.json"
   run_one gpt2_train_recompute_dp2_tp2 "${demo[@]}" --dp 2 --tp 2 --attention recompute
   # PyTorch on the same GPU (the device image has it): eager and compiled, fp32 (TF32) and bf16.
   run_one pytorch_gpu python3 "$root/bench/pytorch_gpu.py" --json "$logs/pytorch_gpu.json"

@@ -43,6 +43,7 @@
 
 #include "loom/backend/cuda/attention.cuh"
 #include "loom/core/buffer.hpp"
+#include "attention_case.hpp"
 #include "device_check.hpp"
 
 using namespace loom;
@@ -52,14 +53,7 @@ namespace {
 
 namespace ca = detail::cuda_attention;
 
-struct Case {
-  std::int64_t B, T, NH, hs;
-  std::int64_t C() const { return NH * hs; }
-  detail::attention::Dims dims() const { return {B, T, C(), NH, hs}; }
-  friend std::ostream& operator<<(std::ostream& out, const Case& c) {
-    return out << "B = " << c.B << ", T = " << c.T << ", NH = " << c.NH << ", hs = " << c.hs;
-  }
-};
+using Case = AttentionCase;
 
 //! Every combination of the odd sizes.
 std::vector<Case> odd_cases() {
@@ -452,7 +446,7 @@ TEST_CASE("attention_lse checks name the kernel and the argument, lse [B, NH, T]
   const a::Dims d = a::check_forward_lse(out, lse, qkv, 2);
   CHECK(d.heads == 2);
   CHECK(d.head_size == 3);
-  CHECK_NOTHROW(a::check_backward_lse(dqkv, dout, qkv, lse_c, 2));
+  CHECK_NOTHROW(a::check_backward_lse(dqkv, dout, qkv, dout, lse_c, 2));
 
   CHECK_THROWS_WITH_AS(a::check_forward_lse(out, lse, qkv, 4),
                        "loom: attention_forward_lse: argument num_heads: got 4; must divide the channels C = 6",
@@ -462,10 +456,12 @@ TEST_CASE("attention_lse checks name the kernel and the argument, lse [B, NH, T]
                        Error);
   CHECK_THROWS_WITH_AS(a::check_forward_lse(out, Tensor<float>(nullptr, {B, 2, T}), qkv, 2),
                        doctest::Contains("attention_forward_lse: argument lse: got a tensor without data"), Error);
-  CHECK_THROWS_WITH_AS(a::check_backward_lse(Tensor<float>(p, {B, 3 * C, T}), dout, qkv, lse_c, 2),
+  CHECK_THROWS_WITH_AS(a::check_backward_lse(Tensor<float>(p, {B, 3 * C, T}), dout, qkv, dout, lse_c, 2),
                        "loom: attention_backward_lse: argument dqkv shape: got [2, 18, 5]; expected [2, 5, 18]",
                        Error);
-  CHECK_THROWS_WITH_AS(a::check_backward_lse(dqkv, dout, qkv, Tensor<const float>(p, {B, 3, T}), 2),
+  CHECK_THROWS_WITH_AS(a::check_backward_lse(dqkv, dout, qkv, Tensor<const float>(p, {B, C, T}), lse_c, 2),
+                       "loom: attention_backward_lse: argument out shape: got [2, 6, 5]; expected [2, 5, 6]", Error);
+  CHECK_THROWS_WITH_AS(a::check_backward_lse(dqkv, dout, qkv, dout, Tensor<const float>(p, {B, 3, T}), 2),
                        "loom: attention_backward_lse: argument lse shape: got [2, 3, 5]; expected [2, 2, 5]", Error);
 }
 
@@ -604,13 +600,14 @@ TEST_CASE("attention_backward_lse accumulates the reference gradient, the same b
                                              &forward.att);
     const Shape qkv_shape{c.B, c.T, 3 * c.C()};
     const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
+        out(be, to_float(forward.out.value), Shape{c.B, c.T, c.C()}),
         lse(be, to_float(forward.lse.value), Shape{c.B, c.NH, c.T});
     std::vector<std::vector<float>> first;
     for (int run = 0; run < 2; ++run) {
       CAPTURE(run);
       const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
       check_scratch(be, 2 * c.NH * c.T * c.T, [&] {
-        attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), lse.cview(),
+        attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
                                       static_cast<int>(c.NH));
       });
       std::vector<float> got = dqkv.to_host(be);
@@ -631,7 +628,8 @@ TEST_CASE("attention_backward_lse from attention_forward_lse's own lse (the trai
     const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
     attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH));
     const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
-    attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), lse.cview(), static_cast<int>(c.NH));
+    attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
+                                  static_cast<int>(c.NH));
     // The recomputed att moves with the forward's lse as the forward's att does with its scores.
     const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
                                              &forward.att);
@@ -656,20 +654,22 @@ TEST_CASE("attention_lse kernels reject wrong shapes before any CUDA call, and s
                        doctest::Contains("attention_forward_lse: argument lse shape: got [2, 3, 5]"), Error);
   CHECK_THROWS_WITH_AS(attention_forward_lse<float>(be, out, lse, Tensor<const float>(nullptr, {B, T, 3 * C}), 2),
                        doctest::Contains("attention_forward_lse: argument qkv: got a tensor without data"), Error);
-  CHECK_THROWS_WITH_AS(attention_backward_lse<float>(be, dqkv, Tensor<const float>(p, {B, C, T}), qkv, lse_c, 2),
-                       doctest::Contains("attention_backward_lse: argument dout shape: got [2, 6, 5]"), Error);
-  CHECK_THROWS_WITH_AS(attention_backward_lse<float>(be, dqkv, dout, qkv, Tensor<const float>(p, {B, 2, T, T}), 2),
-                       doctest::Contains("attention_backward_lse: argument lse shape: got [2, 2, 5, 5]"), Error);
   CHECK_THROWS_WITH_AS(
-      attention_backward_lse<float>(be, dqkv, dout, Tensor<const float>(nullptr, {B, T, 3 * C}), lse_c, 2),
+      attention_backward_lse<float>(be, dqkv, Tensor<const float>(p, {B, C, T}), qkv, dout, lse_c, 2),
+      doctest::Contains("attention_backward_lse: argument dout shape: got [2, 6, 5]"), Error);
+  CHECK_THROWS_WITH_AS(
+      attention_backward_lse<float>(be, dqkv, dout, qkv, dout, Tensor<const float>(p, {B, 2, T, T}), 2),
+      doctest::Contains("attention_backward_lse: argument lse shape: got [2, 2, 5, 5]"), Error);
+  CHECK_THROWS_WITH_AS(
+      attention_backward_lse<float>(be, dqkv, dout, Tensor<const float>(nullptr, {B, T, 3 * C}), dout, lse_c, 2),
       doctest::Contains("attention_backward_lse: argument qkv: got a tensor without data"), Error);
   CHECK(be.memory().peak(MemoryCategory::workspace) == workspace);  // nothing allocated before the checks
   // B = 0 or T = 0: nothing to do, nothing read.
   attention_forward_lse<float>(be, Tensor<float>(nullptr, {0, T, C}), Tensor<float>(nullptr, {0, 2, T}),
                                Tensor<const float>(nullptr, {0, T, 3 * C}), 2);
   attention_backward_lse<float>(be, Tensor<float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 0, C}),
-                                Tensor<const float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 2, 0}),
-                                2);
+                                Tensor<const float>(nullptr, {B, 0, 3 * C}), Tensor<const float>(nullptr, {B, 0, C}),
+                                Tensor<const float>(nullptr, {B, 2, 0}), 2);
   be.synchronize();
 }
 

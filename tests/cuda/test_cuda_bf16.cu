@@ -280,7 +280,8 @@ TEST_CASE("bf16: attention forward and backward, with att or only the row log-su
     loom::kernels::attention_forward_lse<bf16>(be, l_out.view(), l_lse.view(), d_qkv.cview(), heads);
     check_bf16(l_out.to_host(be), out, {.terms = T, .intermediate = score_roundings + 1}, "out (lse)");
     check_close(l_lse.to_host(be), lse.value, lse.bound, 1.0, "lse", 0.0);
-    loom::kernels::attention_backward_lse<bf16>(be, l_dqkv.view(), d_dout.cview(), d_qkv.cview(), l_lse.cview(), heads);
+    loom::kernels::attention_backward_lse<bf16>(be, l_dqkv.view(), d_dout.cview(), d_qkv.cview(), l_out.cview(),
+                                                l_lse.cview(), heads);
     check_bf16(l_dqkv.to_host(be), dqkv, {.terms = T + s.hs, .intermediate = 3.0 + score_roundings}, "dqkv (lse)");
   }
 }

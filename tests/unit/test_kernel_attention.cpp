@@ -90,11 +90,11 @@ struct SavesProbs {
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const std::vector<T>& att, const Case& c) {
+                       const Run<T>& r, const Case& c) {
     loom::kernels::attention_backward<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                          Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                          Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
-                                         Tensor<const T>(att.data(), {c.B, c.NH, c.T, c.T}), c.NH);
+                                         Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T, c.T}), c.NH);
   }
 };
 
@@ -111,11 +111,12 @@ struct SavesLse {
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const std::vector<T>& lse, const Case& c) {
+                       const Run<T>& r, const Case& c) {
     loom::kernels::attention_backward_lse<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                              Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                              Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
-                                             Tensor<const T>(lse.data(), {c.B, c.NH, c.T}), c.NH);
+                                             Tensor<const T>(r.out.data(), {c.B, c.T, c.C}),
+                                             Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T}), c.NH);
   }
 };
 
@@ -172,7 +173,7 @@ TEST_CASE_TEMPLATE("attention backward matches central differences (double)", Ke
     const auto numeric = loom::test::finite_difference(loss, std::span<double>(qkv), 1e-4);
     const auto r = Kernels::forward(be, qkv, c);
     std::vector<double> dqkv(qkv.size(), 0.0);
-    Kernels::backward(be, dqkv, w, qkv, r.saved, c);
+    Kernels::backward(be, dqkv, w, qkv, r, c);
     CHECK(loom::test::max_relative_error(dqkv, numeric, 1e-3) <= 1e-6);
   }
 }
@@ -200,7 +201,7 @@ TEST_CASE_TEMPLATE("attention backward with T = 1 gives zero dq, dk and dv = dou
       }
   }
   std::vector<double> dqkv(qkv.size(), 0.0);
-  Kernels::backward(be, dqkv, dout, qkv, r.saved, c);
+  Kernels::backward(be, dqkv, dout, qkv, r, c);
   // The stored probability is exactly 1, so dq and dk are exactly 0; the recomputed one,
   // exp(score - lse), is 1 to the last bit, or within an ulp where a compiler fuses
   // score * scale - lse.
@@ -226,8 +227,8 @@ TEST_CASE_TEMPLATE("attention_backward_lse matches attention_backward", T, float
     const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 23, -2.0, 2.0);
     const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 24);
     std::vector<T> stored(qkv.size(), T(0)), recomputed(qkv.size(), T(0));
-    SavesProbs<T>::backward(be, stored, dout, qkv, SavesProbs<T>::forward(be, qkv, c).saved, c);
-    SavesLse<T>::backward(be, recomputed, dout, qkv, SavesLse<T>::forward(be, qkv, c).saved, c);
+    SavesProbs<T>::backward(be, stored, dout, qkv, SavesProbs<T>::forward(be, qkv, c), c);
+    SavesLse<T>::backward(be, recomputed, dout, qkv, SavesLse<T>::forward(be, qkv, c), c);
     CHECK(loom::test::max_relative_error(recomputed, stored, 1.0) <= tolerance);
   }
 }
@@ -243,16 +244,16 @@ TEST_CASE_TEMPLATE_DEFINE("attention backward accumulates into dqkv", Kernels, a
     const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 32);
     const auto r = Kernels::forward(be, qkv, c);
     std::vector<T> fresh(qkv.size(), T(0));
-    Kernels::backward(be, fresh, dout, qkv, r.saved, c);
+    Kernels::backward(be, fresh, dout, qkv, r, c);
     const auto prior = loom::test::random_vector<T>(qkv.size(), 33);
     auto accumulated = prior;
-    Kernels::backward(be, accumulated, dout, qkv, r.saved, c);
+    Kernels::backward(be, accumulated, dout, qkv, r, c);
     std::vector<double> expected(qkv.size());
     for (std::size_t i = 0; i < qkv.size(); ++i)
       expected[i] = static_cast<double>(prior[i]) + static_cast<double>(fresh[i]);
     CHECK(loom::test::max_relative_error(accumulated, expected, 1.0) <= accumulate_tolerance);
     // Twice more doubles the gradient part.
-    Kernels::backward(be, accumulated, dout, qkv, r.saved, c);
+    Kernels::backward(be, accumulated, dout, qkv, r, c);
     for (std::size_t i = 0; i < qkv.size(); ++i)
       expected[i] += static_cast<double>(fresh[i]);
     CHECK(loom::test::max_relative_error(accumulated, expected, 1.0) <= accumulate_tolerance);
@@ -271,8 +272,8 @@ TEST_CASE_TEMPLATE_DEFINE("attention kernels give the same bits on 1 and 2 threa
     CHECK(r1.out == r2.out);
     CHECK(r1.saved == r2.saved);
     std::vector<T> d1(qkv.size(), T(0)), d2(qkv.size(), T(0));
-    Kernels::backward(one, d1, dout, qkv, r1.saved, c);
-    Kernels::backward(two, d2, dout, qkv, r2.saved, c);
+    Kernels::backward(one, d1, dout, qkv, r1, c);
+    Kernels::backward(two, d2, dout, qkv, r2, c);
     CHECK(d1 == d2);
   }
 }
@@ -367,6 +368,7 @@ TEST_CASE("attention lse kernels reject bad shapes") {
   const Tensor<const float> qkv_view(qkv.data(), {B, T, 3 * C});
   const Tensor<const float> lse_view(lse.data(), {B, 2, T});
   const Tensor<const float> dout_view(dout.data(), {B, T, C});
+  const Tensor<const float> out_view(out.data(), {B, T, C});
   const Tensor<float> dqkv_view(dqkv.data(), {B, T, 3 * C});
   using loom::test::expect_error;
   using loom::kernels::attention_backward_lse;
@@ -397,20 +399,26 @@ TEST_CASE("attention lse kernels reject bad shapes") {
       "attention_forward_lse: argument out");
   expect_error(
       [&] {
-        attention_backward_lse<float>(be, dqkv_view, Tensor<const float>(dout.data(), {B, C, T}), qkv_view, lse_view,
-                                      2);
+        attention_backward_lse<float>(be, dqkv_view, Tensor<const float>(dout.data(), {B, C, T}), qkv_view,
+                                      out_view, lse_view, 2);
       },
       "attention_backward_lse: argument dout");
   expect_error(
       [&] {
-        attention_backward_lse<float>(be, dqkv_view, dout_view, qkv_view,
+        attention_backward_lse<float>(be, dqkv_view, dout_view, qkv_view, Tensor<const float>(out.data(), {B, C, T}),
+                                      lse_view, 2);
+      },
+      "attention_backward_lse: argument out");
+  expect_error(
+      [&] {
+        attention_backward_lse<float>(be, dqkv_view, dout_view, qkv_view, out_view,
                                       Tensor<const float>(lse.data(), {B, 2 * T}), 2);
       },
       "attention_backward_lse: argument lse");
   expect_error(
       [&] {
-        attention_backward_lse<float>(be, Tensor<float>(dqkv.data(), {B, 3 * C, T}), dout_view, qkv_view, lse_view,
-                                      2);
+        attention_backward_lse<float>(be, Tensor<float>(dqkv.data(), {B, 3 * C, T}), dout_view, qkv_view, out_view,
+                                      lse_view, 2);
       },
       "attention_backward_lse: argument dqkv");
   // Nothing is written before the checks pass.

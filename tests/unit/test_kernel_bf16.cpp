@@ -283,13 +283,15 @@ TEST_CASE("bf16: attention forward and backward (both pairs) run each head in fl
       const double lse_bound =
           std::sqrt(static_cast<double>(s.hs + Tn)) * std::ldexp(1.0, -22) * (4.0 * std::sqrt(s.hs) + Tn);
       for (std::size_t i = 0; i < lse.size(); ++i) CHECK(std::abs(lse[i] - lse_f[i]) <= lse_bound);
-      // The backward from the same (float) lse on both sides.
+      // The backward from the same (float) lse and the same out (bf16's, widened) on both sides.
       const Tensor<const float> saved(lse_f.data(), {B, NH, Tn});
+      const std::vector<float> out_widened = widened(out.narrow);
       Values dqkv_lse(B * Tn * 3 * C, 55);
       loom::kernels::attention_backward_lse<bf16>(*be, dqkv_lse.bf({B, Tn, 3 * C}), dout.cbf({B, Tn, C}),
-                                                  qkv.cbf({B, Tn, 3 * C}), saved, heads);
+                                                  qkv.cbf({B, Tn, 3 * C}), out.cbf({B, Tn, C}), saved, heads);
       loom::kernels::attention_backward_lse<float>(*be, dqkv_lse.fl({B, Tn, 3 * C}), dout.cfl({B, Tn, C}),
-                                                   qkv.cfl({B, Tn, 3 * C}), saved, heads);
+                                                   qkv.cfl({B, Tn, 3 * C}),
+                                                   Tensor<const float>(out_widened.data(), {B, Tn, C}), saved, heads);
       check_close(dqkv_lse.narrow, dqkv_lse.wide, 4.0 * static_cast<double>(s.hs + Tn), s.hs + Tn);
     }
   }

@@ -125,12 +125,14 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
 //! One (batch, head) of the backward in the accumulate type A: dq, dk, dv += the gradients of
 //! q, k, v (all [T, hs], rows `qkv_stride` apart) from dout [T, hs] (rows `dout_stride` apart).
 //! The probabilities come from att [T, T]; where att is null, each block of query rows [i0, i1)
-//! is recomputed into `block` from one score GEMM and lse [T]: P = exp(scale q_t·k_s - lse[t]).
-//! `work` and `block` are [min(T, block_rows), T] scratch (block unused with att).
+//! is recomputed into `block` from one score GEMM and lse [T]: P = exp(scale q_t·k_s - lse[t]),
+//! and each row's sum_s P dP (the softmax backward's shift) is dout_t·out_t from the forward's
+//! out [T, hs] (rows `dout_stride` apart), as the GPU's tiled kernel forms it. `work` and `block`
+//! are [min(T, block_rows), T] scratch (block and out unused with att).
 template <class A>
 void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std::int64_t qkv_stride,
-                   const A* dout, std::int64_t dout_stride, const A* att, const A* lse, A* block, A* work,
-                   std::int64_t Tn, std::int64_t hs, A scale) {
+                   const A* dout, const A* out, std::int64_t dout_stride, const A* att, const A* lse, A* block,
+                   A* work, std::int64_t Tn, std::int64_t hs, A scale) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> dQ(dq, Tn, hs, qkv_outer), dK(dk, Tn, hs, qkv_outer), dV(dv, Tn, hs, qkv_outer);
@@ -153,14 +155,15 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
     const auto dO_block = dO.middleRows(i0, n);
     // dV += P^T dO (P is 0 above the diagonal, so the block's upper part adds nothing).
     dV.topRows(i1).noalias() += P.transpose() * dO_block;
-    // dP = dO V^T, then dS = P ∘ (dP - rowsum(dP ∘ P)) in place.
+    // dP = dO V^T, then dS = P ∘ (dP - rowsum(dP ∘ P)) in place (rowsum(dP ∘ P) = dO·O).
     auto dS = W.topLeftCorner(n, i1);
     dS.noalias() = dO_block * V.topRows(i1).transpose();
     for (std::int64_t r = 0; r < n; ++r) {
       const std::int64_t t = i0 + r;
       const ConstArrayMap<A> p(probs + r * Tn, t + 1);
       ArrayMap<A> g(work + r * Tn, t + 1);
-      const A shift = static_cast<A>(dot_as_double(g.data(), p.data(), t + 1));
+      const A shift = static_cast<A>(att != nullptr ? dot_as_double(g.data(), p.data(), t + 1)
+                                                    : dot_as_double(dout + t * dout_stride, out + t * dout_stride, hs));
       g = p * (g - shift);
       std::fill(g.data() + t + 1, g.data() + i1, A(0));  // row r spans keys [0, i1)
     }
@@ -220,12 +223,12 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
 }
 
 //! attention_backward (from att [B,NH,T,T]) and attention_backward_lse (att null: from lse
-//! [B,NH,T], recomputing the probabilities block by block) on checked arguments: one task per
-//! (batch, head), dqkv +=. On bf16 each head's operands (and its slice of dqkv) are widened to
-//! float, and dqkv rounded once.
+//! [B,NH,T] and out [B,T,C], recomputing the probabilities block by block) on checked arguments:
+//! one task per (batch, head), dqkv +=. On bf16 each head's operands (and its slice of dqkv) are
+//! widened to float, and dqkv rounded once.
 template <class T>
 void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att,
-                    const accumulate_t<T>* lse) {
+                    const T* out, const accumulate_t<T>* lse) {
   using A = accumulate_t<T>;
   const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
   const A scale = softmax_scale<A>(hs);
@@ -234,8 +237,9 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
   // allocated here, not in the parallel region, so that a failed allocation throws normally.
   const std::int64_t per_thread = (att != nullptr ? 1 : 2) * rows * Tn;
   std::vector<A> scratch(static_cast<std::size_t>(be.threads() * per_thread));
-  // bf16: per thread q, k, v, dq, dk, dv, dout [T, hs] in float, and att [T, T] where given.
-  Staging<T> staging(be.threads(), 7 * Tn * hs + (att != nullptr ? Tn * Tn : 0));
+  // bf16: per thread q, k, v, dq, dk, dv, dout [T, hs] in float, and att [T, T] where given, else
+  // out [T, hs].
+  Staging<T> staging(be.threads(), 7 * Tn * hs + (att != nullptr ? Tn * Tn : Tn * hs));
 
 #pragma omp parallel num_threads(be.threads())
   {
@@ -251,10 +255,12 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
       const T* q = qkv + offset;
       T* dq = dqkv + offset;
       const T* g = dout + b * Tn * C + h * hs;
+      const T* o = out != nullptr ? out + b * Tn * C + h * hs : nullptr;
       const T* a = att != nullptr ? att + bh * Tn * Tn : nullptr;
       const A* l = lse != nullptr ? lse + bh * Tn : nullptr;
       if constexpr (is_narrow_storage<T>) {
-        // q, k, v, dq, dk, dv: six [T, hs] blocks at C apart in qkv and dqkv; then dout, att.
+        // q, k, v, dq, dk, dv: six [T, hs] blocks at C apart in qkv and dqkv; then dout, and att
+        // or out.
         A* blocks = stage;
         for (int i = 0; i < 3; ++i) {
           widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, blocks + i * Tn * hs);
@@ -262,13 +268,16 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
         }
         A* sg = blocks + 6 * Tn * hs;
         A* sa = a != nullptr ? sg + Tn * hs : nullptr;
+        A* so = a != nullptr ? nullptr : sg + Tn * hs;
         widen_block(g, C, 0, Tn, 0, hs, sg);
         if (a != nullptr) widen_into(a, sa, Tn * Tn);
+        else widen_block(o, C, 0, Tn, 0, hs, so);
         head_backward<A>(blocks, blocks + Tn * hs, blocks + 2 * Tn * hs, blocks + 3 * Tn * hs, blocks + 4 * Tn * hs,
-                         blocks + 5 * Tn * hs, hs, sg, hs, sa, l, block, work, Tn, hs, scale);
+                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale);
         for (int i = 0; i < 3; ++i) narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
       } else {
-        head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, C, a, l, block, work, Tn, hs, scale);
+        head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, o, C, a, l, block, work, Tn, hs,
+                         scale);
       }
     }
   }
@@ -303,7 +312,7 @@ void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout,
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads);
   if (d.empty()) return;
-  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr);
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr);
 }
 
 //! Causal self-attention forward that keeps only the row log-sum-exp (FlashAttention's saved
@@ -320,17 +329,19 @@ void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>>
   ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data());
 }
 
-//! Causal self-attention backward from the `lse` [B,NH,T] saved by attention_forward_lse:
-//! `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C]. Per block of 64 query rows
-//! it recomputes the probabilities from one extra score GEMM, P = exp(q_t·k_s/sqrt(hs) - lse),
-//! then runs attention_backward's math. Scratch is two [64, T] blocks per thread.
+//! Causal self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that
+//! attention_forward_lse wrote: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
+//! [B,T,C]. Per block of 64 query rows it recomputes the probabilities from one extra score GEMM,
+//! P = exp(q_t·k_s/sqrt(hs) - lse), then runs attention_backward's math with each row's softmax
+//! shift sum_s P dP taken as dout_t·out_t (FlashAttention's D; the same on the GPU). Scratch is
+//! two [64, T] blocks per thread.
 template <class T>
 void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                            Tensor<const accumulate_t<T>> lse, int num_heads) {
+                            Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, lse, num_heads);
+  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads);
   if (d.empty()) return;
-  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, lse.data());
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data());
 }
 
 }  // namespace loom::inline kernels

@@ -8,7 +8,9 @@
 //! attention_forward_lse/backward_lse save only each row's log-sum-exp lse [B,NH,T] and the
 //! backward recomputes the probabilities from the scores (FlashAttention's contract), so their
 //! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
-//! and zero its upper triangle; an SRAM-tiled flash kernel with the lse contract comes later.
+//! and zero its upper triangle. For bf16 with head size 32, 64 or 128 the lse pair runs instead
+//! the SRAM-tiled tensor-core kernels of detail/flash_attention.cuh, which never form a T x T
+//! block (cuda::set_flash_attention(false) keeps the cuBLAS path, e.g. to compare).
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
@@ -16,9 +18,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/flash_attention.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/cuda/matmul.cuh"
@@ -338,9 +344,105 @@ auto softmax_grad_runner(const cuda& be, const attention::Dims& d, const char* k
   };
 }
 
+// The SRAM-tiled path (detail/flash_attention.cuh).
+
+//! Whether this program's tiled kernels run on the backend's (current) device: compiled, as
+//! SASS or PTX, for sm_80 or newer, where bf16 WMMA exists. Built only for older architectures
+//! (CMake's default CUDA architecture is one) they are empty, and are never launched.
+inline bool flash_built_for(const cuda& be) {
+  static std::mutex mutex;
+  static std::map<int, bool> known;  // by device
+  const std::lock_guard lock(mutex);
+  if (const auto it = known.find(be.device()); it != known.end()) return it->second;
+  cudaFuncAttributes attributes{};
+  const cudaError_t status = cudaFuncGetAttributes(&attributes, flash::forward_kernel<64>);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not usable
+  const bool usable = status == cudaSuccess && attributes.ptxVersion >= flash::minimum_architecture &&
+                      attributes.binaryVersion >= flash::minimum_architecture;
+  known.emplace(be.device(), usable);
+  return usable;
+}
+
+//! Whether the lse pair of T on `be` runs the tiled kernels for `d`: bf16, a head size they are
+//! built for, the backend's switch on, at most 65535 tiles of 64 tokens (the grid's y), and the
+//! kernels compiled for the device's architecture.
+template <class T>
+bool use_flash(const cuda& be, const attention::Dims& d) {
+  return std::is_same_v<T, bf16> && be.flash_attention() && flash::supported_head_size(d.head_size) &&
+         flash::tiles(d.tokens) <= 65535 && flash_built_for(be);
+}
+
+//! Calls `f.template operator()<HS>()` with the compile-time head size HS = d.head_size (one of
+//! flash::supported_head_size's).
+template <class F>
+void with_head_size(const attention::Dims& d, F&& f) {
+  switch (d.head_size) {
+    case 32: f.template operator()<32>(); break;
+    case 64: f.template operator()<64>(); break;
+    case 128: f.template operator()<128>(); break;
+    default: throw Error("attention: flash head size", d.head_size, "expected 32, 64 or 128");
+  }
+}
+
+inline flash::Shape flash_shape(const attention::Dims& d) {
+  return {d.tokens, d.channels, static_cast<int>(d.heads), softmax_scale(d)};
+}
+
+//! The tiled kernels' grid: x = b NH + h, y = the 64-token tile.
+inline dim3 flash_grid(const attention::Dims& d) {
+  return dim3(static_cast<unsigned>(d.batch * d.heads), static_cast<unsigned>(flash::tiles(d.tokens)), 1);
+}
+
+//! Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KiB), then launches
+//! it on the backend's stream with flash::threads per block.
+template <class... Params, class... Args>
+void launch_tiled(const cuda& be, void (*kernel)(Params...), dim3 grid, std::size_t bytes, const char* name,
+                  const char* what, Args&&... args) {
+  LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  kernel<<<grid, flash::threads, bytes, be.stream()>>>(std::forward<Args>(args)...);
+  cuda_check_launch((std::string(name) + " " + what).c_str());
+}
+
+//! attention_forward_lse on the tiled kernel: one block per 64 query rows of each (b, h).
+inline void flash_forward(const cuda& be, const attention::Dims& d, bf16* out, float* lse, const bf16* qkv,
+                          const char* name) {
+  const flash::ForwardArgs args{flash_shape(d), qkv, out, lse};
+  with_head_size(d, [&]<int HS>() {
+    launch_tiled(be, flash::forward_kernel<HS>, flash_grid(d), flash::ForwardSmem<HS>::total, name,
+                 "flash::forward_kernel", args);
+  });
+}
+
+//! attention_backward_lse on the tiled kernels: delta = rowsum(dout * out) into [B,NH,T] floats
+//! of workspace, then dk and dv (one block per 64 keys), then dq (one block per 64 queries).
+inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const bf16* dout, const bf16* qkv,
+                           const bf16* out, const float* lse, const char* name) {
+  const std::int64_t rows = d.batch * d.heads * d.tokens;
+  // Returned to the cache while the stream may still use it: safe, as in attention_backward.
+  const Buffer<float, cuda> delta(be, rows, MemoryCategory::workspace);
+  const flash::BackwardArgs args{flash_shape(d), qkv, dout, lse, delta.data(), dqkv};
+  const auto delta_blocks = static_cast<unsigned>((rows + flash::warps - 1) / flash::warps);
+  with_head_size(d, [&]<int HS>() {
+    launch_tiled(be, flash::delta_kernel<HS>, dim3(delta_blocks), 0, name, "flash::delta_kernel", out, dout,
+                 delta.data(), args.shape, rows);
+    launch_tiled(be, flash::key_value_grad_kernel<HS>, flash_grid(d), flash::BackwardSmem<HS>::total, name,
+                 "flash::key_value_grad_kernel", args);
+    launch_tiled(be, flash::query_grad_kernel<HS>, flash_grid(d), flash::BackwardSmem<HS>::total, name,
+                 "flash::query_grad_kernel", args);
+  });
+}
+
 }  // namespace loom::detail::cuda_attention
 
 namespace loom::inline kernels {
+
+//! Whether attention_forward_lse/backward_lse on bf16 can take the SRAM-tiled kernels on `be`'s
+//! GPU: this program holds them compiled for sm_80 or newer (CMAKE_CUDA_ARCHITECTURES, e.g. 90)
+//! and the GPU is one. Where false they take the cuBLAS path whatever be.flash_attention() says.
+inline bool flash_attention_available(const cuda& be) {
+  detail::cuda_kernels::activate(be);
+  return detail::cuda_attention::flash_built_for(be);
+}
 
 //! Causal multi-head self-attention forward (GPT-2), the contract of the CPU kernel: `qkv`
 //! [B,T,3C] packs per token q, k, v (each C wide; head h owns channels [h*hs, (h+1)*hs),
@@ -390,7 +492,8 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
 //! of one batch element at a time live in [NH,T,T] elements of T of workspace from the
 //! backend's caching allocator (instead of B·NH·T² saved per layer), returned before this ends.
 //! Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two cuBLAS
-//! calls and one launch.
+//! calls and one launch. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes the
+//! SRAM-tiled kernel instead: one launch, no workspace, lse = m + log l of the online softmax.
 template <class T>
 void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
                            int num_heads) {
@@ -399,6 +502,12 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
   constexpr const char* kernel = "attention_forward_lse";
   const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (d::use_flash<T>(be, dims)) {
+      d::flash_forward(be, dims, out.data(), lse.data(), qkv.data(), kernel);
+      return;
+    }
+  }
   const float scale = d::softmax_scale(dims);
   // Returned to the cache while the stream may still use it: safe, as in attention_backward.
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
@@ -408,21 +517,31 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
                        });
 }
 
-//! Causal multi-head self-attention backward from the `lse` [B,NH,T] saved by
-//! attention_forward_lse: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C].
-//! Per batch element the scores are recomputed and turned into the probabilities
+//! Causal multi-head self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that
+//! attention_forward_lse wrote: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
+//! [B,T,C]. Per batch element the scores are recomputed and turned into the probabilities
 //! exp(x·scale - lse) (0 above the diagonal), then attention_backward's steps run on them.
 //! Scratch: [NH,T,T] probabilities and [NH,T,T] score gradients of one batch element (2·NH·T²
 //! elements of T, workspace), returned before this ends. Per batch element five cuBLAS calls and
-//! two launches; no atomics.
+//! two launches; no atomics. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes
+//! the SRAM-tiled kernels instead: D = rowsum(dout·out) into B·NH·T floats of workspace, then
+//! one launch for dk and dv and one for dq, each gradient element written by one block (the same
+//! bits every run).
 template <class T>
 void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                            Tensor<const accumulate_t<T>> lse, int num_heads) {
+                            Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward_lse";
-  const detail::attention::Dims dims = detail::attention::check_backward_lse(dqkv, dout, qkv, lse, num_heads);
+  const detail::attention::Dims dims =
+      detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (d::use_flash<T>(be, dims)) {
+      d::flash_backward(be, dims, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), kernel);
+      return;
+    }
+  }
   const float scale = d::softmax_scale(dims);
   const std::int64_t block = dims.heads * dims.tokens * dims.tokens;  // one [NH,T,T]
   const Buffer<T, cuda> scratch(be, 2 * block, MemoryCategory::workspace);

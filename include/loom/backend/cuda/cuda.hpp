@@ -59,6 +59,11 @@ class cuda {
   //! products, e.g. for parity tests against the CPU backend at fp32 tolerances.
   bool tf32() const noexcept { return tf32_; }
   void set_tf32(bool allowed) noexcept { tf32_ = allowed; }
+  //! Whether attention_forward_lse/attention_backward_lse on bf16 with head size 32, 64 or 128
+  //! run the SRAM-tiled tensor-core kernels (on by default; docs/cuda.md) or, off, the cuBLAS
+  //! batched-GEMM path that every other shape takes (e.g. to compare the two).
+  bool flash_attention() const noexcept { return flash_attention_; }
+  void set_flash_attention(bool enabled) noexcept { flash_attention_ = enabled; }
   //! The stream every operation of this rank is ordered on.
   cudaStream_t stream() const noexcept { return stream_; }
   //! The rank's cuBLAS handle, bound to its stream (created on first use: a backend that runs
@@ -138,6 +143,7 @@ class cuda {
 
   int device_;
   bool tf32_ = true;
+  bool flash_attention_ = true;
   cudaStream_t stream_ = nullptr;
   mutable cublasHandle_t cublas_ = nullptr;  // created by the first cublas() call
   std::unique_ptr<detail::CachingAllocator> allocator_;

@@ -70,14 +70,15 @@ Dims check_forward_lse(const Tensor<T>& out, const Tensor<A>& lse, const Tensor<
 }
 
 //! Every check of attention_backward_lse, in order: qkv and num_heads, then dqkv (qkv's shape),
-//! dout [B,T,C], lse [B,NH,T] (shape and data).
+//! dout [B,T,C], out [B,T,C], lse [B,NH,T] (shape and data).
 template <class T, class A>
 Dims check_backward_lse(const Tensor<T>& dqkv, const Tensor<const T>& dout, const Tensor<const T>& qkv,
-                        const Tensor<const A>& lse, int num_heads) {
+                        const Tensor<const T>& out, const Tensor<const A>& lse, int num_heads) {
   constexpr const char* kernel = "attention_backward_lse";
   const Dims d = check_qkv(qkv, num_heads, kernel);
   loom::check_shape(dqkv, qkv.shape(), kernel, "dqkv");
   loom::check_shape(dout, Shape{d.batch, d.tokens, d.channels}, kernel, "dout");
+  loom::check_shape(out, Shape{d.batch, d.tokens, d.channels}, kernel, "out");
   loom::check_shape(lse, Shape{d.batch, d.heads, d.tokens}, kernel, "lse");
   return d;
 }

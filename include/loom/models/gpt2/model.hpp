@@ -513,7 +513,7 @@ class Model {
     if (attention_ == Attention::stored)
       attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_));
     else
-      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.lse, static_cast<int>(heads_));
+      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_));
     matmul_backward<T>(be, d.ln1, w.qkv_w, w.qkv_b, d.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
     nn::column_parallel_input_grad(tensor_parallel_, d.ln1);
     layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.ln1, a.input,

@@ -1,0 +1,163 @@
+// loom_cuda_attention_bench: the CUDA attention kernels on bf16, one layer's shape, side by side:
+//   stored   attention_forward/backward: cuBLAS strided-batched GEMMs, the probabilities
+//            [B,H,T,T] kept between them;
+//   cublas   attention_forward_lse/backward_lse with cuda::set_flash_attention(false): the same
+//            GEMMs through [H,T,T] workspace of one batch element, only lse [B,H,T] kept;
+//   tiled    attention_forward_lse/backward_lse on the SRAM-tiled tensor-core kernels (the
+//            default for bf16 and head size 32, 64 or 128): nothing T x T anywhere.
+// Prints each kernel's median time (CUDA events around each call), TFLOP/s and the workspace it
+// took, and the ratios of the tiled pair to the other two.
+//
+//   loom_cuda_attention_bench                              # B=8, T=1024, C=768, 12 heads (GPT-2 small)
+//   loom_cuda_attention_bench --seq 2048 --batch 4 --json attention_gpu.json
+//
+// FLOPs follow FlashAttention-2's convention for causal attention (Dao, 2023): forward
+// 4·B·H·T²·hs / 2, backward 2.5 times the forward, whatever each implementation recomputes, so
+// TFLOP/s compares like with like. The kernels take turns, round by round; the first round is
+// not timed. Without a GPU it says so and exits 77 (ctest: skipped).
+
+#include <CLI/CLI.hpp>
+#include <cuda_runtime_api.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "loom/backend/cuda/kernels.cuh"
+#include "loom/core/buffer.hpp"
+
+namespace {
+
+struct Options {
+  std::int64_t batch = 8, seq = 1024, channels = 768;
+  int heads = 12;
+  int calls = 20;  // timed calls per kernel
+  std::string json;
+};
+
+//! A device array of bf16, uniform in [lo, hi), keyed by `name`.
+loom::Buffer<loom::bf16, loom::cuda> random_device(loom::cuda& be, std::int64_t n, const char* name, float lo,
+                                                   float hi) {
+  const std::vector<float> values = loom::bench::uniform_values(n, 11, name, lo, hi);
+  std::vector<loom::bf16> host(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) host[i] = loom::bf16(values[i]);
+  loom::Buffer<loom::bf16, loom::cuda> buffer(be, n, loom::MemoryCategory::activations);
+  be.copy_from_host(buffer.data(), host.data(), buffer.bytes());
+  return buffer;
+}
+
+//! Milliseconds of `run` on the backend's stream, between two events.
+double time_ms(loom::cuda& be, const std::function<void()>& run) {
+  cudaEvent_t start, stop;
+  LOOM_CUDA_CHECK(cudaEventCreate(&start));
+  LOOM_CUDA_CHECK(cudaEventCreate(&stop));
+  LOOM_CUDA_CHECK(cudaEventRecord(start, be.stream()));
+  run();
+  LOOM_CUDA_CHECK(cudaEventRecord(stop, be.stream()));
+  LOOM_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  LOOM_CUDA_CHECK(cudaEventDestroy(start));
+  LOOM_CUDA_CHECK(cudaEventDestroy(stop));
+  return ms;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace loom;
+  Options o;
+  CLI::App app("loom_cuda_attention_bench: stored, cuBLAS log-sum-exp and SRAM-tiled attention (CUDA, bf16)");
+  app.add_option("--batch", o.batch, "B")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.seq, "T")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--channels", o.channels, "C")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.heads, "H (must divide C)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--calls", o.calls, "Timed calls per kernel")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--json", o.json, "Also write the figures to this file");
+  CLI11_PARSE(app, argc, argv);
+  if (loom::cuda::device_count() == 0) {
+    std::puts("loom_cuda_attention_bench: no CUDA device; nothing measured");
+    return 77;
+  }
+
+  const std::int64_t B = o.batch, T = o.seq, C = o.channels, H = o.heads;
+  loom::cuda be(0);
+  const auto qkv_buffer = random_device(be, B * T * 3 * C, "qkv", -2.0f, 2.0f);
+  const auto dout_buffer = random_device(be, B * T * C, "dout", -1.0f, 1.0f);
+  Buffer<bf16, loom::cuda> out_buffer(be, B * T * C, MemoryCategory::activations),
+      att_buffer(be, B * H * T * T, MemoryCategory::activations),
+      dqkv_buffer(be, B * T * 3 * C, MemoryCategory::gradients);
+  Buffer<float, loom::cuda> lse_buffer(be, B * H * T, MemoryCategory::activations);
+  be.fill_zero(dqkv_buffer.data(), dqkv_buffer.bytes());
+  const Tensor<const bf16> qkv(qkv_buffer.data(), {B, T, 3 * C}), dout(dout_buffer.data(), {B, T, C}),
+      out_c(out_buffer.data(), {B, T, C}), att_c(att_buffer.data(), {B, H, T, T});
+  const Tensor<bf16> out(out_buffer.data(), {B, T, C}), att(att_buffer.data(), {B, H, T, T}),
+      dqkv(dqkv_buffer.data(), {B, T, 3 * C});
+  const Tensor<float> lse(lse_buffer.data(), {B, H, T});
+  const Tensor<const float> lse_c = lse;
+  const int heads = o.heads;
+
+  struct Kernel {
+    const char* name;
+    bool flash;
+    std::function<void()> run;
+    std::vector<double> ms;
+    std::size_t workspace = 0;
+  };
+  std::vector<Kernel> kernels;
+  kernels.push_back({"stored forward", false, [&] { attention_forward<bf16>(be, out, att, qkv, heads); }, {}});
+  kernels.push_back(
+      {"stored backward", false, [&] { attention_backward<bf16>(be, dqkv, dout, qkv, att_c, heads); }, {}});
+  kernels.push_back({"cublas lse forward", false, [&] { attention_forward_lse<bf16>(be, out, lse, qkv, heads); }, {}});
+  kernels.push_back({"cublas lse backward", false,
+                     [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads); }, {}});
+  kernels.push_back({"tiled forward", true, [&] { attention_forward_lse<bf16>(be, out, lse, qkv, heads); }, {}});
+  kernels.push_back({"tiled backward", true,
+                     [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads); }, {}});
+  for (int round = 0; round <= o.calls; ++round)
+    for (Kernel& k : kernels) {
+      be.set_flash_attention(k.flash);
+      const std::size_t before = be.memory().current(MemoryCategory::workspace);
+      be.memory().reset_peaks();
+      const double ms = time_ms(be, k.run);
+      k.workspace = be.memory().peak(MemoryCategory::workspace) - before;
+      if (round > 0) k.ms.push_back(ms);
+    }
+
+  cudaDeviceProp prop{};
+  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const double hs = static_cast<double>(C / H), forward_flop = 4.0 * B * H * T * T * hs / 2;
+  std::printf("%s, %d SMs; B=%lld T=%lld C=%lld H=%lld, bf16, %d timed calls per kernel (median)\n", prop.name,
+              prop.multiProcessorCount, static_cast<long long>(B), static_cast<long long>(T),
+              static_cast<long long>(C), static_cast<long long>(H), o.calls);
+  nlohmann::json report;
+  report["gpu"] = prop.name;
+  report["shape"] = {{"batch", B}, {"seq", T}, {"channels", C}, {"heads", H}};
+  std::vector<double> medians;
+  for (std::size_t i = 0; i < kernels.size(); ++i) {
+    const bench::Stats s = bench::summarize(kernels[i].ms);
+    medians.push_back(s.median);
+    const double flop = i % 2 == 0 ? forward_flop : 2.5 * forward_flop;
+    const double tflops = flop / (s.median * 1e9);
+    const double workspace_mib = static_cast<double>(kernels[i].workspace) / (1 << 20);
+    std::printf("  %-22s %9.3f ms  (min %.3f)  %7.1f TFLOP/s  workspace %9.2f MiB\n", kernels[i].name, s.median,
+                s.min, tflops, workspace_mib);
+    report["kernels"][kernels[i].name] = {
+        {"median_ms", s.median}, {"min_ms", s.min}, {"tflops", tflops}, {"workspace_mib", workspace_mib}};
+  }
+  const double stored = medians[0] + medians[1], cublas = medians[2] + medians[3], tiled = medians[4] + medians[5];
+  std::printf("forward + backward: stored %.3f ms, cublas lse %.3f ms, tiled %.3f ms; tiled is %.2fx stored's speed, "
+              "%.2fx cublas lse's\n",
+              stored, cublas, tiled, stored / tiled, cublas / tiled);
+  const double att_mib = static_cast<double>(B * H * T * T) * sizeof(bf16) / (1 << 20),
+               lse_mib = static_cast<double>(B * H * T) * sizeof(float) / (1 << 20);
+  std::printf("kept per layer: att %.2f MiB (stored), lse %.3f MiB (cublas lse, tiled)\n", att_mib, lse_mib);
+  report["speedup_of_tiled"] = {{"over_stored", stored / tiled}, {"over_cublas_lse", cublas / tiled}};
+  report["kept_mib"] = {{"att", att_mib}, {"lse", lse_mib}};
+  bench::write_json(o.json, report);
+  return 0;
+}
