@@ -212,8 +212,8 @@ struct Reference {
   Expected out, lse, dqkv;
 };
 
-//! The exact forward and backward from the bf16 inputs, in double; `out_used` is the out the
-//! backward reads (its D = dout·out carries out's rounding, which the magnitude covers).
+//! The exact forward and backward from the bf16 inputs, in double. The kernels' backward reads
+//! their own bf16 out for D = dout·out; the dq and dk magnitudes include sum |dout| |out| for it.
 Reference reference(const Case& c, const Data& data) {
   const std::vector<double> qkv = widen(data.qkv), dout = widen(data.dout), dqkv0 = widen(data.dqkv0);
   const std::int64_t T = c.T, C = c.C(), hs = c.hs;
@@ -313,26 +313,21 @@ void check_all(const Reference& r, const std::vector<bf16>& out, const std::vect
   check_expected(to_floats(dqkv), r.dqkv, bf16_tolerance, bf16_rounding, "dqkv");
 }
 
-//! With the head size as a template argument.
-template <class F>
-void for_head_size(const Case& c, F&& f) {
-  detail::cuda_attention::with_head_size(c.dims(), std::forward<F>(f));
-}
-
-struct HostResult {
+//! What one forward and backward gave, on the host emulation or on the GPU.
+struct Result {
   std::vector<bf16> out, dqkv;
   std::vector<float> lse;
 };
 
 //! The forward, then the backward from its own out and lse (the training path), on the host.
-HostResult run_on_host(const Case& c, const Data& data) {
+Result run_on_host(const Case& c, const Data& data) {
   const fl::Shape shape{c.T, c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs))};
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  HostResult r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)), data.dqkv0,
+  Result r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)), data.dqkv0,
                std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan)};
   std::vector<float> delta(r.lse.size(), nan);
   const std::int64_t grid_x = c.B * c.NH, grid_y = fl::tiles(c.T), rows = c.B * c.NH * c.T;
-  for_head_size(c, [&]<int HS>() {
+  detail::cuda_attention::with_head_size(c.dims(), [&]<int HS>() {
     const fl::ForwardArgs fa{shape, data.qkv.data(), r.out.data(), r.lse.data()};
     run_grid(grid_x, grid_y, fl::ForwardSmem<HS>::total, [&](HostThread& th) { fl::forward_block<HS>(th, fa); });
     run_grid((rows + fl::warps - 1) / fl::warps, 1, 0, [&](HostThread& th) {
@@ -365,7 +360,7 @@ TEST_CASE("the tiled kernels' bodies match the reference (host emulation of the 
     CAPTURE(c);
     const Data data = make_data(c, seed += 10);
     wmma_rule_violations = 0;
-    const HostResult got = run_on_host(c, data);
+    const Result got = run_on_host(c, data);
     CHECK(wmma_rule_violations == 0);
     check_all(reference(c, data), got.out, got.lse, got.dqkv);
   }
@@ -374,7 +369,7 @@ TEST_CASE("the tiled kernels' bodies match the reference (host emulation of the 
 TEST_CASE("the tiled kernels' bodies give the same bits for the same input (host emulation)") {
   const Case c{1, 129, 2, 64};
   const Data data = make_data(c, 7);
-  const HostResult a = run_on_host(c, data), b = run_on_host(c, data);
+  const Result a = run_on_host(c, data), b = run_on_host(c, data);
   CHECK(std::equal(a.out.begin(), a.out.end(), b.out.begin()));
   CHECK(std::equal(a.dqkv.begin(), a.dqkv.end(), b.dqkv.begin()));
   CHECK(std::equal(a.lse.begin(), a.lse.end(), b.lse.begin(),
@@ -385,7 +380,7 @@ TEST_CASE("the tiled kernels' bodies give the same bits for the same input (host
 // On the GPU.
 
 //! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch).
-HostResult run_on_device(cuda& be, const Case& c, const Data& data) {
+Result run_on_device(cuda& be, const Case& c, const Data& data) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Shape qkv_shape{c.B, c.T, 3 * c.C()}, out_shape{c.B, c.T, c.C()};
   const DeviceArray<bf16> qkv(be, data.qkv, qkv_shape), dout(be, data.dout, out_shape),
@@ -431,9 +426,9 @@ TEST_CASE("attention_forward_lse/backward_lse on the tiled kernels match the ref
     CAPTURE(c);
     const Data data = make_data(c, seed += 10);
     const Reference ref = reference(c, data);
-    const HostResult first = run_on_device(be, c, data);
+    const Result first = run_on_device(be, c, data);
     check_all(ref, first.out, first.lse, first.dqkv);
-    const HostResult second = run_on_device(be, c, data);
+    const Result second = run_on_device(be, c, data);
     CHECK(std::equal(first.dqkv.begin(), first.dqkv.end(), second.dqkv.begin()));
     CHECK(std::equal(first.out.begin(), first.out.end(), second.out.begin()));
   }
@@ -447,7 +442,7 @@ TEST_CASE("the tiled kernels and the cuBLAS path agree; the tiled forward takes 
   const Case c{2, 200, 3, 64};
   const Data data = make_data(c, 900);
   const Reference ref = reference(c, data);
-  const HostResult tiled = run_on_device(be, c, data);
+  const Result tiled = run_on_device(be, c, data);
   check_all(ref, tiled.out, tiled.lse, tiled.dqkv);
 
   const Shape qkv_shape{c.B, c.T, 3 * c.C()}, out_shape{c.B, c.T, c.C()};
@@ -468,7 +463,7 @@ TEST_CASE("the tiled kernels and the cuBLAS path agree; the tiled forward takes 
         }) == static_cast<std::size_t>(c.B * c.NH * c.T) * sizeof(float));
 
   be.set_flash_attention(false);
-  const HostResult batched = run_on_device(be, c, data);
+  const Result batched = run_on_device(be, c, data);
   check_all(ref, batched.out, batched.lse, batched.dqkv);
 }
 

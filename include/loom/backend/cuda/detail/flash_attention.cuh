@@ -171,7 +171,7 @@ LOOM_HD inline void load_tile(Thread& th, bf16* dst, const bf16* src, std::int64
   }
 }
 
-//! Copies `count` floats of row-indexed data at `src` + first into `dst`, 0 past T.
+//! Copies the 64 floats of row-indexed data at `src` + first into `dst`, 0 for rows >= T.
 LOOM_FLASH_BODY
 template <class Thread>
 LOOM_HD inline void load_rows(Thread& th, float* dst, const float* src, std::int64_t first, std::int64_t tokens) {
@@ -337,7 +337,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
 }
 
 //! delta[b, h, t] = sum_c dout[b, t, h hs + c] out[b, t, h hs + c] in float: one warp per row of
-//! [B, NH, T], `rows_per_block` = warps rows per block.
+//! [B, NH, T] (`rows` of them), `warps` rows per block.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD void delta_block(Thread& th, const bf16* out, const bf16* dout, float* delta, const Shape& sh,
