@@ -10,6 +10,7 @@
 #include <nccl.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -99,9 +100,26 @@ struct State {
       if (std::chrono::steady_clock::now() > deadline)
         fail(std::string(call) + " did not finish within " + std::to_string(options.timeout.count()) + " ms");
       std::this_thread::yield();
-      if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) break;
+      const ncclResult_t query = ncclCommGetAsyncError(comm, &r);
+      if (query != ncclSuccess) fail(std::string(call) + ": ncclCommGetAsyncError: " + ncclGetErrorString(query));
     }
     if (r != ncclSuccess) fail(std::string(call) + ": " + ncclGetErrorString(r));
+  }
+
+  //! Waits (up to the timeout) until NCCL's thread has written a new communicator's handle into
+  //! `handle`, failing if this communicator reports an error meanwhile.
+  void wait_for_handle(ncclComm_t& handle, const char* call) {
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    const std::atomic_ref<ncclComm_t> written(handle);
+    while (written.load(std::memory_order_acquire) == nullptr) {
+      if (std::chrono::steady_clock::now() > deadline)
+        fail(std::string(call) + " gave no new communicator within " + std::to_string(options.timeout.count()) + " ms");
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t query = ncclCommGetAsyncError(comm, &async);
+      if (query != ncclSuccess) fail(std::string(call) + ": ncclCommGetAsyncError: " + ncclGetErrorString(query));
+      if (async != ncclSuccess && async != ncclInProgress) fail(std::string(call) + ": " + ncclGetErrorString(async));
+      std::this_thread::yield();
+    }
   }
 
   //! Waits for `event` with the timeout, watching NCCL for asynchronous errors meanwhile.
@@ -255,10 +273,17 @@ class Communicator : public CollectiveInterface<Communicator> {
     out.state_->backend = state_->backend;
     out.state_->options = state_->options;
     out.state_->rank = state_->rank;
-    const ncclResult_t r = ncclCommSplit(state_->comm, color, key, &out.state_->comm, &config);
-    if (r != ncclSuccess && r != ncclInProgress) state_->fail(std::string("ncclCommSplit: ") + ncclGetErrorString(r));
-    // In non-blocking mode the new communicator says when it is ready.
-    out.state_->finish(ncclInProgress, "ncclCommSplit");
+    // In non-blocking mode the new handle stays null until the split has completed: NCCL's own
+    // thread writes it (into out.state_, on the heap, so the address is stable). Wait for it,
+    // watching the parent for errors, then for the new communicator to report itself ready.
+    try {
+      state_->finish(ncclCommSplit(state_->comm, color, key, &out.state_->comm, &config), "ncclCommSplit");
+      state_->wait_for_handle(out.state_->comm, "ncclCommSplit");
+    } catch (...) {
+      out.state_->failure = "the split failed";  // abort, not finalize, whatever NCCL left in it
+      throw;
+    }
+    out.state_->finish(ncclInProgress, "ncclCommSplit (new communicator)");
     int n = 0, me = 0;
     out.state_->finish(ncclCommCount(out.state_->comm, &n), "ncclCommCount");
     out.state_->finish(ncclCommUserRank(out.state_->comm, &me), "ncclCommUserRank");
