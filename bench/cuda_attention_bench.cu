@@ -3,8 +3,8 @@
 //            [B,H,T,T] kept between them;
 //   cublas   attention_forward_lse/backward_lse with cuda::set_flash_attention(false): the same
 //            GEMMs through [H,T,T] workspace of one batch element, only lse [B,H,T] kept;
-//   tiled    attention_forward_lse/backward_lse on the SRAM-tiled tensor-core kernels (the
-//            default for bf16 and head size 32, 64 or 128): nothing T x T anywhere.
+//   tiled    attention_forward_lse/backward_lse on the SRAM-tiled tensor-core kernels
+//            (cuda::set_flash_attention(true); bf16, head size 32, 64 or 128): nothing T x T.
 // Prints each kernel's median time (CUDA events around each call), TFLOP/s and the workspace it
 // took, and the ratios of the tiled pair to the other two.
 //

@@ -304,12 +304,15 @@ std::vector<float> to_floats(const std::vector<bf16>& v) {
 constexpr double bf16_tolerance = 1.5e-2;
 const double bf16_rounding = std::ldexp(1.0, -8);
 constexpr double lse_tolerance = 1e-4;
+// The cuBLAS path rounds the scores to bf16 before its softmax, so its lse carries that rounding
+// (seen on an H100: worst 1.5e-3 of |lse|).
+const double cublas_lse_tolerance = 2 * bf16_rounding;
 
 //! Checks out, lse and dqkv against the reference.
 void check_all(const Reference& r, const std::vector<bf16>& out, const std::vector<float>& lse,
-               const std::vector<bf16>& dqkv) {
+               const std::vector<bf16>& dqkv, double lse_error = lse_tolerance) {
   check_expected(to_floats(out), r.out, bf16_tolerance, bf16_rounding, "out");
-  check_expected(lse, r.lse, lse_tolerance, 0.0, "lse");
+  check_expected(lse, r.lse, lse_error, 0.0, "lse");
   check_expected(to_floats(dqkv), r.dqkv, bf16_tolerance, bf16_rounding, "dqkv");
 }
 
@@ -404,7 +407,7 @@ std::vector<Case> device_cases() {
 
 //! Whether the GPU is sm_80 or newer; then this program must have the tiled kernels for it (it is
 //! built with compute_80 PTX beside CMake's architectures; tests/cuda/CMakeLists.txt).
-bool tiled_kernels_run(const cuda& be) {
+bool tiled_kernels_run(cuda& be) {
   int major = 0;
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be.device()) == cudaSuccess);
   if (major < 8) {
@@ -413,7 +416,8 @@ bool tiled_kernels_run(const cuda& be) {
     return false;
   }
   REQUIRE(flash_attention_available(be));
-  REQUIRE(be.flash_attention());
+  CHECK_FALSE(be.flash_attention());  // off by default (slower than cuBLAS so far)
+  be.set_flash_attention(true);
   return true;
 }
 
@@ -464,7 +468,7 @@ TEST_CASE("the tiled kernels and the cuBLAS path agree; the tiled forward takes 
 
   be.set_flash_attention(false);
   const Result batched = run_on_device(be, c, data);
-  check_all(ref, batched.out, batched.lse, batched.dqkv);
+  check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
 }
 
 }  // namespace

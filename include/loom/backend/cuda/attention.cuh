@@ -8,9 +8,9 @@
 //! attention_forward_lse/backward_lse save only each row's log-sum-exp lse [B,NH,T] and the
 //! backward recomputes the probabilities from the scores (FlashAttention's contract), so their
 //! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
-//! and zero its upper triangle. For bf16 with head size 32, 64 or 128 the lse pair runs instead
-//! the SRAM-tiled tensor-core kernels of detail/flash_attention.cuh, which never form a T x T
-//! block (cuda::set_flash_attention(false) keeps the cuBLAS path, e.g. to compare).
+//! and zero its upper triangle. For bf16 with head size 32, 64 or 128, after
+//! cuda::set_flash_attention(true), the lse pair runs instead the SRAM-tiled tensor-core kernels
+//! of detail/flash_attention.cuh, which never form a T x T block (off by default: slower so far).
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
