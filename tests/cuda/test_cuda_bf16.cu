@@ -9,7 +9,8 @@
 // the cross-entropy's probabilities: exps, then probabilities), K the reduction length behind
 // the result, t the size of one of its terms, and e the intermediate roundings the device takes
 // inside the reduction and the CPU does not (0 but for attention, whose scores, score gradients
-// and probabilities pass through bf16 between the cuBLAS calls, as in llm.c). The last part
+// and probabilities pass through bf16 between the cuBLAS calls, as in llm.c, and for GEMMs that
+// accumulate into bf16, where cuBLAS may round the product before adding). The last part
 // allows a few float ulps per term for another summation order. The embedding gives the CPU's
 // bits (the same float additions in the same order); sum_of_squares accumulates in double (1e-12).
 // Attention with only the row log-sum-exp saved gives the CPU's out and gradient (the CPU's stored
@@ -157,8 +158,11 @@ TEST_CASE("bf16: matmul forward and backward (bf16 cuBLAS GEMMs, fp32 accumulati
     const Device<bf16> d_din(be, din0, {N, C}), d_dweight(be, dweight0, {OC, C}), d_dbias(be, dbias0, {OC});
     loom::kernels::matmul_backward<bf16>(be, d_din.view(), d_dweight.view(), d_dbias.view(), d_dout.cview(),
                                          d_in.cview(), d_weight.cview());
-    check_bf16(d_din.to_host(be), din, {.terms = OC + 1}, "din");
-    check_bf16(d_dweight.to_host(be), dweight, {.terms = N + 1}, "dweight");
+    // Accumulating GEMMs (beta 1): cuBLAS may round the product to bf16 before adding the old
+    // gradient (seen on an H100), an intermediate rounding of |A B|, whose standard deviation
+    // is sqrt(K) t / 3 for these inputs; e = 2 covers six of them.
+    check_bf16(d_din.to_host(be), din, {.terms = OC + 1, .intermediate = 2.0}, "din");
+    check_bf16(d_dweight.to_host(be), dweight, {.terms = N + 1, .intermediate = 2.0}, "dweight");
     check_bf16(d_dbias.to_host(be), dbias, {.terms = N + 1}, "dbias");
   }
 }
@@ -215,7 +219,9 @@ TEST_CASE("bf16: gelu, residual, add_to and scale") {
     check_bf16(d_out.to_host(be), out, {.term = 5.0}, "gelu out");
     ref::gelu_backward(din, x, g);
     loom::kernels::gelu_backward<bf16>(be, d_din.view(), d_x.cview(), d_g.cview());
-    check_bf16(d_din.to_host(be), din, {.term = 2.0}, "gelu din");
+    // Each side's tanh is a few float ulps off (CUDA's tanhf, glibc's tanh), and the derivative
+    // multiplies th's error by up to |0.5 - x th sqrt(2/pi) (1 + 0.134 x^2)| ~ 18 at |x| = 5.
+    check_bf16(d_din.to_host(be), din, {.term = 40.0}, "gelu din");
 
     ref::residual_forward(out, x, g);
     loom::kernels::residual_forward<bf16>(be, d_out.view(), d_x.cview(), d_g.cview());

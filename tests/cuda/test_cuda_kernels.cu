@@ -501,8 +501,11 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
   if (!have_gpu()) return;
   loom::cuda be(0);
   constexpr double eps = 1e-5;
+  // 128, 768 and 1024 columns take the vector kernel (1, 6 and 8 vectors of 4 floats per lane),
+  // 1152 (9 per lane) and the odd widths the scalar one.
   for (const LayernormCase c : {LayernormCase{1, 1, 0}, LayernormCase{1, 7, 0}, LayernormCase{7, 1001, 0},
-                                LayernormCase{65, 33, 10}, LayernormCase{256, 768, 0}}) {
+                                LayernormCase{65, 33, 10}, LayernormCase{256, 768, 0}, LayernormCase{9, 128, 0},
+                                LayernormCase{9, 1024, 0}, LayernormCase{3, 1152, 0}}) {
     CAPTURE(c.N);
     CAPTURE(c.C);
     const std::vector<float> x = random_floats(c.N * c.C, 400, c.offset - 1, c.offset + 1);

@@ -1,12 +1,13 @@
 #pragma once
 //! \file LayerNorm over the last axis on the CUDA backend: one warp per row, row statistics in
 //! two fp32 passes (mean, then the mean square of x - mean), parameter gradients as column sums
-//! in a fixed order. bf16 elements are loaded as float; mean and rstd are stored in float
+//! in a fixed order (detail/column_sums.cuh). bf16 elements are loaded as float; mean and rstd are stored in float
 //! (accumulate_t) and every other result is rounded once.
 
 #include <cstdint>
 
 #include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/column_sums.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
@@ -71,35 +72,82 @@ __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* w
   }
 }
 
-//! dweight[j] += sum over rows of (x - mean) * rstd * dout, dbias[j] += sum over rows of dout:
-//! thread (x, y) takes rows y, y + 32, ... of column j, then the partials are added in order.
-template <class T, class A = accumulate_t<T>>
-__global__ void param_grad_kernel(T* dweight, T* dbias, const T* dout, const T* in, const A* mean,
-                                  const A* rstd, std::int64_t rows, std::int64_t cols) {
-  using cuda_kernels::column_row_threads;
-  using cuda_kernels::column_tile;
-  __shared__ A partial_w[column_row_threads][column_tile];
-  __shared__ A partial_b[column_row_threads][column_tile];
-  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * column_tile + threadIdx.x;
-  A sum_w = 0, sum_b = 0;
-  if (j < cols)
-    for (std::int64_t n = threadIdx.y; n < rows; n += column_row_threads) {
-      const A g = to_accumulate(dout[n * cols + j]);
-      sum_w += (to_accumulate(in[n * cols + j]) - mean[n]) * rstd[n] * g;
-      sum_b += g;
-    }
-  partial_w[threadIdx.y][threadIdx.x] = sum_w;
-  partial_b[threadIdx.y][threadIdx.x] = sum_b;
-  __syncthreads();
-  if (threadIdx.y != 0 || j >= cols) return;
-  A total_w = 0, total_b = 0;
-  for (int k = 0; k < column_row_threads; ++k) {
-    total_w += partial_w[k][threadIdx.x];
-    total_b += partial_b[k][threadIdx.x];
+//! `elements` T in 16 bytes, moved as one load or store.
+template <class T>
+struct alignas(16) Vector16 {
+  static constexpr int elements = 16 / sizeof(T);
+  T value[elements];
+};
+
+//! input_grad_kernel with each lane's part of the row held in registers: P 16-byte vectors of
+//! x, dout and weight per lane (cols = 32 P elements-per-vector), all loaded before the sums, then
+//! din read, updated and written a vector at a time. The scalar kernel issues a load, waits, and
+//! issues the next (its stores may alias its loads): on an H100 it took 0.45 ms for [16384, 768]
+//! bf16, 16 times its forward; here each row costs two round trips to memory.
+template <class T, int P, class A = accumulate_t<T>>
+__global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, const T* weight, const A* mean,
+                                         const A* rstd, std::int64_t rows, std::int64_t cols) {
+  using V = Vector16<T>;
+  constexpr int E = V::elements;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const A m = mean[row], r = rstd[row];
+  V x[P], g[P], w[P];
+  for (int p = 0; p < P; ++p) {
+    const std::int64_t at = static_cast<std::int64_t>(p * 32 + lane) * E;
+    x[p] = *reinterpret_cast<const V*>(in + row * cols + at);
+    g[p] = *reinterpret_cast<const V*>(dout + row * cols + at);
+    w[p] = *reinterpret_cast<const V*>(weight + at);
   }
-  dweight[j] = static_cast<T>(to_accumulate(dweight[j]) + total_w);
-  dbias[j] = static_cast<T>(to_accumulate(dbias[j]) + total_b);
+  A sum_dnorm = 0, sum_dnorm_norm = 0;
+  for (int p = 0; p < P; ++p)
+    for (int e = 0; e < E; ++e) {
+      const A dnorm = to_accumulate(w[p].value[e]) * to_accumulate(g[p].value[e]);
+      sum_dnorm += dnorm;
+      sum_dnorm_norm += dnorm * ((to_accumulate(x[p].value[e]) - m) * r);
+    }
+  const A a = cuda_kernels::warp_sum(sum_dnorm) / static_cast<A>(cols);
+  const A c = cuda_kernels::warp_sum(sum_dnorm_norm) / static_cast<A>(cols);
+  for (int p = 0; p < P; ++p) {
+    V* dx = reinterpret_cast<V*>(din + row * cols + static_cast<std::int64_t>(p * 32 + lane) * E);
+    V d = *dx;
+    for (int e = 0; e < E; ++e) {
+      const A norm = (to_accumulate(x[p].value[e]) - m) * r;
+      const A dnorm = to_accumulate(w[p].value[e]) * to_accumulate(g[p].value[e]);
+      d.value[e] = static_cast<T>(to_accumulate(d.value[e]) + (dnorm - a - norm * c) * r);
+    }
+    *dx = d;
+  }
 }
+
+//! The vectors per lane input_grad_vector_kernel takes for `cols` columns of T with these
+//! pointers: 1..8, or 0 where it does not apply (cols not a multiple of 32 vectors, more than 8
+//! per lane, or a pointer not 16-byte aligned).
+template <class T>
+int input_grad_vectors(std::int64_t cols, const void* const (&pointers)[4]) {
+  constexpr std::int64_t row_vector = 32 * Vector16<T>::elements;
+  if (cols % row_vector != 0 || cols / row_vector > 8) return 0;
+  for (const void* p : pointers)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return 0;
+  return static_cast<int>(cols / row_vector);
+}
+
+//! Row n's terms of column j of the parameter gradients: (x - mean) * rstd * dout for dweight,
+//! dout for dbias (cuda_kernels::add_column_sums adds them up).
+template <class T, class A = accumulate_t<T>>
+struct ParamGradTerms {
+  const T* dout;
+  const T* in;
+  const A* mean;
+  const A* rstd;
+  std::int64_t cols;
+  __device__ void operator()(std::int64_t n, std::int64_t j, A (&add)[2]) const {
+    const A g = to_accumulate(dout[n * cols + j]);
+    add[0] += (to_accumulate(in[n * cols + j]) - mean[n]) * rstd[n] * g;
+    add[1] += g;
+  }
+};
 
 }  // namespace loom::detail::cuda_layernorm
 
@@ -134,7 +182,7 @@ void layernorm_forward(const cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> me
 //! Backward of layernorm_forward from its saved `mean` and `rstd`, accumulating: din += d in,
 //! dweight += sum over rows of dout * normalized in, dbias += sum over rows of dout.
 template <class T>
-void layernorm_backward(const cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
+void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                         Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
@@ -154,13 +202,26 @@ void layernorm_backward(const cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor
   check_data(in, kernel, "in");
 
   k::activate(be);
-  d::input_grad_kernel<<<k::row_blocks(N), 32 * k::warps_per_block, 0, be.stream()>>>(
-      din.data(), dout.data(), in.data(), weight.data(), mean.data(), rstd.data(), N, C);
+  const int vectors = d::input_grad_vectors<T>(C, {din.data(), dout.data(), in.data(), weight.data()});
+  const auto launch = [&](auto kernel) {
+    kernel<<<k::row_blocks(N), 32 * k::warps_per_block, 0, be.stream()>>>(din.data(), dout.data(), in.data(),
+                                                                            weight.data(), mean.data(), rstd.data(), N, C);
+  };
+  switch (vectors) {
+    case 1: launch(d::input_grad_vector_kernel<T, 1>); break;
+    case 2: launch(d::input_grad_vector_kernel<T, 2>); break;
+    case 3: launch(d::input_grad_vector_kernel<T, 3>); break;
+    case 4: launch(d::input_grad_vector_kernel<T, 4>); break;
+    case 5: launch(d::input_grad_vector_kernel<T, 5>); break;
+    case 6: launch(d::input_grad_vector_kernel<T, 6>); break;
+    case 7: launch(d::input_grad_vector_kernel<T, 7>); break;
+    case 8: launch(d::input_grad_vector_kernel<T, 8>); break;
+    default: launch(d::input_grad_kernel<T>); break;
+  }
   detail::cuda_check_launch("layernorm_backward input_grad_kernel");
-  const dim3 block(k::column_tile, k::column_row_threads);
-  d::param_grad_kernel<<<k::column_blocks(C), block, 0, be.stream()>>>(
-      dweight.data(), dbias.data(), dout.data(), in.data(), mean.data(), rstd.data(), N, C);
-  detail::cuda_check_launch("layernorm_backward param_grad_kernel");
+  k::add_column_sums<2>(be, k::ColumnOutputs<T, 2>{{dweight.data(), dbias.data()}}, N, C,
+                        d::ParamGradTerms<T>{dout.data(), in.data(), mean.data(), rstd.data(), C},
+                        "layernorm_backward parameter gradients");
 }
 
 }  // namespace loom::inline kernels

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/column_sums.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
@@ -69,7 +70,9 @@ inline Gemm weight_grad_gemm(std::int64_t N, std::int64_t C, std::int64_t OC) {
 
 
 //! Runs `g` on the backend's stream: C = A B (beta 0) or C += A B (beta 1), T in and out (fp32
-//! scalars and accumulation; with bf16 C the fp32 result, beta C included, is rounded once).
+//! scalars and accumulation). With bf16 C, cuBLAS may round A B to bf16 before it adds beta C
+//! (seen on an H100, CUDA 13: a gradient accumulated into bf16 is off by up to 2^-8 |A B|, not
+//! 2^-8 of the sum).
 template <class T>
 void gemm(const cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, const char* kernel) {
   const float alpha = 1.0f;
@@ -109,26 +112,6 @@ __global__ void fill_bias_kernel(T* out, const T* bias, std::int64_t rows, std::
   for (std::int64_t n = blockIdx.y; n < rows; n += gridDim.y) out[n * cols + j] = b;
 }
 
-//! dbias[j] += sum over rows of dout[n, j], in a fixed order (see cuda_kernels::column_tile).
-//! In fp32 (accumulate_t), rounded once into a bf16 dbias.
-template <class T>
-__global__ void bias_grad_kernel(T* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
-  using cuda_kernels::column_row_threads;
-  using cuda_kernels::column_tile;
-  using A = accumulate_t<T>;
-  __shared__ A partial[column_row_threads][column_tile];
-  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * column_tile + threadIdx.x;
-  A sum = 0;
-  if (j < cols)
-    for (std::int64_t n = threadIdx.y; n < rows; n += column_row_threads) sum += to_accumulate(dout[n * cols + j]);
-  partial[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y != 0 || j >= cols) return;
-  A total = 0;
-  for (int r = 0; r < column_row_threads; ++r) total += partial[r][threadIdx.x];
-  dbias[j] = static_cast<T>(to_accumulate(dbias[j]) + total);
-}
-
 //! Launches fill_bias_kernel over out[rows, cols].
 template <class T>
 void fill_bias(const cuda& be, T* out, const T* bias, std::int64_t rows, std::int64_t cols) {
@@ -139,12 +122,22 @@ void fill_bias(const cuda& be, T* out, const T* bias, std::int64_t rows, std::in
   cuda_check_launch("matmul fill_bias_kernel");
 }
 
-//! Launches bias_grad_kernel: dbias[cols] += column sums of dout[rows, cols].
+//! Row n's term of column j of the bias gradient: dout[n, j].
 template <class T>
-void bias_grad(const cuda& be, T* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
-  const dim3 block(cuda_kernels::column_tile, cuda_kernels::column_row_threads);
-  bias_grad_kernel<<<cuda_kernels::column_blocks(cols), block, 0, be.stream()>>>(dbias, dout, rows, cols);
-  cuda_check_launch("matmul bias_grad_kernel");
+struct BiasGradTerm {
+  const T* dout;
+  std::int64_t cols;
+  __device__ void operator()(std::int64_t n, std::int64_t j, accumulate_t<T> (&add)[1]) const {
+    add[0] += to_accumulate(dout[n * cols + j]);
+  }
+};
+
+//! dbias[cols] += column sums of dout[rows, cols], in a fixed order (cuda_kernels::add_column_sums),
+//! in fp32 and rounded once into a bf16 dbias.
+template <class T>
+void bias_grad(cuda& be, T* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
+  cuda_kernels::add_column_sums<1>(be, cuda_kernels::ColumnOutputs<T, 1>{{dbias}}, rows, cols,
+                                   BiasGradTerm<T>{dout, cols}, "matmul_backward bias gradient");
 }
 
 }  // namespace loom::detail::cuda_matmul
@@ -182,7 +175,7 @@ void matmul_forward(const cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<co
 //! (skipped): an empty `dweight` and `dbias` give the input-gradient pass of a split backward, an
 //! empty `din` its weight-gradient pass; the two calls together compute the same bits as one.
 template <class T>
-void matmul_backward(const cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
+void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
