@@ -3,14 +3,16 @@
 #
 #   scripts/gpu_check.sh build [ARCH]   # here (the dev VM): build the CUDA test programs and
 #                                       # gpt2_train for sm_ARCH (default 90) into build-gpu/
-#   scripts/gpu_check.sh run            # there (run with carry ["build-gpu"]): run them all
+#   scripts/gpu_check.sh run [GROUP...] # there (run with carry ["build-gpu"]): run them all, or
+#                                       # only the groups named: tests, demo, train, bench, torch,
+#                                       # profile (not in the default)
 #
 # The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest,
 # CLI11 or OpenMPI, so the programs are built here without MPI, for a generic x86-64 (no
 # -march=native), and carried: the binaries only, about 12 MiB.
 # `run` finds the CUDA and NCCL libraries the binaries need, runs every CUDA test program and a
 # few gpt2_train layouts, then bench/pytorch_gpu.py (PyTorch's GPT-2 small steps on the same GPU),
-# writes each one's output under $OUT (or build-gpu/logs), and prints a table last: name, exit
+# packs their output into $OUT/logs.tgz (or build-gpu/logs), and prints a table last: name, exit
 # code (77 = skipped), seconds, and the line that matters.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,61 +50,98 @@ find_libraries() {
 }
 
 run() {
-  local logs="${OUT:-$bin/logs}" table=() name rc start seconds summary
-  mkdir -p "$logs"
+  # Logs are kept in one folder and packed into $OUT/logs.tgz after each program: a device call
+  # brings back at most 8 files.
+  local out="${OUT:-$bin}" logs="${OUT:+/tmp/gpu_check_logs}" name rc start seconds summary row groups=" ${*:-tests demo train bench torch} "
+  # Each program gets at most this many seconds, so that one hang leaves time for the rest of a
+  # device call (10 minutes at most).
+  local limit="${GPU_CHECK_TIMEOUT:-240}"
+  logs="${logs:-$bin/logs}"
+  rm -rf "$logs" && mkdir -p "$logs"
+  want() { [[ "$groups" == *" $1 "* ]]; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$logs/gpu.txt"
   find_libraries
   run_one() {  # name, command...
     name="$1"; shift
     start=$EPOCHREALTIME
-    (cd "$bin" && timeout 900 "$@") > "$logs/$name.log" 2>&1
+    (cd "$bin" && timeout "$limit" "$@") > "$logs/$name.log" 2>&1
     rc=$?
     seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
     summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward" "$logs/$name.log" | tail -1)
-    table+=("$(printf '%-34s %4s %7.1f  %s' "$name" "$rc" "$seconds" "$summary")")
+    # Written as each program ends, so a call cut off at its limit still shows what ran.
+    row=$(printf '%-34s %4s %7.1f  %s' "$name" "$rc" "$seconds" "$summary")
+    echo "$row" | tee -a "$logs/table.txt"
+    (( rc != 0 && rc != 77 )) && grep -m 8 -E "ERROR|error|what\(\)|Assertion|failed" "$logs/$name.log" | cut -c1-300
+    tar czf "$out/logs.tgz" -C "$logs" .
   }
-  for p in "${programs[@]}"; do run_one "$p" "./$p"; done
-  local demo=(./gpt2_train --demo --device cuda --steps 60 --log-every 20)
-  run_one gpt2_train_1gpu "${demo[@]}"
-  run_one gpt2_train_dp2_staged "${demo[@]}" --dp 2
-  run_one gpt2_train_zero3_staged "${demo[@]}" --dp 2 --zero 3
-  run_one gpt2_train_dp2_tp2_staged "${demo[@]}" --dp 2 --tp 2
-  run_one gpt2_train_pp2_staged "${demo[@]}" --pp 2
-  run_one gpt2_train_nccl_1 "${demo[@]}" --comm nccl
-  # NCCL needs a GPU per rank: pipelines over it where the machine has two.
-  if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
-    run_one gpt2_train_nccl_pp2_1f1b "${demo[@]}" --comm nccl --pp 2 --gpus 2
-    run_one gpt2_train_nccl_pp2_interleaved "${demo[@]}" --comm nccl --pp 2 --gpus 2 --schedule interleaved --virtual-stages 2
+  if want tests; then
+    for p in "${programs[@]}"; do run_one "$p" "./$p"; done
   fi
-  # GPT-2 small at sequence 1024 on one GPU (float, TF32): the first throughput figure; MFU
-  # against the H100 SXM's dense TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
-  run_one gpt2_train_small_1024 ./gpt2_train --device cuda --model small --batch 8 --micro-batch 8 --seq 1024 \
-          --steps 8 --log-every 1 --lr 6e-4 --peak-tflops 494.7
-  # The issue's benchmark: bf16 (fp32 master weights), MFU against the dense bf16 peak, 989.4.
-  run_one gpt2_train_small_1024_bf16 ./gpt2_train --device cuda --model small --batch 16 --micro-batch 16 --seq 1024 \
-          --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --peak-tflops 989.4
-  # The same with the attention keeping only log-sum-exp (B x 12 x 1024 values per block instead
-  # of B x 12 x 1024^2): its cost at micro-batch 16, and at 32 with the memory it frees.
-  # On bf16 it runs the SRAM-tiled kernels; --no-flash-attention gives the cuBLAS ones beside them.
-  for mb in 16 32; do
-    run_one gpt2_train_small_1024_bf16_recompute_$mb ./gpt2_train --device cuda --model small --batch $mb \
-            --micro-batch $mb --seq 1024 --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --attention recompute \
-            --peak-tflops 989.4
-  done
-  run_one gpt2_train_small_1024_bf16_recompute_16_cublas ./gpt2_train --device cuda --model small --batch 16 \
-          --micro-batch 16 --seq 1024 --steps 8 --log-every 1 --lr 6e-4 --dtype bf16 --attention recompute \
-          --no-flash-attention --peak-tflops 989.4
-  # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
-  run_one cuda_attention_bench ./loom_cuda_attention_bench --json "$logs/cuda_attention.json"
-  run_one gpt2_train_recompute_dp2_tp2 "${demo[@]}" --dp 2 --tp 2 --attention recompute
-  # PyTorch on the same GPU (the device image has it): eager and compiled, fp32 (TF32) and bf16.
-  run_one pytorch_gpu python3 "$root/bench/pytorch_gpu.py" --json "$logs/pytorch_gpu.json"
+  local small=(./gpt2_train --device cuda --model small --seq 1024 --steps 8 --log-every 1 --lr 6e-4)
+  if want train; then
+    # GPT-2 small at sequence 1024 on one GPU (float, TF32); MFU against the H100 SXM's dense
+    # TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
+    run_one gpt2_train_small_1024 "${small[@]}" --batch 8 --micro-batch 8 --peak-tflops 494.7
+    # The issue's benchmark: bf16 (fp32 master weights), MFU against the dense bf16 peak, 989.4.
+    run_one gpt2_train_small_1024_bf16 "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --peak-tflops 989.4
+    # The same with the attention keeping only log-sum-exp (B x 12 x 1024 values per block
+    # instead of B x 12 x 1024^2): its cost at micro-batch 16, and at 32 with the memory it frees.
+    # The cuBLAS lse kernels by default; --flash-attention gives the SRAM-tiled ones.
+    for mb in 16 32; do
+      run_one gpt2_train_small_1024_bf16_recompute_$mb "${small[@]}" --batch $mb --micro-batch $mb --dtype bf16 \
+              --attention recompute --peak-tflops 989.4
+    done
+    run_one gpt2_train_small_1024_bf16_recompute_16_flash "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --attention recompute --flash-attention --peak-tflops 989.4
+  fi
+  if want bench; then
+    # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
+    run_one cuda_attention_bench ./loom_cuda_attention_bench --json "$logs/cuda_attention.json"
+  fi
+  local demo=(./gpt2_train --demo --device cuda --steps 60 --log-every 20)
+  if want demo; then
+    run_one gpt2_train_1gpu "${demo[@]}"
+    run_one gpt2_train_dp2_staged "${demo[@]}" --dp 2
+    run_one gpt2_train_zero3_staged "${demo[@]}" --dp 2 --zero 3
+    run_one gpt2_train_dp2_tp2_staged "${demo[@]}" --dp 2 --tp 2
+    run_one gpt2_train_pp2_staged "${demo[@]}" --pp 2
+    run_one gpt2_train_recompute_dp2_tp2 "${demo[@]}" --dp 2 --tp 2 --attention recompute
+    run_one gpt2_train_nccl_1 "${demo[@]}" --comm nccl
+    # NCCL needs a GPU per rank: pipelines over it where the machine has two.
+    if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
+      run_one gpt2_train_nccl_pp2_1f1b "${demo[@]}" --comm nccl --pp 2 --gpus 2
+      run_one gpt2_train_nccl_pp2_interleaved "${demo[@]}" --comm nccl --pp 2 --gpus 2 --schedule interleaved \
+              --virtual-stages 2
+    fi
+  fi
+  if want profile; then
+    # Where a bf16 GPT-2 small step's device time goes, kernel by kernel (Nsight Compute, one
+    # metric, clocks and caches left alone; 2 steps, totals halved).
+    local ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    run_one ncu_gpt2_bf16 "$ncu" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
+            --log-file "$logs/ncu_gpt2_bf16.csv" ./gpt2_train --device cuda --model small --seq 1024 --steps 2 \
+            --batch 16 --micro-batch 16 --dtype bf16
+    python3 "$root/scripts/kernel_profile.py" "$logs/ncu_gpt2_bf16.csv" --divide 2 | tee "$logs/kernel_profile.txt"
+    # One launch of each row-wise backward kernel in detail (NCU_DETAIL: a kernel-name regex).
+    run_one ncu_detail "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+            --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+            -k "regex:${NCU_DETAIL:-input_grad_kernel}" --launch-count 2 ./gpt2_train --device cuda --model small \
+            --seq 1024 --steps 1 --batch 16 --micro-batch 16 --dtype bf16
+  fi
+  if want torch; then
+    # PyTorch on the same GPU (the device image has it), at loom's bf16 batch: eager and
+    # compiled bf16, eager fp32 (TF32).
+    run_one pytorch_gpu python3 "$root/bench/pytorch_gpu.py" --batch 16 --modes eager-bf16,compile-bf16,eager-fp32 \
+            --json "$logs/pytorch_gpu.json"
+  fi
+  echo
   printf '%-34s %4s %7s  %s\n' program rc seconds summary
-  printf '%s\n' "${table[@]}"
+  cat "$logs/table.txt"
 }
 
 case "${1:-}" in
   build) shift; build "$@" ;;
-  run) run ;;
+  run) shift; run "$@" ;;
   *) sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
