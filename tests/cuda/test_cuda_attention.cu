@@ -471,6 +471,7 @@ TEST_CASE("attention_lse checks name the kernel and the argument, lse [B, NH, T]
 std::vector<Case> device_cases() {
   std::vector<Case> cases = odd_cases();
   cases.push_back({2, 256, 4, 64});  // GPT-2's head size, aligned rows: the tensor-core paths
+  cases.push_back({2, 40, 3, 5});    // rows of whole vectors: the softmax's vector kernels, odd head size
   return cases;
 }
 

@@ -279,6 +279,89 @@ __global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows
   zero_above_diagonal(g, w);
 }
 
+// The same two kernels reading and writing a row 16 bytes at a time, where tokens is a multiple
+// of the vector's elements and the buffers are 16-byte aligned. The scalar kernels wait for each
+// load in turn (a store to the row may alias the next load): on an H100 the backward moved 1 TB/s,
+// a third of the card's bandwidth, and the pair took 9 of a bf16 GPT-2 small step's 50 ms of
+// kernels. Lane l takes vectors l, l + 32, ... of the row in every pass, so it reads back only
+// what it wrote, as in the scalar kernels.
+
+//! softmax_forward_kernel, a vector at a time.
+template <class T>
+__global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens,
+                                              float scale) {
+  using V = cuda_kernels::Vector16<T>;
+  constexpr int E = V::elements;
+  const WarpRow w(tokens);
+  if (w.row >= rows) return;  // the whole warp leaves together
+  V* a = reinterpret_cast<V*>(att + w.row * tokens);
+  const std::int64_t used = w.t / E + 1, vectors = tokens / E;  // used: the vectors holding keys 0..t
+  float max = to_accumulate(a[0].value[0]);  // key 0 is visible to every query
+  for (std::int64_t v = w.lane; v < used; v += 32) {
+    const V x = a[v];
+    for (int e = 0; e < E; ++e)
+      if (v * E + e <= w.t) max = fmaxf(max, to_accumulate(x.value[e]));
+  }
+  max = warp_max(max);
+  float sum = 0;
+  for (std::int64_t v = w.lane; v < used; v += 32) {
+    const V x = a[v];
+    for (int e = 0; e < E; ++e)
+      if (v * E + e <= w.t) sum += expf((to_accumulate(x.value[e]) - max) * scale);
+  }
+  sum = cuda_kernels::warp_sum(sum);  // >= 1: the max term is exp(0)
+  if (lse != nullptr && w.lane == 0) lse[w.row] = max * scale + logf(sum);
+  const float inverse = 1.0f / sum;
+  for (std::int64_t v = w.lane; v < vectors; v += 32) {
+    V x = v < used ? a[v] : V{};  // every element is written below: keys past t become 0
+    for (int e = 0; e < E; ++e)
+      x.value[e] = v * E + e <= w.t ? static_cast<T>(expf((to_accumulate(x.value[e]) - max) * scale) * inverse)
+                                    : T(0.0f);
+    a[v] = x;
+  }
+}
+
+//! softmax_backward_kernel, a vector at a time.
+template <class T>
+__global__ void softmax_backward_vector_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens,
+                                               float scale) {
+  using V = cuda_kernels::Vector16<T>;
+  constexpr int E = V::elements;
+  const WarpRow w(tokens);
+  if (w.row >= rows) return;  // the whole warp leaves together
+  V* g = reinterpret_cast<V*>(grad + w.row * tokens);
+  const V* a = reinterpret_cast<const V*>(att + w.row * tokens);
+  const std::int64_t used = w.t / E + 1, vectors = tokens / E;
+  float dot = 0;
+  for (std::int64_t v = w.lane; v < used; v += 32) {
+    const V x = a[v], y = g[v];
+    for (int e = 0; e < E; ++e)
+      if (v * E + e <= w.t) dot += to_accumulate(x.value[e]) * to_accumulate(y.value[e]);
+  }
+  const float shift = cuda_kernels::warp_sum(dot);
+  for (std::int64_t v = w.lane; v < vectors; v += 32) {
+    V y;
+    if (v < used) {
+      const V x = a[v];
+      y = g[v];
+      for (int e = 0; e < E; ++e)
+        y.value[e] = v * E + e <= w.t
+                         ? static_cast<T>(to_accumulate(x.value[e]) * (to_accumulate(y.value[e]) - shift) * scale)
+                         : T(0.0f);
+    } else {
+      for (int e = 0; e < E; ++e) y.value[e] = T(0.0f);
+    }
+    g[v] = y;
+  }
+}
+
+//! Whether rows of `tokens` elements of T at these pointers can be moved as Vector16s.
+template <class T>
+bool vector_rows(std::int64_t tokens, const void* a, const void* b = nullptr) {
+  return tokens % cuda_kernels::Vector16<T>::elements == 0 && cuda_kernels::aligned16(a) &&
+         cuda_kernels::aligned16(b);
+}
+
 // The launchers: one warp per row of [rows, tokens] (rows, tokens > 0); `kernel` names the
 // public kernel in a launch error.
 
@@ -287,8 +370,9 @@ template <class T>
 void softmax_forward(const cuda& be, T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale,
                      const char* kernel) {
   namespace k = cuda_kernels;
-  softmax_forward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens,
-                                                                                          scale);
+  const auto kernel_function =
+      vector_rows<T>(tokens, att) ? softmax_forward_vector_kernel<T> : softmax_forward_kernel<T>;
+  kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens, scale);
   cuda_check_launch((std::string(kernel) + " softmax_forward_kernel").c_str());
 }
 
@@ -307,8 +391,9 @@ template <class T>
 void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale,
                       const char* kernel) {
   namespace k = cuda_kernels;
-  softmax_backward_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows,
-                                                                                           tokens, scale);
+  const auto kernel_function =
+      vector_rows<T>(tokens, grad, att) ? softmax_backward_vector_kernel<T> : softmax_backward_kernel<T>;
+  kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows, tokens, scale);
   cuda_check_launch((std::string(kernel) + " softmax_backward_kernel").c_str());
 }
 

@@ -72,13 +72,6 @@ __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* w
   }
 }
 
-//! `elements` T in 16 bytes, moved as one load or store.
-template <class T>
-struct alignas(16) Vector16 {
-  static constexpr int elements = 16 / sizeof(T);
-  T value[elements];
-};
-
 //! input_grad_kernel with each lane's part of the row held in registers: P 16-byte vectors of
 //! x, dout and weight per lane (cols = 32 P elements-per-vector), all loaded before the sums, then
 //! din read, updated and written a vector at a time. The scalar kernel issues a load, waits, and
@@ -87,7 +80,7 @@ struct alignas(16) Vector16 {
 template <class T, int P, class A = accumulate_t<T>>
 __global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, const T* weight, const A* mean,
                                          const A* rstd, std::int64_t rows, std::int64_t cols) {
-  using V = Vector16<T>;
+  using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -126,10 +119,10 @@ __global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, con
 //! per lane, or a pointer not 16-byte aligned).
 template <class T>
 int input_grad_vectors(std::int64_t cols, const void* const (&pointers)[4]) {
-  constexpr std::int64_t row_vector = 32 * Vector16<T>::elements;
+  constexpr std::int64_t row_vector = 32 * cuda_kernels::Vector16<T>::elements;
   if (cols % row_vector != 0 || cols / row_vector > 8) return 0;
   for (const void* p : pointers)
-    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return 0;
+    if (!cuda_kernels::aligned16(p)) return 0;
   return static_cast<int>(cols / row_vector);
 }
 

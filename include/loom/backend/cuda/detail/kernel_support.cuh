@@ -52,6 +52,17 @@ inline unsigned column_blocks(std::int64_t cols) noexcept {
   return static_cast<unsigned>((cols + column_tile - 1) / column_tile);
 }
 
+//! `elements` T in 16 bytes, moved as one load or store by the kernels that read rows a vector
+//! at a time (layernorm's input gradient, the attention softmax).
+template <class T>
+struct alignas(16) Vector16 {
+  static constexpr int elements = static_cast<int>(16 / sizeof(T));
+  T value[elements];
+};
+
+//! Whether `p` may be read as Vector16s.
+inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
 //! Makes the calling thread work on the backend's device (ranks as threads may use several
 //! GPUs; a launch on another device's stream fails).
 inline void activate(const cuda& be) {
