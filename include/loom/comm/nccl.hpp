@@ -100,10 +100,17 @@ struct State {
       if (std::chrono::steady_clock::now() > deadline)
         fail(std::string(call) + " did not finish within " + std::to_string(options.timeout.count()) + " ms");
       std::this_thread::yield();
-      const ncclResult_t query = ncclCommGetAsyncError(comm, &r);
-      if (query != ncclSuccess) fail(std::string(call) + ": ncclCommGetAsyncError: " + ncclGetErrorString(query));
+      r = async_result(call);
     }
     if (r != ncclSuccess) fail(std::string(call) + ": " + ncclGetErrorString(r));
+  }
+
+  //! This communicator's asynchronous state (ncclCommGetAsyncError), failing if it cannot be read.
+  ncclResult_t async_result(const char* call) {
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(comm, &async);
+    if (query != ncclSuccess) fail(std::string(call) + ": ncclCommGetAsyncError: " + ncclGetErrorString(query));
+    return async;
   }
 
   //! Waits (up to the timeout) until NCCL's thread has written a new communicator's handle into
@@ -114,9 +121,7 @@ struct State {
     while (written.load(std::memory_order_acquire) == nullptr) {
       if (std::chrono::steady_clock::now() > deadline)
         fail(std::string(call) + " gave no new communicator within " + std::to_string(options.timeout.count()) + " ms");
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t query = ncclCommGetAsyncError(comm, &async);
-      if (query != ncclSuccess) fail(std::string(call) + ": ncclCommGetAsyncError: " + ncclGetErrorString(query));
+      const ncclResult_t async = async_result(call);
       if (async != ncclSuccess && async != ncclInProgress) fail(std::string(call) + ": " + ncclGetErrorString(async));
       std::this_thread::yield();
     }

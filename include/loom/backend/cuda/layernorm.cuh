@@ -1,8 +1,8 @@
 #pragma once
 //! \file LayerNorm over the last axis on the CUDA backend: one warp per row, row statistics in
 //! two fp32 passes (mean, then the mean square of x - mean), parameter gradients as column sums
-//! in a fixed order (detail/column_sums.cuh). bf16 elements are loaded as float; mean and rstd are stored in float
-//! (accumulate_t) and every other result is rounded once.
+//! in a fixed order (detail/column_sums.cuh). bf16 elements are loaded as float; mean and rstd
+//! are stored in float (accumulate_t) and every other result is rounded once.
 
 #include <cstdint>
 
@@ -193,12 +193,13 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
   check_numel(rstd, N, kernel, "rstd");
   if (N == 0 || C == 0) return;
   check_data(in, kernel, "in");
+  k::check_column_sum_rows(N, kernel);
 
   k::activate(be);
   const int vectors = d::input_grad_vectors<T>(C, {din.data(), dout.data(), in.data(), weight.data()});
-  const auto launch = [&](auto kernel) {
-    kernel<<<k::row_blocks(N), 32 * k::warps_per_block, 0, be.stream()>>>(din.data(), dout.data(), in.data(),
-                                                                            weight.data(), mean.data(), rstd.data(), N, C);
+  const auto launch = [&](auto input_grad) {
+    input_grad<<<k::row_blocks(N), 32 * k::warps_per_block, 0, be.stream()>>>(
+        din.data(), dout.data(), in.data(), weight.data(), mean.data(), rstd.data(), N, C);
   };
   switch (vectors) {
     case 1: launch(d::input_grad_vector_kernel<T, 1>); break;

@@ -188,6 +188,7 @@ void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias
   if (!dbias.empty()) check_shape(dbias, Shape{OC}, kernel, "dbias");
   if (N == 0 || OC == 0) return;
   if (!dweight.empty()) check_data(in, kernel, "in");
+  if (!dbias.empty()) detail::cuda_kernels::check_column_sum_rows(N, kernel);
 
   detail::cuda_kernels::activate(be);
   if (C > 0) {

@@ -13,12 +13,14 @@
 //! an H100's SMs, 0.18 ms for layernorm's [16384, 768] parameter gradients.)
 
 #include <cstdint>
+#include <string>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
+#include "loom/core/error.hpp"
 
 namespace loom::detail::cuda_kernels {
 
@@ -26,6 +28,16 @@ namespace loom::detail::cuda_kernels {
 inline constexpr std::int64_t column_chunk_rows = 256;
 inline std::int64_t column_chunks(std::int64_t rows) noexcept {
   return (rows + column_chunk_rows - 1) / column_chunk_rows;
+}
+
+//! The most rows add_column_sums takes: 65535 chunks, the limit of the grid's y extent.
+inline constexpr std::int64_t max_column_sum_rows = 65535 * column_chunk_rows;
+
+//! Checks, before any work, that `rows` rows fit the column sums' grid; `kernel` names the
+//! public kernel in the error.
+inline void check_column_sum_rows(std::int64_t rows, const char* kernel) {
+  LOOM_CHECK(rows <= max_column_sum_rows, std::string(kernel) + ": rows (N)", rows,
+             "must be at most " + std::to_string(max_column_sum_rows) + " (65535 chunks of 256 rows)");
 }
 
 //! The outputs of S column sums, each [cols], added into.
@@ -73,14 +85,14 @@ __global__ void column_totals_kernel(ColumnOutputs<T, S> outputs, const A* parti
   }
 }
 
-//! Adds the S column sums of term over [rows, cols] into `outputs` (rows, cols > 0), with
-//! S * chunks * cols floats of workspace from the backend's allocator.
+//! Adds the S column sums of term over [rows, cols] into `outputs` (0 < rows <=
+//! max_column_sum_rows, checked by the caller before its work; cols > 0), with S * chunks * cols
+//! floats of workspace from the backend's allocator.
 template <int S, class T, class Term>
 void add_column_sums(cuda& be, ColumnOutputs<T, S> outputs, std::int64_t rows, std::int64_t cols, Term term,
                      const char* kernel) {
   using A = accumulate_t<T>;
   const std::int64_t chunks = column_chunks(rows);
-  LOOM_CHECK(chunks <= 65535, kernel, rows, "rows: at most 65535 * 256 (the column sums' grid)");
   // Returned to the cache while the stream may still use it: safe, as in attention_backward.
   const Buffer<A, cuda> partials(be, S * chunks * cols, MemoryCategory::workspace);
   const dim3 grid(column_blocks(cols), static_cast<unsigned>(chunks)), block(column_tile, column_row_threads);
