@@ -2,13 +2,13 @@
 // on bf16 data at head sizes 32, 64 and 128 and token counts that leave partial tiles.
 //
 // Without a GPU the kernel bodies still run here: HostThread runs each block with its 128 threads
-// as host threads (barriers for __syncthreads and __syncwarp, a shared exchange for the shuffles)
-// and the WMMA tile operations in float by lane 0 of each warp, whose results the other lanes see
-// only through a barrier, as on the GPU. It also checks WMMA's rules on every tile pointer (256-bit
-// aligned) and leading dimension (a multiple of 16 bytes). So the tiling, the online softmax, the
-// causal mask, the partial tiles, the barriers and the indexing are checked without a GPU; with
-// one, the same checks run on the device kernels through attention_forward_lse/backward_lse, and
-// against the cuBLAS path.
+// as host threads (barriers for __syncthreads, a shared exchange for the shuffles) and each
+// mma.sync from the 32 lanes' fragments by the documented m16n8k16 layout, each lane computing its
+// own part of the result from what the others published, as on the GPU. Shared memory starts as
+// garbage. So the tiling, the online softmax, the causal mask, the partial tiles, the fragment
+// indexing and the barriers are checked without a GPU; with one, the same checks run on the device
+// kernels through attention_forward_lse/backward_lse and against the cuBLAS path, and a single
+// mma checks the layout itself against a plain product.
 //
 // Tolerances. bf16 keeps 8 significant bits: the probabilities fed to the tensor cores are rounded
 // (relative 2^-9), so are dS and every result. A result passes when
@@ -20,7 +20,6 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <barrier>
 #include <bit>
 #include <cmath>
@@ -50,45 +49,40 @@ namespace fl = detail::flash;
 // ---------------------------------------------------------------------------------------------
 // The host emulation of a block.
 
-//! WMMA rule violations seen by HostThread (a pointer not 32-byte aligned, a leading dimension
-//! not a multiple of 16 bytes).
-std::atomic<int> wmma_rule_violations{0};
-
-//! What the threads of one emulated block share.
+//! What the threads of one emulated block share: the block's indices, its shared memory, the
+//! barriers, and each lane's last shuffle value and mma fragments, where the other lanes of its
+//! warp read them.
 struct HostBlock {
   std::int64_t x, y;
   std::unique_ptr<unsigned char[], void (*)(unsigned char*)> shared;
-  std::barrier<> block{fl::threads};
+  std::barrier<> block;
   std::deque<std::barrier<>> warp;  // a deque: barriers do not move
   float exchange[fl::threads] = {};
+  // Two sets, used by turns: a lane writes set s for its next mma only after every lane of its
+  // warp has passed the barrier of the mma that read set s last.
+  std::uint32_t a[2][fl::threads][4] = {}, b[2][fl::threads][2] = {};
 
-  HostBlock(std::int64_t bx, std::int64_t by, std::size_t bytes)
+  //! A block of `threads` threads (a multiple of 32) with `bytes` of shared memory.
+  HostBlock(std::int64_t bx, std::int64_t by, std::size_t bytes, int threads = fl::threads)
       : x(bx),
         y(by),
+        block(threads),
         shared(static_cast<unsigned char*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(128))),
                [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); }) {
-    for (int w = 0; w < fl::warps; ++w) warp.emplace_back(32);
+    for (int w = 0; w < threads / 32; ++w) warp.emplace_back(32);
     // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
     std::fill(shared.get(), shared.get() + bytes, static_cast<unsigned char>(0x7f));
   }
 };
 
+//! bf16 `half` (0: bits 0-15) of a fragment word, as float.
+float half_of(std::uint32_t word, int half) {
+  return static_cast<float>(bf16::from_bits(static_cast<std::uint16_t>(word >> (16 * half))));
+}
+
 //! One thread of an emulated block: the interface of flash::DeviceThread.
 class HostThread {
  public:
-  struct Acc {
-    float v[256];
-  };
-  struct RowA {
-    float v[256];  // (i, k) at v[16 i + k]
-  };
-  struct RowB {
-    float v[256];  // (k, n) at v[16 k + n]
-  };
-  struct ColB {
-    float v[256];  // (k, n) at v[16 k + n], read from column-major memory
-  };
-
   HostThread(HostBlock& block, int thread) : block_(block), thread_(thread) {}
 
   int thread() const { return thread_; }
@@ -96,8 +90,6 @@ class HostThread {
   std::int64_t block_y() const { return block_.y; }
   unsigned char* shared() const { return block_.shared.get(); }
   void sync_block() const { block_.block.arrive_and_wait(); }
-  void sync_warp() const { block_.warp[static_cast<std::size_t>(thread_ / 32)].arrive_and_wait(); }
-  float swap_pair(float value) const { return shuffle_xor(value, 1); }
   float shuffle_xor(float value, int mask) const {
     block_.exchange[thread_] = value;
     sync_warp();
@@ -106,53 +98,35 @@ class HostThread {
     return other;
   }
 
-  // The tile operations: lane 0 of the warp computes them; the other lanes' fragments are never
-  // stored, so they skip the work.
-  void zero(Acc& c) const {
-    if (lead()) std::fill(std::begin(c.v), std::end(c.v), 0.0f);
-  }
-  void load(RowA& f, const bf16* p, unsigned ld) const { load_bf16(f.v, p, ld, false); }
-  void load(RowB& f, const bf16* p, unsigned ld) const { load_bf16(f.v, p, ld, false); }
-  void load(ColB& f, const bf16* p, unsigned ld) const { load_bf16(f.v, p, ld, true); }
-  void load(Acc& f, const float* p, unsigned ld) const {
-    if (!lead()) return;
-    check_rules(p, ld * sizeof(float));
-    for (int i = 0; i < 16; ++i)
-      for (int n = 0; n < 16; ++n) f.v[16 * i + n] = p[i * ld + n];
-  }
-  template <class B>
-  void mma(Acc& c, const RowA& a, const B& b) const {
-    if (!lead()) return;
-    for (int i = 0; i < 16; ++i)
-      for (int n = 0; n < 16; ++n) {
-        float sum = c.v[16 * i + n];
-        for (int k = 0; k < 16; ++k) sum += a.v[16 * i + k] * b.v[16 * k + n];
-        c.v[16 * i + n] = sum;
-      }
-  }
-  void store(float* p, const Acc& c, unsigned ld) const {
-    if (!lead()) return;
-    check_rules(p, ld * sizeof(float));
-    for (int i = 0; i < 16; ++i)
-      for (int n = 0; n < 16; ++n) p[i * ld + n] = c.v[16 * i + n];
+  //! d += a b over the warp's fragments, by the m16n8k16 layout (flash_attention.cuh's file
+  //! comment): every lane publishes its a and b, and computes its own 4 elements of d from all 32.
+  void mma(fl::FragmentC& d, const fl::FragmentA& a, const fl::FragmentB& b) {
+    const int set = turn_++ % 2, warp = thread_ / 32 * 32, lane = thread_ % 32;
+    std::copy(std::begin(a), std::end(a), block_.a[set][thread_]);
+    std::copy(std::begin(b), std::end(b), block_.b[set][thread_]);
+    sync_warp();
+    const auto a_at = [&](int row, int k) {  // A(row, k): lane 4 (row % 8) + (k % 8) / 2
+      const int owner = warp + 4 * (row % 8) + (k % 8) / 2, reg = row / 8 + 2 * (k / 8);
+      return half_of(block_.a[set][owner][reg], k % 2);
+    };
+    const auto b_at = [&](int k, int col) {  // B(k, col): lane 4 col + (k % 8) / 2
+      const int owner = warp + 4 * col + (k % 8) / 2, reg = k / 8;
+      return half_of(block_.b[set][owner][reg], k % 2);
+    };
+    for (int i = 0; i < 4; ++i) {
+      const int row = lane / 4 + 8 * (i / 2), col = 2 * (lane % 4) + i % 2;
+      float sum = d[i];
+      for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
+      d[i] = sum;
+    }
   }
 
  private:
-  bool lead() const { return thread_ % 32 == 0; }
-  static void check_rules(const void* p, std::size_t ld_bytes) {
-    if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0 || ld_bytes % 16 != 0) ++wmma_rule_violations;
-  }
-  //! A 16 x 16 bf16 tile: element (row, col) of the fragment at p[row ld + col], or at
-  //! p[col ld + row] where `column_major`.
-  void load_bf16(float* v, const bf16* p, unsigned ld, bool column_major) const {
-    if (!lead()) return;
-    check_rules(p, ld * sizeof(bf16));
-    for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < 16; ++j) v[16 * i + j] = static_cast<float>(column_major ? p[j * ld + i] : p[i * ld + j]);
-  }
+  void sync_warp() const { block_.warp[static_cast<std::size_t>(thread_ / 32)].arrive_and_wait(); }
 
   HostBlock& block_;
   int thread_;
+  int turn_ = 0;
 };
 
 //! Runs `body(HostThread&)` for every block of a grid_x x grid_y grid, one block at a time.
@@ -337,34 +311,107 @@ Result run_on_host(const Case& c, const Data& data) {
       fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
     });
     const fl::BackwardArgs ba{shape, data.qkv.data(), data.dout.data(), r.lse.data(), delta.data(), r.dqkv.data()};
-    run_grid(grid_x, grid_y, fl::BackwardSmem<HS>::total,
+    run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total,
              [&](HostThread& th) { fl::key_value_grad_block<HS>(th, ba); });
-    run_grid(grid_x, grid_y, fl::BackwardSmem<HS>::total, [&](HostThread& th) { fl::query_grad_block<HS>(th, ba); });
+    run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total, [&](HostThread& th) { fl::query_grad_block<HS>(th, ba); });
   });
   return r;
 }
 
-TEST_CASE("flash attention's shared memory fits an H100 block and keeps WMMA's alignment") {
-  // 227 KiB is the H100's (sm_90) largest dynamic shared memory per block.
-  constexpr std::size_t h100 = 227 * 1024;
-  CHECK(fl::ForwardSmem<64>::total == 64 * 1024);
-  CHECK(fl::ForwardSmem<128>::total <= h100);
-  CHECK(fl::BackwardSmem<128>::total <= h100);
-  for (const std::size_t offset : {fl::ForwardSmem<32>::p, fl::ForwardSmem<32>::o, fl::BackwardSmem<32>::floats,
-                                   fl::BackwardSmem<32>::p, fl::BackwardSmem<32>::ds, fl::BackwardSmem<64>::total})
-    CHECK(offset % 128 == 0);
+TEST_CASE("flash attention's shared memory fits a block without opting in above 48 KiB where HS <= 64") {
+  constexpr std::size_t default_limit = 48 * 1024, h100 = 227 * 1024;  // sm_90's largest, opted in
+  CHECK(fl::ForwardSmem<64>::total == 64 * 72 * 2 + 64 * 72 * 2);
+  CHECK(fl::KeyValueGradSmem<64>::total <= default_limit);
+  CHECK(fl::QueryGradSmem<64>::total <= default_limit);
+  CHECK(fl::KeyValueGradSmem<128>::total <= h100);
+  for (const std::size_t offset : {fl::ForwardSmem<32>::vt, fl::KeyValueGradSmem<32>::qt, fl::KeyValueGradSmem<32>::dout,
+                                   fl::KeyValueGradSmem<32>::doutt, fl::KeyValueGradSmem<32>::lse,
+                                   fl::QueryGradSmem<32>::kt, fl::QueryGradSmem<32>::v})
+    CHECK(offset % 16 == 0);
   CHECK(fl::supported_head_size(64));
   CHECK_FALSE(fl::supported_head_size(48));
 }
 
-TEST_CASE("the tiled kernels' bodies match the reference (host emulation of the blocks and of WMMA)") {
+TEST_CASE("a B fragment load from a padded shared tile reads 32 different banks") {
+  // Lane 4 group + pair reads the word at (n0 + group) ld + k0 + 2 pair (bf16 units).
+  for (const int ld : {fl::row_ld<32>, fl::row_ld<64>, fl::row_ld<128>, fl::col_ld})
+    for (const int k0 : {0, 16, 8}) {
+      CAPTURE(ld);
+      CAPTURE(k0);
+      std::vector<int> banks;
+      for (int lane = 0; lane < 32; ++lane) banks.push_back(((lane / 4) * ld + k0 + 2 * (lane % 4)) / 2 % 32);
+      std::sort(banks.begin(), banks.end());
+      CHECK(std::adjacent_find(banks.begin(), banks.end()) == banks.end());
+    }
+}
+
+//! Two products through the kernels' fragment helpers, as one warp: d [16, 8] = a b with a [16, 16]
+//! row-major in global memory (load_a, rows >= 12 read as zeros) and b (k, n) = bt[n 16 + k] in
+//! shared memory (load_b); then e [16, 8] = c b where c [16, 16] = [bf16(d), bf16(d)] is d's C
+//! fragment taken as both halves of an A fragment (to_a). d and e are written by the C layout.
+#pragma nv_exec_check_disable
+template <class Thread>
+LOOM_HD void fragment_body(Thread& th, const bf16* a, const bf16* bt_global, float* d, float* e) {
+  const int lane = th.thread() % 32;
+  const fl::Lane ln{lane / 4, lane % 4};
+  bf16* bt = reinterpret_cast<bf16*>(th.shared());
+  for (int i = lane; i < 8 * 16; i += 32) bt[i] = bt_global[i];
+  th.sync_block();
+  fl::FragmentA fa;
+  fl::FragmentB fb;
+  fl::load_a(fa, a, 16, 0, 12, 0, ln);
+  fl::load_b(fb, bt, 16, 0, 0, ln);
+  fl::FragmentC acc{};
+  th.mma(acc, fa, fb);
+  for (int i = 0; i < 4; ++i) d[(ln.group + 8 * (i / 2)) * 8 + 2 * ln.pair + i % 2] = acc[i];
+  fl::FragmentA fc;
+  fl::to_a(fc, acc, acc);
+  fl::FragmentC acc2{};
+  th.mma(acc2, fc, fb);
+  for (int i = 0; i < 4; ++i) e[(ln.group + 8 * (i / 2)) * 8 + 2 * ln.pair + i % 2] = acc2[i];
+}
+
+struct FragmentCase {
+  std::vector<bf16> a, bt;
+};
+
+//! Checks d = a b (in double) and e = c b with c built from the d that came back, so that e tests
+//! to_a and the second product alone. A wrong lane or register mapping is off by O(1).
+void check_fragments(const FragmentCase& f, const std::vector<float>& d, const std::vector<float>& e) {
+  const auto b = [&](int k, int n) { return static_cast<double>(static_cast<float>(f.bt[n * 16 + k])); };
+  std::vector<double> want_d, want_e;
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 8; ++n) {
+      double sum = 0, sum_e = 0;
+      for (int k = 0; k < 16 && r < 12; ++k) sum += static_cast<float>(f.a[r * 16 + k]) * b(k, n);
+      for (int k = 0; k < 16; ++k) sum_e += static_cast<float>(bf16(d[r * 8 + k % 8])) * b(k, n);
+      want_d.push_back(sum);
+      want_e.push_back(sum_e);
+    }
+  check_close(d, want_d, 1e-4, "d = a b");
+  check_close(e, want_e, 1e-4, "e = [bf16(d), bf16(d)] b");
+}
+
+TEST_CASE("the mma fragment helpers give a plain product (host emulation)") {
+  const FragmentCase f{random_bf16(16 * 16, 51), random_bf16(8 * 16, 52)};
+  std::vector<float> d(16 * 8, std::numeric_limits<float>::quiet_NaN()), e = d;
+  HostBlock block(0, 0, 8 * 16 * sizeof(bf16), 32);
+  std::vector<std::jthread> lanes;
+  for (int t = 0; t < 32; ++t)
+    lanes.emplace_back([&, t] {
+      HostThread th(block, t);
+      fragment_body(th, f.a.data(), f.bt.data(), d.data(), e.data());
+    });
+  lanes.clear();
+  check_fragments(f, d, e);
+}
+
+TEST_CASE("the tiled kernels' bodies match the reference (host emulation of the blocks and of mma.sync)") {
   std::uint32_t seed = 100;
   for (const Case& c : host_cases()) {
     CAPTURE(c);
     const Data data = make_data(c, seed += 10);
-    wmma_rule_violations = 0;
     const Result got = run_on_host(c, data);
-    CHECK(wmma_rule_violations == 0);
     check_all(reference(c, data), got.out, got.lse, got.dqkv);
   }
 }
@@ -411,7 +458,7 @@ bool tiled_kernels_run(cuda& be) {
   int major = 0;
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be.device()) == cudaSuccess);
   if (major < 8) {
-    MESSAGE("GPU older than sm_80: no bf16 WMMA, the tiled kernels are not used or tested");
+    MESSAGE("GPU older than sm_80: no bf16 mma.sync, the tiled kernels are not used or tested");
     CHECK_FALSE(flash_attention_available(be));
     return false;
   }
@@ -419,6 +466,30 @@ bool tiled_kernels_run(cuda& be) {
   CHECK_FALSE(be.flash_attention());  // off by default (slower than cuBLAS so far)
   be.set_flash_attention(true);
   return true;
+}
+
+__global__ void fragment_kernel(const bf16* a, const bf16* bt, float* d, float* e) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  fl::DeviceThread th;
+  fragment_body(th, a, bt, d, e);
+#else
+  (void)a, (void)bt, (void)d, (void)e;
+#endif
+}
+
+TEST_CASE("the mma fragment helpers give a plain product on the GPU (the m16n8k16 layout itself)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!tiled_kernels_run(be)) return;
+  const FragmentCase f{random_bf16(16 * 16, 51), random_bf16(8 * 16, 52)};
+  const std::vector<float> nans(16 * 8, std::numeric_limits<float>::quiet_NaN());
+  const DeviceArray<bf16> a(be, f.a, Shape{16, 16}), bt(be, f.bt, Shape{8, 16});
+  const DeviceArray<float> d(be, nans, Shape{16, 8}), e(be, nans, Shape{16, 8});
+  detail::cuda_kernels::activate(be);
+  fragment_kernel<<<1, 32, 8 * 16 * sizeof(bf16), be.stream()>>>(a.buffer.data(), bt.buffer.data(), d.buffer.data(),
+                                                                  e.buffer.data());
+  detail::cuda_check_launch("fragment_kernel");
+  check_fragments(f, d.to_host(be), e.to_host(be));
 }
 
 TEST_CASE("attention_forward_lse/backward_lse on the tiled kernels match the reference; same bits each run") {

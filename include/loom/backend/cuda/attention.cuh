@@ -432,7 +432,7 @@ auto softmax_grad_runner(const cuda& be, const attention::Dims& d, const char* k
 // The SRAM-tiled path (detail/flash_attention.cuh).
 
 //! Whether this program's tiled kernels run on the backend's (current) device: compiled, as
-//! SASS or PTX, for sm_80 or newer, where bf16 WMMA exists. Built only for older architectures
+//! SASS or PTX, for sm_80 or newer, where bf16 mma.sync exists. Built only for older architectures
 //! (CMake's default CUDA architecture is one) they are empty, and are never launched.
 inline bool flash_built_for(const cuda& be) {
   static std::mutex mutex;
@@ -510,9 +510,9 @@ inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const
   with_head_size(d, [&]<int HS>() {
     launch_tiled(be, flash::delta_kernel<HS>, dim3(delta_blocks), 0, name, "flash::delta_kernel", out, dout,
                  delta.data(), args.shape, rows);
-    launch_tiled(be, flash::key_value_grad_kernel<HS>, flash_grid(d), flash::BackwardSmem<HS>::total, name,
+    launch_tiled(be, flash::key_value_grad_kernel<HS>, flash_grid(d), flash::KeyValueGradSmem<HS>::total, name,
                  "flash::key_value_grad_kernel", args);
-    launch_tiled(be, flash::query_grad_kernel<HS>, flash_grid(d), flash::BackwardSmem<HS>::total, name,
+    launch_tiled(be, flash::query_grad_kernel<HS>, flash_grid(d), flash::QueryGradSmem<HS>::total, name,
                  "flash::query_grad_kernel", args);
   });
 }

@@ -1,31 +1,39 @@
 #pragma once
 //! \file SRAM-tiled causal self-attention with the log-sum-exp contract, for bf16 data with
-//! float accumulation on tensor cores (WMMA 16x16x16): the algorithm of FlashAttention-2 (Dao,
-//! "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023), with
-//! the backward split into two kernels so that no gradient element is written by two blocks
+//! float accumulation on tensor cores: the algorithm of FlashAttention-2 (Dao, "FlashAttention-2:
+//! Faster Attention with Better Parallelism and Work Partitioning", 2023) with its scores,
+//! probabilities and accumulators held in registers as mma.sync m16n8k16 fragments, and with the
+//! backward split into two kernels so that no gradient element is written by two blocks
 //! (FlashAttention-2 adds dQ with atomics, whose order changes the bits from run to run).
 //!
-//! - forward: a block owns 64 query rows of one (batch, head); it walks the key tiles 0..its own
-//!   (causal), keeping each row's running max m and sum l (the online softmax) and the
-//!   unnormalised output in shared memory, and writes out and lse = m + log l at the end.
-//!   Nothing T x T exists anywhere.
+//! - forward: a block owns 64 query rows of one (batch, head), each of its 4 warps 16 of them;
+//!   it walks the key tiles 0..its own (causal), keeping each row's running max m and sum l (the
+//!   online softmax) and the unnormalised output in registers, and writes out and
+//!   lse = m + log l at the end. Nothing T x T exists anywhere.
 //! - backward, with D = rowsum(dout * out) per query row (delta_kernel):
-//!   - key_value_grad: a block owns 64 keys; it walks the query tiles from its own to the last,
-//!     recomputing S^T = K Q^T, P^T = exp(S^T scale - lse), dP^T = V dO^T and
+//!   - key_value_grad: a block owns 64 keys (a warp 16); it walks the query tiles from its own
+//!     to the last, recomputing S^T = K Q^T, P^T = exp(S^T scale - lse), dP^T = V dO^T and
 //!     dS^T = P^T (dP^T - D) scale, and accumulates dV += P^T dO and dK += dS^T Q in registers;
-//!   - query_grad: a block owns 64 queries; it walks the key tiles 0..its own, recomputing S, P,
-//!     dP and dS the same way, and accumulates dQ += dS K.
+//!   - query_grad: a block owns 64 queries (a warp 16); it walks the key tiles 0..its own,
+//!     recomputing S, P, dP and dS the same way, and accumulates dQ += dS K.
 //!   The score work is done twice (once per kernel), the price of a fixed summation order.
 //!
-//! The kernel bodies are templates over a `Thread` type that supplies the thread and block
-//! indices, the barriers, the lane exchange and the WMMA tile operations: on the GPU it is
-//! DeviceThread (threadIdx, __syncthreads, nvcuda::wmma); the tests run the same bodies on the
-//! host with every thread of a block as a host thread and the tile operations in float, so the
-//! tiling, masking, barriers and indexing are checked where there is no GPU.
+//! Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"): lane
+//! l = 4 group + pair holds, of a 16 x 16 A block, rows group and group + 8 at columns 2 pair,
+//! 2 pair + 1 and those + 8; of a 16 x 8 B block, column group at rows 2 pair, 2 pair + 1 and
+//! those + 8; of a 16 x 8 C block, rows group and group + 8 at columns 2 pair, 2 pair + 1. So
+//! the C fragments of two adjacent 16 x 8 score blocks are, rounded to bf16, the A fragment of
+//! the 16 x 16 probability block that multiplies V: the probabilities never leave registers.
+//! B is read from shared memory as [n][k] rows (K and Q as they are for the scores; V, dO, Q and
+//! K transposed on their way in for the products over keys or queries), rows padded by 8 bf16 so
+//! that the 8 rows x 4 words a fragment load reads fall in 32 different banks.
 //!
-//! Each warp works on 16 rows (one WMMA tile high) and each pair of lanes on one of them, lane
-//! bit 0 choosing the half of the 64 columns; the pair exchanges partial maxima and sums with one
-//! shuffle. Tile rows past T are loaded as zeros and masked, so any T works.
+//! The kernel bodies are templates over a `Thread` type that supplies the thread and block
+//! indices, the block barrier, the lane exchange and the mma: on the GPU it is DeviceThread
+//! (threadIdx, __syncthreads, __shfl_xor_sync, mma.sync); the tests run the same bodies on the
+//! host with every thread of a block as a host thread and the mma computed from the lanes'
+//! fragments by the layout above, so the tiling, masking, fragment indexing and barriers are
+//! checked where there is no GPU. Tile rows past T are loaded as zeros and masked, so any T works.
 
 #include <cmath>
 #include <cstddef>
@@ -35,7 +43,6 @@
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
-#include <mma.h>
 #endif
 
 #include "loom/core/bf16.hpp"
@@ -49,6 +56,14 @@
 #else
 #define LOOM_FLASH_BODY
 #endif
+// Loops over fragments must be unrolled on the device: a register array indexed by a loop
+// variable that is not a compile-time constant lives in local memory. (The host compiler does not
+// know the pragma.)
+#if defined(__CUDA_ARCH__)
+#define LOOM_FLASH_UNROLL _Pragma("unroll")
+#else
+#define LOOM_FLASH_UNROLL
+#endif
 
 namespace loom::detail::flash {
 
@@ -57,10 +72,10 @@ inline constexpr int tile = 64;
 //! Warps of a block, each owning 16 rows of the block's tile.
 inline constexpr int warps = 4;
 inline constexpr int threads = 32 * warps;
-inline constexpr int warp_rows = tile / warps;  // 16: one WMMA tile high
-//! The WMMA tile edge (m = n = k = 16 for bf16).
-inline constexpr int mma_edge = 16;
-static_assert(warp_rows == mma_edge, "each warp owns one WMMA tile of rows");
+inline constexpr int warp_rows = tile / warps;  // 16: one mma block high
+static_assert(warp_rows == 16, "each warp owns the 16 rows of one m16n8k16 block");
+//! 8-column blocks of a tile's 64 columns (the n of m16n8k16).
+inline constexpr int tile_blocks = tile / 8;
 
 //! The head sizes the kernels are built for (the rest use the cuBLAS path).
 inline constexpr bool supported_head_size(std::int64_t hs) noexcept { return hs == 32 || hs == 64 || hs == 128; }
@@ -94,8 +109,7 @@ struct BackwardArgs {
   bf16* dqkv;
 };
 
-//! Where a block works: batch element b, head h (blockIdx.x = b NH + h) and the index of its
-//! tile (blockIdx.y, ordered so that the blocks with the most tiles to walk start first).
+//! Where a block works: batch element b, head h (blockIdx.x = b NH + h).
 struct Place {
   std::int64_t b, h, bh;
 };
@@ -104,8 +118,8 @@ LOOM_HD inline Place place(std::int64_t block_x, int heads) noexcept {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared memory: byte offsets of each kernel's regions (every region a multiple of 128 bytes, so
-// each WMMA pointer is 256-bit aligned as the WMMA loads and stores require).
+// Shared memory: byte offsets of each kernel's regions (each a multiple of 16 bytes, so that
+// tile rows take 16-byte stores).
 
 //! Bytes of a [rows, cols] block of `E`.
 template <class E>
@@ -113,40 +127,44 @@ LOOM_HD constexpr std::size_t bytes(int rows, int cols) noexcept {
   return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * sizeof(E);
 }
 
-//! The forward's shared memory for head size HS: the query, key and value tiles [64, HS] (bf16),
-//! and per warp the scores [16, 64] (float), the probabilities [16, 64] (bf16) and the running
-//! output [16, HS] (float).
+//! bf16 of padding after each shared tile row: a row of HS + 8 (HS = 32, 64, 128: 20, 36 or 68
+//! words) or 64 + 8 (36 words) starts 20 or 4 banks after the previous one, so a fragment load's
+//! 8 rows x 4 consecutive words land in 32 different banks.
+inline constexpr int pad = 8;
+//! The row stride of a [64, HS] tile (rows are tokens).
+template <int HS>
+inline constexpr int row_ld = HS + pad;
+//! The row stride of a transposed [HS, 64] tile (rows are channels).
+inline constexpr int col_ld = tile + pad;
+
+//! The forward's shared memory: the key tile [64, HS] and the value tile transposed [HS, 64].
 template <int HS>
 struct ForwardSmem {
-  static constexpr std::size_t q = 0;
-  static constexpr std::size_t k = q + bytes<bf16>(tile, HS);
-  static constexpr std::size_t v = k + bytes<bf16>(tile, HS);
-  static constexpr std::size_t s = v + bytes<bf16>(tile, HS);
-  static constexpr std::size_t p = s + warps * bytes<float>(warp_rows, tile);
-  static constexpr std::size_t o = p + warps * bytes<bf16>(warp_rows, tile);
-  static constexpr std::size_t total = o + warps * bytes<float>(warp_rows, HS);
+  static constexpr std::size_t k = 0;
+  static constexpr std::size_t vt = k + bytes<bf16>(tile, row_ld<HS>);
+  static constexpr std::size_t total = vt + bytes<bf16>(HS, col_ld);
 };
 
-//! The backward kernels' shared memory: four [64, HS] bf16 tiles (key_value_grad: k, v, q, dout;
-//! query_grad: q, dout, k, v), lse and delta of the 64 query rows, and per warp two adjacent
-//! [16, 64] float blocks (the scores and the probability gradient; at the end together the
-//! [16, HS] staging of the accumulators, HS <= 128) and two [16, 64] bf16 blocks (P^T and dS^T,
-//! or dS).
+//! key_value_grad's shared memory: the query and dout tiles, each as it is and transposed, and
+//! the tile's lse (times log2 e) and delta.
 template <int HS>
-struct BackwardSmem {
-  static constexpr std::size_t tile_a = 0;
-  static constexpr std::size_t tile_b = tile_a + bytes<bf16>(tile, HS);
-  static constexpr std::size_t tile_c = tile_b + bytes<bf16>(tile, HS);
-  static constexpr std::size_t tile_d = tile_c + bytes<bf16>(tile, HS);
-  static constexpr std::size_t lse = tile_d + bytes<bf16>(tile, HS);
-  static constexpr std::size_t delta = lse + bytes<float>(1, 128);  // 64 used; 128-byte aligned
-  //! Warp w's scores at floats + w warp_floats, its probability gradient warp_rows * tile after.
-  static constexpr std::size_t floats = delta + bytes<float>(1, 128);
-  static constexpr int warp_floats = 2 * warp_rows * tile;
-  static constexpr std::size_t p = floats + warps * bytes<float>(1, warp_floats);
-  static constexpr std::size_t ds = p + warps * bytes<bf16>(warp_rows, tile);
-  static constexpr std::size_t total = ds + warps * bytes<bf16>(warp_rows, tile);
-  static_assert(warp_rows * HS <= warp_floats, "the accumulators are staged in a warp's two float blocks");
+struct KeyValueGradSmem {
+  static constexpr std::size_t q = 0;
+  static constexpr std::size_t qt = q + bytes<bf16>(tile, row_ld<HS>);
+  static constexpr std::size_t dout = qt + bytes<bf16>(HS, col_ld);
+  static constexpr std::size_t doutt = dout + bytes<bf16>(tile, row_ld<HS>);
+  static constexpr std::size_t lse = doutt + bytes<bf16>(HS, col_ld);
+  static constexpr std::size_t delta = lse + bytes<float>(1, tile);
+  static constexpr std::size_t total = delta + bytes<float>(1, tile);
+};
+
+//! query_grad's shared memory: the key tile as it is and transposed, and the value tile.
+template <int HS>
+struct QueryGradSmem {
+  static constexpr std::size_t k = 0;
+  static constexpr std::size_t kt = k + bytes<bf16>(tile, row_ld<HS>);
+  static constexpr std::size_t v = kt + bytes<bf16>(HS, col_ld);
+  static constexpr std::size_t total = v + bytes<bf16>(tile, row_ld<HS>);
 };
 
 //! The region at byte `offset` of shared memory `base`, as E*.
@@ -156,7 +174,7 @@ LOOM_HD inline E* region(unsigned char* base, std::size_t offset) noexcept {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pieces the kernel bodies share.
+// Tiles from global into shared memory.
 
 //! Eight bf16, moved as one 16-byte word.
 struct alignas(16) Pack {
@@ -184,92 +202,192 @@ LOOM_HD inline void store_pack(bf16* p, const Pack& value) noexcept {
 }
 
 //! Copies rows [first, first + 64) of a [T, ld]-strided matrix's HS columns at `src` into the
-//! [64, HS] tile `dst`, zeros for rows >= T. All threads of the block take part (consecutive
-//! threads read consecutive elements of a row).
-//! Where `src` is 16-byte aligned and ld a multiple of 8, each thread moves 8 elements at a time
-//! (one 16-byte load and store instead of eight 2-byte ones).
+//! [64, HS] tile `rows` (stride row_ld<HS>) and/or its transpose `cols` ([HS, 64], stride col_ld),
+//! either may be null; zeros for rows >= T. All threads of the block take part, consecutive
+//! threads on consecutive rows, so the transposed stores of a warp fill 32 consecutive elements.
+//! Where `src` is 16-byte aligned and ld a multiple of 8, each thread moves 8 elements at a time.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
-LOOM_HD inline void load_tile(Thread& th, bf16* dst, const bf16* src, std::int64_t ld, std::int64_t first,
-                              std::int64_t tokens) {
+LOOM_HD inline void load_tile(Thread& th, bf16* rows, bf16* cols, const bf16* src, std::int64_t ld,
+                              std::int64_t first, std::int64_t tokens) {
   if (reinterpret_cast<std::uintptr_t>(src) % sizeof(Pack) == 0 && ld % pack == 0) {
-    constexpr int packs = HS / pack;  // per row
-    for (int e = th.thread(); e < tile * packs; e += threads) {
-      const int r = e / packs, c = e % packs * pack;
+    for (int e = th.thread(); e < tile * (HS / pack); e += threads) {
+      const int r = e % tile, c = e / tile * pack;
       const std::int64_t row = first + r;
       Pack value{};
       if (row < tokens) value = load_pack(src + row * ld + c);
-      store_pack(dst + r * HS + c, value);
+      if (rows != nullptr) store_pack(rows + r * row_ld<HS> + c, value);
+      if (cols != nullptr) {
+        bf16 elements[pack];
+        std::memcpy(static_cast<void*>(elements), &value, sizeof value);
+        for (int i = 0; i < pack; ++i) cols[(c + i) * col_ld + r] = elements[i];
+      }
     }
     return;
   }
   for (int e = th.thread(); e < tile * HS; e += threads) {
-    const int r = e / HS, c = e % HS;
+    const int r = e % tile, c = e / tile;
     const std::int64_t row = first + r;
-    dst[e] = row < tokens ? src[row * ld + c] : bf16(0.0f);
+    const bf16 value = row < tokens ? src[row * ld + c] : bf16(0.0f);
+    if (rows != nullptr) rows[r * row_ld<HS> + c] = value;
+    if (cols != nullptr) cols[c * col_ld + r] = value;
   }
 }
 
-//! Copies the 64 floats of row-indexed data at `src` + first into `dst`, 0 for rows >= T.
+//! dst[r] = factor src[first + r] for the 64 rows of a tile, 0 for rows >= T.
 LOOM_FLASH_BODY
 template <class Thread>
-LOOM_HD inline void load_rows(Thread& th, float* dst, const float* src, std::int64_t first, std::int64_t tokens) {
-  for (int r = th.thread(); r < tile; r += threads) dst[r] = first + r < tokens ? src[first + r] : 0.0f;
+LOOM_HD inline void load_rows(Thread& th, float* dst, const float* src, float factor, std::int64_t first,
+                              std::int64_t tokens) {
+  for (int r = th.thread(); r < tile; r += threads) dst[r] = first + r < tokens ? factor * src[first + r] : 0.0f;
 }
 
-//! acc[j] (j < 4) = the [16, 64] product a b^T of a = rows of the [., HS] tile at `a` (16 rows)
-//! and b = the [64, HS] tile at `b`, i.e. a k-loop over HS in steps of 16; stored row-major into
-//! the [16, 64] float block `out`.
-LOOM_FLASH_BODY
-template <int HS, class Thread>
-LOOM_HD inline void product_abt(Thread& th, float* out, const bf16* a, const bf16* b) {
-  for (int j = 0; j < tile / mma_edge; ++j) {
-    typename Thread::Acc acc;
-    th.zero(acc);
-    for (int k = 0; k < HS; k += mma_edge) {
-      typename Thread::RowA fa;
-      typename Thread::ColB fb;
-      th.load(fa, a + k, HS);
-      th.load(fb, b + j * mma_edge * HS + k, HS);  // b^T: column n of it is row n of b
-      th.mma(acc, fa, fb);
-    }
-    th.store(out + j * mma_edge, acc, tile);
+// ---------------------------------------------------------------------------------------------
+// Fragments.
+
+//! A lane's place in the m16n8k16 fragments: lane = 4 group + pair.
+struct Lane {
+  int group, pair;
+};
+
+//! An A fragment (8 bf16 in 4 words), a B fragment (4 bf16 in 2 words), a C fragment (4 floats).
+using FragmentA = std::uint32_t[4];
+using FragmentB = std::uint32_t[2];
+using FragmentC = float[4];
+
+//! Two bf16 as one fragment word, `lo` (the lower row or column index) in bits 0-15; each value
+//! rounded to nearest even.
+LOOM_HD inline std::uint32_t pack_pair(float lo, float hi) noexcept {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const __nv_bfloat162 both = __floats2bfloat162_rn(lo, hi);  // .x = lo, in the low half
+  std::uint32_t word;
+  std::memcpy(&word, &both, sizeof word);
+  return word;
+#else
+  return static_cast<std::uint32_t>(bf16(lo).bits) | static_cast<std::uint32_t>(bf16(hi).bits) << 16;
+#endif
+}
+
+//! The two bf16 at `p` (4-byte aligned: shared tiles) as one fragment word.
+LOOM_HD inline std::uint32_t load_word(const bf16* p) noexcept {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const std::uint32_t*>(p);
+#else
+  std::uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+#endif
+}
+
+//! The two bf16 at `p` (no alignment assumed: global memory) as one fragment word.
+LOOM_HD inline std::uint32_t load_pair(const bf16* p) noexcept {
+  return static_cast<std::uint32_t>(p[0].bits) | static_cast<std::uint32_t>(p[1].bits) << 16;
+}
+
+//! The A fragment of the 16 x 16 block at rows first.. and columns k0.. of the row-major matrix
+//! `m` (row stride ld, in global memory); rows >= `tokens` are zeros.
+LOOM_HD inline void load_a(FragmentA& a, const bf16* m, std::int64_t ld, std::int64_t first, std::int64_t tokens,
+                           int k0, Lane ln) {
+  LOOM_FLASH_UNROLL
+  for (int i = 0; i < 2; ++i) {  // rows group, group + 8
+    const std::int64_t row = first + ln.group + 8 * i;
+    const bf16* p = m + row * ld + k0 + 2 * ln.pair;
+    a[i] = row < tokens ? load_pair(p) : 0u;
+    a[i + 2] = row < tokens ? load_pair(p + 8) : 0u;
   }
 }
 
-//! acc[n] += the [16, HS] product a b of a = the [16, 64] bf16 block at `a` and b = the [64, HS]
-//! tile at `b` (n indexes 16-column blocks of HS).
+//! The B fragment of the 16 x 8 block at rows k0.. and columns n0.. of B, where
+//! B(k, n) = t[n ld + k] (B^T row-major in shared memory).
+LOOM_HD inline void load_b(FragmentB& b, const bf16* t, int ld, int n0, int k0, Lane ln) {
+  const bf16* p = t + (n0 + ln.group) * ld + k0 + 2 * ln.pair;
+  b[0] = load_word(p);
+  b[1] = load_word(p + 8);
+}
+
+//! The A fragment of a 16 x 16 block from the C fragments of its left and right 16 x 8 halves,
+//! each value rounded to bf16 (the layouts line up; see the file comment).
+LOOM_HD inline void to_a(FragmentA& a, const FragmentC& left, const FragmentC& right) noexcept {
+  a[0] = pack_pair(left[0], left[1]);
+  a[1] = pack_pair(left[2], left[3]);
+  a[2] = pack_pair(right[0], right[1]);
+  a[3] = pack_pair(right[2], right[3]);
+}
+
+//! dst[row, 8 n + c] += acc[n] for the warp's 16 rows starting at token `first` (rows >= T
+//! skipped), each sum rounded to bf16 once.
+template <int N>
+LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[N], std::int64_t first,
+                             std::int64_t tokens, Lane ln) {
+  LOOM_FLASH_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t row = first + ln.group + 8 * i;
+    if (row >= tokens) continue;
+    bf16* d = dst + row * ld + 2 * ln.pair;
+    LOOM_FLASH_UNROLL
+    for (int n = 0; n < N; ++n) {
+      LOOM_FLASH_UNROLL
+      for (int c = 0; c < 2; ++c) d[8 * n + c] = bf16(static_cast<float>(d[8 * n + c]) + acc[n][2 * i + c]);
+    }
+  }
+}
+
+//! acc[j] += the [16, 64] product a b^T: `a` the A fragments of 16 rows over HS columns, `b` a
+//! [64, HS] tile in shared memory (stride row_ld<HS>); acc[j] holds columns 8 j .. 8 j + 7.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
-LOOM_HD inline void accumulate_ab(Thread& th, typename Thread::Acc (&acc)[HS / mma_edge], const bf16* a,
-                                  const bf16* b) {
-  for (int k = 0; k < tile; k += mma_edge) {
-    typename Thread::RowA fa;
-    th.load(fa, a + k, tile);
-    for (int n = 0; n < HS / mma_edge; ++n) {
-      typename Thread::RowB fb;
-      th.load(fb, b + k * HS + n * mma_edge, HS);
+LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[tile_blocks], const FragmentA (&a)[HS / 16],
+                                const bf16* b, Lane ln) {
+  LOOM_FLASH_UNROLL
+  for (int j = 0; j < tile_blocks; ++j) {
+    LOOM_FLASH_UNROLL
+    for (int kk = 0; kk < HS / 16; ++kk) {
+      FragmentB fb;
+      load_b(fb, b, row_ld<HS>, 8 * j, 16 * kk, ln);
+      th.mma(acc[j], a[kk], fb);
+    }
+  }
+}
+
+//! acc[n] += (a b)[:, 8 n ..], over the 64 columns of `a` (C fragments of [16, 64], rounded to
+//! bf16 here) and the transposed [HS, 64] tile `bt` (B(k, n) = bt[n col_ld + k]).
+LOOM_FLASH_BODY
+template <int HS, class Thread>
+LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[HS / 8], const FragmentC (&a)[tile_blocks],
+                                  const bf16* bt, Lane ln) {
+  LOOM_FLASH_UNROLL
+  for (int kk = 0; kk < tile / 16; ++kk) {
+    FragmentA fa;
+    to_a(fa, a[2 * kk], a[2 * kk + 1]);
+    LOOM_FLASH_UNROLL
+    for (int n = 0; n < HS / 8; ++n) {
+      FragmentB fb;
+      load_b(fb, bt, col_ld, 8 * n, 16 * kk, ln);
       th.mma(acc[n], fa, fb);
     }
   }
 }
 
-//! dst[row, h hs + c] += the warp's accumulators for its 16 rows starting at token `first`
-//! (rows >= T skipped), one rounding per element: the accumulators are staged row-major in the
-//! warp's [16, HS] float block `stage`.
-LOOM_FLASH_BODY
-template <int HS, class Thread>
-LOOM_HD inline void add_rows(Thread& th, bf16* dst, std::int64_t ld, const typename Thread::Acc (&acc)[HS / mma_edge],
-                             float* stage, std::int64_t first, std::int64_t tokens) {
-  for (int n = 0; n < HS / mma_edge; ++n) th.store(stage + n * mma_edge, acc[n], HS);
-  th.sync_warp();
-  const int lane = th.thread() % 32;
-  for (int e = lane; e < warp_rows * HS; e += 32) {
-    const int r = e / HS, c = e % HS;
-    const std::int64_t row = first + r;
-    if (row < tokens) {
-      bf16& d = dst[row * ld + c];
-      d = bf16(static_cast<float>(d) + stage[e]);
+//! Zeros of a register array of fragments.
+template <int N>
+LOOM_HD inline void zero(FragmentC (&acc)[N]) noexcept {
+  LOOM_FLASH_UNROLL
+  for (int n = 0; n < N; ++n) {
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+  }
+}
+
+//! Calls f(x, y, i, col) for each of the 32 elements of a [16, 64] block that the lane holds in
+//! the fragments x and y (the same element of each): row group + 8 i of the block, column col.
+template <class F>
+LOOM_HD inline void for_each_element(FragmentC (&x)[tile_blocks], FragmentC (&y)[tile_blocks], Lane ln, F&& f) {
+  LOOM_FLASH_UNROLL
+  for (int j = 0; j < tile_blocks; ++j) {
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      LOOM_FLASH_UNROLL
+      for (int c = 0; c < 2; ++c) f(x[j][2 * i + c], y[j][2 * i + c], i, 8 * j + 2 * ln.pair + c);
     }
   }
 }
@@ -277,27 +395,24 @@ LOOM_HD inline void add_rows(Thread& th, bf16* dst, std::int64_t ld, const typen
 // ---------------------------------------------------------------------------------------------
 // The kernel bodies, run by every thread of a block of `threads`.
 
+inline constexpr float log2e = 1.4426950408889634f;
+inline constexpr float ln2 = 0.6931471805599453f;
+
 //! What a thread of a kernel body works on: the sizes (ld = 3C, qkv's row stride), its block's
-//! (batch, head), its warp, and its lane's row r of the warp's 16 and half of the 64 columns.
+//! (batch, head), its warp and its lane's place in the fragments.
 struct Position {
   std::int64_t tokens, channels, ld;
   Place at;
-  int warp, lane, r, half;
+  int warp;
+  Lane lane;
 };
 LOOM_FLASH_BODY
 template <class Thread>
 LOOM_HD inline Position position(const Thread& th, const Shape& sh) {
   const int lane = th.thread() % 32;
-  return {sh.tokens, sh.channels, 3 * sh.channels, place(th.block_x(), sh.heads), th.thread() / 32, lane, lane / 2,
-          lane % 2};
+  return {sh.tokens, sh.channels, 3 * sh.channels, place(th.block_x(), sh.heads), th.thread() / 32,
+          Lane{lane / 4, lane % 4}};
 }
-
-//! The column that the lane of row r and half `half` visits at step i of a loop over the `width`
-//! columns of its half (i < width). The steps are rotated by row and half so that at every step
-//! the warp's 32 lanes reach 32 different banks of a row-major [16, 64] float block: walked in
-//! the same order, all 32 would read one bank, 32 ways serialised (the first tiled kernels ran at
-//! 7 TFLOP/s on an H100 so).
-LOOM_HD constexpr int staggered(int i, int r, int half, int width) noexcept { return (i + r + 16 * half) % width; }
 
 //! The tile of a block that walks from tile 0 to its own: the last tiles, which walk the
 //! longest, go to the first blocks.
@@ -306,85 +421,94 @@ LOOM_HD inline std::int64_t longest_first(std::int64_t tokens, std::int64_t bloc
 }
 
 //! The forward of one block: 64 query rows of one (batch, head). Shared memory: ForwardSmem<HS>.
+//! Scores are kept in base-2 units (times log2 e) so that each exponential is one exp2.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   using Smem = ForwardSmem<HS>;
   const Shape& sh = a.shape;
-  const auto [T, C, ld, at, warp, lane, r, half] = position(th, sh);
+  const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t qt = longest_first(T, th.block_y());
-
   unsigned char* smem = th.shared();
-  bf16* q = region<bf16>(smem, Smem::q);
   bf16* k = region<bf16>(smem, Smem::k);
-  bf16* v = region<bf16>(smem, Smem::v);
-  float* s = region<float>(smem, Smem::s) + warp * warp_rows * tile;
-  bf16* p = region<bf16>(smem, Smem::p) + warp * warp_rows * tile;
-  float* o = region<float>(smem, Smem::o) + warp * warp_rows * HS;
+  bf16* vt = region<bf16>(smem, Smem::vt);
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;  // q of token 0; k at + C, v at + 2C
-  load_tile<HS>(th, q, qkv_bh, ld, qt * tile, T);
-  for (int e = lane; e < warp_rows * HS; e += 32) o[e] = 0.0f;
+  const std::int64_t first = qt * tile + warp * warp_rows;  // the warp's first query
+  FragmentA q[HS / 16];
+  LOOM_FLASH_UNROLL
+  for (int kk = 0; kk < HS / 16; ++kk) load_a(q[kk], qkv_bh, ld, first, T, 16 * kk, ln);
 
-  const std::int64_t t = qt * tile + warp * warp_rows + r;  // this lane's query
-  const bool row_valid = t < T;
-  float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+  FragmentC o[HS / 8];
+  zero(o);
+  const float scale2 = sh.scale * log2e;
+  // Per row group + 8 i: the running max (base 2) and this lane's part of the running sum.
+  float m[2] = {-std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  float l[2] = {0.0f, 0.0f};
   for (std::int64_t kt = 0; kt <= qt; ++kt) {
     th.sync_block();  // the previous tile's k and v are no longer read
-    load_tile<HS>(th, k, qkv_bh + C, ld, kt * tile, T);
-    load_tile<HS>(th, v, qkv_bh + 2 * C, ld, kt * tile, T);
+    load_tile<HS>(th, k, nullptr, qkv_bh + C, ld, kt * tile, T);
+    load_tile<HS>(th, nullptr, vt, qkv_bh + 2 * C, ld, kt * tile, T);
     th.sync_block();
-    product_abt<HS>(th, s, q + warp * warp_rows * HS, k);  // raw scores of the warp's 16 rows
-    th.sync_warp();
 
-    // Online softmax of row r over this tile's keys: a key s counts where s <= t (the causal
-    // mask; it implies s < T for a query t < T). Every valid row sees key kt * 64 <= t.
-    const float* srow = s + r * tile;
-    float tile_max = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < 32; ++i) {
-      const int c = half * 32 + staggered(i, r, half, 32);
-      if (row_valid && kt * tile + c <= t) tile_max = fmaxf(tile_max, srow[c] * sh.scale);
-    }
-    tile_max = fmaxf(tile_max, th.swap_pair(tile_max));
-    const float m_new = row_valid ? fmaxf(m, tile_max) : 0.0f;
-    const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.0f : expf(m - m_new);
-    float sum = 0.0f;
-    for (int i = 0; i < 32; ++i) {
-      const int c = half * 32 + staggered(i, r, half, 32);
-      const float e = row_valid && kt * tile + c <= t ? expf(fmaf(srow[c], sh.scale, -m_new)) : 0.0f;
-      p[r * tile + c] = bf16(e);
-      sum += e;
-    }
-    sum += th.swap_pair(sum);
-    l = l * alpha + sum;
-    m = m_new;
-    for (int i = 0; i < HS / 2; ++i) o[r * HS + half * (HS / 2) + staggered(i, r, half, HS / 2)] *= alpha;
-    th.sync_warp();
-
-    // o += p v, the accumulators round-tripping through shared memory (their rows were rescaled)
-    for (int n = 0; n < HS / mma_edge; ++n) {
-      typename Thread::Acc acc;
-      th.load(acc, o + n * mma_edge, HS);
-      for (int kk = 0; kk < tile; kk += mma_edge) {
-        typename Thread::RowA fa;
-        typename Thread::RowB fb;
-        th.load(fa, p + kk, tile);
-        th.load(fb, v + kk * HS + n * mma_edge, HS);
-        th.mma(acc, fa, fb);
+    FragmentC s[tile_blocks];
+    zero(s);
+    product_abt<HS>(th, s, q, k, ln);
+    // Online softmax: a key counts where key <= t (the causal mask). Every row sees key kt 64 <= t,
+    // so the tile max is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t t = first + ln.group + 8 * i;
+      float tile_max = -std::numeric_limits<float>::infinity();
+      LOOM_FLASH_UNROLL
+      for (int j = 0; j < tile_blocks; ++j) {
+        LOOM_FLASH_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          const std::int64_t key = kt * tile + 8 * j + 2 * ln.pair + c;
+          float& x = s[j][2 * i + c];
+          x = key <= t ? x * scale2 : -std::numeric_limits<float>::infinity();
+          tile_max = fmaxf(tile_max, x);
+        }
       }
-      th.store(o + n * mma_edge, acc, HS);
+      tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 1));  // the 4 lanes of the row
+      tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 2));
+      const float m_new = fmaxf(m[i], tile_max);
+      const float alpha = exp2f(m[i] - m_new);
+      float sum = 0.0f;
+      LOOM_FLASH_UNROLL
+      for (int j = 0; j < tile_blocks; ++j) {
+        LOOM_FLASH_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[j][2 * i + c];
+          x = exp2f(x - m_new);
+          sum += x;
+        }
+      }
+      l[i] = l[i] * alpha + sum;
+      m[i] = m_new;
+      LOOM_FLASH_UNROLL
+      for (int n = 0; n < HS / 8; ++n) {
+        o[n][2 * i] *= alpha;
+        o[n][2 * i + 1] *= alpha;
+      }
     }
-    th.sync_warp();
+    accumulate_ab<HS>(th, o, s, vt, ln);  // o += p v
   }
 
-  if (row_valid) {
-    const float inverse = 1.0f / l;  // l >= 1: the max term is exp(0)
-    bf16* out_row = a.out + (at.b * T + t) * C + at.h * HS;
-    for (int i = 0; i < HS / 2; ++i) {
-      const int c = half * (HS / 2) + staggered(i, r, half, HS / 2);
-      out_row[c] = bf16(o[r * HS + c] * inverse);
+  LOOM_FLASH_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    float sum = l[i] + th.shuffle_xor(l[i], 1);
+    sum += th.shuffle_xor(sum, 2);
+    const std::int64_t t = first + ln.group + 8 * i;
+    if (t >= T) continue;
+    const float inverse = 1.0f / sum;  // sum >= 1: the max term is exp2(0)
+    bf16* out_row = a.out + (at.b * T + t) * C + at.h * HS + 2 * ln.pair;
+    LOOM_FLASH_UNROLL
+    for (int n = 0; n < HS / 8; ++n) {
+      LOOM_FLASH_UNROLL
+      for (int c = 0; c < 2; ++c) out_row[8 * n + c] = bf16(o[n][2 * i + c] * inverse);
     }
-    if (half == 0) a.lse[at.bh * T + t] = m + logf(l);
+    if (ln.pair == 0) a.lse[at.bh * T + t] = (m[i] + log2f(sum)) * ln2;
   }
 }
 
@@ -408,120 +532,120 @@ LOOM_HD void delta_block(Thread& th, const bf16* out, const bf16* dout, float* d
 }
 
 //! The gradient of 64 keys of one (batch, head): dk and dv of rows kt 64 .. kt 64 + 63 (kt =
-//! blockIdx.y: the first key tiles see the most queries). Shared memory: BackwardSmem<HS>.
+//! blockIdx.y: the first key tiles see the most queries), a warp's 16 keys in its registers.
+//! Shared memory: KeyValueGradSmem<HS>.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
-  using Smem = BackwardSmem<HS>;
+  using Smem = KeyValueGradSmem<HS>;
   const Shape& sh = a.shape;
-  const auto [T, C, ld, at, warp, lane, r, half] = position(th, sh);
+  const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t kt = th.block_y(), tiles_t = tiles(T);
-
   unsigned char* smem = th.shared();
-  bf16* k = region<bf16>(smem, Smem::tile_a);
-  bf16* v = region<bf16>(smem, Smem::tile_b);
-  bf16* q = region<bf16>(smem, Smem::tile_c);
-  bf16* g = region<bf16>(smem, Smem::tile_d);  // dout
-  float* lse = region<float>(smem, Smem::lse);
+  bf16* q = region<bf16>(smem, Smem::q);
+  bf16* qt = region<bf16>(smem, Smem::qt);
+  bf16* g = region<bf16>(smem, Smem::dout);
+  bf16* gt = region<bf16>(smem, Smem::doutt);
+  float* lse = region<float>(smem, Smem::lse);  // times log2 e
   float* delta = region<float>(smem, Smem::delta);
-  float* st = region<float>(smem, Smem::floats) + warp * Smem::warp_floats;
-  float* dpt = st + warp_rows * tile;
-  bf16* pt = region<bf16>(smem, Smem::p) + warp * warp_rows * tile;
-  bf16* dst = region<bf16>(smem, Smem::ds) + warp * warp_rows * tile;
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
   const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
-  load_tile<HS>(th, k, qkv_bh + C, ld, kt * tile, T);
-  load_tile<HS>(th, v, qkv_bh + 2 * C, ld, kt * tile, T);
-
-  typename Thread::Acc dk[HS / mma_edge], dv[HS / mma_edge];
-  for (int n = 0; n < HS / mma_edge; ++n) {
-    th.zero(dk[n]);
-    th.zero(dv[n]);
+  const std::int64_t first = kt * tile + warp * warp_rows;  // the warp's first key
+  FragmentA k[HS / 16], v[HS / 16];
+  LOOM_FLASH_UNROLL
+  for (int kk = 0; kk < HS / 16; ++kk) {
+    load_a(k[kk], qkv_bh + C, ld, first, T, 16 * kk, ln);
+    load_a(v[kk], qkv_bh + 2 * C, ld, first, T, 16 * kk, ln);
   }
-  const std::int64_t key = kt * tile + warp * warp_rows + r;  // this lane's key
-  for (std::int64_t qt = kt; qt < tiles_t; ++qt) {
+  FragmentC dk[HS / 8], dv[HS / 8];
+  zero(dk);
+  zero(dv);
+  const float scale2 = sh.scale * log2e;
+  for (std::int64_t qtile = kt; qtile < tiles_t; ++qtile) {
     th.sync_block();  // the previous tile's q, dout, lse and delta are no longer read
-    load_tile<HS>(th, q, qkv_bh, ld, qt * tile, T);
-    load_tile<HS>(th, g, dout_bh, C, qt * tile, T);
-    load_rows(th, lse, a.lse + at.bh * T, qt * tile, T);
-    load_rows(th, delta, a.delta + at.bh * T, qt * tile, T);
+    load_tile<HS>(th, q, qt, qkv_bh, ld, qtile * tile, T);
+    load_tile<HS>(th, g, gt, dout_bh, C, qtile * tile, T);
+    load_rows(th, lse, a.lse + at.bh * T, log2e, qtile * tile, T);
+    load_rows(th, delta, a.delta + at.bh * T, 1.0f, qtile * tile, T);
     th.sync_block();
-    product_abt<HS>(th, st, k + warp * warp_rows * HS, q);   // S^T: [16 keys, 64 queries]
-    product_abt<HS>(th, dpt, v + warp * warp_rows * HS, g);  // dP^T = V dO^T
-    th.sync_warp();
-    for (int i = 0; i < 32; ++i) {
-      const int c = half * 32 + staggered(i, r, half, 32);
-      const std::int64_t query = qt * tile + c;
+
+    FragmentC st[tile_blocks], dpt[tile_blocks];  // S^T and dP^T: [16 keys, 64 queries]
+    zero(st);
+    zero(dpt);
+    product_abt<HS>(th, st, k, q, ln);
+    product_abt<HS>(th, dpt, v, g, ln);  // dP^T = V dO^T
+    for_each_element(st, dpt, ln, [&](float& p, float& ds, int i, int col) {
+      const std::int64_t query = qtile * tile + col, key = first + ln.group + 8 * i;
       const bool valid = query < T && key <= query;
-      const float e = valid ? expf(fmaf(st[r * tile + c], sh.scale, -lse[c])) : 0.0f;
-      pt[r * tile + c] = bf16(e);
-      dst[r * tile + c] = bf16(valid ? e * (dpt[r * tile + c] - delta[c]) * sh.scale : 0.0f);
-    }
-    th.sync_warp();
-    accumulate_ab<HS>(th, dv, pt, g);   // dV += P^T dO
-    accumulate_ab<HS>(th, dk, dst, q);  // dK += dS^T Q
+      p = valid ? exp2f(fmaf(p, scale2, -lse[col])) : 0.0f;
+      ds = valid ? p * (ds - delta[col]) * sh.scale : 0.0f;
+    });
+    accumulate_ab<HS>(th, dv, st, gt, ln);   // dV += P^T dO
+    accumulate_ab<HS>(th, dk, dpt, qt, ln);  // dK += dS^T Q
   }
-  const std::int64_t first = kt * tile + warp * warp_rows;
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
-  add_rows<HS>(th, dqkv_bh + C, ld, dk, st, first, T);  // staged in st and dpt
-  th.sync_warp();
-  add_rows<HS>(th, dqkv_bh + 2 * C, ld, dv, st, first, T);
+  add_rows(dqkv_bh + C, ld, dk, first, T, ln);
+  add_rows(dqkv_bh + 2 * C, ld, dv, first, T, ln);
 }
 
-//! The gradient of 64 queries of one (batch, head): dq of rows qt 64 .. qt 64 + 63. Shared
-//! memory: BackwardSmem<HS>.
+//! The gradient of 64 queries of one (batch, head): dq of rows qt 64 .. qt 64 + 63, a warp's 16
+//! queries in its registers. Shared memory: QueryGradSmem<HS>.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
-  using Smem = BackwardSmem<HS>;
+  using Smem = QueryGradSmem<HS>;
   const Shape& sh = a.shape;
-  const auto [T, C, ld, at, warp, lane, r, half] = position(th, sh);
-  const std::int64_t qt = longest_first(T, th.block_y());
-
+  const auto [T, C, ld, at, warp, ln] = position(th, sh);
+  const std::int64_t qtile = longest_first(T, th.block_y());
   unsigned char* smem = th.shared();
-  bf16* q = region<bf16>(smem, Smem::tile_a);
-  bf16* g = region<bf16>(smem, Smem::tile_b);  // dout
-  bf16* k = region<bf16>(smem, Smem::tile_c);
-  bf16* v = region<bf16>(smem, Smem::tile_d);
-  float* lse = region<float>(smem, Smem::lse);
-  float* delta = region<float>(smem, Smem::delta);
-  float* s = region<float>(smem, Smem::floats) + warp * Smem::warp_floats;
-  float* dp = s + warp_rows * tile;
-  bf16* ds = region<bf16>(smem, Smem::ds) + warp * warp_rows * tile;
+  bf16* k = region<bf16>(smem, Smem::k);
+  bf16* kt_cols = region<bf16>(smem, Smem::kt);
+  bf16* v = region<bf16>(smem, Smem::v);
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
-  load_tile<HS>(th, q, qkv_bh, ld, qt * tile, T);
-  load_tile<HS>(th, g, a.dout + at.b * T * C + at.h * HS, C, qt * tile, T);
-  load_rows(th, lse, a.lse + at.bh * T, qt * tile, T);
-  load_rows(th, delta, a.delta + at.bh * T, qt * tile, T);
-
-  typename Thread::Acc dq[HS / mma_edge];
-  for (int n = 0; n < HS / mma_edge; ++n) th.zero(dq[n]);
-  const int row = warp * warp_rows + r;  // this lane's row of the tile
-  const std::int64_t t = qt * tile + row;
-  for (std::int64_t kt = 0; kt <= qt; ++kt) {
-    th.sync_block();  // the previous tile's k and v are no longer read
-    load_tile<HS>(th, k, qkv_bh + C, ld, kt * tile, T);
-    load_tile<HS>(th, v, qkv_bh + 2 * C, ld, kt * tile, T);
-    th.sync_block();
-    product_abt<HS>(th, s, q + warp * warp_rows * HS, k);   // S
-    product_abt<HS>(th, dp, g + warp * warp_rows * HS, v);  // dP = dO V^T
-    th.sync_warp();
-    for (int i = 0; i < 32; ++i) {
-      const int c = half * 32 + staggered(i, r, half, 32);
-      const bool valid = t < T && kt * tile + c <= t;
-      const float e = valid ? expf(fmaf(s[r * tile + c], sh.scale, -lse[row])) : 0.0f;
-      ds[r * tile + c] = bf16(valid ? e * (dp[r * tile + c] - delta[row]) * sh.scale : 0.0f);
-    }
-    th.sync_warp();
-    accumulate_ab<HS>(th, dq, ds, k);  // dQ += dS K
+  const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
+  const std::int64_t first = qtile * tile + warp * warp_rows;  // the warp's first query
+  FragmentA q[HS / 16], g[HS / 16];
+  LOOM_FLASH_UNROLL
+  for (int kk = 0; kk < HS / 16; ++kk) {
+    load_a(q[kk], qkv_bh, ld, first, T, 16 * kk, ln);
+    load_a(g[kk], dout_bh, C, first, T, 16 * kk, ln);
   }
-  add_rows<HS>(th, a.dqkv + at.b * T * ld + at.h * HS, ld, dq, s, qt * tile + warp * warp_rows, T);
+  float lse[2], delta[2];  // of rows group + 8 i; lse times log2 e
+  LOOM_FLASH_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t t = first + ln.group + 8 * i;
+    lse[i] = t < T ? a.lse[at.bh * T + t] * log2e : 0.0f;
+    delta[i] = t < T ? a.delta[at.bh * T + t] : 0.0f;
+  }
+  FragmentC dq[HS / 8];
+  zero(dq);
+  const float scale2 = sh.scale * log2e;
+  for (std::int64_t kt = 0; kt <= qtile; ++kt) {
+    th.sync_block();  // the previous tile's k and v are no longer read
+    load_tile<HS>(th, k, kt_cols, qkv_bh + C, ld, kt * tile, T);
+    load_tile<HS>(th, v, nullptr, qkv_bh + 2 * C, ld, kt * tile, T);
+    th.sync_block();
+
+    FragmentC s[tile_blocks], dp[tile_blocks];
+    zero(s);
+    zero(dp);
+    product_abt<HS>(th, s, q, k, ln);
+    product_abt<HS>(th, dp, g, v, ln);  // dP = dO V^T
+    for_each_element(s, dp, ln, [&](float& score, float& ds, int i, int col) {
+      const std::int64_t key = kt * tile + col, t = first + ln.group + 8 * i;
+      const bool valid = t < T && key <= t;
+      const float p = valid ? exp2f(fmaf(score, scale2, -lse[i])) : 0.0f;
+      ds = valid ? p * (ds - delta[i]) * sh.scale : 0.0f;
+    });
+    accumulate_ab<HS>(th, dq, dp, kt_cols, ln);  // dQ += dS K
+  }
+  add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, T, ln);
 }
 
 // ---------------------------------------------------------------------------------------------
-// The GPU's Thread and the kernels. bf16 WMMA needs sm_80 or newer: compiled for an older
+// The GPU's Thread and the kernels. bf16 mma.sync needs sm_80 or newer: compiled for an older
 // architecture the kernels are empty, and the host never launches them there (built_for).
 
 #if defined(__CUDACC__)
@@ -532,41 +656,23 @@ inline constexpr int minimum_architecture = 80;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define LOOM_FLASH_DEVICE 1
 
-//! A CUDA thread of a one-dimensional block of `threads`: WMMA m16n16k16 tiles, bf16 in, float
-//! accumulators; the dynamic shared memory of the launch.
+//! A CUDA thread of a one-dimensional block of `threads`; the dynamic shared memory of the launch.
 struct DeviceThread {
-  using Acc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
-  using RowA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>;
-  using RowB = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>;
-  using ColB = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::col_major>;
-
   __device__ int thread() const { return static_cast<int>(threadIdx.x); }
   __device__ std::int64_t block_x() const { return blockIdx.x; }
   __device__ std::int64_t block_y() const { return blockIdx.y; }
   __device__ unsigned char* shared() const {
-    extern __shared__ __align__(128) unsigned char flash_shared[];
+    extern __shared__ __align__(16) unsigned char flash_shared[];
     return flash_shared;
   }
   __device__ void sync_block() const { __syncthreads(); }
-  __device__ void sync_warp() const { __syncwarp(); }
-  //! The value of the lane whose index differs in bit 0 (the other lane of this lane's row).
-  __device__ float swap_pair(float value) const { return __shfl_xor_sync(0xffffffffu, value, 1); }
   __device__ float shuffle_xor(float value, int mask) const { return __shfl_xor_sync(0xffffffffu, value, mask); }
-
-  static __device__ const __nv_bfloat16* raw(const bf16* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
-  static __device__ void zero(Acc& c) { nvcuda::wmma::fill_fragment(c, 0.0f); }
-  static __device__ void load(RowA& f, const bf16* p, unsigned ld) { nvcuda::wmma::load_matrix_sync(f, raw(p), ld); }
-  static __device__ void load(RowB& f, const bf16* p, unsigned ld) { nvcuda::wmma::load_matrix_sync(f, raw(p), ld); }
-  static __device__ void load(ColB& f, const bf16* p, unsigned ld) { nvcuda::wmma::load_matrix_sync(f, raw(p), ld); }
-  static __device__ void load(Acc& f, const float* p, unsigned ld) {
-    nvcuda::wmma::load_matrix_sync(f, p, ld, nvcuda::wmma::mem_row_major);
-  }
-  template <class B>
-  static __device__ void mma(Acc& c, const RowA& a, const B& b) {
-    nvcuda::wmma::mma_sync(c, a, b, c);
-  }
-  static __device__ void store(float* p, const Acc& c, unsigned ld) {
-    nvcuda::wmma::store_matrix_sync(p, c, ld, nvcuda::wmma::mem_row_major);
+  //! d += a b: one m16n8k16 tensor-core product, bf16 in, float accumulators, all 32 lanes.
+  static __device__ void mma(FragmentC& d, const FragmentA& a, const FragmentB& b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 };
 
@@ -574,7 +680,7 @@ struct DeviceThread {
 
 static_assert(sizeof(bf16) == sizeof(__nv_bfloat16), "loom::bf16 and __nv_bfloat16 share their bits");
 
-// Each kernel runs its body where the architecture has bf16 WMMA, and is empty elsewhere.
+// Each kernel runs its body where the architecture has bf16 mma.sync, and is empty elsewhere.
 #if defined(LOOM_FLASH_DEVICE)
 #define LOOM_FLASH_RUN(...) \
   DeviceThread th;          \
@@ -609,3 +715,4 @@ __global__ void __launch_bounds__(threads) query_grad_kernel(BackwardArgs a) {
 }  // namespace loom::detail::flash
 
 #undef LOOM_FLASH_BODY
+#undef LOOM_FLASH_UNROLL
