@@ -361,14 +361,17 @@ LOOM_HD void fragment_body(Thread& th, const bf16* a, const bf16* bt_global, flo
   fl::FragmentB fb;
   fl::load_a(fa, a, 16, 0, 12, 0, ln);
   fl::load_b(fb, bt, 16, 0, 0, ln);
+  const auto store = [&](float* out, const fl::FragmentC& c) {  // [16, 8] row-major, by the C layout
+    for (int i = 0; i < 4; ++i) out[(ln.group + 8 * (i / 2)) * 8 + 2 * ln.pair + i % 2] = c[i];
+  };
   fl::FragmentC acc{};
   th.mma(acc, fa, fb);
-  for (int i = 0; i < 4; ++i) d[(ln.group + 8 * (i / 2)) * 8 + 2 * ln.pair + i % 2] = acc[i];
+  store(d, acc);
   fl::FragmentA fc;
   fl::to_a(fc, acc, acc);
   fl::FragmentC acc2{};
   th.mma(acc2, fc, fb);
-  for (int i = 0; i < 4; ++i) e[(ln.group + 8 * (i / 2)) * 8 + 2 * ln.pair + i % 2] = acc2[i];
+  store(e, acc2);
 }
 
 struct FragmentCase {

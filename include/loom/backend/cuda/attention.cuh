@@ -10,7 +10,8 @@
 //! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
 //! and zero its upper triangle. For bf16 with head size 32, 64 or 128, after
 //! cuda::set_flash_attention(true), the lse pair runs instead the SRAM-tiled tensor-core kernels
-//! of detail/flash_attention.cuh, which never form a T x T block (off by default: slower so far).
+//! of detail/flash_attention.cuh, which never form a T x T block (off by default until they are
+//! measured faster than this path on a GPU; docs/cuda.md).
 
 #include <cublas_api.h>
 #include <cublas_v2.h>

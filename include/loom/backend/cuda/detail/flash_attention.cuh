@@ -183,12 +183,14 @@ struct alignas(16) Pack {
 inline constexpr int pack = 8;
 static_assert(sizeof(Pack) == pack * sizeof(bf16));
 
-//! The 8 bf16 at `p` (16-byte aligned) as one load; on the host through memcpy (no aliasing).
-LOOM_HD inline Pack load_pack(const bf16* p) noexcept {
+//! The bf16 at `p` (aligned for W) as one W-wide load: a Pack (8 bf16) for the tiles, a 32-bit
+//! word (2 bf16) for a fragment register; on the host through memcpy (no aliasing).
+template <class W>
+LOOM_HD inline W load_aligned(const bf16* p) noexcept {
 #if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const Pack*>(p);
+  return *reinterpret_cast<const W*>(p);
 #else
-  Pack value;
+  W value;
   std::memcpy(&value, p, sizeof value);
   return value;
 #endif
@@ -215,7 +217,7 @@ LOOM_HD inline void load_tile(Thread& th, bf16* rows, bf16* cols, const bf16* sr
       const int r = e % tile, c = e / tile * pack;
       const std::int64_t row = first + r;
       Pack value{};
-      if (row < tokens) value = load_pack(src + row * ld + c);
+      if (row < tokens) value = load_aligned<Pack>(src + row * ld + c);
       if (rows != nullptr) store_pack(rows + r * row_ld<HS> + c, value);
       if (cols != nullptr) {
         bf16 elements[pack];
@@ -268,17 +270,6 @@ LOOM_HD inline std::uint32_t pack_pair(float lo, float hi) noexcept {
 #endif
 }
 
-//! The two bf16 at `p` (4-byte aligned: shared tiles) as one fragment word.
-LOOM_HD inline std::uint32_t load_word(const bf16* p) noexcept {
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const std::uint32_t*>(p);
-#else
-  std::uint32_t word;
-  std::memcpy(&word, p, sizeof word);
-  return word;
-#endif
-}
-
 //! The two bf16 at `p` (no alignment assumed: global memory) as one fragment word.
 LOOM_HD inline std::uint32_t load_pair(const bf16* p) noexcept {
   return static_cast<std::uint32_t>(p[0].bits) | static_cast<std::uint32_t>(p[1].bits) << 16;
@@ -301,8 +292,8 @@ LOOM_HD inline void load_a(FragmentA& a, const bf16* m, std::int64_t ld, std::in
 //! B(k, n) = t[n ld + k] (B^T row-major in shared memory).
 LOOM_HD inline void load_b(FragmentB& b, const bf16* t, int ld, int n0, int k0, Lane ln) {
   const bf16* p = t + (n0 + ln.group) * ld + k0 + 2 * ln.pair;
-  b[0] = load_word(p);
-  b[1] = load_word(p + 8);
+  b[0] = load_aligned<std::uint32_t>(p);  // shared tiles: every pair is 4-byte aligned
+  b[1] = load_aligned<std::uint32_t>(p + 8);
 }
 
 //! The A fragment of a 16 x 16 block from the C fragments of its left and right 16 x 8 halves,
