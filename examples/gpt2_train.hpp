@@ -62,6 +62,7 @@ struct Options {
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   std::string attention = "stored";  // stored (probabilities) or recompute (log-sum-exp only)
   bool flash_attention = false;      // --device cuda, bf16, recompute: the SRAM-tiled kernels
+  bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
   std::uint64_t seed = 1337;
   std::string data = "synthetic";
   double jump_probability = 0.1;
@@ -257,7 +258,8 @@ std::string describe_backend(const Backend& backend) {
     return "GPU " + std::to_string(backend.device()) + " for rank 0" +
            (!backend.flash_attention()             ? ""
             : flash_attention_available(backend) ? " (flash attention on)"
-                                                 : " (flash attention not built for this GPU: sm_80 or newer)");
+                                                 : " (flash attention not built for this GPU: sm_80 or newer)") +
+           (backend.gemm_epilogues() ? " (GEMM epilogues on)" : "");
 }
 
 template <class T, class Backend, class Schedule, class Strategy, class Opt, class Group>

@@ -35,6 +35,7 @@ template <class World>
 int train_on_gpu(const Options& o, World& world, int device) {
   loom::cuda backend(device);
   backend.set_flash_attention(o.flash_attention);
+  backend.set_gemm_epilogues(o.gemm_epilogues);
   if (o.comm == "nccl" || o.comm == "mpi-nccl") {
 #if LOOM_EXAMPLE_WITH_NCCL
     loom::nccl::Communicator group = loom::nccl::Communicator::bootstrap(backend, world);

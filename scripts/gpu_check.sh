@@ -17,7 +17,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$root/build-gpu"
-programs=(test_cuda_backend test_cuda_kernels test_cuda_attention test_cuda_flash_attention test_cuda_vocab_parallel
+programs=(test_cuda_backend test_cuda_kernels test_cuda_gemm_epilogues test_cuda_attention test_cuda_flash_attention test_cuda_vocab_parallel
           test_cuda_bf16 test_nccl test_cuda_training)
 
 build() {
@@ -93,6 +93,11 @@ run() {
     done
     run_one gpt2_train_small_1024_bf16_recompute_16_flash "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
             --attention recompute --flash-attention --peak-tflops 989.4
+    # The linear layers' bias, GELU and GELU gradient fused into the cuBLASLt GEMMs.
+    run_one gpt2_train_small_1024_bf16_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --gemm-epilogues --peak-tflops 989.4
+    run_one gpt2_train_small_1024_bf16_recompute_32_flash_epilogues "${small[@]}" --batch 32 --micro-batch 32 \
+            --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
   fi
   if want bench; then
     # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.

@@ -31,6 +31,38 @@ inline constexpr T scaling = static_cast<T>(0.7978845608028654);
 template <class T>
 inline constexpr T cubic = static_cast<T>(0.044715);
 
+//! Runs `update(dx, derivative, begin, size)` over chunks of [0, n) in parallel: `dx` maps the
+//! chunk of `d` in the accumulate type (stored back after the update), `derivative` holds
+//! GELU'(x) of the chunk of `x`. gelu_backward adds dout * GELU'; the unfused
+//! gelu_matmul_backward scales in place.
+template <class T, class Update>
+void for_each_derivative_chunk(const cpu& be, T* d_all, const T* x_all, std::int64_t n, const Update& update) {
+  using A = accumulate_t<T>;
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t begin = c * chunk, size = std::min(chunk, n - begin);
+    constexpr std::int64_t staged = detail::stage_size<T, chunk>;
+    alignas(64) A x_stage[staged], dx_stage[staged];
+    const ConstArrayMap<A> x(detail::load(x_all + begin, x_stage, size), size);
+    A* dx = detail::load(d_all + begin, dx_stage, size);
+    alignas(64) A tanh_buffer[chunk], derivative_buffer[chunk];
+    ArrayMap<A> th(tanh_buffer, size), derivative(derivative_buffer, size);
+    th = (scaling<A> * (x + cubic<A> * x.cube())).tanh();
+    // d/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+    derivative =
+        A(0.5) * (A(1) + th) + A(0.5) * x * (A(1) - th.square()) * scaling<A> * (A(1) + A(3) * cubic<A> * x.square());
+    update(ArrayMap<A>(dx, size), derivative, begin, size);
+    detail::store(d_all + begin, dx, size);
+  }
+}
+
+//! d *= GELU'(x) element-wise over n elements, in place.
+template <class T>
+void scale_by_derivative(const cpu& be, T* d, const T* x, std::int64_t n) {
+  for_each_derivative_chunk(be, d, x, n, [](auto dx, auto derivative, std::int64_t, std::int64_t) { dx *= derivative; });
+}
+
 }  // namespace loom::detail::gelu
 
 namespace loom::inline kernels {
@@ -59,32 +91,17 @@ void gelu_forward(const cpu& be, Tensor<T> out, Tensor<const T> in) {
 //! din += dout * GELU'(in) element-wise (equal element counts).
 template <class T>
 void gelu_backward(const cpu& be, Tensor<T> din, Tensor<const T> in, Tensor<const T> dout) {
-  namespace d = detail::gelu;
   check_numel(din, in.numel(), "gelu_backward", "din");
   check_numel(dout, in.numel(), "gelu_backward", "dout");
-  const std::int64_t n = in.numel();
-  const std::int64_t chunks = (n + d::chunk - 1) / d::chunk;
-  using A = accumulate_t<T>;
-  const T* x_all = in.data();
   const T* g_all = dout.data();
-  T* dx_all = din.data();
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= d::parallel_min_elements)
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    const std::int64_t begin = c * d::chunk, size = std::min(d::chunk, n - begin);
-    constexpr std::int64_t staged = detail::stage_size<T, d::chunk>;
-    alignas(64) A x_stage[staged], g_stage[staged], dx_stage[staged];
-    const d::ConstArrayMap<A> x(detail::load(x_all + begin, x_stage, size), size);
-    A* dx = detail::load(dx_all + begin, dx_stage, size);
-    alignas(64) A tanh_buffer[d::chunk];
-    d::ArrayMap<A> th(tanh_buffer, size);
-    th = (d::scaling<A> * (x + d::cubic<A> * x.cube())).tanh();
-    // d/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-    d::ArrayMap<A>(dx, size) +=
-        d::ConstArrayMap<A>(detail::load(g_all + begin, g_stage, size), size) *
-        (A(0.5) * (A(1) + th) + A(0.5) * x * (A(1) - th.square()) * d::scaling<A> *
-                                    (A(1) + A(3) * d::cubic<A> * x.square()));
-    detail::store(dx_all + begin, dx, size);
-  }
+  detail::gelu::for_each_derivative_chunk(be, din.data(), in.data(), in.numel(),
+                                          [&](auto dx, auto derivative, std::int64_t begin, std::int64_t size) {
+                                            using A = accumulate_t<T>;
+                                            alignas(64) A g_stage[detail::stage_size<T, detail::gelu::chunk>];
+                                            dx += detail::gelu::ConstArrayMap<A>(
+                                                      detail::load(g_all + begin, g_stage, size), size) *
+                                                  derivative;
+                                          });
 }
 
 }  // namespace loom::inline kernels

@@ -8,6 +8,7 @@
 #include "loom/backend/cpu/gelu.hpp"
 #include "loom/backend/cpu/layernorm.hpp"
 #include "loom/backend/cpu/matmul.hpp"
+#include "loom/backend/cpu/matmul_gelu.hpp"
 #include "loom/backend/cpu/optimizer_updates.hpp"
 #include "loom/backend/cpu/reduction.hpp"
 #include "loom/backend/cpu/residual.hpp"

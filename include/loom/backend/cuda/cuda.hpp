@@ -11,6 +11,7 @@
 
 #include "loom/backend/concepts.hpp"
 #include "loom/backend/cuda/caching_allocator.hpp"
+#include "loom/backend/cuda/detail/lt_gemms.hpp"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
@@ -48,6 +49,7 @@ class cuda {
     (void)cudaSetDevice(device_);
     (void)cudaStreamSynchronize(stream_);
     if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
+    lt_gemms_.reset();
     allocator_.reset();
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
@@ -65,6 +67,13 @@ class cuda {
   //! 2.4 times as long as the cuBLAS one at GPT-2 small's shape (docs/cuda.md).
   bool flash_attention() const noexcept { return flash_attention_; }
   void set_flash_attention(bool enabled) noexcept { flash_attention_ = enabled; }
+  //! Whether GEMMs fuse what follows them into cuBLASLt epilogues: matmul_forward's bias,
+  //! matmul_gelu_forward's bias and GELU, gelu_matmul_backward's GELU gradient. Off (the
+  //! default) runs the same operations as separate kernels. A GEMM that cuBLASLt cannot fuse
+  //! falls back to them either way (detail::LtEpilogueCounts counts both). Off by default until
+  //! it has been timed on a GPU (docs/cuda.md).
+  bool gemm_epilogues() const noexcept { return gemm_epilogues_; }
+  void set_gemm_epilogues(bool enabled) noexcept { gemm_epilogues_ = enabled; }
   //! The stream every operation of this rank is ordered on.
   cudaStream_t stream() const noexcept { return stream_; }
   //! The rank's cuBLAS handle, bound to its stream (created on first use: a backend that runs
@@ -80,6 +89,15 @@ class cuda {
       }
     }
     return cublas_;
+  }
+  //! The rank's cuBLASLt handle and GEMM plans (created on first use). GEMMs on it take the
+  //! stream as an argument.
+  detail::LtGemms& lt_gemms() const {
+    if (lt_gemms_ == nullptr) {
+      activate();
+      lt_gemms_ = std::make_unique<detail::LtGemms>();
+    }
+    return *lt_gemms_;
   }
 
   //! Device memory counted under `category` (the requested bytes; the allocator may hold more).
@@ -145,8 +163,10 @@ class cuda {
   int device_;
   bool tf32_ = true;
   bool flash_attention_ = false;
+  bool gemm_epilogues_ = false;
   cudaStream_t stream_ = nullptr;
   mutable cublasHandle_t cublas_ = nullptr;  // created by the first cublas() call
+  mutable std::unique_ptr<detail::LtGemms> lt_gemms_;  // created by the first lt_gemms() call
   std::unique_ptr<detail::CachingAllocator> allocator_;
   MemoryTracker memory_;
 };

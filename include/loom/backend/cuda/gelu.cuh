@@ -42,6 +42,22 @@ __global__ void backward_kernel(T* din, const T* in, const T* dout, std::int64_t
     din[i] = static_cast<T>(to_accumulate(din[i]) + to_accumulate(dout[i]) * gelu_derivative(to_accumulate(in[i])));
 }
 
+//! d = d * GELU'(pre), in place: the unfused half of gelu_matmul_backward.
+template <class T>
+__global__ void scale_by_derivative_kernel(T* d, const T* pre, std::int64_t n) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
+    d[i] = static_cast<T>(to_accumulate(d[i]) * gelu_derivative(to_accumulate(pre[i])));
+}
+
+//! Launches scale_by_derivative_kernel over n elements.
+template <class T>
+void scale_by_derivative(const cuda& be, T* d, const T* pre, std::int64_t n) {
+  namespace k = cuda_kernels;
+  if (n == 0) return;
+  scale_by_derivative_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(d, pre, n);
+  cuda_check_launch("gelu_matmul_backward scale_by_derivative_kernel");
+}
+
 }  // namespace loom::detail::cuda_gelu
 
 namespace loom::inline kernels {

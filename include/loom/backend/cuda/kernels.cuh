@@ -9,6 +9,7 @@
 #include "loom/backend/cuda/gelu.cuh"
 #include "loom/backend/cuda/layernorm.cuh"
 #include "loom/backend/cuda/matmul.cuh"
+#include "loom/backend/cuda/matmul_gelu.cuh"
 #include "loom/backend/cuda/optimizer_updates.cuh"
 #include "loom/backend/cuda/reduction.cuh"
 #include "loom/backend/cuda/residual.cuh"

@@ -8,7 +8,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -16,9 +18,11 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/column_sums.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/detail/lt_gemms.hpp"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/bf16.hpp"
+#include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -86,6 +90,57 @@ void gemm(const cuda& be, const Gemm& g, const T* a, const T* b, T* c, float bet
                              .c_str());
 }
 
+//! The alignment every one of `pointers` (nulls ignored) has: the largest of 16, 8, 4 and 2
+//! bytes that divides each address.
+inline std::uint32_t common_alignment(std::initializer_list<const void*> pointers) noexcept {
+  std::uintptr_t bits = 16;
+  for (const void* p : pointers)
+    if (p != nullptr) bits |= reinterpret_cast<std::uintptr_t>(p);
+  std::uint32_t alignment = 16;
+  while (alignment > 2 && bits % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+//! Runs `g` (C written, beta 0) through cuBLASLt with `epilogue` fused, on the backend's stream:
+//! BIAS adds `operands.bias` (one value per row of the column-major C, i.e. per output
+//! feature); GELU_AUX(_BIAS) writes GELU of the result and the result itself into the matrix
+//! `operands.aux` (leading dimension `aux_ld`); DGELU multiplies the result by GELU'(aux).
+//! Returns false, having launched nothing, when cuBLASLt cannot fuse it (an auxiliary leading
+//! dimension not a multiple of 8, or no algorithm): the caller then runs the unfused kernels.
+template <class T>
+bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, cublasLtEpilogue_t epilogue,
+             LtEpilogueOperands operands, std::int64_t aux_ld, const char* kernel) {
+  LtGemms& lt = be.lt_gemms();
+  if (operands.aux != nullptr && aux_ld % 8 != 0) {
+    ++lt.counts().unfused;
+    return false;
+  }
+  const LtGemmKey key{.op_a = g.op_a,
+                      .op_b = g.op_b,
+                      .m = g.m,
+                      .n = g.n,
+                      .k = g.k,
+                      .lda = g.lda,
+                      .ldb = g.ldb,
+                      .ldc = g.ldc,
+                      .data_type = data_type<T>(),
+                      .compute_type = compute_type<T>(be),
+                      .epilogue = epilogue,
+                      .aux_ld = aux_ld,
+                      .alignment = common_alignment({a, b, c, operands.bias, operands.aux})};
+  LtGemmPlan& plan = lt.plan(key, operands);
+  if (!plan.found()) {
+    ++lt.counts().unfused;
+    return false;
+  }
+  // Stream-ordered reuse of the cached block makes a per-call workspace free after the first.
+  const Buffer<std::byte, cuda> workspace(be, static_cast<std::int64_t>(plan.workspace_bytes()),
+                                           MemoryCategory::workspace);
+  plan.run(lt.handle(), a, b, c, operands, workspace.data(), be.stream(), kernel);
+  ++lt.counts().fused;
+  return true;
+}
+
 struct Dims {
   std::int64_t rows, in_features, out_features;
 };
@@ -147,9 +202,10 @@ namespace loom::inline kernels {
 //! out[N,OC] = in[N,C] · weight[OC,C]^T + bias[OC] with N = in's rows, C = in's last extent;
 //! `in` and `out` may carry leading axes ([B,T,C] → [B,T,OC]). An empty `bias` means no bias.
 //! The bias rows written by a kernel, then one cuBLAS GEMM accumulating onto them (TF32 products
-//! for float, bf16 products for bf16, fp32 accumulation).
+//! for float, bf16 products for bf16, fp32 accumulation); with cuda::gemm_epilogues(), one
+//! cuBLASLt GEMM that adds the bias in fp32 before its one rounding.
 template <class T>
-void matmul_forward(const cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight,
+void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight,
                     Tensor<const T> bias) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
@@ -162,6 +218,10 @@ void matmul_forward(const cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<co
   check_data(in, kernel, "in");
 
   detail::cuda_kernels::activate(be);
+  if (!bias.empty() && C > 0 && be.gemm_epilogues() &&
+      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), CUBLASLT_EPILOGUE_BIAS,
+                 {.bias = bias.data()}, 0, kernel))
+    return;
   if (!bias.empty())
     d::fill_bias(be, out.data(), bias.data(), N, OC);
   else if (C == 0)  // unreachable today (a zero last extent leaves no rows), kept for the contract

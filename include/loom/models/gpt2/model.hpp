@@ -163,8 +163,8 @@ class Model {
     const std::int64_t N = s.batch * s.seq, C = config_.channels;
     if (layer == embedding_layer) return 0;
     if (layer == head_layer(config_)) return N * C;
-    // Replicated dres2, dln2, dln1 (3·C); this rank's dfch_gelu, dfch, datty, dqkv (12·C/tp).
-    return N * C * 3 + N * attention_channels_ * 12;
+    // Replicated dres2, dln2, dln1 (3·C); this rank's dfch, datty, dqkv (8·C/tp).
+    return N * C * 3 + N * attention_channels_ * 8;
   }
 
   //! Checks a batch on the host before it reaches the kernels (the Trainer calls this before it
@@ -387,8 +387,7 @@ class Model {
     layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}),
                                   param(p, o.ln2_b, {C}));
     // MLP: column-parallel fc, then row-parallel proj.
-    matmul_forward<T>(be, b.fch, b.ln2, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
-    gelu_forward<T>(be, b.fch_gelu, b.fch);
+    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, b.ln2, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
     matmul_forward<T>(be, a.output, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
     nn::row_parallel_output(tensor_parallel_, a.output);
     add_to<T>(be, a.output, b.res2);
@@ -400,9 +399,10 @@ class Model {
   }
 
   //! A block's backward scratch, carved from its workspace: the gradients w.r.t. res2, the
-  //! MLP's hidden units after and before GELU, ln2, the attention output, qkv and ln1.
+  //! MLP's hidden units before GELU, ln2, the attention output, qkv and ln1. (The gradient
+  //! w.r.t. the GELU's output never exists: gelu_matmul_backward goes straight to fch's.)
   struct BlockGrads {
-    Tensor<T> res2, fch_gelu, fch, ln2, atty, qkv, ln1;
+    Tensor<T> res2, fch, ln2, atty, qkv, ln1;
   };
   BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
@@ -411,7 +411,6 @@ class Model {
     Carver w{workspace.data()};
     BlockGrads d;
     d.res2 = w.take({Bn, Tn, C});
-    d.fch_gelu = w.take({Bn, Tn, F});
     d.fch = w.take({Bn, Tn, F});
     d.ln2 = w.take({Bn, Tn, C});
     d.atty = w.take({Bn, Tn, Ca});
@@ -467,8 +466,8 @@ class Model {
     d.res2 = st.res2;
     d.fch = st.fch;
     d.qkv = st.qkv;
-    // Everything the chain accumulates into starts at zero (res2 is copied into).
-    const Tensor<T> accumulated[] = {d.fch_gelu, d.fch, d.ln2, d.atty, d.qkv, d.ln1};
+    // Everything the chain accumulates into starts at zero (res2 is copied into, fch written).
+    const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
     copy<T>(be, st.output, a.output_grad);
     block_backward_chain(be, o, p, g, a, b, d, BlockLinearGrads{});
@@ -499,9 +498,8 @@ class Model {
     // g backward is the identity: the output gradient is whole on every rank, so each rank's
     // (replicated) row-parallel bias gradient is already the whole one.
     copy<T>(be, d.res2, a.output_grad);
-    matmul_backward<T>(be, d.fch_gelu, w.fcproj_w, w.fcproj_b, a.output_grad, b.fch_gelu,
-                       param(p, o.fcproj_w, {C, F}));
-    gelu_backward<T>(be, d.fch, b.fch, d.fch_gelu);
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, a.output_grad, b.fch_gelu,
+                            param(p, o.fcproj_w, {C, F}), b.fch);
     matmul_backward<T>(be, d.ln2, w.fc_w, w.fc_b, d.fch, b.ln2, param(p, o.fc_w, {F, C}));
     // f backward: each rank's dln2 is its slice's share; the sum is the whole gradient.
     nn::column_parallel_input_grad(tensor_parallel_, d.ln2);

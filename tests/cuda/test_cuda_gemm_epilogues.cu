@@ -1,0 +1,264 @@
+// The GEMMs with fused cuBLASLt epilogues (cuda::set_gemm_epilogues): matmul_forward's bias,
+// matmul_gelu_forward (bias and GELU, the pre-activation written beside), gelu_matmul_backward
+// (the GELU gradient applied to dout · weight), each with epilogues off and on, against loops
+// in double over the same (float or bf16) inputs, and with the counts saying which path ran:
+// the fused one wherever cuBLASLt allows it (GPT-2's shapes), the separate kernels where the
+// epilogue matrix's leading dimension is not a multiple of 8.
+//
+// Tolerances, |device - reference| <= tolerance * (|reference| + M) with M the sum of the
+// absolute GEMM terms behind the element (times |GELU'| where a GELU follows):
+// - float data, full fp32 products (set_tf32(false)): 1e-5, the fp32 kernels' bound.
+// - bf16 data: 2^-7, two bf16 roundings (an operand or an intermediate, and the result).
+// The 64 x 8 x 64 case keeps M small (8 terms of inputs in [-2, 2]), so that 1e-5 also tells
+// GPT-2's tanh GELU from the erf one (they differ by up to 2e-4 near |x| = 2).
+//
+// Without a GPU the host case runs and the program exits with 77 (ctest: skipped).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "device_check.hpp"
+#include "loom/backend/cuda/kernels.cuh"
+#include "loom/core/bf16.hpp"
+
+using namespace loom;
+using namespace loom::cuda_test;
+
+namespace {
+
+const double sqrt_2_over_pi = std::sqrt(2.0 / std::acos(-1.0));
+
+double gelu(double x) { return 0.5 * x * (1.0 + std::tanh(sqrt_2_over_pi * (x + 0.044715 * x * x * x))); }
+double gelu_derivative(double x) {
+  const double u = sqrt_2_over_pi * (x + 0.044715 * x * x * x);
+  const double sech = 1.0 / std::cosh(u);
+  return 0.5 * (1.0 + std::tanh(u)) + 0.5 * x * sech * sech * sqrt_2_over_pi * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+struct Case {
+  std::int64_t N, C, OC;
+  //! Whether all three GEMMs must fuse. Where OC or C is not a multiple of 8 the GELU and its
+  //! gradient must not (cuBLASLt's rule for the epilogue matrix); the bias may or may not.
+  bool fusable;
+};
+const Case cases[] = {
+    {1, 1, 1, false},       {65, 33, 17, false}, {64, 8, 64, true},
+    {256, 768, 3072, true},  // GPT-2 small's mlp.fc
+    {256, 3072, 768, true},  // and mlp.proj
+    {37, 24, 40, true},      // rows that fill no tile
+};
+
+template <class E>
+std::vector<E> random_values(std::int64_t n, std::uint32_t seed, float lo, float hi) {
+  std::vector<E> out;
+  for (const float x : random_floats(n, seed, lo, hi)) out.push_back(static_cast<E>(x));
+  return out;
+}
+
+template <class E>
+std::vector<float> as_floats(const std::vector<E>& v) {
+  std::vector<float> out;
+  for (const E x : v) out.push_back(static_cast<float>(x));
+  return out;
+}
+
+template <class E>
+double tolerance() {
+  return std::is_same_v<E, bf16> ? 1.0 / 128 : 1e-5;
+}
+
+//! Checks got against want within tolerance<E>() * (|want| + scale).
+template <class E>
+void check(const std::vector<E>& got, const std::vector<double>& want, const std::vector<double>& scale,
+           const std::string& what) {
+  std::vector<double> magnitude(want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) magnitude[i] = std::abs(want[i]) + scale[i];
+  check_close(as_floats(got), want, magnitude, tolerance<E>(), what, 0.0);
+}
+
+//! The references in double over the inputs as stored.
+struct References {
+  std::vector<double> pre, pre_scale, out, out_scale, dpre, dpre_scale, dweight, dweight_scale, dbias, dbias_scale;
+};
+
+References references(const Case& k, const std::vector<float>& in_pre, const std::vector<float>& in,
+                      const std::vector<float>& weight, const std::vector<float>& bias,
+                      const std::vector<float>& dout, const std::vector<float>& dweight0,
+                      const std::vector<float>& dbias0) {
+  References r;
+  const auto n_out = static_cast<std::size_t>(k.N * k.OC), n_in = static_cast<std::size_t>(k.N * k.C);
+  r.pre.resize(n_out);
+  r.pre_scale.resize(n_out);
+  r.out.resize(n_out);
+  r.out_scale.resize(n_out);
+  for (std::int64_t n = 0; n < k.N; ++n)
+    for (std::int64_t o = 0; o < k.OC; ++o) {
+      double sum = bias[o], mag = std::abs(bias[o]);
+      for (std::int64_t i = 0; i < k.C; ++i) {
+        const double term = static_cast<double>(in[n * k.C + i]) * weight[o * k.C + i];
+        sum += term;
+        mag += std::abs(term);
+      }
+      const std::size_t j = n * k.OC + o;
+      r.pre[j] = sum;
+      r.pre_scale[j] = mag;
+      r.out[j] = gelu(sum);
+      r.out_scale[j] = mag * std::abs(gelu_derivative(sum));
+    }
+  // Backward of out = in_gelu · weight^T + bias with in_gelu = GELU(in_pre) (the stored `in`).
+  r.dpre.resize(n_in);
+  r.dpre_scale.resize(n_in);
+  for (std::int64_t n = 0; n < k.N; ++n)
+    for (std::int64_t i = 0; i < k.C; ++i) {
+      double sum = 0, mag = 0;
+      for (std::int64_t o = 0; o < k.OC; ++o) {
+        const double term = static_cast<double>(dout[n * k.OC + o]) * weight[o * k.C + i];
+        sum += term;
+        mag += std::abs(term);
+      }
+      const double g = gelu_derivative(in_pre[n * k.C + i]);
+      r.dpre[n * k.C + i] = sum * g;
+      r.dpre_scale[n * k.C + i] = mag * std::abs(g);
+    }
+  r.dweight = {dweight0.begin(), dweight0.end()};
+  r.dweight_scale.assign(r.dweight.size(), 0.0);
+  for (std::int64_t n = 0; n < k.N; ++n)
+    for (std::int64_t o = 0; o < k.OC; ++o)
+      for (std::int64_t i = 0; i < k.C; ++i) {
+        const double term = static_cast<double>(dout[n * k.OC + o]) * in[n * k.C + i];
+        r.dweight[o * k.C + i] += term;
+        r.dweight_scale[o * k.C + i] += std::abs(term);
+      }
+  r.dbias = {dbias0.begin(), dbias0.end()};
+  r.dbias_scale.assign(r.dbias.size(), 0.0);
+  for (std::int64_t n = 0; n < k.N; ++n)
+    for (std::int64_t o = 0; o < k.OC; ++o) {
+      r.dbias[o] += dout[n * k.OC + o];
+      r.dbias_scale[o] += std::abs(dout[n * k.OC + o]);
+    }
+  return r;
+}
+
+template <class E>
+void run_case(const Case& k, bool epilogues) {
+  CAPTURE(k.N);
+  CAPTURE(k.C);
+  CAPTURE(k.OC);
+  CAPTURE(epilogues);
+  loom::cuda be(0);
+  be.set_tf32(false);
+  be.set_gemm_epilogues(epilogues);
+  // Inputs in [-2, 2] reach the part of GELU where its tanh and erf forms differ most.
+  const std::vector<E> in_pre = random_values<E>(k.N * k.C, 1, -2.0f, 2.0f);
+  std::vector<E> in;
+  for (const E x : in_pre) in.push_back(static_cast<E>(static_cast<float>(gelu(static_cast<float>(x)))));
+  const std::vector<E> weight = random_values<E>(k.OC * k.C, 2, -2.0f, 2.0f),
+                       bias = random_values<E>(k.OC, 3, -1.0f, 1.0f), dout = random_values<E>(k.N * k.OC, 4, -1.0f, 1.0f),
+                       dweight0 = random_values<E>(k.OC * k.C, 5, -1.0f, 1.0f),
+                       dbias0 = random_values<E>(k.OC, 6, -1.0f, 1.0f);
+  const References r = references(k, as_floats(in_pre), as_floats(in), as_floats(weight), as_floats(bias),
+                                  as_floats(dout), as_floats(dweight0), as_floats(dbias0));
+  const DeviceArray<E> d_in(be, in, Shape{k.N, k.C}), d_in_pre(be, in_pre, Shape{k.N, k.C}),
+      d_weight(be, weight, Shape{k.OC, k.C}), d_bias(be, bias, Shape{k.OC}), d_dout(be, dout, Shape{k.N, k.OC});
+  const std::vector<E> garbage_out(static_cast<std::size_t>(k.N * k.OC), static_cast<E>(99.0f)),
+      garbage_in(static_cast<std::size_t>(k.N * k.C), static_cast<E>(99.0f));
+  const detail::LtEpilogueCounts before = be.lt_gemms().counts();
+
+  const DeviceArray<E> out(be, garbage_out, Shape{k.N, k.OC});
+  matmul_forward<E>(be, out.view(), d_in.cview(), d_weight.cview(), d_bias.cview());
+  check(out.to_host(be), r.pre, r.pre_scale, "matmul_forward with bias");
+
+  const DeviceArray<E> gelu_out(be, garbage_out, Shape{k.N, k.OC}), pre(be, garbage_out, Shape{k.N, k.OC});
+  matmul_gelu_forward<E>(be, gelu_out.view(), pre.view(), d_in.cview(), d_weight.cview(), d_bias.cview());
+  check(pre.to_host(be), r.pre, r.pre_scale, "matmul_gelu_forward pre");
+  check(gelu_out.to_host(be), r.out, r.out_scale, "matmul_gelu_forward out");
+
+  const DeviceArray<E> dpre(be, garbage_in, Shape{k.N, k.C}), dweight(be, dweight0, Shape{k.OC, k.C}),
+      dbias(be, dbias0, Shape{k.OC});
+  gelu_matmul_backward<E>(be, dpre.view(), dweight.view(), dbias.view(), d_dout.cview(), d_in.cview(),
+                          d_weight.cview(), d_in_pre.cview());
+  check(dpre.to_host(be), r.dpre, r.dpre_scale, "gelu_matmul_backward dpre (written over garbage)");
+  check(dweight.to_host(be), r.dweight, r.dweight_scale, "gelu_matmul_backward dweight (accumulated)");
+  check(dbias.to_host(be), r.dbias, r.dbias_scale, "gelu_matmul_backward dbias (accumulated)");
+
+  // The input pass of a split backward: the same dpre bits; nothing else touched.
+  const DeviceArray<E> split(be, garbage_in, Shape{k.N, k.C});
+  gelu_matmul_backward<E>(be, split.view(), Tensor<E>{}, Tensor<E>{}, d_dout.cview(), d_in.cview(),
+                          d_weight.cview(), d_in_pre.cview());
+  CHECK(as_floats(split.to_host(be)) == as_floats(dpre.to_host(be)));
+
+  // Which path ran: three GEMMs may fuse, all of them in the fusable cases.
+  const detail::LtEpilogueCounts after = be.lt_gemms().counts();
+  const std::int64_t fused = after.fused - before.fused, unfused = after.unfused - before.unfused;
+  if (!epilogues) {
+    CHECK(fused == 0);
+    CHECK(unfused == 0);
+  } else if (k.fusable) {
+    CHECK(fused == 3);
+    CHECK(unfused == 0);
+  } else {
+    CHECK(fused + unfused == 3);
+    CHECK(unfused >= 2);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("common_alignment is the largest of 16, 8, 4, 2 bytes dividing every pointer") {
+  using detail::cuda_matmul::common_alignment;
+  alignas(16) static char bytes[64];
+  CHECK(common_alignment({bytes, bytes + 32}) == 16);
+  CHECK(common_alignment({bytes, bytes + 8, nullptr}) == 8);
+  CHECK(common_alignment({bytes + 4}) == 4);
+  CHECK(common_alignment({bytes + 2, bytes + 16}) == 2);
+  CHECK(common_alignment({bytes + 6}) == 2);
+  CHECK(common_alignment({nullptr}) == 16);
+}
+
+TEST_CASE("a GEMM plan key tells every field apart") {
+  const detail::LtGemmKey key{CUBLAS_OP_T, CUBLAS_OP_N, 3072, 256, 768, 768, 768, 3072, CUDA_R_16BF,
+                              CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, 3072, 16};
+  const detail::LtGemmKeyHash hash;
+  detail::LtGemmKey other = key;
+  CHECK(other == key);
+  CHECK(hash(other) == hash(key));
+  other.alignment = 8;
+  CHECK(!(other == key));
+  other = key;
+  other.epilogue = CUBLASLT_EPILOGUE_GELU_AUX;
+  CHECK(!(other == key));
+  CHECK(hash(other) != hash(key));
+}
+
+TEST_CASE_TEMPLATE("fused epilogues compute the separate kernels' results", E, float, bf16) {
+  if (!have_gpu()) return;
+  for (const Case& k : cases)
+    for (const bool epilogues : {false, true}) run_case<E>(k, epilogues);
+}
+
+TEST_CASE("the GEMM plans are made once per shape and reused") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  be.set_gemm_epilogues(true);
+  const Case k{128, 64, 256, true};
+  const DeviceArray<bf16> in(be, random_values<bf16>(k.N * k.C, 7, -1.0f, 1.0f), Shape{k.N, k.C}),
+      weight(be, random_values<bf16>(k.OC * k.C, 8, -1.0f, 1.0f), Shape{k.OC, k.C}),
+      bias(be, random_values<bf16>(k.OC, 9, -1.0f, 1.0f), Shape{k.OC});
+  const DeviceArray<bf16> out(be, std::vector<bf16>(k.N * k.OC), Shape{k.N, k.OC}),
+      pre(be, std::vector<bf16>(k.N * k.OC), Shape{k.N, k.OC});
+  matmul_gelu_forward<bf16>(be, out.view(), pre.view(), in.cview(), weight.cview(), bias.cview());
+  const std::vector<bf16> first = out.to_host(be);
+  for (int i = 0; i < 3; ++i)
+    matmul_gelu_forward<bf16>(be, out.view(), pre.view(), in.cview(), weight.cview(), bias.cview());
+  CHECK(as_floats(out.to_host(be)) == as_floats(first));
+  CHECK(be.lt_gemms().counts().fused == 4);
+  CHECK(be.lt_gemms().counts().unfused == 0);
+  CHECK(be.lt_gemms().plan_count() == 1);
+}
+
+int main(int argc, char** argv) { return run_tests(argc, argv); }
