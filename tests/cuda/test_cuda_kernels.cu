@@ -670,6 +670,23 @@ TEST_CASE("copy, add_to and zero") {
     zero<float>(be, y.view());
     CHECK(y.to_host(be) == std::vector<float>(a.size(), 0.0f));
   }
+  // add_to moves 16-byte vectors where both pointers allow: offsets of 0 to 3 floats into the
+  // buffers give each mix of vector, tail and element-by-element paths.
+  {
+    const std::int64_t n = 1003;
+    const std::vector<float> a = random_floats(n + 3, 702), b = random_floats(n + 3, 703);
+    for (const std::int64_t dst_offset : {0, 1, 2, 3})
+      for (const std::int64_t src_offset : {0, 1, 3}) {
+        CAPTURE(dst_offset);
+        CAPTURE(src_offset);
+        std::vector<float> sum = b;
+        for (std::int64_t i = 0; i < n; ++i) sum[dst_offset + i] += a[src_offset + i];
+        const DeviceTensor x(be, a, Shape{n + 3}), y(be, b, Shape{n + 3});
+        add_to<float>(be, Tensor<float>(y.view().data() + dst_offset, Shape{n}),
+                      Tensor<const float>(x.view().data() + src_offset, Shape{n}));
+        CHECK(y.to_host(be) == sum);
+      }
+  }
   zero<float>(be, Tensor<float>{});  // empty: nothing to do, nothing thrown
   Buffer<float, loom::cuda> buffer(be, 16, MemoryCategory::workspace);
   CHECK_THROWS_WITH_AS(add_to<float>(be, Tensor<float>(buffer.data(), Shape{3}),
