@@ -120,8 +120,9 @@ int main(int argc, char** argv) {
                "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels, "
                "or with --no-flash-attention (the default; faster so far) the cuBLAS batched-GEMM ones");
   app.add_flag("--gemm-epilogues,!--no-gemm-epilogues", o.gemm_epilogues,
-               "--device cuda: fuse the linear layers' bias, the MLP's GELU and its gradient into the cuBLASLt "
-               "GEMMs, or with --no-gemm-epilogues (the default until timed) run them as separate kernels");
+               "--device cuda: fuse the linear layers' bias and bias gradient, the MLP's GELU and its "
+               "gradient into the cuBLASLt GEMMs, or with --no-gemm-epilogues (the default until timed) "
+               "run them as separate kernels");
   app.add_option("--weight-decay", o.weight_decay, "Weight decay on matrices and embeddings")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();

@@ -19,6 +19,7 @@
 #include "loom/backend/cuda/detail/column_sums.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/detail/lt_gemms.hpp"
+#include "loom/backend/cuda/elementwise.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/bf16.hpp"
@@ -101,14 +102,15 @@ inline std::uint32_t common_alignment(std::initializer_list<const void*> pointer
   return alignment;
 }
 
-//! Runs `g` (C written, beta 0) through cuBLASLt with `epilogue` fused, on the backend's stream:
-//! BIAS adds `operands.bias` (one value per row of the column-major C, i.e. per output
-//! feature); GELU_AUX(_BIAS) writes GELU of the result and the result itself into the matrix
-//! `operands.aux` (leading dimension `aux_ld`); DGELU multiplies the result by GELU'(aux).
+//! Runs `g` (C = op(A) op(B) + beta C, beta 0 or 1) through cuBLASLt with `epilogue` fused, on
+//! the backend's stream: BIAS adds `operands.bias` (one value per row of the column-major C,
+//! i.e. per output feature); GELU_AUX(_BIAS) writes GELU of the result and the result itself
+//! into the matrix `operands.aux` (leading dimension `aux_ld`); DGELU multiplies the result by
+//! GELU'(aux); BGRADB writes the sums of op(B) over k (one per column of C) to `operands.bias`.
 //! Returns false, having launched nothing, when cuBLASLt cannot fuse it (an auxiliary leading
 //! dimension not a multiple of 8, or no algorithm): the caller then runs the unfused kernels.
 template <class T>
-bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, cublasLtEpilogue_t epilogue,
+bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, cublasLtEpilogue_t epilogue,
              LtEpilogueOperands operands, std::int64_t aux_ld, const char* kernel) {
   LtGemms& lt = be.lt_gemms();
   if (operands.aux != nullptr && aux_ld % 8 != 0) {
@@ -136,7 +138,7 @@ bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, cublasLtEpil
   // Stream-ordered reuse of the cached block makes a per-call workspace free after the first.
   const Buffer<std::byte, cuda> workspace(be, static_cast<std::int64_t>(plan.workspace_bytes()),
                                            MemoryCategory::workspace);
-  plan.run(lt.handle(), a, b, c, operands, workspace.data(), be.stream(), kernel);
+  plan.run(lt.handle(), a, b, c, beta, operands, workspace.data(), be.stream(), kernel);
   ++lt.counts().fused;
   return true;
 }
@@ -187,6 +189,20 @@ struct BiasGradTerm {
   }
 };
 
+//! dweight[OC,C] += dout^T in as matmul_backward's GEMM, with dbias[OC] += column sums of dout
+//! from the same GEMM's BGRADB epilogue (summed in fp32, rounded to T into scratch, then added
+//! by add_to). False, having launched nothing, where cuBLASLt cannot fuse it.
+template <class T>
+bool weight_and_bias_grad(cuda& be, T* dweight, T* dbias, const T* dout, const T* in, std::int64_t N, std::int64_t C,
+                          std::int64_t OC, const char* kernel) {
+  const Buffer<T, cuda> sums(be, OC, MemoryCategory::workspace);
+  if (!lt_gemm(be, weight_grad_gemm(N, C, OC), in, dout, dweight, 1.0f, CUBLASLT_EPILOGUE_BGRADB,
+               {.bias = sums.data()}, 0, kernel))
+    return false;
+  add_to<T>(be, Tensor<T>(dbias, Shape{OC}), Tensor<const T>(sums.data(), Shape{OC}));
+  return true;
+}
+
 //! dbias[cols] += column sums of dout[rows, cols], in a fixed order (cuda_kernels::add_column_sums),
 //! in fp32 and rounded once into a bf16 dbias.
 template <class T>
@@ -219,7 +235,7 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
 
   detail::cuda_kernels::activate(be);
   if (!bias.empty() && C > 0 && be.gemm_epilogues() &&
-      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), CUBLASLT_EPILOGUE_BIAS,
+      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), 0.0f, CUBLASLT_EPILOGUE_BIAS,
                  {.bias = bias.data()}, 0, kernel))
     return;
   if (!bias.empty())
@@ -231,7 +247,8 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
 }
 
 //! Backward of matmul_forward, accumulating: din[N,C] += dout·weight, dweight[OC,C] +=
-//! dout^T·in, dbias[OC] += column sums of dout. `din`, `dweight` and `dbias` may each be empty
+//! dout^T·in, dbias[OC] += column sums of dout (with cuda::gemm_epilogues() and dweight, from
+//! the dweight GEMM's epilogue). `din`, `dweight` and `dbias` may each be empty
 //! (skipped): an empty `dweight` and `dbias` give the input-gradient pass of a split backward, an
 //! empty `din` its weight-gradient pass; the two calls together compute the same bits as one.
 template <class T>
@@ -251,13 +268,18 @@ void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias
   if (!dbias.empty()) detail::cuda_kernels::check_column_sum_rows(N, kernel);
 
   detail::cuda_kernels::activate(be);
+  bool bias_done = false;
   if (C > 0) {
     if (!din.empty())
       d::gemm(be, d::input_grad_gemm(N, C, OC), weight.data(), dout.data(), din.data(), 1.0f, kernel);
-    if (!dweight.empty())
-      d::gemm(be, d::weight_grad_gemm(N, C, OC), in.data(), dout.data(), dweight.data(), 1.0f, kernel);
+    if (!dweight.empty()) {
+      if (!dbias.empty() && be.gemm_epilogues())
+        bias_done = d::weight_and_bias_grad(be, dweight.data(), dbias.data(), dout.data(), in.data(), N, C, OC, kernel);
+      if (!bias_done)
+        d::gemm(be, d::weight_grad_gemm(N, C, OC), in.data(), dout.data(), dweight.data(), 1.0f, kernel);
+    }
   }
-  if (!dbias.empty()) d::bias_grad(be, dbias.data(), dout.data(), N, OC);
+  if (!dbias.empty() && !bias_done) d::bias_grad(be, dbias.data(), dout.data(), N, OC);
 }
 
 }  // namespace loom::inline kernels

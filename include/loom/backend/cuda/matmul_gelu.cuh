@@ -34,7 +34,7 @@ void matmul_gelu_forward(cuda& be, Tensor<T> out, Tensor<T> pre, Tensor<const T>
 
   detail::cuda_kernels::activate(be);
   if (C > 0 && be.gemm_epilogues() &&
-      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(),
+      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), 0.0f,
                  bias.empty() ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
                  {.bias = bias.empty() ? nullptr : bias.data(), .aux = pre.data()}, OC, kernel))
     return;
@@ -64,7 +64,7 @@ void gelu_matmul_backward(cuda& be, Tensor<T> dpre, Tensor<T> dweight, Tensor<T>
 
   detail::cuda_kernels::activate(be);
   const bool fused = C > 0 && OC > 0 && be.gemm_epilogues() &&
-                     d::lt_gemm(be, d::input_grad_gemm(N, C, OC), weight.data(), dout.data(), dpre.data(),
+                     d::lt_gemm(be, d::input_grad_gemm(N, C, OC), weight.data(), dout.data(), dpre.data(), 0.0f,
                                 CUBLASLT_EPILOGUE_DGELU, {.aux = pre.data()}, C, kernel);
   if (!fused) {
     zero<T>(be, dpre);

@@ -48,8 +48,9 @@ struct LtGemmKeyHash {
   }
 };
 
-//! The epilogue pointers of one GEMM: `bias` is the bias read by CUBLASLT_EPILOGUE_BIAS; `aux`
-//! the GELU input, written by GELU_AUX and read by DGELU. Unused ones are null.
+//! The epilogue pointers of one GEMM: `bias` is the bias read by CUBLASLT_EPILOGUE_BIAS, or the
+//! bias gradient written by BGRADB; `aux` the GELU input, written by GELU_AUX and read by DGELU.
+//! Unused ones are null.
 struct LtEpilogueOperands {
   const void* bias = nullptr;
   const void* aux = nullptr;
@@ -79,13 +80,13 @@ class LtGemmPlan {
   //! Workspace bytes the chosen algorithm needs.
   std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
 
-  //! D = epilogue(op(A) op(B)) into `d` on `stream` (alpha 1, beta 0), with this call's epilogue
-  //! pointers (the descriptor keeps the last ones; they must have the key's alignment).
-  void run(cublasLtHandle_t handle, const void* a, const void* b, void* d, LtEpilogueOperands operands,
+  //! D = epilogue(op(A) op(B) + beta D) into `d` on `stream`, with this call's epilogue pointers
+  //! (the descriptor keeps the last ones; they must have the key's alignment).
+  void run(cublasLtHandle_t handle, const void* a, const void* b, void* d, float beta, LtEpilogueOperands operands,
            void* workspace, cudaStream_t stream, const char* kernel) {
     if (operands.bias != nullptr) set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, operands.bias);
     if (operands.aux != nullptr) set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, operands.aux);
-    const float alpha = 1.0f, beta = 0.0f;
+    const float alpha = 1.0f;
     const cublasStatus_t status = cublasLtMatmul(handle, desc_, &alpha, a, a_, b, b_, &beta, d, c_, d, c_, &algo_,
                                                  workspace, workspace_bytes_, stream);
     if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
