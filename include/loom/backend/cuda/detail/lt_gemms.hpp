@@ -1,8 +1,8 @@
 #pragma once
-//! \file cuBLASLt GEMMs with fused epilogues (bias, GELU, GELU gradient), planned once per
-//! problem: the matmul descriptor, the three matrix layouts and the algorithm cuBLASLt's
-//! heuristic picks are kept per key, so after a training step's first GEMMs no heuristic query
-//! (tens of microseconds each) is made again.
+//! \file cuBLASLt GEMMs with fused epilogues (bias, GELU, GELU gradient, bias gradient), planned
+//! once per problem: the matmul descriptor, the three matrix layouts and the algorithm
+//! cuBLASLt's heuristic picks are kept per key, so after a training step's first GEMMs no
+//! heuristic query (tens of microseconds each) is made again.
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
