@@ -61,6 +61,9 @@ void gelu_matmul_backward(cuda& be, Tensor<T> dpre, Tensor<T> dweight, Tensor<T>
   if (!dweight.empty()) check_shape(dweight, Shape{OC, C}, kernel, "dweight");
   if (!dbias.empty()) check_shape(dbias, Shape{OC}, kernel, "dbias");
   if (N == 0) return;
+  // Everything matmul_backward would reject, rejected before the first launch.
+  if (!dweight.empty()) check_data(in, kernel, "in");
+  if (!dbias.empty()) detail::cuda_kernels::check_column_sum_rows(N, kernel);
 
   detail::cuda_kernels::activate(be);
   const bool fused = C > 0 && OC > 0 && be.gemm_epilogues() &&
