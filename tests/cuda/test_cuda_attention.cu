@@ -1,9 +1,10 @@
-// The CUDA causal self-attention kernels against a plain host reference in double, at odd sizes
-// (B in {1,2,3}, T in {1,7,33,65}, NH in {1,3}, hs in {1,5,16}, and one GPT-2-like shape), with
-// the CPU kernel's contract: att exactly 0 above the diagonal, the backward accumulating (+=),
-// the same bits on every run, shape errors named. Both contracts: att saved
-// (attention_forward/backward) and only the row log-sum-exp saved (attention_forward_lse/
-// backward_lse, whose backward recomputes the probabilities).
+// The CUDA self-attention kernels, causal and bidirectional, against a plain host reference in
+// double, at odd sizes (B in {1,2,3}, T in {1,7,33,65}, NH in {1,3}, hs in {1,5,16}, and one
+// GPT-2-like shape), with the CPU kernel's contract: att exactly 0 above the diagonal (causal) or
+// nowhere (bidirectional), the backward accumulating (+=), the same bits on every run, shape and
+// mask errors named. Both contracts: att saved (attention_forward/backward) and only the row
+// log-sum-exp saved (attention_forward_lse/backward_lse, whose backward recomputes the
+// probabilities).
 //
 // Without a GPU the host cases still run: the argument checks, and the kernels' own sequences of
 // steps (detail::cuda_attention::forward_steps, backward_steps, forward_lse_steps and
@@ -41,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cuda/attention.cuh"
 #include "loom/core/buffer.hpp"
 #include "attention_case.hpp"
@@ -88,11 +90,26 @@ struct QkvIndex {
   }
 };
 
+//! The keys [0, keys_seen) that query t sees: t + 1 (causal) or T (bidirectional).
+std::int64_t keys_seen(AttentionMask mask, std::int64_t t, std::int64_t T) {
+  return mask == AttentionMask::causal ? t + 1 : T;
+}
+
+//! The kernels' Dims of case c with `mask`.
+detail::attention::Dims dims(const Case& c, AttentionMask mask) {
+  detail::attention::Dims d = c.dims();
+  d.mask = mask;
+  return d;
+}
+
+constexpr AttentionMask both_masks[] = {AttentionMask::causal, AttentionMask::bidirectional};
+
 struct ForwardReference {
   Reference att, out, lse;
 };
 
-ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv) {
+ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv,
+                                   AttentionMask mask = AttentionMask::causal) {
   const QkvIndex at{c};
   const std::int64_t T = c.T, C = c.C();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs)), rounding = softmax_rounding(T);
@@ -103,8 +120,9 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
+        const std::int64_t keys = keys_seen(mask, t, T);
         double max = -std::numeric_limits<double>::infinity();
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           score[s] = mag[s] = 0;
           for (std::int64_t i = 0; i < c.hs; ++i) {
             const double term = static_cast<double>(qkv[at(b, t, 0, h, i)]) * qkv[at(b, s, 1, h, i)];
@@ -115,13 +133,13 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
         }
         const std::int64_t row = ((b * c.NH + h) * T + t) * T;
         double sum = 0;
-        for (std::int64_t s = 0; s <= t; ++s) sum += std::exp((score[s] - max) * scale);
+        for (std::int64_t s = 0; s < keys; ++s) sum += std::exp((score[s] - max) * scale);
         double weighted = 0;  // sum_j p_j M_j
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           r.att.value[row + s] = std::exp((score[s] - max) * scale) / sum;
           weighted += r.att.value[row + s] * mag[s];
         }
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           const double p = r.att.value[row + s];
           r.att.magnitude[row + s] = p * scale * (mag[s] + weighted);
           r.att.rounding[row + s] = p * rounding;
@@ -130,10 +148,10 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
         r.lse.value[lse] = max * scale + std::log(sum);
         r.lse.magnitude[lse] = scale * weighted;
         r.lse.rounding[lse] = rounding * (1.0 + std::abs(max * scale));
-        // Entries s > t stay 0 with magnitude 0: they must come out exactly 0.
+        // Entries s > t (causal) stay 0 with magnitude 0: they must come out exactly 0.
         for (std::int64_t i = 0; i < c.hs; ++i) {
           const std::int64_t o = (b * T + t) * C + h * c.hs + i;
-          for (std::int64_t s = 0; s <= t; ++s) {
+          for (std::int64_t s = 0; s < keys; ++s) {
             const double v = qkv[at(b, s, 2, h, i)];
             r.out.value[o] += r.att.value[row + s] * v;
             r.out.magnitude[o] += (r.att.value[row + s] + r.att.magnitude[row + s]) * std::abs(v);
@@ -149,7 +167,7 @@ ForwardReference forward_reference(const Case& c, const std::vector<float>& qkv)
 //! is propagated into the gradients' magnitude and rounding.
 Reference backward_reference(const Case& c, const std::vector<float>& qkv, const std::vector<float>& att,
                              const std::vector<float>& dout, const std::vector<float>& dqkv0,
-                             const Reference* att_error = nullptr) {
+                             const Reference* att_error = nullptr, AttentionMask mask = AttentionMask::causal) {
   const QkvIndex at{c};
   const std::int64_t T = c.T, C = c.C();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs)), rounding = softmax_rounding(T);
@@ -165,16 +183,16 @@ Reference backward_reference(const Case& c, const std::vector<float>& qkv, const
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
-        const std::int64_t row = ((b * c.NH + h) * T + t) * T;
+        const std::int64_t row = ((b * c.NH + h) * T + t) * T, keys = keys_seen(mask, t, T);
         const float* a = att.data() + row;
         if (att_error != nullptr)
-          for (std::int64_t s = 0; s <= t; ++s) {
+          for (std::int64_t s = 0; s < keys; ++s) {
             att_mag[s] = att_error->magnitude[row + s];
             att_round[s] = att_error->rounding[row + s];
           }
         const float* g = dout.data() + (b * T + t) * C + h * c.hs;
         double shift = 0, weighted = 0;
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           datt[s] = dmag[s] = 0;
           for (std::int64_t i = 0; i < c.hs; ++i) {
             const double term = static_cast<double>(g[i]) * qkv[at(b, s, 2, h, i)];
@@ -185,16 +203,16 @@ Reference backward_reference(const Case& c, const std::vector<float>& qkv, const
           weighted += a[s] * dmag[s];
         }
         double shift_mag = 0, shift_round = 0;  // of sum_s att datt from att's errors
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           shift_mag += att_mag[s] * std::abs(datt[s]);
           shift_round += att_round[s] * std::abs(datt[s]);
         }
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           dpre[s] = a[s] * (datt[s] - shift) * scale;
           dpre_mag[s] = scale * (a[s] * (dmag[s] + weighted + shift_mag) + att_mag[s] * std::abs(datt[s] - shift));
           dpre_round[s] = scale * (a[s] * shift_round + att_round[s] * std::abs(datt[s] - shift));
         }
-        for (std::int64_t s = 0; s <= t; ++s)
+        for (std::int64_t s = 0; s < keys; ++s)
           for (std::int64_t i = 0; i < c.hs; ++i) {
             const std::int64_t dq = at(b, t, 0, h, i), dk = at(b, s, 1, h, i), dv = at(b, s, 2, h, i);
             const double q = qkv[dq], k = qkv[dk], value_term = static_cast<double>(a[s]) * g[i];
@@ -250,49 +268,51 @@ void emulate_cublas(const ca::BatchedGemm& bg, const float* a, const float* b, f
   CHECK(written_twice == 0);
 }
 
-//! softmax_forward_kernel's arithmetic on one row, sequentially (the log-sum-exp into `lse`
-//! where it is not null).
-void host_softmax_row(float* a, std::int64_t t, std::int64_t tokens, float scale, float* lse = nullptr) {
+//! softmax_forward_kernel's arithmetic on one row whose query sees keys [0, keys), sequentially
+//! (the log-sum-exp into `lse` where it is not null).
+void host_softmax_row(float* a, std::int64_t keys, std::int64_t tokens, float scale, float* lse = nullptr) {
   float max = a[0];
-  for (std::int64_t s = 0; s <= t; ++s) max = std::fmax(max, a[s]);
+  for (std::int64_t s = 0; s < keys; ++s) max = std::fmax(max, a[s]);
   float sum = 0;
-  for (std::int64_t s = 0; s <= t; ++s) sum += a[s] = std::exp((a[s] - max) * scale);
+  for (std::int64_t s = 0; s < keys; ++s) sum += a[s] = std::exp((a[s] - max) * scale);
   if (lse != nullptr) *lse = max * scale + std::log(sum);
   const float inverse = 1.0f / sum;
-  for (std::int64_t s = 0; s <= t; ++s) a[s] *= inverse;
-  for (std::int64_t s = t + 1; s < tokens; ++s) a[s] = 0.0f;
+  for (std::int64_t s = 0; s < keys; ++s) a[s] *= inverse;
+  for (std::int64_t s = keys; s < tokens; ++s) a[s] = 0.0f;
 }
 
 //! probabilities_kernel's arithmetic on one row.
-void host_probabilities_row(float* a, float lse, std::int64_t t, std::int64_t tokens, float scale) {
-  for (std::int64_t s = 0; s <= t; ++s) a[s] = std::exp(std::fma(a[s], scale, -lse));
-  for (std::int64_t s = t + 1; s < tokens; ++s) a[s] = 0.0f;
+void host_probabilities_row(float* a, float lse, std::int64_t keys, std::int64_t tokens, float scale) {
+  for (std::int64_t s = 0; s < keys; ++s) a[s] = std::exp(std::fma(a[s], scale, -lse));
+  for (std::int64_t s = keys; s < tokens; ++s) a[s] = 0.0f;
 }
 
 //! softmax_backward_kernel's arithmetic on one row, sequentially.
-void host_softmax_grad_row(float* g, const float* a, std::int64_t t, std::int64_t tokens, float scale) {
+void host_softmax_grad_row(float* g, const float* a, std::int64_t keys, std::int64_t tokens, float scale) {
   float dot = 0;
-  for (std::int64_t s = 0; s <= t; ++s) dot += a[s] * g[s];
-  for (std::int64_t s = 0; s <= t; ++s) g[s] = a[s] * (g[s] - dot) * scale;
-  for (std::int64_t s = t + 1; s < tokens; ++s) g[s] = 0.0f;
+  for (std::int64_t s = 0; s < keys; ++s) dot += a[s] * g[s];
+  for (std::int64_t s = 0; s < keys; ++s) g[s] = a[s] * (g[s] - dot) * scale;
+  for (std::int64_t s = keys; s < tokens; ++s) g[s] = 0.0f;
 }
 
 //! attention_forward's steps on the host: the same plans, offsets and order.
-void emulate_forward(const Case& c, const std::vector<float>& qkv, std::vector<float>& att, std::vector<float>& out) {
+void emulate_forward(const Case& c, const std::vector<float>& qkv, std::vector<float>& att, std::vector<float>& out,
+                     AttentionMask mask = AttentionMask::causal) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
-  ca::forward_steps(c.dims(), out.data(), att.data(), qkv.data(), emulate_cublas,
+  ca::forward_steps(dims(c, mask), out.data(), att.data(), qkv.data(), emulate_cublas,
                     [&](float* scores, std::int64_t rows) {
                       for (std::int64_t row = 0; row < rows; ++row)
-                        host_softmax_row(scores + row * c.T, row % c.T, c.T, scale);
+                        host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale);
                     });
 }
 
 //! softmax_backward_kernel's steps on the host, as the steps' run_softmax_grad.
-auto host_softmax_grad(const Case& c) {
-  return [c, scale = 1.0f / std::sqrt(static_cast<float>(c.hs))](float* grad, const float* probabilities,
-                                                                  std::int64_t rows) {
+auto host_softmax_grad(const Case& c, AttentionMask mask) {
+  return [c, mask, scale = 1.0f / std::sqrt(static_cast<float>(c.hs))](float* grad, const float* probabilities,
+                                                                        std::int64_t rows) {
     for (std::int64_t row = 0; row < rows; ++row)
-      host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, row % c.T, c.T, scale);
+      host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, keys_seen(mask, row % c.T, c.T), c.T,
+                            scale);
   };
 }
 
@@ -303,36 +323,39 @@ std::vector<float> scratch_block(const Case& c) {
 
 //! attention_backward's steps on the host: the same plans, offsets and order.
 void emulate_backward(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
-                      const std::vector<float>& qkv, const std::vector<float>& att) {
+                      const std::vector<float>& qkv, const std::vector<float>& att,
+                      AttentionMask mask = AttentionMask::causal) {
   std::vector<float> dpre = scratch_block(c);
-  ca::backward_steps(c.dims(), dqkv.data(), dout.data(), qkv.data(), att.data(), dpre.data(), emulate_cublas,
-                     host_softmax_grad(c));
+  ca::backward_steps(dims(c, mask), dqkv.data(), dout.data(), qkv.data(), att.data(), dpre.data(), emulate_cublas,
+                     host_softmax_grad(c, mask));
 }
 
 //! attention_forward_lse's steps on the host.
 void emulate_forward_lse(const Case& c, const std::vector<float>& qkv, std::vector<float>& lse,
-                         std::vector<float>& out) {
+                         std::vector<float>& out, AttentionMask mask = AttentionMask::causal) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
   std::vector<float> att = scratch_block(c);
-  ca::forward_lse_steps(c.dims(), out.data(), lse.data(), qkv.data(), att.data(), emulate_cublas,
+  ca::forward_lse_steps(dims(c, mask), out.data(), lse.data(), qkv.data(), att.data(), emulate_cublas,
                         [&](float* scores, float* lse_b, std::int64_t rows) {
                           for (std::int64_t row = 0; row < rows; ++row)
-                            host_softmax_row(scores + row * c.T, row % c.T, c.T, scale, lse_b + row);
+                            host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale,
+                                             lse_b + row);
                         });
 }
 
 //! attention_backward_lse's steps on the host.
 void emulate_backward_lse(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
-                          const std::vector<float>& qkv, const std::vector<float>& lse) {
+                          const std::vector<float>& qkv, const std::vector<float>& lse,
+                          AttentionMask mask = AttentionMask::causal) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
   std::vector<float> att = scratch_block(c), dpre = scratch_block(c);
   ca::backward_lse_steps(
-      c.dims(), dqkv.data(), dout.data(), qkv.data(), lse.data(), att.data(), dpre.data(), emulate_cublas,
+      dims(c, mask), dqkv.data(), dout.data(), qkv.data(), lse.data(), att.data(), dpre.data(), emulate_cublas,
       [&](float* scores, const float* lse_b, std::int64_t rows) {
         for (std::int64_t row = 0; row < rows; ++row)
-          host_probabilities_row(scores + row * c.T, lse_b[row], row % c.T, c.T, scale);
+          host_probabilities_row(scores + row * c.T, lse_b[row], keys_seen(mask, row % c.T, c.T), c.T, scale);
       },
-      host_softmax_grad(c));
+      host_softmax_grad(c, mask));
 }
 
 struct Data {
@@ -355,36 +378,73 @@ std::int64_t nonzero_above_diagonal(const Case& c, const std::vector<float>& att
   return count;
 }
 
+//! How many entries of att are not > 0 (with the bidirectional mask, every key has a probability).
+std::int64_t not_positive(const std::vector<float>& att) {
+  return std::count_if(att.begin(), att.end(), [](float x) { return !(x > 0.0f); });
+}
+
+//! att's mask property: exact zeros above the diagonal (causal) or no zero at all (bidirectional).
+void check_masked(const Case& c, const std::vector<float>& att, AttentionMask mask) {
+  if (mask == AttentionMask::causal) CHECK(nonzero_above_diagonal(c, att) == 0);
+  else CHECK(not_positive(att) == 0);
+}
+
 // ------------------------------------------------------------------------------------------
 // Host cases: run with or without a GPU.
 
 TEST_CASE("the attention algorithm with the cuBLAS plans matches the reference (host emulation of cuBLAS)") {
-  for (const Case& c : odd_cases()) {
-    CAPTURE(c);
-    const Data data = make_data(c, 11);
-    const ForwardReference ref = forward_reference(c, data.qkv);
-    std::vector<float> att(ref.att.value.size(), not_a_number), out(ref.out.value.size(), not_a_number);
-    emulate_forward(c, data.qkv, att, out);
-    check_reference(att, ref.att, float_tolerance, "att");
-    CHECK(nonzero_above_diagonal(c, att) == 0);
-    check_reference(out, ref.out, float_tolerance, "out");
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : odd_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 11);
+      const ForwardReference ref = forward_reference(c, data.qkv, mask);
+      std::vector<float> att(ref.att.value.size(), not_a_number), out(ref.out.value.size(), not_a_number);
+      emulate_forward(c, data.qkv, att, out, mask);
+      check_reference(att, ref.att, float_tolerance, "att");
+      check_masked(c, att, mask);
+      check_reference(out, ref.out, float_tolerance, "out");
 
-    const std::vector<float> att_in = to_float(ref.att.value);
-    const Reference dref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0);
-    std::vector<float> dqkv = data.dqkv0;
-    emulate_backward(c, dqkv, data.dout, data.qkv, att_in);
-    check_reference(dqkv, dref, float_tolerance, "dqkv");
+      const std::vector<float> att_in = to_float(ref.att.value);
+      const Reference dref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0, nullptr, mask);
+      std::vector<float> dqkv = data.dqkv0;
+      emulate_backward(c, dqkv, data.dout, data.qkv, att_in, mask);
+      check_reference(dqkv, dref, float_tolerance, "dqkv");
 
-    // Only lse saved: the forward's lse, then the backward recomputing att from it.
-    std::vector<float> lse(ref.lse.value.size(), not_a_number), lse_out(ref.out.value.size(), not_a_number);
-    emulate_forward_lse(c, data.qkv, lse, lse_out);
-    check_reference(lse, ref.lse, float_tolerance, "lse");
-    check_reference(lse_out, ref.out, float_tolerance, "out (lse)");
-    const Reference lse_dref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0, &ref.att);
-    std::vector<float> lse_dqkv = data.dqkv0;
-    emulate_backward_lse(c, lse_dqkv, data.dout, data.qkv, lse);
-    check_reference(lse_dqkv, lse_dref, float_tolerance, "dqkv (lse)");
+      // Only lse saved: the forward's lse, then the backward recomputing att from it.
+      std::vector<float> lse(ref.lse.value.size(), not_a_number), lse_out(ref.out.value.size(), not_a_number);
+      emulate_forward_lse(c, data.qkv, lse, lse_out, mask);
+      check_reference(lse, ref.lse, float_tolerance, "lse");
+      check_reference(lse_out, ref.out, float_tolerance, "out (lse)");
+      const Reference lse_dref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0, &ref.att, mask);
+      std::vector<float> lse_dqkv = data.dqkv0;
+      emulate_backward_lse(c, lse_dqkv, data.dout, data.qkv, lse, mask);
+      check_reference(lse_dqkv, lse_dref, float_tolerance, "dqkv (lse)");
+    }
   }
+}
+
+TEST_CASE("the bidirectional steps change every query's out but the last one's (host emulation of cuBLAS)") {
+  // Steps that ignored the mask would give the causal out, which differs from the bidirectional
+  // one far beyond the tolerance for every query but the last (which sees every key either way).
+  const Case c{2, 33, 3, 5};
+  const Data data = make_data(c, 12);
+  const ForwardReference causal = forward_reference(c, data.qkv);
+  std::vector<float> att(causal.att.value.size(), not_a_number), out(causal.out.value.size(), not_a_number);
+  emulate_forward(c, data.qkv, att, out, AttentionMask::bidirectional);
+  const std::int64_t C = c.C();
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t t = 0; t < c.T; ++t) {
+      double diff = 0;
+      for (std::int64_t i = 0; i < C; ++i) {
+        const std::size_t o = static_cast<std::size_t>((b * c.T + t) * C + i);
+        diff = std::max(diff, std::abs(static_cast<double>(out[o]) - causal.out.value[o]));
+      }
+      CAPTURE(b);
+      CAPTURE(t);
+      if (t + 1 < c.T) CHECK(diff > 1e-3);
+      else CHECK(diff <= 1e-5);
+    }
 }
 
 TEST_CASE("attention checks name the kernel and the argument, in the CPU kernel's order (host side)") {
@@ -433,6 +493,18 @@ TEST_CASE("attention checks name the kernel and the argument, in the CPU kernel'
                        "loom: attention_backward: argument att shape: got [2, 2, 5, 6]; expected [2, 2, 5, 5]", Error);
   CHECK_THROWS_WITH_AS(a::check_backward(dqkv, dout, qkv, Tensor<const float>(nullptr, {B, 2, T, T}), 2),
                        doctest::Contains("attention_backward: argument att: got a tensor without data"), Error);
+
+  // The mask: carried in Dims (causal by default), checked first.
+  CHECK(a::check_forward(out, att, qkv, 2).mask == AttentionMask::causal);
+  CHECK(a::check_forward(out, att, qkv, 2, AttentionMask::bidirectional).mask == AttentionMask::bidirectional);
+  CHECK(a::check_backward(dqkv, dout, qkv, att_c, 2, AttentionMask::bidirectional).keys(1) == T);
+  CHECK(a::check_backward(dqkv, dout, qkv, att_c, 2).keys(1) == 2);
+  CHECK_THROWS_WITH_AS(a::check_forward(out, att, qkv, 4, static_cast<AttentionMask>(7)),
+                       "loom: attention_forward: argument mask: got 7; expected AttentionMask::causal or "
+                       "AttentionMask::bidirectional",
+                       Error);
+  CHECK_THROWS_WITH_AS(a::check_backward(dqkv, dout, qkv, att_c, 2, static_cast<AttentionMask>(2)),
+                       doctest::Contains("attention_backward: argument mask: got 2"), Error);
 }
 
 TEST_CASE("attention_lse checks name the kernel and the argument, lse [B, NH, T] (host side)") {
@@ -463,6 +535,11 @@ TEST_CASE("attention_lse checks name the kernel and the argument, lse [B, NH, T]
                        "loom: attention_backward_lse: argument out shape: got [2, 6, 5]; expected [2, 5, 6]", Error);
   CHECK_THROWS_WITH_AS(a::check_backward_lse(dqkv, dout, qkv, dout, Tensor<const float>(p, {B, 3, T}), 2),
                        "loom: attention_backward_lse: argument lse shape: got [2, 3, 5]; expected [2, 2, 5]", Error);
+  CHECK(a::check_forward_lse(out, lse, qkv, 2, AttentionMask::bidirectional).mask == AttentionMask::bidirectional);
+  CHECK_THROWS_WITH_AS(a::check_forward_lse(out, lse, qkv, 2, static_cast<AttentionMask>(3)),
+                       doctest::Contains("attention_forward_lse: argument mask: got 3"), Error);
+  CHECK_THROWS_WITH_AS(a::check_backward_lse(dqkv, dout, qkv, dout, lse_c, 2, static_cast<AttentionMask>(3)),
+                       doctest::Contains("attention_backward_lse: argument mask: got 3"), Error);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -504,138 +581,161 @@ void check_same_bits(int run, std::vector<std::vector<float>>& first, std::vecto
   }
 }
 
-TEST_CASE("attention_forward matches the reference; att is exactly 0 above the diagonal; same bits each run") {
+TEST_CASE("attention_forward matches the reference (both masks); att is exactly 0 above the diagonal (causal) or "
+          "nowhere (bidirectional); same bits each run") {
   if (!have_gpu()) return;
   cuda be(0);
-  for (const Case& c : device_cases()) {
-    CAPTURE(c);
-    const Data data = make_data(c, 100);
-    const ForwardReference ref = forward_reference(c, data.qkv);
-    const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
-    std::vector<std::vector<float>> first;
-    for (int run = 0; run < 2; ++run) {
-      CAPTURE(run);
-      const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
-      attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH));
-      std::vector<float> got_att = att.to_host(be), got_out = out.to_host(be);
-      check_reference(got_att, ref.att, tf32_tolerance, "att");
-      CHECK(nonzero_above_diagonal(c, got_att) == 0);
-      check_reference(got_out, ref.out, tf32_tolerance, "out");
-      check_same_bits(run, first, {std::move(got_att), std::move(got_out)});
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : device_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 100);
+      const ForwardReference ref = forward_reference(c, data.qkv, mask);
+      const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
+      std::vector<std::vector<float>> first;
+      for (int run = 0; run < 2; ++run) {
+        CAPTURE(run);
+        const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
+        attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH), mask);
+        std::vector<float> got_att = att.to_host(be), got_out = out.to_host(be);
+        check_reference(got_att, ref.att, tf32_tolerance, "att");
+        check_masked(c, got_att, mask);
+        check_reference(got_out, ref.out, tf32_tolerance, "out");
+        check_same_bits(run, first, {std::move(got_att), std::move(got_out)});
+      }
     }
   }
 }
 
-TEST_CASE("attention_backward accumulates the reference gradient, the same bits each run, scratch returned") {
+TEST_CASE("attention_backward accumulates the reference gradient (both masks), the same bits each run, scratch "
+          "returned") {
   if (!have_gpu()) return;
   cuda be(0);
-  for (const Case& c : device_cases()) {
-    CAPTURE(c);
-    const Data data = make_data(c, 200);
-    const std::vector<float> att_in = to_float(forward_reference(c, data.qkv).att.value);
-    const Reference ref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0);
-    const Shape qkv_shape{c.B, c.T, 3 * c.C()};
-    const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
-        att(be, att_in, Shape{c.B, c.NH, c.T, c.T});
-    std::vector<std::vector<float>> first;
-    for (int run = 0; run < 2; ++run) {
-      CAPTURE(run);
-      const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
-      check_scratch(be, c.NH * c.T * c.T, [&] {
-        attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
-      });
-      std::vector<float> got = dqkv.to_host(be);
-      check_reference(got, ref, tf32_tolerance, "dqkv");
-      check_same_bits(run, first, {std::move(got)});
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : device_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 200);
+      const std::vector<float> att_in = to_float(forward_reference(c, data.qkv, mask).att.value);
+      const Reference ref = backward_reference(c, data.qkv, att_in, data.dout, data.dqkv0, nullptr, mask);
+      const Shape qkv_shape{c.B, c.T, 3 * c.C()};
+      const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
+          att(be, att_in, Shape{c.B, c.NH, c.T, c.T});
+      std::vector<std::vector<float>> first;
+      for (int run = 0; run < 2; ++run) {
+        CAPTURE(run);
+        const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
+        check_scratch(be, c.NH * c.T * c.T, [&] {
+          attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH),
+                                    mask);
+        });
+        std::vector<float> got = dqkv.to_host(be);
+        check_reference(got, ref, tf32_tolerance, "dqkv");
+        check_same_bits(run, first, {std::move(got)});
+      }
     }
   }
 }
 
-TEST_CASE("attention_backward from attention_forward's own att (the training path)") {
+TEST_CASE("attention_backward from attention_forward's own att (the training path, both masks)") {
   if (!have_gpu()) return;
   cuda be(0);
   // The reference reads the same (device) att, so only the backward's own error is measured.
   const Case c{2, 33, 3, 16};
   const Data data = make_data(c, 300);
   const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
-  const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
-  attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH));
-  const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
-  attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH));
-  const Reference ref = backward_reference(c, data.qkv, att.to_host(be), data.dout, data.dqkv0);
-  check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
-}
-
-TEST_CASE("attention_forward_lse matches the reference (out and lse); same bits each run; NH T^2 workspace") {
-  if (!have_gpu()) return;
-  cuda be(0);
-  for (const Case& c : device_cases()) {
-    CAPTURE(c);
-    const Data data = make_data(c, 400);
-    const ForwardReference ref = forward_reference(c, data.qkv);
-    const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
-    std::vector<std::vector<float>> first;
-    for (int run = 0; run < 2; ++run) {
-      CAPTURE(run);
-      const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
-      check_scratch(be, c.NH * c.T * c.T, [&] {
-        attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH));
-      });
-      std::vector<float> got_lse = lse.to_host(be), got_out = out.to_host(be);
-      check_reference(got_lse, ref.lse, tf32_tolerance, "lse");
-      check_reference(got_out, ref.out, tf32_tolerance, "out");
-      check_same_bits(run, first, {std::move(got_lse), std::move(got_out)});
-    }
-  }
-}
-
-TEST_CASE("attention_backward_lse accumulates the reference gradient, the same bits each run, 2 NH T^2 workspace") {
-  if (!have_gpu()) return;
-  cuda be(0);
-  for (const Case& c : device_cases()) {
-    CAPTURE(c);
-    const Data data = make_data(c, 500);
-    const ForwardReference forward = forward_reference(c, data.qkv);
-    // The kernel recomputes att from TF32 scores and the exact lse: att's errors, propagated.
-    const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
-                                             &forward.att);
-    const Shape qkv_shape{c.B, c.T, 3 * c.C()};
-    const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
-        out(be, to_float(forward.out.value), Shape{c.B, c.T, c.C()}),
-        lse(be, to_float(forward.lse.value), Shape{c.B, c.NH, c.T});
-    std::vector<std::vector<float>> first;
-    for (int run = 0; run < 2; ++run) {
-      CAPTURE(run);
-      const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
-      check_scratch(be, 2 * c.NH * c.T * c.T, [&] {
-        attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
-                                      static_cast<int>(c.NH));
-      });
-      std::vector<float> got = dqkv.to_host(be);
-      check_reference(got, ref, tf32_tolerance, "dqkv");
-      check_same_bits(run, first, {std::move(got)});
-    }
-  }
-}
-
-TEST_CASE("attention_backward_lse from attention_forward_lse's own lse (the training path)") {
-  if (!have_gpu()) return;
-  cuda be(0);
-  for (const Case& c : {Case{2, 33, 3, 16}, Case{2, 256, 4, 64}}) {
-    CAPTURE(c);
-    const Data data = make_data(c, 600);
-    const ForwardReference forward = forward_reference(c, data.qkv);
-    const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
-    const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
-    attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH));
+  for (const AttentionMask mask : both_masks) {
+    INFO(loom::name(mask));
+    const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
+    attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH), mask);
     const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
-    attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
-                                  static_cast<int>(c.NH));
-    // The recomputed att moves with the forward's lse as the forward's att does with its scores.
-    const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
-                                             &forward.att);
-    check_reference(out.to_host(be), forward.out, tf32_tolerance, "out");
+    attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH), mask);
+    const Reference ref = backward_reference(c, data.qkv, att.to_host(be), data.dout, data.dqkv0, nullptr, mask);
     check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
+  }
+}
+
+TEST_CASE("attention_forward_lse matches the reference (out and lse, both masks); same bits each run; NH T^2 "
+          "workspace") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : device_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 400);
+      const ForwardReference ref = forward_reference(c, data.qkv, mask);
+      const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()});
+      std::vector<std::vector<float>> first;
+      for (int run = 0; run < 2; ++run) {
+        CAPTURE(run);
+        const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
+        check_scratch(be, c.NH * c.T * c.T, [&] {
+          attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH), mask);
+        });
+        std::vector<float> got_lse = lse.to_host(be), got_out = out.to_host(be);
+        check_reference(got_lse, ref.lse, tf32_tolerance, "lse");
+        check_reference(got_out, ref.out, tf32_tolerance, "out");
+        check_same_bits(run, first, {std::move(got_lse), std::move(got_out)});
+      }
+    }
+  }
+}
+
+TEST_CASE("attention_backward_lse accumulates the reference gradient (both masks), the same bits each run, "
+          "2 NH T^2 workspace") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : device_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 500);
+      const ForwardReference forward = forward_reference(c, data.qkv, mask);
+      // The kernel recomputes att from TF32 scores and the exact lse: att's errors, propagated.
+      const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
+                                               &forward.att, mask);
+      const Shape qkv_shape{c.B, c.T, 3 * c.C()};
+      const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
+          out(be, to_float(forward.out.value), Shape{c.B, c.T, c.C()}),
+          lse(be, to_float(forward.lse.value), Shape{c.B, c.NH, c.T});
+      std::vector<std::vector<float>> first;
+      for (int run = 0; run < 2; ++run) {
+        CAPTURE(run);
+        const DeviceTensor dqkv(be, data.dqkv0, qkv_shape);
+        check_scratch(be, 2 * c.NH * c.T * c.T, [&] {
+          attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
+                                        static_cast<int>(c.NH), mask);
+        });
+        std::vector<float> got = dqkv.to_host(be);
+        check_reference(got, ref, tf32_tolerance, "dqkv");
+        check_same_bits(run, first, {std::move(got)});
+      }
+    }
+  }
+}
+
+TEST_CASE("attention_backward_lse from attention_forward_lse's own lse (the training path, both masks)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : {Case{2, 33, 3, 16}, Case{2, 256, 4, 64}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 600);
+      const ForwardReference forward = forward_reference(c, data.qkv, mask);
+      const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
+      const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), out = nans(be, {c.B, c.T, c.C()});
+      attention_forward_lse<float>(be, out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH), mask);
+      const DeviceTensor dqkv(be, data.dqkv0, Shape{c.B, c.T, 3 * c.C()});
+      attention_backward_lse<float>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
+                                    static_cast<int>(c.NH), mask);
+      // The recomputed att moves with the forward's lse as the forward's att does with its scores.
+      const Reference ref = backward_reference(c, data.qkv, to_float(forward.att.value), data.dout, data.dqkv0,
+                                               &forward.att, mask);
+      check_reference(out.to_host(be), forward.out, tf32_tolerance, "out");
+      check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
+    }
   }
 }
 

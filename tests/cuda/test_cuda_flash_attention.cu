@@ -1,11 +1,12 @@
-// The SRAM-tiled causal attention kernels (detail/flash_attention.cuh) against a double reference,
-// on bf16 data at head sizes 32, 64 and 128 and token counts that leave partial tiles.
+// The SRAM-tiled attention kernels (detail/flash_attention.cuh), causal and bidirectional, against
+// a double reference, on bf16 data at head sizes 32, 64 and 128 and token counts that leave
+// partial tiles.
 //
 // Without a GPU the kernel bodies still run here: HostThread runs each block with its 128 threads
 // as host threads (barriers for __syncthreads, a shared exchange for the shuffles) and each
 // mma.sync from the 32 lanes' fragments by the documented m16n8k16 layout, each lane computing its
 // own part of the result from what the others published, as on the GPU. Shared memory starts as
-// garbage. So the tiling, the online softmax, the causal mask, the partial tiles, the fragment
+// garbage. So the tiling, the online softmax, both masks, the partial tiles, the fragment
 // indexing and the barriers are checked without a GPU; with one, the same checks run on the device
 // kernels through attention_forward_lse/backward_lse and against the cuBLAS path, and a single
 // mma checks the layout itself against a plain product.
@@ -33,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cuda/attention.cuh"
 #include "loom/backend/cuda/detail/flash_attention.cuh"
 #include "loom/core/bf16.hpp"
@@ -155,6 +157,14 @@ std::vector<Case> host_cases() {
   return {{1, 1, 1, 32}, {2, 70, 2, 32}, {1, 64, 1, 64}, {1, 129, 2, 64}, {2, 33, 1, 128}, {1, 100, 1, 128}};
 }
 
+//! The bidirectional mask's host cases: T = 1, 33, 64, 100, 129 (one partial tile, one whole, two
+//! and three tiles, the last partial), each head size.
+std::vector<Case> bidirectional_host_cases() {
+  return {{1, 1, 1, 32}, {2, 33, 2, 32}, {1, 64, 1, 64}, {1, 100, 1, 128}, {1, 129, 2, 64}};
+}
+
+constexpr AttentionMask both_masks[] = {AttentionMask::causal, AttentionMask::bidirectional};
+
 std::vector<bf16> random_bf16(std::int64_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   const std::vector<float> f = random_floats(n, seed, lo, hi);
   std::vector<bf16> v(f.size());
@@ -186,9 +196,10 @@ struct Reference {
   Expected out, lse, dqkv;
 };
 
-//! The exact forward and backward from the bf16 inputs, in double. The kernels' backward reads
-//! their own bf16 out for D = dout·out; the dq and dk magnitudes include sum |dout| |out| for it.
-Reference reference(const Case& c, const Data& data) {
+//! The exact forward and backward from the bf16 inputs, in double, query t seeing keys s <= t
+//! (causal) or all s < T (bidirectional). The kernels' backward reads their own bf16 out for
+//! D = dout·out; the dq and dk magnitudes include sum |dout| |out| for it.
+Reference reference(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal) {
   const std::vector<double> qkv = widen(data.qkv), dout = widen(data.dout), dqkv0 = widen(data.dqkv0);
   const std::int64_t T = c.T, C = c.C(), hs = c.hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
@@ -198,6 +209,7 @@ Reference reference(const Case& c, const Data& data) {
   const auto o = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t i) {
     return (b * T + t) * C + h * hs + i;
   };
+  const auto keys = [&](std::int64_t t) { return mask == AttentionMask::causal ? t + 1 : T; };
   Reference r;
   r.out = {std::vector<double>(static_cast<std::size_t>(c.B * T * C)), std::vector<double>(c.B * T * C)};
   r.lse = {std::vector<double>(static_cast<std::size_t>(c.B * c.NH * T)), std::vector<double>(c.B * c.NH * T)};
@@ -207,21 +219,21 @@ Reference reference(const Case& c, const Data& data) {
     for (std::int64_t h = 0; h < c.NH; ++h) {
       for (std::int64_t t = 0; t < T; ++t) {
         double max = -std::numeric_limits<double>::infinity();
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys(t); ++s) {
           double x = 0;
           for (std::int64_t i = 0; i < hs; ++i) x += qkv[q(b, t, 0, h, i)] * qkv[q(b, s, 1, h, i)];
           p[t * T + s] = x * scale;
           max = std::max(max, x * scale);
         }
         double sum = 0;
-        for (std::int64_t s = 0; s <= t; ++s) sum += std::exp(p[t * T + s] - max);
+        for (std::int64_t s = 0; s < keys(t); ++s) sum += std::exp(p[t * T + s] - max);
         const std::int64_t row = (b * c.NH + h) * T + t;
         r.lse.value[row] = max + std::log(sum);
         r.lse.magnitude[row] = 1 + std::abs(r.lse.value[row]);
-        for (std::int64_t s = 0; s <= t; ++s) p[t * T + s] = std::exp(p[t * T + s] - max) / sum;
+        for (std::int64_t s = 0; s < keys(t); ++s) p[t * T + s] = std::exp(p[t * T + s] - max) / sum;
         for (std::int64_t i = 0; i < hs; ++i) {
           double value = 0, magnitude = 0;
-          for (std::int64_t s = 0; s <= t; ++s) {
+          for (std::int64_t s = 0; s < keys(t); ++s) {
             value += p[t * T + s] * qkv[q(b, s, 2, h, i)];
             magnitude += p[t * T + s] * std::abs(qkv[q(b, s, 2, h, i)]);
           }
@@ -232,7 +244,7 @@ Reference reference(const Case& c, const Data& data) {
       // The backward: dP = dout v^T, D = sum_s P dP, dS = P (dP - D) scale.
       for (std::int64_t t = 0; t < T; ++t) {
         double d = 0, d_mag = 0;
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys(t); ++s) {
           double x = 0;
           for (std::int64_t i = 0; i < hs; ++i) x += dout[o(b, t, h, i)] * qkv[q(b, s, 2, h, i)];
           dp[t * T + s] = x;
@@ -240,14 +252,14 @@ Reference reference(const Case& c, const Data& data) {
           d_mag += p[t * T + s] * std::abs(x);
         }
         for (std::int64_t i = 0; i < hs; ++i) d_mag += std::abs(dout[o(b, t, h, i)] * r.out.value[o(b, t, h, i)]);
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys(t); ++s) {
           ds[t * T + s] = p[t * T + s] * (dp[t * T + s] - d) * scale;
           ds_mag[t * T + s] = p[t * T + s] * (std::abs(dp[t * T + s]) + d_mag) * scale;
         }
       }
       for (std::int64_t i = 0; i < hs; ++i)
         for (std::int64_t t = 0; t < T; ++t)
-          for (std::int64_t s = 0; s <= t; ++s) {
+          for (std::int64_t s = 0; s < keys(t); ++s) {
             const double pts = p[t * T + s];
             r.dqkv.value[q(b, s, 2, h, i)] += pts * dout[o(b, t, h, i)];  // dv
             r.dqkv.magnitude[q(b, s, 2, h, i)] += pts * std::abs(dout[o(b, t, h, i)]);
@@ -297,8 +309,8 @@ struct Result {
 };
 
 //! The forward, then the backward from its own out and lse (the training path), on the host.
-Result run_on_host(const Case& c, const Data& data) {
-  const fl::Shape shape{c.T, c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs))};
+Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal) {
+  const fl::Shape shape{c.T, c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)), mask};
   const float nan = std::numeric_limits<float>::quiet_NaN();
   Result r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)), data.dqkv0,
                std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan)};
@@ -419,21 +431,62 @@ TEST_CASE("the tiled kernels' bodies match the reference (host emulation of the 
   }
 }
 
+TEST_CASE("the tiled kernels' bodies match the reference with the bidirectional mask (host emulation)") {
+  std::uint32_t seed = 200;
+  for (const Case& c : bidirectional_host_cases()) {
+    CAPTURE(c);
+    const Data data = make_data(c, seed += 10);
+    const Result got = run_on_host(c, data, AttentionMask::bidirectional);
+    const Reference want = reference(c, data, AttentionMask::bidirectional);
+    check_all(want, got.out, got.lse, got.dqkv);
+    if (c.T > 1) {
+      // The causal reference is another result: a kernel that ignored the mask would fail above.
+      const Reference causal = reference(c, data);
+      double diff = 0;
+      for (std::size_t i = 0; i < want.out.value.size(); ++i)
+        diff = std::max(diff, std::abs(want.out.value[i] - causal.out.value[i]));
+      CHECK(diff > 0.1);
+    }
+  }
+}
+
+TEST_CASE("the tiles a block walks: causal blocks the longest first, bidirectional blocks all tiles") {
+  const fl::Shape causal{129, 64, 1, 0.125f, AttentionMask::causal};  // 3 tiles, the last partial
+  const fl::Shape bidirectional{129, 64, 1, 0.125f, AttentionMask::bidirectional};
+  for (std::int64_t y = 0; y < 3; ++y) {
+    CAPTURE(y);
+    CHECK(fl::query_tile(causal, y) == 2 - y);  // block 0 walks the most key tiles
+    CHECK(fl::key_tiles(causal, fl::query_tile(causal, y)) == 3 - y);
+    CHECK(fl::first_query_tile(causal, y) == y);
+    CHECK(fl::query_tile(bidirectional, y) == y);
+    CHECK(fl::key_tiles(bidirectional, fl::query_tile(bidirectional, y)) == 3);
+    CHECK(fl::first_query_tile(bidirectional, y) == 0);
+  }
+  CHECK(fl::last_key(causal, 5) == 5);
+  CHECK(fl::last_key(bidirectional, 5) == 128);
+  CHECK(fl::last_key(bidirectional, 150) == 128);  // a padding row of the last tile
+  CHECK(fl::Shape{1, 32, 1, 1.0f}.causal());       // the default mask
+}
+
 TEST_CASE("the tiled kernels' bodies give the same bits for the same input (host emulation)") {
   const Case c{1, 129, 2, 64};
   const Data data = make_data(c, 7);
-  const Result a = run_on_host(c, data), b = run_on_host(c, data);
-  CHECK(std::equal(a.out.begin(), a.out.end(), b.out.begin()));
-  CHECK(std::equal(a.dqkv.begin(), a.dqkv.end(), b.dqkv.begin()));
-  CHECK(std::equal(a.lse.begin(), a.lse.end(), b.lse.begin(),
-                   [](float x, float y) { return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y); }));
+  for (const AttentionMask mask : both_masks) {
+    INFO(loom::name(mask));
+    const Result a = run_on_host(c, data, mask), b = run_on_host(c, data, mask);
+    CHECK(std::equal(a.out.begin(), a.out.end(), b.out.begin()));
+    CHECK(std::equal(a.dqkv.begin(), a.dqkv.end(), b.dqkv.begin()));
+    CHECK(std::equal(a.lse.begin(), a.lse.end(), b.lse.begin(), [](float x, float y) {
+      return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y);
+    }));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // On the GPU.
 
 //! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch).
-Result run_on_device(cuda& be, const Case& c, const Data& data) {
+Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Shape qkv_shape{c.B, c.T, 3 * c.C()}, out_shape{c.B, c.T, c.C()};
   const DeviceArray<bf16> qkv(be, data.qkv, qkv_shape), dout(be, data.dout, out_shape),
@@ -443,8 +496,8 @@ Result run_on_device(cuda& be, const Case& c, const Data& data) {
   const DeviceArray<float> lse(be, std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan),
                                Shape{c.B, c.NH, c.T});
   const int heads = static_cast<int>(c.NH);
-  attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads);
-  attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads);
+  attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads, mask);
+  attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads, mask);
   return {out.to_host(be), dqkv.to_host(be), lse.to_host(be)};
 }
 
@@ -500,20 +553,23 @@ TEST_CASE("attention_forward_lse/backward_lse on the tiled kernels match the ref
   cuda be(0);
   if (!tiled_kernels_run(be)) return;
   std::uint32_t seed = 300;
-  for (const Case& c : device_cases()) {
-    CAPTURE(c);
-    const Data data = make_data(c, seed += 10);
-    const Reference ref = reference(c, data);
-    const Result first = run_on_device(be, c, data);
-    check_all(ref, first.out, first.lse, first.dqkv);
-    const Result second = run_on_device(be, c, data);
-    CHECK(std::equal(first.dqkv.begin(), first.dqkv.end(), second.dqkv.begin()));
-    CHECK(std::equal(first.out.begin(), first.out.end(), second.out.begin()));
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : device_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, seed += 10);
+      const Reference ref = reference(c, data, mask);
+      const Result first = run_on_device(be, c, data, mask);
+      check_all(ref, first.out, first.lse, first.dqkv);
+      const Result second = run_on_device(be, c, data, mask);
+      CHECK(std::equal(first.dqkv.begin(), first.dqkv.end(), second.dqkv.begin()));
+      CHECK(std::equal(first.out.begin(), first.out.end(), second.out.begin()));
+    }
   }
 }
 
-TEST_CASE("the tiled kernels and the cuBLAS path agree; the tiled forward takes no workspace, its backward B NH T "
-          "floats") {
+TEST_CASE("the tiled kernels and the cuBLAS path agree (both masks); the tiled forward takes no workspace, its "
+          "backward B NH T floats") {
   if (!have_gpu()) return;
   cuda be(0);
   if (!tiled_kernels_run(be)) return;
@@ -543,6 +599,15 @@ TEST_CASE("the tiled kernels and the cuBLAS path agree; the tiled forward takes 
   be.set_flash_attention(false);
   const Result batched = run_on_device(be, c, data);
   check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
+
+  // The bidirectional mask on both paths.
+  const Reference everywhere = reference(c, data, AttentionMask::bidirectional);
+  const Result batched_bidirectional = run_on_device(be, c, data, AttentionMask::bidirectional);
+  check_all(everywhere, batched_bidirectional.out, batched_bidirectional.lse, batched_bidirectional.dqkv,
+            cublas_lse_tolerance);
+  be.set_flash_attention(true);
+  const Result tiled_bidirectional = run_on_device(be, c, data, AttentionMask::bidirectional);
+  check_all(everywhere, tiled_bidirectional.out, tiled_bidirectional.lse, tiled_bidirectional.dqkv);
 }
 
 }  // namespace

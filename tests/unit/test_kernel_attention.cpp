@@ -1,10 +1,12 @@
-// Causal multi-head attention kernels, both pairs (attention_forward/backward, which save the
-// probabilities, and the _lse pair, which saves the row log-sum-exp and recomputes): forward
-// against a plain reference, backward against central differences and against each other, the
-// accumulate convention, shape checks and thread-count determinism.
+// Multi-head attention kernels, causal and bidirectional (loom::AttentionMask), both pairs
+// (attention_forward/backward, which save the probabilities, and the _lse pair, which saves the row
+// log-sum-exp and recomputes): forward against a plain reference, backward against central
+// differences and against each other, the accumulate convention, bf16 against float, shape and
+// mask checks and thread-count determinism.
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -12,11 +14,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cpu/attention.hpp"
+#include "loom/core/bf16.hpp"
 #include "support/gradcheck.hpp"
 
 namespace {
 
+using loom::AttentionMask;
 using loom::Shape;
 using loom::Tensor;
 using loom::cpu;
@@ -27,10 +32,12 @@ struct Case {
 };
 
 //! Plain triple-loop attention in double: returns out [B,T,C] and fills att [B,NH,T,T] and, where
-//! given, lse [B,NH,T] = log Σ_{s<=t} exp of the scaled scores.
+//! given, lse [B,NH,T] = log Σ_s exp of the scaled scores, over the keys s that t sees: s <= t
+//! (causal) or all s < T (bidirectional).
 template <class T>
 std::vector<double> reference_forward(const std::vector<T>& qkv, const Case& c,
-                                      std::vector<double>& att, std::vector<double>* lse = nullptr) {
+                                      std::vector<double>& att, std::vector<double>* lse = nullptr,
+                                      AttentionMask mask = AttentionMask::causal) {
   const std::int64_t hs = c.C / c.NH;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   std::vector<double> out(c.B * c.T * c.C, 0.0);
@@ -44,20 +51,21 @@ std::vector<double> reference_forward(const std::vector<T>& qkv, const Case& c,
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < c.T; ++t) {
         double* row = &att[((b * c.NH + h) * c.T + t) * c.T];
+        const std::int64_t keys = mask == AttentionMask::causal ? t + 1 : c.T;
         double max = -1e300;
-        for (std::int64_t s = 0; s <= t; ++s) {
+        for (std::int64_t s = 0; s < keys; ++s) {
           double dot = 0;
           for (std::int64_t i = 0; i < hs; ++i) dot += at(b, t, 0, h, i) * at(b, s, 1, h, i);
           row[s] = dot * scale;
           max = std::max(max, row[s]);
         }
         double sum = 0;
-        for (std::int64_t s = 0; s <= t; ++s) sum += row[s] = std::exp(row[s] - max);
+        for (std::int64_t s = 0; s < keys; ++s) sum += row[s] = std::exp(row[s] - max);
         if (lse != nullptr) (*lse)[(b * c.NH + h) * c.T + t] = max + std::log(sum);
-        for (std::int64_t s = 0; s <= t; ++s) row[s] /= sum;
+        for (std::int64_t s = 0; s < keys; ++s) row[s] /= sum;
         for (std::int64_t i = 0; i < hs; ++i) {
           double acc = 0;
-          for (std::int64_t s = 0; s <= t; ++s) acc += row[s] * at(b, s, 2, h, i);
+          for (std::int64_t s = 0; s < keys; ++s) acc += row[s] * at(b, s, 2, h, i);
           out[(b * c.T + t) * c.C + h * hs + i] = acc;
         }
       }
@@ -82,19 +90,20 @@ struct Run {
 template <class T>
 struct SavesProbs {
   using type = T;
-  static Run<T> forward(const cpu& be, const std::vector<T>& qkv, const Case& c) {
+  static Run<T> forward(const cpu& be, const std::vector<T>& qkv, const Case& c,
+                        AttentionMask mask = AttentionMask::causal) {
     Run<T> r{std::vector<T>(c.B * c.T * c.C), std::vector<T>(c.B * c.NH * c.T * c.T, T(7))};
     loom::kernels::attention_forward<T>(be, Tensor<T>(r.out.data(), {c.B, c.T, c.C}),
                                         Tensor<T>(r.saved.data(), {c.B, c.NH, c.T, c.T}),
-                                        Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}), c.NH);
+                                        Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}), c.NH, mask);
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const Run<T>& r, const Case& c) {
+                       const Run<T>& r, const Case& c, AttentionMask mask = AttentionMask::causal) {
     loom::kernels::attention_backward<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                          Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                          Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
-                                         Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T, c.T}), c.NH);
+                                         Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T, c.T}), c.NH, mask);
   }
 };
 
@@ -103,20 +112,21 @@ struct SavesProbs {
 template <class T>
 struct SavesLse {
   using type = T;
-  static Run<T> forward(const cpu& be, const std::vector<T>& qkv, const Case& c) {
+  static Run<T> forward(const cpu& be, const std::vector<T>& qkv, const Case& c,
+                        AttentionMask mask = AttentionMask::causal) {
     Run<T> r{std::vector<T>(c.B * c.T * c.C), std::vector<T>(c.B * c.NH * c.T, T(7))};
     loom::kernels::attention_forward_lse<T>(be, Tensor<T>(r.out.data(), {c.B, c.T, c.C}),
                                             Tensor<T>(r.saved.data(), {c.B, c.NH, c.T}),
-                                            Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}), c.NH);
+                                            Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}), c.NH, mask);
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const Run<T>& r, const Case& c) {
+                       const Run<T>& r, const Case& c, AttentionMask mask = AttentionMask::causal) {
     loom::kernels::attention_backward_lse<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                              Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                              Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
                                              Tensor<const T>(r.out.data(), {c.B, c.T, c.C}),
-                                             Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T}), c.NH);
+                                             Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T}), c.NH, mask);
   }
 };
 
@@ -127,6 +137,13 @@ using KernelPairs = std::tuple<SavesProbs<float>, SavesProbs<double>, SavesLse<f
 // T = 70 and 133 span more than one 64-row block of the kernel.
 const Case cases[] = {{2, 5, 6, 2}, {2, 5, 6, 3}, {1, 1, 6, 3}, {3, 1, 4, 1},
                       {2, 70, 12, 3}, {1, 133, 8, 2}};
+
+// The bidirectional mask's cases: odd T (70 and 130 cross the 64-row blocks, 130 by a block of
+// two rows) and 1 to 4 heads.
+const Case bidirectional_cases[] = {{2, 1, 6, 3}, {2, 5, 6, 2}, {2, 5, 6, 3}, {1, 17, 12, 4},
+                                    {2, 70, 12, 3}, {1, 130, 8, 2}, {2, 130, 6, 1}};
+
+constexpr AttentionMask both_masks[] = {AttentionMask::causal, AttentionMask::bidirectional};
 
 }  // namespace
 
@@ -233,48 +250,304 @@ TEST_CASE_TEMPLATE("attention_backward_lse matches attention_backward", T, float
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The bidirectional mask: every query sees every key of its sequence.
+
+TEST_CASE_TEMPLATE("bidirectional attention_forward and attention_forward_lse match the plain reference", T, float,
+                   double) {
+  const cpu be(1);
+  constexpr AttentionMask mask = AttentionMask::bidirectional;
+  for (const Case& c : bidirectional_cases) {
+    CAPTURE(c.B);
+    CAPTURE(c.T);
+    CAPTURE(c.C);
+    CAPTURE(c.NH);
+    const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 12, -2.0, 2.0);
+    std::vector<double> att_ref, lse_ref;
+    const auto out_ref = reference_forward(qkv, c, att_ref, &lse_ref, mask);
+    const auto r = SavesProbs<T>::forward(be, qkv, c, mask);
+    CHECK(loom::test::max_relative_error(r.out, out_ref, 1e-1) <= forward_tolerance<T>());
+    CHECK(loom::test::max_relative_error(r.saved, att_ref, 1e-2) <= forward_tolerance<T>());
+    // Every row is a distribution over all T keys: no entry is 0 (the causal upper triangle would
+    // be), and each row sums to 1.
+    std::int64_t zeros = 0;
+    double worst_sum = 0;
+    for (std::int64_t row = 0; row < c.B * c.NH * c.T; ++row) {
+      double sum = 0;
+      for (std::int64_t s = 0; s < c.T; ++s) {
+        const T p = r.saved[row * c.T + s];
+        zeros += p == T(0);
+        sum += static_cast<double>(p);
+      }
+      worst_sum = std::max(worst_sum, std::abs(sum - 1.0));
+    }
+    CHECK(zeros == 0);
+    CHECK(worst_sum <= static_cast<double>(c.T) * forward_tolerance<T>());
+    // Not the causal result: with T > 1 every query but the last sees keys the causal mask hides;
+    // the last query sees all keys under both masks. With T = 1 the masks agree to the bit.
+    const auto causal = SavesProbs<T>::forward(be, qkv, c);
+    if (c.T == 1) {
+      CHECK(r.out == causal.out);
+      CHECK(r.saved == causal.saved);
+    } else {
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t t = 0; t < c.T; ++t) {
+          double diff = 0;
+          for (std::int64_t i = 0; i < c.C; ++i) {
+            const std::int64_t o = (b * c.T + t) * c.C + i;
+            diff = std::max(diff, std::abs(static_cast<double>(r.out[o]) - static_cast<double>(causal.out[o])));
+          }
+          CAPTURE(b);
+          CAPTURE(t);
+          // Far beyond float's rounding (out is O(1)), though the hidden keys may weigh little.
+          if (t + 1 < c.T) CHECK(diff > 1e-5);
+          else CHECK(diff <= 1e-6);
+        }
+    }
+    // The lse forward runs the same arithmetic for out: the same bits.
+    const auto l = SavesLse<T>::forward(be, qkv, c, mask);
+    CHECK(l.out == r.out);
+    CHECK(loom::test::max_relative_error(l.saved, lse_ref, 1.0) <= forward_tolerance<T>());
+  }
+}
+
+TEST_CASE_TEMPLATE("bidirectional attention backward matches central differences (double)", Kernels,
+                   SavesProbs<double>, SavesLse<double>) {
+  const cpu be(1);
+  constexpr AttentionMask mask = AttentionMask::bidirectional;
+  for (const Case& c : bidirectional_cases) {
+    CAPTURE(c.B);
+    CAPTURE(c.T);
+    CAPTURE(c.C);
+    CAPTURE(c.NH);
+    auto qkv = loom::test::random_vector<double>(c.B * c.T * 3 * c.C, 25, -1.5, 1.5);
+    const auto w = loom::test::random_vector<double>(c.B * c.T * c.C, 26);
+    auto loss = [&] {
+      const auto r = Kernels::forward(be, qkv, c, mask);
+      double total = 0;
+      for (std::size_t i = 0; i < w.size(); ++i) total += r.out[i] * w[i];
+      return total;
+    };
+    const auto numeric = loom::test::finite_difference(loss, std::span<double>(qkv), 1e-4);
+    const auto r = Kernels::forward(be, qkv, c, mask);
+    std::vector<double> dqkv(qkv.size(), 0.0);
+    Kernels::backward(be, dqkv, w, qkv, r, c, mask);
+    CHECK(loom::test::max_relative_error(dqkv, numeric, 1e-3) <= 1e-6);
+    if (c.T > 1) {
+      // The causal backward from the same forward is another gradient: the mask reaches it.
+      std::vector<double> causal(qkv.size(), 0.0);
+      Kernels::backward(be, causal, w, qkv, r, c);
+      CHECK(loom::test::max_relative_error(causal, numeric, 1e-3) > 1e-2);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("bidirectional attention_backward_lse matches attention_backward", T, float, double) {
+  const cpu be(1);
+  constexpr AttentionMask mask = AttentionMask::bidirectional;
+  // As for the causal mask (measured here: 2.4e-7 for float, 4.5e-16 for double).
+  const double tolerance = sizeof(T) == sizeof(double) ? 1e-13 : 2e-6;
+  for (const Case& c : bidirectional_cases) {
+    CAPTURE(c.B);
+    CAPTURE(c.T);
+    CAPTURE(c.C);
+    CAPTURE(c.NH);
+    const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 27, -2.0, 2.0);
+    const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 28);
+    std::vector<T> stored(qkv.size(), T(0)), recomputed(qkv.size(), T(0));
+    SavesProbs<T>::backward(be, stored, dout, qkv, SavesProbs<T>::forward(be, qkv, c, mask), c, mask);
+    SavesLse<T>::backward(be, recomputed, dout, qkv, SavesLse<T>::forward(be, qkv, c, mask), c, mask);
+    CHECK(loom::test::max_relative_error(recomputed, stored, 1.0) <= tolerance);
+  }
+}
+
+namespace {
+
+using loom::bf16;
+
+//! bf16(x) of each float, and those values widened back to float (exactly).
+struct Rounded {
+  std::vector<bf16> narrow;
+  std::vector<float> wide;
+  explicit Rounded(const std::vector<float>& x) {
+    for (float v : x) {
+      narrow.push_back(bf16(v));
+      wide.push_back(static_cast<float>(narrow.back()));
+    }
+  }
+};
+
+//! test_kernel_bf16.cpp's bound: |bf16 - float| <= 2^-8 |float| + sqrt(terms) 2^-22 magnitude,
+//! element by element (one bf16 rounding of the result, float sums reassociated).
+void check_bf16_close(const std::vector<bf16>& got, const std::vector<float>& want, double magnitude,
+                      std::int64_t terms) {
+  REQUIRE(got.size() == want.size());
+  const double slack = std::sqrt(static_cast<double>(terms)) * std::ldexp(1.0, -22) * magnitude;
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double w = want[i], g = static_cast<float>(got[i]);
+    worst = std::max(worst, std::abs(g - w) - (std::ldexp(1.0, -8) * std::abs(w) + slack));
+  }
+  CHECK(worst <= 0.0);
+}
+
+}  // namespace
+
+TEST_CASE("bidirectional attention on bf16 (both pairs) runs each head in float") {
+  const cpu one(1), two(2);
+  constexpr AttentionMask mask = AttentionMask::bidirectional;
+  struct Size {
+    std::int64_t B, T, NH, hs;
+  };
+  for (const Size z : {Size{1, 1, 1, 1}, Size{2, 7, 3, 5}, Size{1, 70, 2, 16}, Size{1, 130, 4, 8}}) {
+    CAPTURE(z.T);
+    const std::int64_t B = z.B, Tn = z.T, NH = z.NH, C = z.NH * z.hs;
+    const int heads = static_cast<int>(NH);
+    const Rounded qkv(loom::test::random_vector<float>(B * Tn * 3 * C, 51, -2.0, 2.0));
+    const Rounded dout(loom::test::random_vector<float>(B * Tn * C, 52));
+    const Rounded dqkv0(loom::test::random_vector<float>(B * Tn * 3 * C, 55));
+    const Tensor<const bf16> qkv_b(qkv.narrow.data(), {B, Tn, 3 * C}), dout_b(dout.narrow.data(), {B, Tn, C});
+    const Tensor<const float> qkv_f(qkv.wide.data(), {B, Tn, 3 * C}), dout_f(dout.wide.data(), {B, Tn, C});
+    for (const cpu* be : {&one, &two}) {
+      // The stored pair.
+      std::vector<bf16> out_b(B * Tn * C), att_b(B * NH * Tn * Tn);
+      std::vector<float> out_f(out_b.size()), att_f(att_b.size());
+      loom::kernels::attention_forward<bf16>(*be, Tensor<bf16>(out_b.data(), {B, Tn, C}),
+                                             Tensor<bf16>(att_b.data(), {B, NH, Tn, Tn}), qkv_b, heads, mask);
+      loom::kernels::attention_forward<float>(*be, Tensor<float>(out_f.data(), {B, Tn, C}),
+                                              Tensor<float>(att_f.data(), {B, NH, Tn, Tn}), qkv_f, heads, mask);
+      check_bf16_close(att_b, att_f, 1.0, z.hs);
+      check_bf16_close(out_b, out_f, 1.0, Tn);  // convex combinations of |v| <= 2
+      for (bf16 p : att_b) REQUIRE(static_cast<float>(p) > 0.0f);  // every key seen
+      // The backward from the same (bf16) probabilities on both sides.
+      const Rounded probs([&] {
+        std::vector<float> p;
+        for (bf16 x : att_b) p.push_back(static_cast<float>(x));
+        return p;
+      }());
+      std::vector<bf16> dqkv_b = dqkv0.narrow;
+      std::vector<float> dqkv_f = dqkv0.wide;
+      loom::kernels::attention_backward<bf16>(*be, Tensor<bf16>(dqkv_b.data(), {B, Tn, 3 * C}), dout_b, qkv_b,
+                                              Tensor<const bf16>(probs.narrow.data(), {B, NH, Tn, Tn}), heads, mask);
+      loom::kernels::attention_backward<float>(*be, Tensor<float>(dqkv_f.data(), {B, Tn, 3 * C}), dout_f, qkv_f,
+                                               Tensor<const float>(probs.wide.data(), {B, NH, Tn, Tn}), heads, mask);
+      check_bf16_close(dqkv_b, dqkv_f, 4.0 * static_cast<double>(z.hs + Tn), z.hs + Tn);
+
+      // The lse pair: out as above; lse in float from the same values (float reassociation only).
+      std::vector<float> lse_b(B * NH * Tn), lse_f(lse_b.size());
+      loom::kernels::attention_forward_lse<bf16>(*be, Tensor<bf16>(out_b.data(), {B, Tn, C}),
+                                                 Tensor<float>(lse_b.data(), {B, NH, Tn}), qkv_b, heads, mask);
+      loom::kernels::attention_forward_lse<float>(*be, Tensor<float>(out_f.data(), {B, Tn, C}),
+                                                  Tensor<float>(lse_f.data(), {B, NH, Tn}), qkv_f, heads, mask);
+      check_bf16_close(out_b, out_f, 1.0, Tn);
+      const double lse_bound =
+          std::sqrt(static_cast<double>(z.hs + Tn)) * std::ldexp(1.0, -22) * (4.0 * std::sqrt(z.hs) + Tn);
+      for (std::size_t i = 0; i < lse_b.size(); ++i) CHECK(std::abs(lse_b[i] - lse_f[i]) <= lse_bound);
+      // The backward from the same (float) lse and the same out (bf16's, widened) on both sides.
+      std::vector<float> out_widened;
+      for (bf16 x : out_b) out_widened.push_back(static_cast<float>(x));
+      const Tensor<const float> saved(lse_f.data(), {B, NH, Tn});
+      dqkv_b = dqkv0.narrow;
+      dqkv_f = dqkv0.wide;
+      loom::kernels::attention_backward_lse<bf16>(*be, Tensor<bf16>(dqkv_b.data(), {B, Tn, 3 * C}), dout_b, qkv_b,
+                                                  Tensor<const bf16>(out_b.data(), {B, Tn, C}), saved, heads, mask);
+      loom::kernels::attention_backward_lse<float>(*be, Tensor<float>(dqkv_f.data(), {B, Tn, 3 * C}), dout_f, qkv_f,
+                                                   Tensor<const float>(out_widened.data(), {B, Tn, C}), saved, heads,
+                                                   mask);
+      check_bf16_close(dqkv_b, dqkv_f, 4.0 * static_cast<double>(z.hs + Tn), z.hs + Tn);
+    }
+  }
+}
+
+TEST_CASE("attention kernels reject a mask that is not an AttentionMask value, before any work") {
+  const cpu be(1);
+  const std::int64_t B = 2, T = 5, C = 6;
+  std::vector<float> qkv(B * T * 3 * C, 0.5f), out(B * T * C, 0.0f), att(B * 2 * T * T, 0.0f), lse(B * 2 * T, 0.0f),
+      dqkv(qkv.size(), 0.0f), dout(out.size(), 0.0f);
+  const Tensor<const float> qkv_view(qkv.data(), {B, T, 3 * C});
+  const auto bad = static_cast<AttentionMask>(7);
+  using loom::test::expect_error;
+  expect_error(
+      [&] {
+        loom::kernels::attention_forward<float>(be, Tensor<float>(out.data(), {B, T, C}),
+                                                Tensor<float>(att.data(), {B, 2, T, T}), qkv_view, 2, bad);
+      },
+      "attention_forward: argument mask");
+  expect_error(
+      [&] {
+        loom::kernels::attention_backward<float>(be, Tensor<float>(dqkv.data(), {B, T, 3 * C}),
+                                                 Tensor<const float>(dout.data(), {B, T, C}), qkv_view,
+                                                 Tensor<const float>(att.data(), {B, 2, T, T}), 2, bad);
+      },
+      "attention_backward: argument mask");
+  expect_error(
+      [&] {
+        loom::kernels::attention_forward_lse<float>(be, Tensor<float>(out.data(), {B, T, C}),
+                                                    Tensor<float>(lse.data(), {B, 2, T}), qkv_view, 2, bad);
+      },
+      "attention_forward_lse: argument mask");
+  expect_error(
+      [&] {
+        loom::kernels::attention_backward_lse<float>(be, Tensor<float>(dqkv.data(), {B, T, 3 * C}),
+                                                     Tensor<const float>(dout.data(), {B, T, C}), qkv_view,
+                                                     Tensor<const float>(out.data(), {B, T, C}),
+                                                     Tensor<const float>(lse.data(), {B, 2, T}), 2, bad);
+      },
+      "attention_backward_lse: argument mask");
+  for (float x : out) CHECK(x == 0.0f);
+  for (float x : dqkv) CHECK(x == 0.0f);
+  CHECK(std::string(loom::name(AttentionMask::causal)) == "causal");
+  CHECK(std::string(loom::name(AttentionMask::bidirectional)) == "bidirectional");
+}
+
 TEST_CASE_TEMPLATE_DEFINE("attention backward accumulates into dqkv", Kernels, accumulates) {
   using T = typename Kernels::type;
   const cpu be(1);
   // Adding into dqkv reassociates the sums (values O(1)): compare on an absolute scale of 1.
   const double accumulate_tolerance = sizeof(T) == sizeof(double) ? 1e-14 : 2e-6;
-  for (const Case& c : {Case{2, 5, 6, 3}, Case{1, 70, 8, 2}}) {
-    CAPTURE(c.T);
-    const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 31);
-    const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 32);
-    const auto r = Kernels::forward(be, qkv, c);
-    std::vector<T> fresh(qkv.size(), T(0));
-    Kernels::backward(be, fresh, dout, qkv, r, c);
-    const auto prior = loom::test::random_vector<T>(qkv.size(), 33);
-    auto accumulated = prior;
-    Kernels::backward(be, accumulated, dout, qkv, r, c);
-    std::vector<double> expected(qkv.size());
-    for (std::size_t i = 0; i < qkv.size(); ++i)
-      expected[i] = static_cast<double>(prior[i]) + static_cast<double>(fresh[i]);
-    CHECK(loom::test::max_relative_error(accumulated, expected, 1.0) <= accumulate_tolerance);
-    // Twice more doubles the gradient part.
-    Kernels::backward(be, accumulated, dout, qkv, r, c);
-    for (std::size_t i = 0; i < qkv.size(); ++i)
-      expected[i] += static_cast<double>(fresh[i]);
-    CHECK(loom::test::max_relative_error(accumulated, expected, 1.0) <= accumulate_tolerance);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : {Case{2, 5, 6, 3}, Case{1, 70, 8, 2}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c.T);
+      const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 31);
+      const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 32);
+      const auto r = Kernels::forward(be, qkv, c, mask);
+      std::vector<T> fresh(qkv.size(), T(0));
+      Kernels::backward(be, fresh, dout, qkv, r, c, mask);
+      const auto prior = loom::test::random_vector<T>(qkv.size(), 33);
+      auto accumulated = prior;
+      Kernels::backward(be, accumulated, dout, qkv, r, c, mask);
+      std::vector<double> expected(qkv.size());
+      for (std::size_t i = 0; i < qkv.size(); ++i)
+        expected[i] = static_cast<double>(prior[i]) + static_cast<double>(fresh[i]);
+      CHECK(loom::test::max_relative_error(accumulated, expected, 1.0) <= accumulate_tolerance);
+      // Twice more doubles the gradient part.
+      Kernels::backward(be, accumulated, dout, qkv, r, c, mask);
+      for (std::size_t i = 0; i < qkv.size(); ++i)
+        expected[i] += static_cast<double>(fresh[i]);
+      CHECK(loom::test::max_relative_error(accumulated, expected, 1.0) <= accumulate_tolerance);
+    }
   }
 }
 
 TEST_CASE_TEMPLATE_DEFINE("attention kernels give the same bits on 1 and 2 threads", Kernels, thread_count) {
   using T = typename Kernels::type;
   const cpu one(1), two(2);
-  for (const Case& c : {Case{2, 5, 6, 3}, Case{3, 133, 24, 3}}) {
-    CAPTURE(c.T);
-    const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 41);
-    const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 42);
-    const auto r1 = Kernels::forward(one, qkv, c);
-    const auto r2 = Kernels::forward(two, qkv, c);
-    CHECK(r1.out == r2.out);
-    CHECK(r1.saved == r2.saved);
-    std::vector<T> d1(qkv.size(), T(0)), d2(qkv.size(), T(0));
-    Kernels::backward(one, d1, dout, qkv, r1, c);
-    Kernels::backward(two, d2, dout, qkv, r2, c);
-    CHECK(d1 == d2);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : {Case{2, 5, 6, 3}, Case{3, 133, 24, 3}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c.T);
+      const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 41);
+      const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 42);
+      const auto r1 = Kernels::forward(one, qkv, c, mask);
+      const auto r2 = Kernels::forward(two, qkv, c, mask);
+      CHECK(r1.out == r2.out);
+      CHECK(r1.saved == r2.saved);
+      std::vector<T> d1(qkv.size(), T(0)), d2(qkv.size(), T(0));
+      Kernels::backward(one, d1, dout, qkv, r1, c, mask);
+      Kernels::backward(two, d2, dout, qkv, r2, c, mask);
+      CHECK(d1 == d2);
+    }
   }
 }
 TEST_CASE_TEMPLATE_APPLY(accumulates, KernelPairs);

@@ -1,7 +1,8 @@
 #pragma once
-//! \file Causal multi-head self-attention (GPT-2) on the CPU backend: Eigen GEMMs per
-//! (batch, head) over strided views of the packed qkv activations, in blocks of query rows so
-//! that only the lower (causal) triangle of the score matrix is computed. Two pairs of kernels:
+//! \file Multi-head self-attention on the CPU backend, causal (GPT-2) or bidirectional (BERT;
+//! loom::AttentionMask): Eigen GEMMs per (batch, head) over strided views of the packed qkv
+//! activations, in blocks of query rows, so that with the causal mask only the lower triangle of
+//! the score matrix is computed (the bidirectional one computes all of it). Two pairs of kernels:
 //! attention_forward/attention_backward keep the probabilities [B,NH,T,T] for the backward;
 //! attention_forward_lse/attention_backward_lse keep only the row log-sum-exp [B,NH,T] and
 //! recompute the probabilities block by block (FlashAttention's contract).
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
@@ -24,9 +26,10 @@
 
 namespace loom::detail::attention {
 
-//! Query rows per GEMM block. Each block of rows [i0, i1) multiplies against keys [0, i1), so
-//! a block wastes at most half a block of the upper triangle; 64 keeps the GEMMs large enough
-//! for Eigen's kernels while computing ~(T/2 + 32)/T of the full score matrix.
+//! Query rows per GEMM block. With the causal mask each block of rows [i0, i1) multiplies against
+//! keys [0, i1), so a block wastes at most half a block of the upper triangle; 64 keeps the GEMMs
+//! large enough for Eigen's kernels while computing ~(T/2 + 32)/T of the full score matrix.
+//! Bidirectional blocks multiply against all keys [0, T).
 inline constexpr std::int64_t block_rows = 64;
 
 template <class T>
@@ -83,93 +86,108 @@ void transform_in_chunks(A* x, std::int64_t n, F&& f) {
   }
 }
 
-//! scores[n, i1] (rows `Tn` apart) = Q[i0, i1) K[0, i1)^T, unscaled: the causal score block of
-//! query rows [i0, i1).
+//! scores[n, keys] (rows `Tn` apart) = Q[i0, i1) K[0, keys)^T, unscaled: the score block of query
+//! rows [i0, i1) against the keys they meet (block_keys).
 template <class A>
 void score_block(const ConstStrided<A>& Q, const ConstStrided<A>& K, std::int64_t i0, std::int64_t i1,
-                 A* scores, std::int64_t Tn) {
-  Strided<A> S(scores, i1 - i0, i1, Eigen::OuterStride<>(Tn));
-  S.noalias() = Q.middleRows(i0, i1 - i0) * K.topRows(i1).transpose();
+                 std::int64_t keys, A* scores, std::int64_t Tn) {
+  Strided<A> S(scores, i1 - i0, keys, Eigen::OuterStride<>(Tn));
+  S.noalias() = Q.middleRows(i0, i1 - i0) * K.topRows(keys).transpose();
+}
+
+//! The keys [0, block_keys) that some query row of the block [i0, i1) sees: [0, i1) with the
+//! causal mask, all of [0, T) without.
+inline std::int64_t block_keys(AttentionMask mask, std::int64_t i1, std::int64_t Tn) noexcept {
+  return mask == AttentionMask::causal ? i1 : Tn;
+}
+
+//! The keys [0, row_keys) that query t sees: [0, t] with the causal mask, all of [0, T) without.
+inline std::int64_t row_keys(AttentionMask mask, std::int64_t t, std::int64_t Tn) noexcept {
+  return mask == AttentionMask::causal ? t + 1 : Tn;
 }
 
 //! One (batch, head) of the forward in the accumulate type A: q, k, v [T, hs] with rows
 //! `qkv_stride` apart, out [T, hs] with rows `out_stride` apart. The probabilities go to att
-//! [T, T] (contiguous, 0 above the diagonal); where att is null, each block of query rows goes in
-//! turn to `block` ([min(T, 64), T] scratch) and lse[t] = log Σ_{s<=t} exp(scale q_t·k_s) is kept
-//! instead. Either way out comes from the same arithmetic.
+//! [T, T] (contiguous; with the causal mask 0 above the diagonal); where att is null, each block
+//! of query rows goes in turn to `block` ([min(T, 64), T] scratch) and lse[t] = log Σ_s exp(scale
+//! q_t·k_s) over the keys s that t sees is kept instead. Either way out comes from the same
+//! arithmetic.
 template <class A>
 void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A* att, A* lse, A* block,
-                  A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale) {
+                  A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> O(out, Tn, hs, Eigen::OuterStride<>(out_stride));
-  // att rows are T wide and zero to the end; a block row only needs its keys [0, i1).
+  // att rows are T wide and zero past the row's keys; a block row only needs its block's keys.
   for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
-    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0;
+    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn);
     A* probs = att != nullptr ? att + i0 * Tn : block;
-    score_block(Q, K, i0, i1, probs, Tn);
-    // Row softmax over s <= t, in place; scale > 0, so the raw max is the scaled max.
+    score_block(Q, K, i0, i1, keys, probs, Tn);
+    // Row softmax over the keys t sees, in place; scale > 0, so the raw max is the scaled max.
     for (std::int64_t t = i0; t < i1; ++t) {
       A* row = probs + (t - i0) * Tn;
-      const A max = ConstArrayMap<A>(row, t + 1).maxCoeff();
-      transform_in_chunks(row, t + 1, [&](const auto& x) { return ((x - max) * scale).exp(); });
-      const double sum = sum_as_double(row, t + 1);
-      ArrayMap<A>(row, t + 1) *= static_cast<A>(1.0 / sum);
+      const std::int64_t seen = row_keys(mask, t, Tn);
+      const A max = ConstArrayMap<A>(row, seen).maxCoeff();
+      transform_in_chunks(row, seen, [&](const auto& x) { return ((x - max) * scale).exp(); });
+      const double sum = sum_as_double(row, seen);
+      ArrayMap<A>(row, seen) *= static_cast<A>(1.0 / sum);
       if (lse != nullptr) lse[t] = static_cast<A>(static_cast<double>(max) * scale + std::log(sum));
-      std::fill(row + t + 1, row + (att != nullptr ? Tn : i1), A(0));
+      std::fill(row + seen, row + (att != nullptr ? Tn : keys), A(0));
     }
-    O.middleRows(i0, n).noalias() = ConstStrided<A>(probs, n, i1, Eigen::OuterStride<>(Tn)) * V.topRows(i1);
+    O.middleRows(i0, n).noalias() = ConstStrided<A>(probs, n, keys, Eigen::OuterStride<>(Tn)) * V.topRows(keys);
   }
 }
 
 //! One (batch, head) of the backward in the accumulate type A: dq, dk, dv += the gradients of
 //! q, k, v (all [T, hs], rows `qkv_stride` apart) from dout [T, hs] (rows `dout_stride` apart).
 //! The probabilities come from att [T, T]; where att is null, each block of query rows [i0, i1)
-//! is recomputed into `block` from one score GEMM and lse [T]: P = exp(scale q_t·k_s - lse[t]),
-//! and each row's sum_s P dP (the softmax backward's shift) is dout_t·out_t from the forward's
-//! out [T, hs] (rows `dout_stride` apart), as the GPU's tiled kernel forms it. `work` and `block`
-//! are [min(T, block_rows), T] scratch (block and out unused with att).
+//! is recomputed into `block` from one score GEMM and lse [T]: P = exp(scale q_t·k_s - lse[t])
+//! over the keys s that t sees, and each row's sum_s P dP (the softmax backward's shift) is
+//! dout_t·out_t from the forward's out [T, hs] (rows `dout_stride` apart), as the GPU's tiled
+//! kernel forms it. `work` and `block` are [min(T, block_rows), T] scratch (block and out unused
+//! with att).
 template <class A>
 void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std::int64_t qkv_stride,
                    const A* dout, const A* out, std::int64_t dout_stride, const A* att, const A* lse, A* block,
-                   A* work, std::int64_t Tn, std::int64_t hs, A scale) {
+                   A* work, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> dQ(dq, Tn, hs, qkv_outer), dK(dk, Tn, hs, qkv_outer), dV(dv, Tn, hs, qkv_outer);
   const ConstStrided<A> dO(dout, Tn, hs, Eigen::OuterStride<>(dout_stride));
   Strided<A> W(work, std::min(Tn, block_rows), Tn, Eigen::OuterStride<>(Tn));
   for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
-    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0;
-    // P: rows [i0, i1), Tn apart, 0 above the diagonal.
+    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn);
+    // P: rows [i0, i1), Tn apart, over the block's keys [0, keys) (0 past each row's own keys).
     const A* probs = att != nullptr ? att + i0 * Tn : block;
     if (att == nullptr) {
-      score_block(Q, K, i0, i1, block, Tn);
+      score_block(Q, K, i0, i1, keys, block, Tn);
       for (std::int64_t t = i0; t < i1; ++t) {
         A* row = block + (t - i0) * Tn;
         const A shift = lse[t];
-        transform_in_chunks(row, t + 1, [&](const auto& x) { return (x * scale - shift).exp(); });
-        std::fill(row + t + 1, row + i1, A(0));
+        const std::int64_t seen = row_keys(mask, t, Tn);
+        transform_in_chunks(row, seen, [&](const auto& x) { return (x * scale - shift).exp(); });
+        std::fill(row + seen, row + keys, A(0));
       }
     }
-    const ConstStrided<A> P(probs, n, i1, Eigen::OuterStride<>(Tn));
+    const ConstStrided<A> P(probs, n, keys, Eigen::OuterStride<>(Tn));
     const auto dO_block = dO.middleRows(i0, n);
-    // dV += P^T dO (P is 0 above the diagonal, so the block's upper part adds nothing).
-    dV.topRows(i1).noalias() += P.transpose() * dO_block;
+    // dV += P^T dO (P is 0 past each row's keys, so the block's masked part adds nothing).
+    dV.topRows(keys).noalias() += P.transpose() * dO_block;
     // dP = dO V^T, then dS = P ∘ (dP - rowsum(dP ∘ P)) in place (rowsum(dP ∘ P) = dO·O).
-    auto dS = W.topLeftCorner(n, i1);
-    dS.noalias() = dO_block * V.topRows(i1).transpose();
+    auto dS = W.topLeftCorner(n, keys);
+    dS.noalias() = dO_block * V.topRows(keys).transpose();
     for (std::int64_t r = 0; r < n; ++r) {
-      const std::int64_t t = i0 + r;
-      const ConstArrayMap<A> p(probs + r * Tn, t + 1);
-      ArrayMap<A> g(work + r * Tn, t + 1);
-      const A shift = static_cast<A>(att != nullptr ? dot_as_double(g.data(), p.data(), t + 1)
+      const std::int64_t t = i0 + r, seen = row_keys(mask, t, Tn);
+      const ConstArrayMap<A> p(probs + r * Tn, seen);
+      ArrayMap<A> g(work + r * Tn, seen);
+      const A shift = static_cast<A>(att != nullptr ? dot_as_double(g.data(), p.data(), seen)
                                                     : dot_as_double(dout + t * dout_stride, out + t * dout_stride, hs));
       g = p * (g - shift);
-      std::fill(g.data() + t + 1, g.data() + i1, A(0));  // row r spans keys [0, i1)
+      std::fill(g.data() + seen, g.data() + keys, A(0));  // row r spans keys [0, keys)
     }
     // Scores were q·k * scale: dQ += scale dS K, dK += scale dS^T Q.
-    dQ.middleRows(i0, n).noalias() += scale * (dS * K.topRows(i1));
-    dK.topRows(i1).noalias() += scale * (dS.transpose() * Q.middleRows(i0, n));
+    dQ.middleRows(i0, n).noalias() += scale * (dS * K.topRows(keys));
+    dK.topRows(keys).noalias() += scale * (dS.transpose() * Q.middleRows(i0, n));
   }
 }
 
@@ -181,8 +199,8 @@ A softmax_scale(std::int64_t head_size) {
 
 //! attention_forward (att not null: the probabilities [B,NH,T,T] are kept) and
 //! attention_forward_lse (att null: lse [B,NH,T] is kept and each thread reuses one block) on
-//! checked arguments: one task per (batch, head). On bf16 each head's q, k, v are widened to
-//! float, the head runs in float, and out (and att) are rounded once.
+//! checked arguments (the mask in `d`): one task per (batch, head). On bf16 each head's q, k, v
+//! are widened to float, the head runs in float, and out (and att) are rounded once.
 template <class T>
 void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>* lse, const T* qkv) {
   using A = accumulate_t<T>;
@@ -212,19 +230,20 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
         for (int i = 0; i < 3; ++i) widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, stage + i * Tn * hs);
         A* so = stage + 3 * Tn * hs;
         A* sa = att != nullptr ? so + Tn * hs : nullptr;
-        head_forward<A>(stage, stage + Tn * hs, stage + 2 * Tn * hs, hs, sa, lse_head, block, so, hs, Tn, hs, scale);
+        head_forward<A>(stage, stage + Tn * hs, stage + 2 * Tn * hs, hs, sa, lse_head, block, so, hs, Tn, hs, scale,
+                        d.mask);
         if (att != nullptr) narrow_into(sa, att_head, Tn * Tn);
         narrow_block(so, hs, out_head, C, Tn, hs);
       } else {
-        head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, lse_head, block, out_head, C, Tn, hs, scale);
+        head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, lse_head, block, out_head, C, Tn, hs, scale, d.mask);
       }
     }
   }
 }
 
 //! attention_backward (from att [B,NH,T,T]) and attention_backward_lse (att null: from lse
-//! [B,NH,T] and out [B,T,C], recomputing the probabilities block by block) on checked arguments:
-//! one task per (batch, head), dqkv +=. On bf16 each head's operands (and its slice of dqkv) are
+//! [B,NH,T] and out [B,T,C], recomputing the probabilities block by block) on checked arguments
+//! (the mask in `d`): one task per (batch, head), dqkv +=. On bf16 each head's operands (and its slice of dqkv) are
 //! widened to float, and dqkv rounded once.
 template <class T>
 void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att,
@@ -273,11 +292,11 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
         if (a != nullptr) widen_into(a, sa, Tn * Tn);
         else widen_block(o, C, 0, Tn, 0, hs, so);
         head_backward<A>(blocks, blocks + Tn * hs, blocks + 2 * Tn * hs, blocks + 3 * Tn * hs, blocks + 4 * Tn * hs,
-                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale);
+                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale, d.mask);
         for (int i = 0; i < 3; ++i) narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
       } else {
         head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, o, C, a, l, block, work, Tn, hs,
-                         scale);
+                         scale, d.mask);
       }
     }
   }
@@ -287,59 +306,64 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
 
 namespace loom::inline kernels {
 
-//! Causal multi-head self-attention forward (GPT-2). `qkv` [B,T,3C] packs per token q, k, v
-//! (each C wide; head h owns channels [h*hs, (h+1)*hs), hs = C/num_heads). Writes `att`
-//! [B,NH,T,T], the softmax of q·k/sqrt(hs) over keys s <= t (entries s > t are 0), and `out`
-//! [B,T,C], per head sum_s att[b,h,t,s] v[b,s], heads concatenated. Throws loom::Error on
-//! shapes that do not match or a num_heads that does not divide C. On bf16 each head's q, k, v
-//! are widened to float, the head runs in float, and att and out are rounded once.
+//! Multi-head self-attention forward, causal (GPT-2, the default) or bidirectional (BERT). `qkv`
+//! [B,T,3C] packs per token q, k, v (each C wide; head h owns channels [h*hs, (h+1)*hs),
+//! hs = C/num_heads). Writes `att` [B,NH,T,T], the softmax of q·k/sqrt(hs) over the keys s that
+//! query t sees (`mask`: s <= t, entries s > t exactly 0; or every s < T), and `out` [B,T,C], per
+//! head sum_s att[b,h,t,s] v[b,s], heads concatenated. Throws loom::Error on shapes that do not
+//! match, a num_heads that does not divide C, or a mask that is not an AttentionMask value. On
+//! bf16 each head's q, k, v are widened to float, the head runs in float, and att and out are
+//! rounded once. The causal mask computes about half of each T x T score matrix, the
+//! bidirectional one all of it.
 template <class T>
-void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv,
-                       int num_heads) {
+void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
+                       AttentionMask mask = AttentionMask::causal) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_forward(out, att, qkv, num_heads);
+  const ad::Dims d = ad::check_forward(out, att, qkv, num_heads, mask);
   if (d.empty()) return;
   ad::forward_heads<T>(be, d, out.data(), att.data(), nullptr, qkv.data());
 }
 
-//! Causal multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv`
-//! given `dout` [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward.
-//! Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is allocated. On bf16 each
-//! head's operands (and its slice of dqkv) are widened to float, and dqkv rounded once.
+//! Multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
+//! [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward with the same
+//! `mask`. Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is allocated. On
+//! bf16 each head's operands (and its slice of dqkv) are widened to float, and dqkv rounded once.
 template <class T>
-void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout,
-                        Tensor<const T> qkv, Tensor<const T> att, int num_heads) {
+void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
+                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads);
+  const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads, mask);
   if (d.empty()) return;
   ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr);
 }
 
-//! Causal self-attention forward that keeps only the row log-sum-exp (FlashAttention's saved
-//! state): `out` [B,T,C] as attention_forward writes it (the same arithmetic, the same bits for
-//! float and double), and `lse` [B,NH,T], lse[b,h,t] = log Σ_{s<=t} exp(q_t·k_s/sqrt(hs))
-//! (natural log, row max subtracted), in the accumulate type. Scratch is one [64, T] block per
-//! thread; nothing of size [B,NH,T,T] is allocated.
+//! Self-attention forward (causal or bidirectional, `mask`) that keeps only the row log-sum-exp
+//! (FlashAttention's saved state): `out` [B,T,C] as attention_forward writes it (the same
+//! arithmetic, the same bits for float and double), and `lse` [B,NH,T], lse[b,h,t] = log Σ_s
+//! exp(q_t·k_s/sqrt(hs)) over the keys s that t sees (natural log, row max subtracted), in the
+//! accumulate type. Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is
+//! allocated.
 template <class T>
 void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
-                           int num_heads) {
+                           int num_heads, AttentionMask mask = AttentionMask::causal) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads);
+  const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads, mask);
   if (d.empty()) return;
   ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data());
 }
 
-//! Causal self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that
-//! attention_forward_lse wrote: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
-//! [B,T,C]. Per block of 64 query rows it recomputes the probabilities from one extra score GEMM,
+//! Self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that attention_forward_lse
+//! wrote with the same `mask`: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C].
+//! Per block of 64 query rows it recomputes the probabilities from one extra score GEMM,
 //! P = exp(q_t·k_s/sqrt(hs) - lse), then runs attention_backward's math with each row's softmax
 //! shift sum_s P dP taken as dout_t·out_t (FlashAttention's D; the same on the GPU). Scratch is
 //! two [64, T] blocks per thread.
 template <class T>
 void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                            Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads) {
+                            Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
+                            AttentionMask mask = AttentionMask::causal) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads);
+  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, mask);
   if (d.empty()) return;
   ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data());
 }

@@ -1,17 +1,17 @@
 #pragma once
-//! \file Causal multi-head self-attention (GPT-2) on the CUDA backend: cuBLAS strided-batched
-//! GEMMs (fp32 data with TF32 products where the backend allows them, or bf16 data; fp32
-//! accumulation, as in matmul.cuh) over the
-//! heads of one batch element, reading q, k and v in place inside the packed qkv activations,
-//! and one-warp-per-row kernels for the causal softmax and its backward. Two contracts:
+//! \file Multi-head self-attention on the CUDA backend, causal (GPT-2) or bidirectional (BERT;
+//! loom::AttentionMask): cuBLAS strided-batched GEMMs (fp32 data with TF32 products where the
+//! backend allows them, or bf16 data; fp32 accumulation, as in matmul.cuh) over the heads of one
+//! batch element, reading q, k and v in place inside the packed qkv activations, and
+//! one-warp-per-row kernels for the masked softmax and its backward. Two contracts:
 //! attention_forward/backward save the probabilities att [B,NH,T,T] for the backward;
 //! attention_forward_lse/backward_lse save only each row's log-sum-exp lse [B,NH,T] and the
 //! backward recomputes the probabilities from the scores (FlashAttention's contract), so their
 //! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
-//! and zero its upper triangle. For bf16 with head size 32, 64 or 128, after
-//! cuda::set_flash_attention(true), the lse pair runs instead the SRAM-tiled tensor-core kernels
-//! of detail/flash_attention.cuh, which never form a T x T block (off by default until they are
-//! measured faster than this path on a GPU; docs/cuda.md).
+//! for either mask; the causal row kernels zero its upper triangle. For bf16 with head size 32,
+//! 64 or 128, after cuda::set_flash_attention(true), the lse pair runs instead the SRAM-tiled
+//! tensor-core kernels of detail/flash_attention.cuh (both masks), which never form a T x T
+//! block (off by default until they are measured faster than this path on a GPU; docs/cuda.md).
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
@@ -24,6 +24,7 @@
 #include <string>
 #include <type_traits>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/flash_attention.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
@@ -96,7 +97,8 @@ inline BatchedGemm key_grad_gemm(const attention::Dims& d) {
 
 // The steps below are plain host code taking the GEMM and row kernels as callables, so that the
 // host test runs these very sequences with cuBLAS emulated. `run_gemm(plan, a, b, c, float beta)`
-// runs a BatchedGemm; the row callables take a [rows, T] block of T x T matrices in place.
+// runs a BatchedGemm; the row callables take a [rows, T] block of T x T matrices in place (and
+// apply d.mask: the GEMMs are the same for both masks).
 
 //! Raw scores of every head of batch element b into `att_b` ([NH,T,T]).
 template <class T, class RunGemm>
@@ -207,77 +209,83 @@ __device__ inline T warp_max(T value) {
 }
 
 //! In a one-warp-per-row kernel over [rows, tokens]: this thread's lane, its warp's row (>= rows
-//! for the warps past the end) and the query t = row % tokens of that row.
+//! for the warps past the end), the query t = row % tokens of that row and the keys [0, keys) it
+//! sees: t + 1 with the causal mask, all tokens with the bidirectional one.
 struct WarpRow {
   int lane;
-  std::int64_t row, t, tokens;
-  __device__ explicit WarpRow(std::int64_t tokens_)
+  std::int64_t row, t, tokens, keys;
+  __device__ WarpRow(std::int64_t tokens_, AttentionMask mask)
       : lane(static_cast<int>(threadIdx.x % 32)),
         row(static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32),
         t(row % tokens_),
-        tokens(tokens_) {}
+        tokens(tokens_),
+        keys(mask == AttentionMask::causal ? t + 1 : tokens_) {}
 };
 
-//! The keys s > t of the warp's row `a` become 0 (the causal mask).
+//! The keys s >= keys of the warp's row `a` become 0 (the causal mask's upper triangle; nothing
+//! with the bidirectional mask).
 template <class T>
-__device__ inline void zero_above_diagonal(T* a, const WarpRow& w) {
-  for (std::int64_t s = w.t + 1 + w.lane; s < w.tokens; s += 32) a[s] = T(0.0f);
+__device__ inline void zero_past_keys(T* a, const WarpRow& w) {
+  for (std::int64_t s = w.keys + w.lane; s < w.tokens; s += 32) a[s] = T(0.0f);
 }
 
-//! One warp per row of att, in place: the raw scores x[0..t] of query t become
-//! softmax((x - max) * scale), the keys s > t become 0 (the CPU kernel's formula; scale > 0, so
-//! the raw max is the scaled max). Row r of [rows, tokens] is query t = r % tokens. Where `lse`
-//! is not null, lse[r] = max * scale + log sum_s exp((x_s - max) * scale), the row's log-sum-exp.
-//! In float; the exps are computed twice (for the sum, then for the result) so that a bf16
-//! probability is rounded once. Each lane reads back only the elements it wrote, so no barrier
-//! is needed.
+//! One warp per row of att, in place: the raw scores x[0..keys) that query t sees become
+//! softmax((x - max) * scale), the other keys (s > t, causal) become 0 (the CPU kernel's formula;
+//! scale > 0, so the raw max is the scaled max). Row r of [rows, tokens] is query t = r % tokens.
+//! Where `lse` is not null, lse[r] = max * scale + log sum_s exp((x_s - max) * scale), the row's
+//! log-sum-exp. In float; the exps are computed twice (for the sum, then for the result) so that a
+//! bf16 probability is rounded once. Each lane reads back only the elements it wrote, so no
+//! barrier is needed.
 template <class T>
-__global__ void softmax_forward_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale) {
-  const WarpRow w(tokens);
+__global__ void softmax_forward_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale,
+                                       AttentionMask mask) {
+  const WarpRow w(tokens, mask);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* a = att + w.row * tokens;
   float max = to_accumulate(a[0]);  // key 0 is visible to every query
-  for (std::int64_t s = w.lane; s <= w.t; s += 32) max = fmaxf(max, to_accumulate(a[s]));
+  for (std::int64_t s = w.lane; s < w.keys; s += 32) max = fmaxf(max, to_accumulate(a[s]));
   max = warp_max(max);
   float sum = 0;
-  for (std::int64_t s = w.lane; s <= w.t; s += 32) sum += expf((to_accumulate(a[s]) - max) * scale);
+  for (std::int64_t s = w.lane; s < w.keys; s += 32) sum += expf((to_accumulate(a[s]) - max) * scale);
   sum = cuda_kernels::warp_sum(sum);  // >= 1: the max term is exp(0)
   if (lse != nullptr && w.lane == 0) lse[w.row] = max * scale + logf(sum);
   const float inverse = 1.0f / sum;
-  for (std::int64_t s = w.lane; s <= w.t; s += 32)
+  for (std::int64_t s = w.lane; s < w.keys; s += 32)
     a[s] = static_cast<T>(expf((to_accumulate(a[s]) - max) * scale) * inverse);
-  zero_above_diagonal(a, w);
+  zero_past_keys(a, w);
 }
 
-//! One warp per row of att, in place: the raw scores x[0..t] of query t become the
-//! probabilities exp(x * scale - lse[r]) that softmax_forward_kernel computed, the keys s > t
+//! One warp per row of att, in place: the raw scores x[0..keys) that query t sees become the
+//! probabilities exp(x * scale - lse[r]) that softmax_forward_kernel computed, the other keys
 //! become 0. The fused multiply-add rounds x * scale - lse once, so a probability keeps float's
 //! relative accuracy however large the scores are.
 template <class T>
-__global__ void probabilities_kernel(T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale) {
-  const WarpRow w(tokens);
+__global__ void probabilities_kernel(T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale,
+                                     AttentionMask mask) {
+  const WarpRow w(tokens, mask);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* a = att + w.row * tokens;
   const float shift = lse[w.row];
-  for (std::int64_t s = w.lane; s <= w.t; s += 32)
+  for (std::int64_t s = w.lane; s < w.keys; s += 32)
     a[s] = static_cast<T>(expf(fmaf(to_accumulate(a[s]), scale, -shift)));
-  zero_above_diagonal(a, w);
+  zero_past_keys(a, w);
 }
 
 //! One warp per row, in place: the gradient g = datt of row t becomes the gradient of the raw
-//! scores, att * (g - sum_s att g) * scale over s <= t and 0 above the diagonal.
+//! scores, att * (g - sum_s att g) * scale over the keys s that t sees, and 0 elsewhere.
 template <class T>
-__global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale) {
-  const WarpRow w(tokens);
+__global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale,
+                                        AttentionMask mask) {
+  const WarpRow w(tokens, mask);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* g = grad + w.row * tokens;
   const T* a = att + w.row * tokens;
   float dot = 0;
-  for (std::int64_t s = w.lane; s <= w.t; s += 32) dot += to_accumulate(a[s]) * to_accumulate(g[s]);
+  for (std::int64_t s = w.lane; s < w.keys; s += 32) dot += to_accumulate(a[s]) * to_accumulate(g[s]);
   const float shift = cuda_kernels::warp_sum(dot);
-  for (std::int64_t s = w.lane; s <= w.t; s += 32)
+  for (std::int64_t s = w.lane; s < w.keys; s += 32)
     g[s] = static_cast<T>(to_accumulate(a[s]) * (to_accumulate(g[s]) - shift) * scale);
-  zero_above_diagonal(g, w);
+  zero_past_keys(g, w);
 }
 
 // The same two kernels reading and writing a row 16 bytes at a time, where tokens is a multiple
@@ -290,34 +298,35 @@ __global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows
 //! softmax_forward_kernel, a vector at a time.
 template <class T>
 __global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens,
-                                              float scale) {
+                                              float scale, AttentionMask mask) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
-  const WarpRow w(tokens);
+  const WarpRow w(tokens, mask);
   if (w.row >= rows) return;  // the whole warp leaves together
   V* a = reinterpret_cast<V*>(att + w.row * tokens);
-  const std::int64_t used = w.t / E + 1, vectors = tokens / E;  // used: the vectors holding keys 0..t
+  // used: the vectors holding keys [0, keys) (t / E + 1 for the causal mask).
+  const std::int64_t used = (w.keys + E - 1) / E, vectors = tokens / E;
   float max = to_accumulate(a[0].value[0]);  // key 0 is visible to every query
   for (std::int64_t v = w.lane; v < used; v += 32) {
     const V x = a[v];
     for (int e = 0; e < E; ++e)
-      if (v * E + e <= w.t) max = fmaxf(max, to_accumulate(x.value[e]));
+      if (v * E + e < w.keys) max = fmaxf(max, to_accumulate(x.value[e]));
   }
   max = warp_max(max);
   float sum = 0;
   for (std::int64_t v = w.lane; v < used; v += 32) {
     const V x = a[v];
     for (int e = 0; e < E; ++e)
-      if (v * E + e <= w.t) sum += expf((to_accumulate(x.value[e]) - max) * scale);
+      if (v * E + e < w.keys) sum += expf((to_accumulate(x.value[e]) - max) * scale);
   }
   sum = cuda_kernels::warp_sum(sum);  // >= 1: the max term is exp(0)
   if (lse != nullptr && w.lane == 0) lse[w.row] = max * scale + logf(sum);
   const float inverse = 1.0f / sum;
   for (std::int64_t v = w.lane; v < vectors; v += 32) {
-    V x = v < used ? a[v] : V{};  // every element is written below: keys past t become 0
+    V x = v < used ? a[v] : V{};  // every element is written below: keys past the row's become 0
     for (int e = 0; e < E; ++e)
-      x.value[e] = v * E + e <= w.t ? static_cast<T>(expf((to_accumulate(x.value[e]) - max) * scale) * inverse)
-                                    : T(0.0f);
+      x.value[e] = v * E + e < w.keys ? static_cast<T>(expf((to_accumulate(x.value[e]) - max) * scale) * inverse)
+                                      : T(0.0f);
     a[v] = x;
   }
 }
@@ -325,19 +334,19 @@ __global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t r
 //! softmax_backward_kernel, a vector at a time.
 template <class T>
 __global__ void softmax_backward_vector_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens,
-                                               float scale) {
+                                               float scale, AttentionMask mask) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
-  const WarpRow w(tokens);
+  const WarpRow w(tokens, mask);
   if (w.row >= rows) return;  // the whole warp leaves together
   V* g = reinterpret_cast<V*>(grad + w.row * tokens);
   const V* a = reinterpret_cast<const V*>(att + w.row * tokens);
-  const std::int64_t used = w.t / E + 1, vectors = tokens / E;
+  const std::int64_t used = (w.keys + E - 1) / E, vectors = tokens / E;
   float dot = 0;
   for (std::int64_t v = w.lane; v < used; v += 32) {
     const V x = a[v], y = g[v];
     for (int e = 0; e < E; ++e)
-      if (v * E + e <= w.t) dot += to_accumulate(x.value[e]) * to_accumulate(y.value[e]);
+      if (v * E + e < w.keys) dot += to_accumulate(x.value[e]) * to_accumulate(y.value[e]);
   }
   const float shift = cuda_kernels::warp_sum(dot);
   for (std::int64_t v = w.lane; v < vectors; v += 32) {
@@ -346,7 +355,7 @@ __global__ void softmax_backward_vector_kernel(T* grad, const T* att, std::int64
       const V x = a[v];
       y = g[v];
       for (int e = 0; e < E; ++e)
-        y.value[e] = v * E + e <= w.t
+        y.value[e] = v * E + e < w.keys
                          ? static_cast<T>(to_accumulate(x.value[e]) * (to_accumulate(y.value[e]) - shift) * scale)
                          : T(0.0f);
     } else {
@@ -369,32 +378,34 @@ bool vector_rows(std::int64_t tokens, const void* a, const void* b = nullptr) {
 //! Launches softmax_forward_kernel (writing lse where it is not null).
 template <class T>
 void softmax_forward(const cuda& be, T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale,
-                     const char* kernel) {
+                     AttentionMask mask, const char* kernel) {
   namespace k = cuda_kernels;
   const auto kernel_function =
       vector_rows<T>(tokens, att) ? softmax_forward_vector_kernel<T> : softmax_forward_kernel<T>;
-  kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens, scale);
+  kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens, scale,
+                                                                                    mask);
   cuda_check_launch((std::string(kernel) + " softmax_forward_kernel").c_str());
 }
 
 //! Launches probabilities_kernel.
 template <class T>
 void probabilities(const cuda& be, T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale,
-                   const char* kernel) {
+                   AttentionMask mask, const char* kernel) {
   namespace k = cuda_kernels;
   probabilities_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens,
-                                                                                        scale);
+                                                                                        scale, mask);
   cuda_check_launch((std::string(kernel) + " probabilities_kernel").c_str());
 }
 
 //! Launches softmax_backward_kernel over grad and att.
 template <class T>
 void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale,
-                      const char* kernel) {
+                      AttentionMask mask, const char* kernel) {
   namespace k = cuda_kernels;
   const auto kernel_function =
       vector_rows<T>(tokens, grad, att) ? softmax_backward_vector_kernel<T> : softmax_backward_kernel<T>;
-  kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows, tokens, scale);
+  kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows, tokens, scale,
+                                                                                    mask);
   cuda_check_launch((std::string(kernel) + " softmax_backward_kernel").c_str());
 }
 
@@ -422,11 +433,12 @@ auto gemm_runner(const cuda& be, const char* kernel) {
   };
 }
 
-//! The steps' `run_softmax_grad`: softmax_backward_kernel on the backend's stream.
+//! The steps' `run_softmax_grad`: softmax_backward_kernel on the backend's stream, with d's mask.
 template <class T>
 auto softmax_grad_runner(const cuda& be, const attention::Dims& d, const char* kernel) {
-  return [&be, tokens = d.tokens, scale = softmax_scale(d), kernel](T* grad, const T* att, std::int64_t rows) {
-    softmax_backward(be, grad, att, rows, tokens, scale, kernel);
+  return [&be, tokens = d.tokens, scale = softmax_scale(d), mask = d.mask, kernel](T* grad, const T* att,
+                                                                                  std::int64_t rows) {
+    softmax_backward(be, grad, att, rows, tokens, scale, mask, kernel);
   };
 }
 
@@ -471,7 +483,7 @@ void with_head_size(const attention::Dims& d, F&& f) {
 }
 
 inline flash::Shape flash_shape(const attention::Dims& d) {
-  return {d.tokens, d.channels, static_cast<int>(d.heads), softmax_scale(d)};
+  return {d.tokens, d.channels, static_cast<int>(d.heads), softmax_scale(d), d.mask};
 }
 
 //! The tiled kernels' grid: x = b NH + h, y = the 64-token tile.
@@ -530,39 +542,43 @@ inline bool flash_attention_available(const cuda& be) {
   return detail::cuda_attention::flash_built_for(be);
 }
 
-//! Causal multi-head self-attention forward (GPT-2), the contract of the CPU kernel: `qkv`
-//! [B,T,3C] packs per token q, k, v (each C wide; head h owns channels [h*hs, (h+1)*hs),
-//! hs = C/num_heads). Writes `att` [B,NH,T,T], the softmax of q·k/sqrt(hs) over keys s <= t
-//! (entries s > t are exactly 0), and `out` [B,T,C], per head att·v, heads concatenated.
-//! Throws loom::Error, before any CUDA call, on shapes that do not match or a num_heads that
-//! does not divide C. Per batch element two cuBLAS calls; one softmax launch for the whole batch.
+//! Multi-head self-attention forward, causal (GPT-2, the default) or bidirectional (BERT), the
+//! contract of the CPU kernel: `qkv` [B,T,3C] packs per token q, k, v (each C wide; head h owns
+//! channels [h*hs, (h+1)*hs), hs = C/num_heads). Writes `att` [B,NH,T,T], the softmax of
+//! q·k/sqrt(hs) over the keys s that query t sees (`mask`: s <= t, entries s > t exactly 0; or
+//! every s < T), and `out` [B,T,C], per head att·v, heads concatenated. Throws loom::Error, before
+//! any CUDA call, on shapes that do not match, a num_heads that does not divide C or a mask that is
+//! not an AttentionMask value. Per batch element two cuBLAS calls (the full T x T scores for
+//! either mask); one softmax launch for the whole batch.
 template <class T>
-void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads) {
+void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
+                       AttentionMask mask = AttentionMask::causal) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward";
-  const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads);
+  const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   const float scale = d::softmax_scale(dims);
   d::forward_steps(dims, out.data(), att.data(), qkv.data(), d::gemm_runner<T>(be, kernel),
                    [&](T* scores, std::int64_t rows) {
-                     d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale, kernel);
+                     d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale, dims.mask,
+                                        kernel);
                    });
 }
 
-//! Causal multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv`
-//! given `dout` [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward.
-//! Scratch: the score gradient of one batch element, [NH,T,T] elements of T from the backend's
-//! caching allocator (category workspace), reused for every batch element and returned before
-//! this ends. Per batch element four cuBLAS calls and one launch; no atomics, so the result is
-//! the same bits on every run.
+//! Multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
+//! [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward with the same
+//! `mask`. Scratch: the score gradient of one batch element, [NH,T,T] elements of T from the
+//! backend's caching allocator (category workspace), reused for every batch element and returned
+//! before this ends. Per batch element four cuBLAS calls and one launch; no atomics, so the result
+//! is the same bits on every run.
 template <class T>
 void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                        Tensor<const T> att, int num_heads) {
+                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward";
-  const detail::attention::Dims dims = detail::attention::check_backward(dqkv, dout, qkv, att, num_heads);
+  const detail::attention::Dims dims = detail::attention::check_backward(dqkv, dout, qkv, att, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   // Freed (into the cache) when this returns, while the stream may still be using it: the
   // allocator hands a block out again only to work on the same stream, which runs after ours.
@@ -571,22 +587,23 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
                     d::gemm_runner<T>(be, kernel), d::softmax_grad_runner<T>(be, dims, kernel));
 }
 
-//! Causal multi-head self-attention forward that saves only the row log-sum-exp (the
-//! FlashAttention contract; Megatron's selective recomputation): `out` [B,T,C] as
-//! attention_forward, and `lse` [B,NH,T] = log sum_{s<=t} exp(q_t·k_s/sqrt(hs)), computed as
-//! max·scale + log sum exp((x - max)·scale), in float for T = float and bf16. The probabilities
-//! of one batch element at a time live in [NH,T,T] elements of T of workspace from the
-//! backend's caching allocator (instead of B·NH·T² saved per layer), returned before this ends.
-//! Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two cuBLAS
-//! calls and one launch. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes the
-//! SRAM-tiled kernel instead: one launch, no workspace, lse = m + log l of the online softmax.
+//! Multi-head self-attention forward (causal or bidirectional, `mask`) that saves only the row
+//! log-sum-exp (the FlashAttention contract; Megatron's selective recomputation): `out` [B,T,C] as
+//! attention_forward, and `lse` [B,NH,T] = log sum_s exp(q_t·k_s/sqrt(hs)) over the keys s that t
+//! sees, computed as max·scale + log sum exp((x - max)·scale), in float for T = float and bf16. The
+//! probabilities of one batch element at a time live in [NH,T,T] elements of T of workspace from
+//! the backend's caching allocator (instead of B·NH·T² saved per layer), returned before this
+//! ends. Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two
+//! cuBLAS calls and one launch. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes
+//! the SRAM-tiled kernel instead, for either mask: one launch, no workspace, lse = m + log l of the
+//! online softmax.
 template <class T>
 void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
-                           int num_heads) {
+                           int num_heads, AttentionMask mask = AttentionMask::causal) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward_lse";
-  const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads);
+  const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (d::use_flash<T>(be, dims)) {
@@ -599,28 +616,29 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
   d::forward_lse_steps(dims, out.data(), lse.data(), qkv.data(), scratch.data(), d::gemm_runner<T>(be, kernel),
                        [&](T* scores, float* lse_b, std::int64_t rows) {
-                         d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, kernel);
+                         d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
                        });
 }
 
-//! Causal multi-head self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that
-//! attention_forward_lse wrote: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
-//! [B,T,C]. Per batch element the scores are recomputed and turned into the probabilities
-//! exp(x·scale - lse) (0 above the diagonal), then attention_backward's steps run on them.
-//! Scratch: [NH,T,T] probabilities and [NH,T,T] score gradients of one batch element (2·NH·T²
-//! elements of T, workspace), returned before this ends. Per batch element five cuBLAS calls and
-//! two launches; no atomics. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes
-//! the SRAM-tiled kernels instead: D = rowsum(dout·out) into B·NH·T floats of workspace, then
-//! one launch for dk and dv and one for dq, each gradient element written by one block (the same
-//! bits every run).
+//! Multi-head self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that
+//! attention_forward_lse wrote with the same `mask`: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv`
+//! given `dout` [B,T,C]. Per batch element the scores are recomputed and turned into the
+//! probabilities exp(x·scale - lse) (causal: 0 above the diagonal), then attention_backward's
+//! steps run on them. Scratch: [NH,T,T] probabilities and [NH,T,T] score gradients of one batch
+//! element (2·NH·T² elements of T, workspace), returned before this ends. Per batch element five
+//! cuBLAS calls and two launches; no atomics. bf16 with head size 32, 64 or 128 (and
+//! be.flash_attention()) takes the SRAM-tiled kernels instead, for either mask: D =
+//! rowsum(dout·out) into B·NH·T floats of workspace, then one launch for dk and dv and one for dq,
+//! each gradient element written by one block (the same bits every run).
 template <class T>
 void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                            Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads) {
+                            Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
+                            AttentionMask mask = AttentionMask::causal) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward_lse";
   const detail::attention::Dims dims =
-      detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads);
+      detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (d::use_flash<T>(be, dims)) {
@@ -635,7 +653,7 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
       dims, dqkv.data(), dout.data(), qkv.data(), lse.data(), scratch.data(), scratch.data() + block,
       d::gemm_runner<T>(be, kernel),
       [&](T* scores, const float* lse_b, std::int64_t rows) {
-        d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, kernel);
+        d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
       },
       d::softmax_grad_runner<T>(be, dims, kernel));
 }

@@ -1,26 +1,36 @@
 #pragma once
-//! \file The argument checks of the causal self-attention kernels (host code only, no Eigen), so
-//! that attention_forward and attention_backward reject a bad argument with the same words, in
-//! the same order, on the CPU and on the GPU.
+//! \file The argument checks of the self-attention kernels (causal or bidirectional; host code
+//! only, no Eigen), so that attention_forward and attention_backward reject a bad argument with the
+//! same words, in the same order, on the CPU and on the GPU.
 
 #include <cstdint>
 #include <string>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::detail::attention {
 
-//! Shape of one attention call, validated.
+//! Shape and mask of one attention call, validated.
 struct Dims {
   std::int64_t batch, tokens, channels, heads, head_size;
+  AttentionMask mask = AttentionMask::causal;
   //! Whether there is nothing to compute (B, T or C is 0): the kernels return before any work.
   bool empty() const noexcept { return batch == 0 || tokens == 0 || channels == 0; }
+  //! Whether query t sees only keys s <= t.
+  bool causal() const noexcept { return mask == AttentionMask::causal; }
+  //! The keys [0, keys(t)) that query t sees: t + 1 (causal) or T (bidirectional).
+  std::int64_t keys(std::int64_t t) const noexcept { return causal() ? t + 1 : tokens; }
 };
 
-//! Checks that `qkv` is [B, T, 3C] and that `num_heads` > 0 divides C.
+//! Checks that `qkv` is [B, T, 3C], that `num_heads` > 0 divides C and that `mask` is one of
+//! AttentionMask's values (not an integer cast to it).
 template <class T>
-Dims check_qkv(const Tensor<const T>& qkv, int num_heads, const char* kernel) {
+Dims check_qkv(const Tensor<const T>& qkv, int num_heads, AttentionMask mask, const char* kernel) {
+  if (mask != AttentionMask::causal && mask != AttentionMask::bidirectional)
+    throw Error(std::string(kernel) + ": argument mask", static_cast<int>(mask),
+                "expected AttentionMask::causal or AttentionMask::bidirectional");
   if (qkv.shape().rank() != 3 || qkv.extent(2) % 3 != 0)
     throw Error(std::string(kernel) + ": argument qkv shape", qkv.shape(),
                 "expected [B, T, 3C] (rank 3, last extent a multiple of 3)");
@@ -30,52 +40,54 @@ Dims check_qkv(const Tensor<const T>& qkv, int num_heads, const char* kernel) {
   if (channels % num_heads != 0)
     throw Error(std::string(kernel) + ": argument num_heads", num_heads,
                 "must divide the channels C = " + detail::to_text(channels));
-  return {qkv.extent(0), qkv.extent(1), channels, num_heads, channels / num_heads};
+  return {qkv.extent(0), qkv.extent(1), channels, num_heads, channels / num_heads, mask};
 }
 
-//! Every check of attention_forward, in order: qkv and num_heads, then out [B,T,C] and att
-//! [B,NH,T,T] (shape and data).
+//! Every check of attention_forward, in order: the mask, qkv and num_heads, then out [B,T,C] and
+//! att [B,NH,T,T] (shape and data).
 template <class T>
 Dims check_forward(const Tensor<T>& out, const Tensor<T>& att, const Tensor<const T>& qkv,
-                   int num_heads) {
+                   int num_heads, AttentionMask mask = AttentionMask::causal) {
   constexpr const char* kernel = "attention_forward";
-  const Dims d = check_qkv(qkv, num_heads, kernel);
+  const Dims d = check_qkv(qkv, num_heads, mask, kernel);
   loom::check_shape(out, Shape{d.batch, d.tokens, d.channels}, kernel, "out");
   loom::check_shape(att, Shape{d.batch, d.heads, d.tokens, d.tokens}, kernel, "att");
   return d;
 }
 
-//! Every check of attention_backward, in order: qkv and num_heads, then dqkv (qkv's shape), dout
-//! [B,T,C] and att [B,NH,T,T] (shape and data).
+//! Every check of attention_backward, in order: the mask, qkv and num_heads, then dqkv (qkv's
+//! shape), dout [B,T,C] and att [B,NH,T,T] (shape and data).
 template <class T>
 Dims check_backward(const Tensor<T>& dqkv, const Tensor<const T>& dout, const Tensor<const T>& qkv,
-                    const Tensor<const T>& att, int num_heads) {
+                    const Tensor<const T>& att, int num_heads, AttentionMask mask = AttentionMask::causal) {
   constexpr const char* kernel = "attention_backward";
-  const Dims d = check_qkv(qkv, num_heads, kernel);
+  const Dims d = check_qkv(qkv, num_heads, mask, kernel);
   loom::check_shape(dqkv, qkv.shape(), kernel, "dqkv");
   loom::check_shape(dout, Shape{d.batch, d.tokens, d.channels}, kernel, "dout");
   loom::check_shape(att, Shape{d.batch, d.heads, d.tokens, d.tokens}, kernel, "att");
   return d;
 }
 
-//! Every check of attention_forward_lse, in order: qkv and num_heads, then out [B,T,C] and lse
-//! [B,NH,T] (shape and data).
+//! Every check of attention_forward_lse, in order: the mask, qkv and num_heads, then out [B,T,C]
+//! and lse [B,NH,T] (shape and data).
 template <class T, class A>
-Dims check_forward_lse(const Tensor<T>& out, const Tensor<A>& lse, const Tensor<const T>& qkv, int num_heads) {
+Dims check_forward_lse(const Tensor<T>& out, const Tensor<A>& lse, const Tensor<const T>& qkv, int num_heads,
+                       AttentionMask mask = AttentionMask::causal) {
   constexpr const char* kernel = "attention_forward_lse";
-  const Dims d = check_qkv(qkv, num_heads, kernel);
+  const Dims d = check_qkv(qkv, num_heads, mask, kernel);
   loom::check_shape(out, Shape{d.batch, d.tokens, d.channels}, kernel, "out");
   loom::check_shape(lse, Shape{d.batch, d.heads, d.tokens}, kernel, "lse");
   return d;
 }
 
-//! Every check of attention_backward_lse, in order: qkv and num_heads, then dqkv (qkv's shape),
-//! dout [B,T,C], out [B,T,C], lse [B,NH,T] (shape and data).
+//! Every check of attention_backward_lse, in order: the mask, qkv and num_heads, then dqkv
+//! (qkv's shape), dout [B,T,C], out [B,T,C], lse [B,NH,T] (shape and data).
 template <class T, class A>
 Dims check_backward_lse(const Tensor<T>& dqkv, const Tensor<const T>& dout, const Tensor<const T>& qkv,
-                        const Tensor<const T>& out, const Tensor<const A>& lse, int num_heads) {
+                        const Tensor<const T>& out, const Tensor<const A>& lse, int num_heads,
+                        AttentionMask mask = AttentionMask::causal) {
   constexpr const char* kernel = "attention_backward_lse";
-  const Dims d = check_qkv(qkv, num_heads, kernel);
+  const Dims d = check_qkv(qkv, num_heads, mask, kernel);
   loom::check_shape(dqkv, qkv.shape(), kernel, "dqkv");
   loom::check_shape(dout, Shape{d.batch, d.tokens, d.channels}, kernel, "dout");
   loom::check_shape(out, Shape{d.batch, d.tokens, d.channels}, kernel, "out");

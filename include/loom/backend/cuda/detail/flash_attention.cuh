@@ -1,22 +1,31 @@
 #pragma once
-//! \file SRAM-tiled causal self-attention with the log-sum-exp contract, for bf16 data with
-//! float accumulation on tensor cores: the algorithm of FlashAttention-2 (Dao, "FlashAttention-2:
-//! Faster Attention with Better Parallelism and Work Partitioning", 2023) with its scores,
-//! probabilities and accumulators held in registers as mma.sync m16n8k16 fragments, and with the
-//! backward split into two kernels so that no gradient element is written by two blocks
-//! (FlashAttention-2 adds dQ with atomics, whose order changes the bits from run to run).
+//! \file SRAM-tiled self-attention with the log-sum-exp contract, causal or bidirectional
+//! (loom::AttentionMask, in Shape), for bf16 data with float accumulation on tensor cores: the
+//! algorithm of FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with Better Parallelism
+//! and Work Partitioning", 2023) with its scores, probabilities and accumulators held in registers
+//! as mma.sync m16n8k16 fragments, and with the backward split into two kernels so that no
+//! gradient element is written by two blocks (FlashAttention-2 adds dQ with atomics, whose order
+//! changes the bits from run to run).
 //!
 //! - forward: a block owns 64 query rows of one (batch, head), each of its 4 warps 16 of them;
-//!   it walks the key tiles 0..its own (causal), keeping each row's running max m and sum l (the
-//!   online softmax) and the unnormalised output in registers, and writes out and
-//!   lse = m + log l at the end. Nothing T x T exists anywhere.
+//!   it walks the key tiles 0..its own (causal) or all of them (bidirectional), keeping each row's
+//!   running max m and sum l (the online softmax) and the unnormalised output in registers, and
+//!   writes out and lse = m + log l at the end. Nothing T x T exists anywhere.
 //! - backward, with D = rowsum(dout * out) per query row (delta_kernel):
 //!   - key_value_grad: a block owns 64 keys (a warp 16); it walks the query tiles from its own
-//!     to the last, recomputing S^T = K Q^T, P^T = exp(S^T scale - lse), dP^T = V dO^T and
-//!     dS^T = P^T (dP^T - D) scale, and accumulates dV += P^T dO and dK += dS^T Q in registers;
-//!   - query_grad: a block owns 64 queries (a warp 16); it walks the key tiles 0..its own,
-//!     recomputing S, P, dP and dS the same way, and accumulates dQ += dS K.
+//!     (causal; from 0, bidirectional) to the last, recomputing S^T = K Q^T,
+//!     P^T = exp(S^T scale - lse), dP^T = V dO^T and dS^T = P^T (dP^T - D) scale, and accumulates
+//!     dV += P^T dO and dK += dS^T Q in registers;
+//!   - query_grad: a block owns 64 queries (a warp 16); it walks the key tiles 0..its own
+//!     (causal) or all of them (bidirectional), recomputing S, P, dP and dS the same way, and
+//!     accumulates dQ += dS K.
 //!   The score work is done twice (once per kernel), the price of a fixed summation order.
+//!
+//! The mask enters in two places only: which tiles a block walks (query_tile, key_tiles,
+//! first_query_tile) and, per row of the warp, which keys or queries count (the last key a query
+//! sees, t or T - 1; the first query a key meets, the key or 0), computed once before the walk;
+//! the loops themselves are the same for both masks. Causal blocks walk 1 to tiles(T) tiles, the
+//! longest first; bidirectional blocks all walk tiles(T), about twice a causal layer's work.
 //!
 //! Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"): lane
 //! l = 4 group + pair holds, of a 16 x 16 A block, rows group and group + 8 at columns 2 pair,
@@ -45,6 +54,7 @@
 #include <cuda_bf16.h>
 #endif
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/core/bf16.hpp"
 #include "loom/core/hd.hpp"
 
@@ -83,12 +93,14 @@ inline constexpr bool supported_head_size(std::int64_t hs) noexcept { return hs 
 //! Tiles covering `tokens` rows.
 LOOM_HD constexpr std::int64_t tiles(std::int64_t tokens) noexcept { return (tokens + tile - 1) / tile; }
 
-//! The shapes every kernel reads. qkv [B,T,3C] (q, k, v of head h at columns h hs, C + h hs,
-//! 2C + h hs), out and dout [B,T,C], lse and delta [B,NH,T].
+//! The shapes every kernel reads, and the mask. qkv [B,T,3C] (q, k, v of head h at columns h hs,
+//! C + h hs, 2C + h hs), out and dout [B,T,C], lse and delta [B,NH,T].
 struct Shape {
   std::int64_t tokens, channels;
   int heads;
   float scale;  //!< 1/sqrt(hs)
+  AttentionMask mask = AttentionMask::causal;
+  LOOM_HD bool causal() const noexcept { return mask == AttentionMask::causal; }
 };
 
 //! Forward: reads qkv, writes out and lse.
@@ -405,10 +417,33 @@ LOOM_HD inline Position position(const Thread& th, const Shape& sh) {
           Lane{lane / 4, lane % 4}};
 }
 
-//! The tile of a block that walks from tile 0 to its own: the last tiles, which walk the
+//! The tile of a block that walks from tile 0 to its own (causal): the last tiles, which walk the
 //! longest, go to the first blocks.
 LOOM_HD inline std::int64_t longest_first(std::int64_t tokens, std::int64_t block_y) noexcept {
   return tiles(tokens) - 1 - block_y;
+}
+
+//! The query tile of a forward or query_grad block: longest_first (causal), or the block's own
+//! place in the grid (bidirectional: every block walks all key tiles).
+LOOM_HD inline std::int64_t query_tile(const Shape& sh, std::int64_t block_y) noexcept {
+  return sh.causal() ? longest_first(sh.tokens, block_y) : block_y;
+}
+
+//! The key tiles [0, key_tiles) that query tile `qt` meets: 0..qt (causal) or all of them.
+LOOM_HD inline std::int64_t key_tiles(const Shape& sh, std::int64_t qt) noexcept {
+  return sh.causal() ? qt + 1 : tiles(sh.tokens);
+}
+
+//! The first query tile that key tile `kt` meets: kt (causal) or 0. (A key_value_grad block's
+//! tile is its blockIdx.y: with the causal mask the first ones walk the longest.)
+LOOM_HD inline std::int64_t first_query_tile(const Shape& sh, std::int64_t kt) noexcept {
+  return sh.causal() ? kt : 0;
+}
+
+//! The last key that query t sees: t (causal) or T - 1. A query row past T (a partial tile's
+//! padding, never written) sees keys as if it were real.
+LOOM_HD inline std::int64_t last_key(const Shape& sh, std::int64_t t) noexcept {
+  return sh.causal() ? t : sh.tokens - 1;
 }
 
 //! The forward of one block: 64 query rows of one (batch, head). Shared memory: ForwardSmem<HS>.
@@ -419,7 +454,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   using Smem = ForwardSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t qt = longest_first(T, th.block_y());
+  const std::int64_t qt = query_tile(sh, th.block_y());
   unsigned char* smem = th.shared();
   bf16* k = region<bf16>(smem, Smem::k);
   bf16* vt = region<bf16>(smem, Smem::vt);
@@ -436,7 +471,11 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   // Per row group + 8 i: the running max (base 2) and this lane's part of the running sum.
   float m[2] = {-std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
   float l[2] = {0.0f, 0.0f};
-  for (std::int64_t kt = 0; kt <= qt; ++kt) {
+  std::int64_t last[2];  // the last key row group + 8 i sees
+  LOOM_FLASH_UNROLL
+  for (int i = 0; i < 2; ++i) last[i] = last_key(sh, first + ln.group + 8 * i);
+  const std::int64_t end = key_tiles(sh, qt);
+  for (std::int64_t kt = 0; kt < end; ++kt) {
     th.sync_block();  // the previous tile's k and v are no longer read
     load_tile<HS>(th, k, nullptr, qkv_bh + C, ld, kt * tile, T);
     load_tile<HS>(th, nullptr, vt, qkv_bh + 2 * C, ld, kt * tile, T);
@@ -445,11 +484,11 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
     FragmentC s[tile_blocks];
     zero(s);
     product_abt<HS>(th, s, q, k, ln);
-    // Online softmax: a key counts where key <= t (the causal mask). Every row sees key kt 64 <= t,
-    // so the tile max is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
+    // Online softmax: a key counts where key <= last (t, the causal mask; or T - 1). Every row
+    // sees key kt 64 (causal: kt <= qt, so kt 64 <= t; bidirectional: kt 64 < T), so the tile max
+    // is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
     LOOM_FLASH_UNROLL
     for (int i = 0; i < 2; ++i) {
-      const std::int64_t t = first + ln.group + 8 * i;
       float tile_max = -std::numeric_limits<float>::infinity();
       LOOM_FLASH_UNROLL
       for (int j = 0; j < tile_blocks; ++j) {
@@ -457,7 +496,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
         for (int c = 0; c < 2; ++c) {
           const std::int64_t key = kt * tile + 8 * j + 2 * ln.pair + c;
           float& x = s[j][2 * i + c];
-          x = key <= t ? x * scale2 : -std::numeric_limits<float>::infinity();
+          x = key <= last[i] ? x * scale2 : -std::numeric_limits<float>::infinity();
           tile_max = fmaxf(tile_max, x);
         }
       }
@@ -523,8 +562,8 @@ LOOM_HD void delta_block(Thread& th, const bf16* out, const bf16* dout, float* d
 }
 
 //! The gradient of 64 keys of one (batch, head): dk and dv of rows kt 64 .. kt 64 + 63 (kt =
-//! blockIdx.y: the first key tiles see the most queries), a warp's 16 keys in its registers.
-//! Shared memory: KeyValueGradSmem<HS>.
+//! blockIdx.y: with the causal mask the first key tiles see the most queries), a warp's 16 keys
+//! in its registers. Shared memory: KeyValueGradSmem<HS>.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
@@ -553,7 +592,15 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   zero(dk);
   zero(dv);
   const float scale2 = sh.scale * log2e;
-  for (std::int64_t qtile = kt; qtile < tiles_t; ++qtile) {
+  // The first query that key row group + 8 i meets: the key itself (causal), or 0; none (T) for
+  // a key past T, whose dk and dv are never written.
+  std::int64_t lowest[2];
+  LOOM_FLASH_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t key = first + ln.group + 8 * i;
+    lowest[i] = sh.causal() ? key : key < T ? 0 : T;
+  }
+  for (std::int64_t qtile = first_query_tile(sh, kt); qtile < tiles_t; ++qtile) {
     th.sync_block();  // the previous tile's q, dout, lse and delta are no longer read
     load_tile<HS>(th, q, qt, qkv_bh, ld, qtile * tile, T);
     load_tile<HS>(th, g, gt, dout_bh, C, qtile * tile, T);
@@ -567,8 +614,8 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
     product_abt<HS>(th, st, k, q, ln);
     product_abt<HS>(th, dpt, v, g, ln);  // dP^T = V dO^T
     for_each_element(st, dpt, ln, [&](float& p, float& ds, int i, int col) {
-      const std::int64_t query = qtile * tile + col, key = first + ln.group + 8 * i;
-      const bool valid = query < T && key <= query;
+      const std::int64_t query = qtile * tile + col;
+      const bool valid = query < T && query >= lowest[i];
       p = valid ? exp2f(fmaf(p, scale2, -lse[col])) : 0.0f;
       ds = valid ? p * (ds - delta[col]) * sh.scale : 0.0f;
     });
@@ -588,7 +635,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   using Smem = QueryGradSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t qtile = longest_first(T, th.block_y());
+  const std::int64_t qtile = query_tile(sh, th.block_y());
   unsigned char* smem = th.shared();
   bf16* k = region<bf16>(smem, Smem::k);
   bf16* kt_cols = region<bf16>(smem, Smem::kt);
@@ -604,16 +651,19 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
     load_a(g[kk], dout_bh, C, first, T, 16 * kk, ln);
   }
   float lse[2], delta[2];  // of rows group + 8 i; lse times log2 e
+  std::int64_t last[2];    // the last key row group + 8 i sees; -1 (none) for a row past T
   LOOM_FLASH_UNROLL
   for (int i = 0; i < 2; ++i) {
     const std::int64_t t = first + ln.group + 8 * i;
     lse[i] = t < T ? a.lse[at.bh * T + t] * log2e : 0.0f;
     delta[i] = t < T ? a.delta[at.bh * T + t] : 0.0f;
+    last[i] = t < T ? last_key(sh, t) : -1;
   }
   FragmentC dq[HS / 8];
   zero(dq);
   const float scale2 = sh.scale * log2e;
-  for (std::int64_t kt = 0; kt <= qtile; ++kt) {
+  const std::int64_t end = key_tiles(sh, qtile);
+  for (std::int64_t kt = 0; kt < end; ++kt) {
     th.sync_block();  // the previous tile's k and v are no longer read
     load_tile<HS>(th, k, kt_cols, qkv_bh + C, ld, kt * tile, T);
     load_tile<HS>(th, v, nullptr, qkv_bh + 2 * C, ld, kt * tile, T);
@@ -625,8 +675,8 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
     product_abt<HS>(th, s, q, k, ln);
     product_abt<HS>(th, dp, g, v, ln);  // dP = dO V^T
     for_each_element(s, dp, ln, [&](float& score, float& ds, int i, int col) {
-      const std::int64_t key = kt * tile + col, t = first + ln.group + 8 * i;
-      const bool valid = t < T && key <= t;
+      const std::int64_t key = kt * tile + col;
+      const bool valid = key <= last[i];
       const float p = valid ? exp2f(fmaf(score, scale2, -lse[i])) : 0.0f;
       ds = valid ? p * (ds - delta[i]) * sh.scale : 0.0f;
     });
