@@ -1,4 +1,6 @@
-// gpt2_train: trains GPT-2 with loom, on one rank or on a DP x TP x PP mesh of several.
+// gpt2_train: trains GPT-2 with loom, on one rank or on a DP x TP x PP mesh of several. Built
+// with LOOM_EXAMPLE_BERT=1 the same program is bert_train: BERT on masked-LM batches, with every
+// option below but --init and --save (bert_train --demo --dp 2 --tp 2, ...).
 //
 //   gpt2_train --demo                                   # the README demo: < 2 minutes on 2 cores
 //   gpt2_train --model small --data tokens.bin --batch 8 --micro-batch 4 --seq 1024 --steps 100
@@ -46,10 +48,10 @@ int run_cpu(const Options& o, int& argc, char**& argv) {
       // Each process uses --threads (0 = every core of its machine).
       loom::cpu backend(o.threads);
       const int code = train_on(o, backend, world);
-      if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
+      if (code != 0) throw loom::Error(gpt2_example::program, code, "training failed");
     });
 #else
-    throw loom::Error("--comm", o.comm, "this gpt2_train was built without MPI (install libopenmpi-dev and rebuild)");
+    throw loom::Error("--comm", o.comm, std::string("this ") + gpt2_example::program + " was built without MPI (install libopenmpi-dev and rebuild)");
 #endif
   }
   const int ranks = o.dp * o.tp * o.pp;
@@ -74,18 +76,26 @@ int run_cpu(const Options& o, int& argc, char**& argv) {
 #if !LOOM_EXAMPLE_WITH_CUDA
 int gpt2_example::run_cuda(const Options&, int&, char**&) {
   throw loom::Error("--device", "cuda",
-                    "this gpt2_train was built without CUDA (it needs the CUDA toolkit and CMake's CUDA "
+                    std::string("this ") + gpt2_example::program + " was built without CUDA (it needs the CUDA toolkit and CMake's CUDA "
                     "language: LOOM_ENABLE_CUDA=ON)");
 }
 #endif
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"Train GPT-2 with loom on the CPU or on GPUs: one rank, or a DP x TP x PP mesh of thread or MPI ranks."};
+#if LOOM_EXAMPLE_BERT
+  constexpr const char* model_name = "BERT";
+  constexpr const char* configs = "Config: tiny, base (110M), large (340M)";
+#else
+  constexpr const char* model_name = "GPT-2";
+  constexpr const char* configs = "Config: tiny, small (124M), medium (350M), large (774M), xl (1.5B), 2.7B";
+#endif
+  CLI::App app{std::string("Train ") + model_name +
+               " with loom on the CPU or on GPUs: one rank, or a DP x TP x PP mesh of thread or MPI ranks."};
   app.add_flag("--demo", o.demo,
-               "The README demo: a 4-layer, 128-channel GPT-2 on the synthetic task; finishes in "
+               std::string("The README demo: a 4-layer, 128-channel ") + model_name + " on the synthetic task; finishes in "
                "under 2 minutes on 2 cores. Other options given after it still apply.");
-  app.add_option("--model", o.model, "Config: tiny, small (124M), medium (350M), large (774M), xl (1.5B), 2.7B")
+  app.add_option("--model", o.model, configs)
       ->capture_default_str();
   app.add_option("--layers", o.layers, "Override the config's number of layers");
   app.add_option("--heads", o.heads, "Override the config's number of heads");
@@ -132,6 +142,9 @@ int main(int argc, char** argv) {
   app.add_option("--jump-probability", o.jump_probability, "Synthetic task: chance a token breaks the chain")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--metrics", o.metrics, "Write one JSON object per step to this file (JSON Lines)");
+  app.add_option("--mask-token", o.mask_token,
+                 "bert_train: the data's [MASK] token id (a token file needs it; synthetic and bytes: data "
+                 "get a new id after their vocabulary)");
   app.add_option("--init", o.init, "Start from an llm.c GPT-2 checkpoint (its header sets the model config)");
   app.add_option("--save", o.save, "Write the trained weights as an llm.c checkpoint");
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()->check(CLI::NonNegativeNumber);

@@ -1,6 +1,8 @@
-// gpt2_train's training loop, written once over the backend (examples/gpt2_train.cpp: the
-// command line and the CPU backend; gpt2_train_cuda.cu: the CUDA backend). The backend's kernels
-// must be included before this header's templates are instantiated.
+// gpt2_train's and bert_train's training loop, written once over the backend
+// (examples/gpt2_train.cpp: the command line and the CPU backend; gpt2_train_cuda.cu: the CUDA
+// backend) and over the model family: the same sources built with LOOM_EXAMPLE_BERT=1 are
+// bert_train (masked-LM on BERT), without it gpt2_train (next-token on GPT-2). The backend's
+// kernels must be included before this header's templates are instantiated.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -22,10 +24,15 @@
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
 #include "loom/io/llmc_checkpoint.hpp"
+#include "loom/io/masked_lm.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/io/token_file.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/models/gpt2/model.hpp"
+#if LOOM_EXAMPLE_BERT
+#include "loom/models/bert/config.hpp"
+#include "loom/models/bert/model.hpp"
+#endif
 #include "loom/optim/adamw.hpp"
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/optim/sgd.hpp"
@@ -43,6 +50,20 @@
 
 namespace gpt2_example {
 
+#if LOOM_EXAMPLE_BERT
+namespace family = loom::bert;
+//! The program's name, in its messages.
+inline constexpr const char* program = "bert_train";
+//! BERT trains on masked-LM batches of the data's token sequences.
+template <class S>
+using Data = loom::io::MaskedLm<S>;
+#else
+namespace family = loom::gpt2;
+inline constexpr const char* program = "gpt2_train";
+//! GPT-2 trains on the data's next-token batches as they are.
+template <class S>
+using Data = S;
+#endif
 
 //! Every command-line option (main fills it in).
 struct Options {
@@ -65,6 +86,7 @@ struct Options {
   bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
   std::uint64_t seed = 1337;
   std::string data = "synthetic";
+  std::int64_t mask_token = -1;  // bert_train: the data's [MASK] id (-1: a new id after the data's vocabulary)
   double jump_probability = 0.1;
   std::string metrics;
   std::string init;
@@ -87,37 +109,73 @@ struct Options {
   bool demo = false;
 };
 
-using Source = std::variant<loom::io::SyntheticMarkov, loom::io::TokenFile>;
+using Source = std::variant<Data<loom::io::SyntheticMarkov>, Data<loom::io::TokenFile>>;
 
+//! The data --data names, for a model of `model_vocab` tokens. bert_train's masked-LM batches
+//! take a new mask id after the data's vocabulary unless --mask-token names the data's own.
 inline Source open_data(const Options& o, std::int64_t model_vocab) {
+  const auto wrap = [&](auto tokens) -> Source {
+#if LOOM_EXAMPLE_BERT
+    return Data<decltype(tokens)>(std::move(tokens), {.mask_token = o.mask_token, .seed = o.seed + 2});
+#else
+    return tokens;
+#endif
+  };
+#if LOOM_EXAMPLE_BERT
+  const std::int64_t data_vocab = o.mask_token < 0 ? model_vocab - 1 : model_vocab;
+#else
+  const std::int64_t data_vocab = model_vocab;
+#endif
   if (o.data == "synthetic")
-    return loom::io::SyntheticMarkov({.vocab_size = model_vocab,
-                                      .jump_probability = o.jump_probability,
-                                      .seed = o.seed + 1});
-  if (o.data.starts_with("bytes:")) return loom::io::TokenFile::bytes(o.data.substr(6));
-  return loom::io::TokenFile::open(o.data, model_vocab);
+    return wrap(loom::io::SyntheticMarkov({.vocab_size = data_vocab, .jump_probability = o.jump_probability,
+                                           .seed = o.seed + 1}));
+  if (o.data.starts_with("bytes:")) return wrap(loom::io::TokenFile::bytes(o.data.substr(6)));
+  return wrap(loom::io::TokenFile::open(o.data, data_vocab));
+}
+
+//! The token source under `s` (itself for GPT-2, the masked source's for BERT).
+template <class S>
+const auto& tokens_of(const S& s) {
+  if constexpr (requires { s.source(); }) return s.source();
+  else return s;
 }
 
 inline std::int64_t source_vocab(const Source& s) {
   return std::visit([](const auto& src) { return src.vocab_size(); }, s);
 }
 
-inline loom::gpt2::Config model_config(const Options& o) {
-  loom::gpt2::Config c = loom::gpt2::config_by_name(o.model);
+inline family::Config model_config(const Options& o) {
+  family::Config c = family::config_by_name(o.model);
   if (o.layers) c.num_layers = *o.layers;
   if (o.heads) c.num_heads = *o.heads;
   if (o.channels) c.channels = *o.channels;
-  // Byte-level data and the synthetic task use a 256-token vocabulary.
-  if (o.data == "synthetic" || o.data.starts_with("bytes:")) c.vocab_size = c.padded_vocab_size = 256;
+  // The synthetic task uses a 256-token vocabulary (BERT's mask token among them), byte-level
+  // data 256 tokens (BERT: plus its mask token, padded to 384).
+  if (o.data == "synthetic") c.vocab_size = c.padded_vocab_size = 256;
+#if LOOM_EXAMPLE_BERT
+  if (o.data.starts_with("bytes:")) {
+    c.vocab_size = 257;
+    c.padded_vocab_size = 384;
+  }
+  LOOM_CHECK(o.init.empty() && o.save.empty(), "--init/--save", o.init.empty() ? o.save : o.init,
+             "bert_train has no checkpoint format yet (--init and --save read and write llm.c GPT-2 files)");
+  LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
+             o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
+#else
+  if (o.data.starts_with("bytes:")) c.vocab_size = c.padded_vocab_size = 256;
+  LOOM_CHECK(o.mask_token < 0, "--mask-token", o.mask_token, "only bert_train masks tokens");
+#endif
   c.max_seq_len = std::max(c.max_seq_len, o.seq);
+#if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) c = loom::io::read_llmc_config(o.init);
+#endif
   c.validate();
   return c;
 }
 
-//! The gpt2::Attention of --attention.
-inline loom::gpt2::Attention attention_choice(const Options& o) {
-  return o.attention == "recompute" ? loom::gpt2::Attention::recompute : loom::gpt2::Attention::stored;
+//! The attention storage of --attention.
+inline loom::AttentionStorage attention_choice(const Options& o) {
+  return o.attention == "recompute" ? loom::AttentionStorage::recompute : loom::AttentionStorage::stored;
 }
 
 inline nlohmann::json memory_json(const loom::MemoryTracker& m) {
@@ -159,10 +217,10 @@ void print_memory_per_rank(Group& world, const loom::MeshShape& shape, const loo
   }
 }
 
-//! "embedding", "h3" or "head": what layer `layer` of a GPT-2 of `config` is.
-inline std::string layer_name(const loom::gpt2::Config& config, int layer) {
-  if (layer == loom::gpt2::embedding_layer) return "embedding";
-  if (layer == loom::gpt2::head_layer(config)) return "head";
+//! "embedding", "h3" or "head": what layer `layer` of a model of `config` is.
+inline std::string layer_name(const family::Config& config, int layer) {
+  if (layer == family::embedding_layer) return "embedding";
+  if (layer == family::head_layer(config)) return "head";
   return "h" + std::to_string(layer - 1);
 }
 
@@ -170,7 +228,7 @@ inline std::string layer_name(const loom::gpt2::Config& config, int layer) {
 //! gathered over `pipeline` (collective over it: every rank calls this) and printed by its
 //! stage 0 when `print`.
 template <class Group, class Stage>
-void print_pipeline_stages(Group& pipeline, const Stage& stage, const loom::gpt2::Config& config,
+void print_pipeline_stages(Group& pipeline, const Stage& stage, const family::Config& config,
                            std::int64_t activation_slots, bool tensor_parallel, bool print) {
   const int chunks = stage.chunks();  // the same on every stage
   const int fields = 2 + 2 * chunks;
@@ -270,7 +328,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   Group& world = mesh.world();
   const bool lead = world.rank() == 0;
   const int stages = mesh.shape().pp;
-  const gpt2::Config config = model_config(o);
+  const family::Config config = model_config(o);
   const Source data = open_data(o, config.vocab_size);
   LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
              "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
@@ -290,9 +348,10 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   lr.validate();
   // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
-  Trainer<gpt2::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
-      backend, mesh, gpt2::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice(o)), optimizer, lr,
+  Trainer<family::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
+      backend, mesh, family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice(o)), optimizer, lr,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
+#if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) {
     // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard); in
     // bf16 the fp32 master weights take the file's values exactly.
@@ -300,6 +359,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), weights.data());
     trainer.load_parameters(std::span<const float>(weights));
   }
+#endif
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
   // that does not split into micro-batches is left to step 1, whose message names the rule.
@@ -311,7 +371,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   const std::int64_t slots = shape.micro_batches > 0 ? trainer.schedule().live_micro_batches(shape) : 0;
 
   if (lead) {
-  std::printf("loom gpt2_train: model %s %s\n", o.model.c_str(),
+  std::printf("loom %s: model %s %s\n", program, o.model.c_str(),
               detail::to_text(config).c_str());
   std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s), attention %s\n",
               static_cast<long long>(config.parameter_count()),
@@ -319,16 +379,24 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
               is_narrow_storage<T> ? "bf16 (fp32 master weights and moments)" : "float", describe_backend(backend).c_str(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
               static_cast<long long>(micro), static_cast<long long>(o.batch / split),
-              stages > 1 ? "pipeline" : "rank", gpt2::name(trainer.model().attention()));
+              stages > 1 ? "pipeline" : "rank", loom::name(trainer.model().attention()));
   std::printf("  strategy %s over %d rank(s) (%s), mesh %s schedule %s\n", detail::to_text(strategy).c_str(),
               world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
               describe_schedule(schedule, shape).c_str());
-  std::visit([&](const auto& src) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>)
-      std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
-                  detail::to_text(src.config()).c_str(), std::log(double(src.vocab_size())),
-                  src.entropy_floor());
-    else
+  std::visit([&](const auto& masked_or_not) {
+    if constexpr (requires { masked_or_not.source(); })
+      std::printf("  data: masked-LM batches %s (mask token %lld)\n", detail::to_text(masked_or_not.config()).c_str(),
+                  static_cast<long long>(masked_or_not.mask_token()));
+    const auto& src = tokens_of(masked_or_not);
+    if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>) {
+      // The floor is the next-token task's; a masked position's neighbours on both sides tell more.
+      if constexpr (requires { masked_or_not.source(); })
+        std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f\n", detail::to_text(src.config()).c_str(),
+                    std::log(double(src.vocab_size())));
+      else
+        std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
+                    detail::to_text(src.config()).c_str(), std::log(double(src.vocab_size())), src.entropy_floor());
+    } else
       std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
                   static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
   }, data);
@@ -381,6 +449,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   }
   if (lead)
     std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
+#if !LOOM_EXAMPLE_BERT
   if (!o.save.empty()) {
     // Collective over the pipeline (each stage contributes its layers) and, under ZeRO-3, over
     // the data-parallel group: every rank gathers, rank 0 writes.
@@ -392,6 +461,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
       std::printf("saved %s\n", o.save.c_str());
     }
   }
+#endif
   return 0;
 }
 

@@ -41,7 +41,7 @@ int train_on_gpu(const Options& o, World& world, int device) {
     loom::nccl::Communicator group = loom::nccl::Communicator::bootstrap(backend, world);
     return train_on(o, backend, group);
 #else
-    throw loom::Error("--comm", o.comm, "this gpt2_train was built without NCCL");
+    throw loom::Error("--comm", o.comm, std::string("this ") + program + " was built without NCCL");
 #endif
   }
   // A communicator of the staged world's own (split is collective): the launcher keeps `world`.
@@ -69,10 +69,10 @@ int run_cuda(const Options& o, int& argc, char**& argv) {
     return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
       check_mpi_world(o, world.size());
       const int code = train_on_gpu(o, world, local_rank(world.rank()) % visible);
-      if (code != 0) throw loom::Error("gpt2_train", code, "training failed");
+      if (code != 0) throw loom::Error(gpt2_example::program, code, "training failed");
     });
 #else
-    throw loom::Error("--comm", o.comm, "this gpt2_train was built without MPI (install libopenmpi-dev and rebuild)");
+    throw loom::Error("--comm", o.comm, std::string("this ") + gpt2_example::program + " was built without MPI (install libopenmpi-dev and rebuild)");
 #endif
   }
   const int ranks = o.dp * o.tp * o.pp;

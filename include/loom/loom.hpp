@@ -15,6 +15,8 @@
 #include "loom/core/parameters.hpp"
 #include "loom/core/rng.hpp"
 #include "loom/core/tensor.hpp"
+#include "loom/models/bert/config.hpp"
+#include "loom/models/bert/model.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/models/gpt2/model.hpp"
 #include "loom/optim/adamw.hpp"

@@ -1,7 +1,8 @@
 // GPT-2 training on the CUDA backend against one CPU rank (DESIGN.md invariant 3): one GPU, then
 // every strategy and schedule with several ranks sharing the GPU(s) through the threads
 // communicator staged through host memory, then NCCL (a world of one GPU, and 2 ranks where
-// there are 2 GPUs).
+// there are 2 GPUs); and BERT (bidirectional attention, masked-LM head) on one GPU and on meshes
+// sharing it.
 //
 // Tolerance: 1e-4 relative on losses, gradient norms and weights after 5 AdamW steps, with TF32
 // off (full fp32 products). The CPU meshes agree with one rank to 1e-5; the GPU kernels add
@@ -24,6 +25,7 @@
 #include "loom/backend/cuda/kernels.cuh"
 #include "loom/comm/staged.hpp"
 #include "loom/comm/threads.hpp"
+#include "loom/models/bert/model.hpp"
 #include "loom/models/gpt2/model.hpp"
 #include "loom/optim/adamw.hpp"
 #include "loom/parallel/data_parallel.hpp"
@@ -39,6 +41,7 @@
 #include "loom/comm/nccl.hpp"
 #endif
 #include "device_check.hpp"
+#include "support/masked_lm_training.hpp"
 #include "support/parity_check.hpp"
 #include "training_reference.hpp"
 
@@ -298,6 +301,39 @@ TEST_CASE("ranks sharing the GPU: pipeline schedules and a 2 x 2 x 2 mesh train 
   check_staged<DataParallel, Interleaved1F1B>({.dp = 1, .tp = 1, .pp = 2}, DataParallel{},
                                               Interleaved1F1B{.virtual_stages = 2});
   check_staged<Zero<1>, OneFOneB>({.dp = 2, .tp = 2, .pp = 2});
+}
+
+TEST_CASE("BERT on one GPU, stored and recomputed attention, and on meshes sharing it, trains as one CPU rank") {
+  if (!have_gpu()) return;
+  using Bert = bert::Model<loom::cuda, float>;
+  static const ParityRun bert_reference = bert_cpu_reference_run(global_batch, seq);
+  const ParameterLayout global_layout = Bert(bert_test_config()).layout();
+  for (const bert::Attention attention : {bert::Attention::stored, bert::Attention::recompute}) {
+    CAPTURE(bert::name(attention));
+    loom::cuda be(0);
+    be.set_tf32(false);
+    Trainer<Bert, AdamW> trainer(be, Bert(bert_test_config(), attention), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                 {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
+    check_parity(masked_lm_steps(trainer, global_batch, seq), bert_reference, gpu_tolerance);
+  }
+  const auto mesh_failures = [&]<class Strategy, class Schedule>(MeshShape shape, Strategy strategy,
+                                                                 Schedule schedule) {
+    return rank_failures(shape.size(), [&](threads::Communicator& world) {
+      loom::cuda be(gpu_of(world.rank()));
+      be.set_tf32(false);
+      StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
+      Mesh<StagedCommunicator<threads::Communicator, loom::cuda>> mesh(staged, shape);
+      Trainer<Bert, AdamW, Schedule, Strategy> trainer(
+          be, mesh, Bert(bert_test_config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}), parity_lr(),
+          {.micro_batch_size = 1, .clip_grad_norm = 1.0, .seed = 5}, strategy, schedule);
+      const ParityRun run = masked_lm_steps(trainer, global_batch, seq);
+      return parity_failures(trainer, run, bert_reference, global_layout, gpu_tolerance);
+    });
+  };
+  std::vector<std::string> failures = mesh_failures({.dp = 2, .tp = 2, .pp = 1}, Zero<3>{}, GradientAccumulation{});
+  CHECK_MESSAGE(failures.empty(), joined(failures));
+  failures = mesh_failures({.dp = 1, .tp = 2, .pp = 2}, DataParallel{}, ZeroBubbleH1{});
+  CHECK_MESSAGE(failures.empty(), joined(failures));
 }
 
 #if LOOM_TEST_WITH_NCCL

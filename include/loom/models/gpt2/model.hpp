@@ -20,25 +20,17 @@
 #include "loom/core/buffer.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
+#include "loom/models/attention_storage.hpp"
 #include "loom/models/concepts.hpp"
+#include "loom/models/detail/transformer.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/nn/tensor_parallel.hpp"
 
 namespace loom::gpt2 {
 
-//! What a block keeps of its attention for the backward (docs/kernels_attention.md).
-enum class Attention {
-  //! The softmax probabilities, B·(H/tp)·T² elements of T per block (attention_forward); the
-  //! backward reads them.
-  stored,
-  //! Only each row's log-sum-exp, B·(H/tp)·T values of accumulate_t<T> per block
-  //! (attention_forward_lse); the backward recomputes the probabilities from q, k and it (one
-  //! more score GEMM), as FlashAttention does and Megatron-LM's selective recomputation.
-  recompute,
-};
-
-//! "stored" or "recompute".
-inline const char* name(Attention a) noexcept { return a == Attention::stored ? "stored" : "recompute"; }
+//! What a block keeps of its attention for the backward (loom::AttentionStorage).
+using Attention = AttentionStorage;
+using loom::name;
 
 //! GPT-2 on backend `B` with scalar `T`: float to train, double for gradient checks, bf16 for
 //! mixed precision as llm.c trains (bf16 parameters, gradients and activations; arithmetic,
@@ -115,19 +107,7 @@ class Model {
   //! The layout ranges `layer` reads: its own parameters, and for the head also the tied `wte`
   //! (owned by the embedding, layer 0).
   std::vector<ElementRange> layer_parameters(int layer) const {
-    std::vector<ElementRange> ranges;
-    std::int64_t begin = -1, end = -1;
-    for (const auto& e : layout_.entries())
-      if (e.spec.layer == layer) {
-        if (begin < 0) begin = e.offset;
-        end = e.offset + e.numel();
-      }
-    if (begin >= 0) ranges.push_back({begin, end});
-    if (layer == head_layer(config_)) {
-      const auto& wte = layout_.find("wte");
-      ranges.push_back({wte.offset, wte.offset + wte.numel()});
-    }
-    return ranges;
+    return detail::transformer::layer_ranges(layout_, layer, layer == head_layer(config_) ? "wte" : "");
   }
 
   //! Training FLOPs per token of the whole model, 6·N + 12·l·h·s (DESIGN.md; N the published
@@ -172,14 +152,7 @@ class Model {
   //! shape below vocab_size (a negative target is ignored). Throws loom::Error naming the first
   //! bad position and its value.
   void check_batch(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) const {
-    check_tokens(tokens);
-    LOOM_CHECK(targets.shape() == tokens.shape(), "gpt2 batch: targets shape", targets.shape(),
-               "must equal the tokens' shape " + detail::to_text(tokens.shape()));
-    for (std::int64_t i = 0; i < targets.numel(); ++i)
-      if (targets[i] >= config_.vocab_size) [[unlikely]]
-        throw Error("gpt2 batch: target at position " + detail::to_text(i), targets[i],
-                    "targets must be < vocab_size = " + detail::to_text(config_.vocab_size) +
-                        " (negative targets are ignored)");
+    detail::transformer::check_batch(tokens, targets, config_.vocab_size, "gpt2");
   }
 
   //! Runs `layer` forward; returns the sum of per-token losses for the head, 0 otherwise.
@@ -275,36 +248,7 @@ class Model {
   //! The type of per-row statistics and losses (float for bf16).
   using A = accumulate_t<T>;
 
-  //! Carves consecutive tensors out of one flat range of T; without a range (`base` null) it
-  //! only counts. A tensor of another element type U (float statistics in a bf16 range) starts
-  //! at an offset rounded up to U's alignment and takes sizeof(U) / sizeof(T) elements a value;
-  //! `elements()` rounds the total up to the largest such alignment, so that ranges laid end to
-  //! end in one aligned buffer stay aligned. For U = T it is plain consecutive carving.
-  struct Carver {
-    T* base = nullptr;
-    std::int64_t used = 0;   //!< elements of T taken so far, padding included
-    std::int64_t align = 1;  //!< the largest alignment taken, in elements of T
-
-    template <class U = T>
-    Tensor<U> take(Shape shape) {
-      static_assert(sizeof(U) % sizeof(T) == 0 && std::is_trivially_copyable_v<U>,
-                    "loom: a carved tensor's elements must be a whole number of T elements");
-      constexpr auto u_align = static_cast<std::int64_t>(alignof(U) > sizeof(T) ? alignof(U) / sizeof(T) : 1);
-      align = std::max(align, u_align);
-      used = (used + u_align - 1) / u_align * u_align;
-      U* at = nullptr;
-      if (base != nullptr) {
-        at = reinterpret_cast<U*>(base + used);
-        LOOM_CHECK(reinterpret_cast<std::uintptr_t>(at) % alignof(U) == 0, "gpt2: activation range address",
-                   reinterpret_cast<std::uintptr_t>(base),
-                   "must be aligned to " + detail::to_text(alignof(U)) +
-                       " bytes (ranges of activation_elements laid end to end from an aligned buffer are)");
-      }
-      used += shape.numel() * static_cast<std::int64_t>(sizeof(U) / sizeof(T));
-      return {at, shape};
-    }
-    std::int64_t elements() const noexcept { return (used + align - 1) / align * align; }
-  };
+  using Carver = detail::transformer::Carver<T>;
 
   std::int64_t C() const noexcept { return config_.channels; }
   //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
@@ -312,27 +256,16 @@ class Model {
   bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
 
   MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
-    LOOM_CHECK(tokens.shape().rank() == 2, "gpt2 forward: tokens rank", tokens.shape(),
-               "tokens must be [batch, seq]");
-    const MicroBatchShape s{tokens.extent(0), tokens.extent(1)};
-    LOOM_CHECK(s.seq >= 1 && s.seq <= config_.max_seq_len, "gpt2 forward: sequence length", s.seq,
-               "must be in [1, max_seq_len = " + detail::to_text(config_.max_seq_len) + "]");
-    return s;
+    return detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "gpt2");
   }
-
-  //! Tokens must be real vocabulary entries (padded rows exist only for the logits).
   void check_tokens(Tensor<const std::int32_t> tokens) const {
-    for (std::int64_t i = 0; i < tokens.numel(); ++i)
-      if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) [[unlikely]]
-        throw Error("gpt2 forward: token at position " + detail::to_text(i), tokens[i],
-                    "tokens must be in [0, vocab_size = " + detail::to_text(config_.vocab_size) + ")");
+    detail::transformer::check_tokens(tokens, config_.vocab_size, "gpt2");
   }
-
   static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
-    return {params.at(offset, shape.numel()), shape};
+    return detail::transformer::param(params, offset, shape);
   }
   static Tensor<T> grad(ParameterView<T> grads, std::int64_t offset, Shape shape) {
-    return {grads.at(offset, shape.numel()), shape};
+    return detail::transformer::grad(grads, offset, shape);
   }
 
   //! The activations a block keeps; the layernorm statistics and the attention's log-sum-exp in
@@ -555,20 +488,8 @@ class Model {
     // the vocab-parallel cross-entropy turns it into probabilities in place, exchanging only
     // per-row statistics (max, sum of exps, target logit): the full logits never exist.
     matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
-    const Tensor<const std::int32_t> targets = a.targets.reshape({N});
-    // Row max | sum of exps | target logit, in double, in backend memory (scratch for this call:
-    // 24 bytes a token, against the logits' 4·V).
-    const Buffer<double, B> scratch(be, 3 * N, MemoryCategory::workspace);
-    double* statistics = scratch.data();
-    Tensor<double> row_max(statistics, {N}), partials(statistics + N, {2, N});
-    vocab_parallel_cross_entropy_max<T>(be, row_max, h.probs, vocab_begin_, config_.vocab_size);
-    if (tensor_parallel_size_ > 1)
-      tensor_parallel_.all_reduce(std::span<double>(statistics, static_cast<std::size_t>(N)), ReduceOp::max);
-    vocab_parallel_cross_entropy_partials<T>(be, h.probs, partials, h.probs, row_max, targets, vocab_begin_,
-                                             config_.vocab_size);
-    nn::sum_over_tensor_parallel(tensor_parallel_, partials);
-    vocab_parallel_cross_entropy_finish<T>(be, h.losses, h.probs, partials, targets);
-    return sum_elements<A>(be, Tensor<const A>(h.losses));
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, a.targets.reshape({N}),
+                                                       vocab_begin_, config_.vocab_size);
   }
 
   //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input

@@ -1,0 +1,113 @@
+#pragma once
+//! \file Masked-language-model batches (BERT's pre-training objective) from any TokenSource:
+//! a share of the positions is selected for prediction, most of them replaced by a mask token in
+//! the input, and only the selected positions carry a target.
+
+#include <cstdint>
+#include <ostream>
+#include <utility>
+
+#include "loom/core/error.hpp"
+#include "loom/core/rng.hpp"
+#include "loom/io/batch.hpp"
+
+namespace loom::io {
+
+//! How MaskedLm masks: a value with designated initializers, `==` and `<<`. The defaults are
+//! BERT's (Devlin et al. 2019): 15% of the positions are predicted; of those, 80% read the mask
+//! token, 10% a uniform random token, 10% themselves.
+struct MaskedLmConfig {
+  double select_probability = 0.15;  //!< chance that a position is predicted
+  double mask_share = 0.8;           //!< of the selected, the share whose input is the mask token
+  double random_share = 0.1;         //!< of the selected, the share whose input is a random token
+  //! The mask token's id; -1 (the default) makes it a new id, the source's vocab_size(), so
+  //! that MaskedLm's vocabulary is one larger. A tokenizer's own [MASK] (103 in BERT's uncased
+  //! WordPiece) must be below the source's vocab_size().
+  std::int64_t mask_token = -1;
+  std::uint64_t seed = 4321;  //!< keys every draw
+
+  //! Throws loom::Error naming the first value that breaks a rule.
+  void validate() const {
+    LOOM_CHECK(select_probability > 0.0 && select_probability <= 1.0, "masked lm config: select_probability",
+               select_probability, "must be in (0, 1]");
+    LOOM_CHECK(mask_share >= 0.0 && random_share >= 0.0 && mask_share + random_share <= 1.0,
+               "masked lm config: mask_share + random_share", mask_share + random_share,
+               "each must be >= 0 and their sum <= 1");
+    LOOM_CHECK(mask_token >= -1, "masked lm config: mask_token", mask_token, "must be >= 0, or -1 for a new id");
+  }
+  friend bool operator==(const MaskedLmConfig&, const MaskedLmConfig&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const MaskedLmConfig& c) {
+    return out << "{select_probability=" << c.select_probability << ", mask_share=" << c.mask_share
+               << ", random_share=" << c.random_share << ", mask_token=" << c.mask_token << ", seed=" << c.seed << "}";
+  }
+};
+
+//! A TokenSource of masked-LM batches over `Source`'s token sequences (its targets are not used).
+//!
+//! Position t of row i of step s is global position j = (s·batch + i)·seq + t; its draws come
+//! from CounterRng(seed, "masked_lm") at index j: lane 0 selects it, lane 1 chooses mask / random
+//! / keep, lane 2 draws the random token (in [0, source vocabulary), never the new mask id). A
+//! row in which no position was selected gets its position below(seq, row index, lane 3)
+//! selected, so that every sequence carries at least one target. Like its source, a batch is a
+//! pure function of (config, source, step, batch, seq) (DESIGN.md invariant 2).
+template <TokenSource Source>
+class MaskedLm {
+ public:
+  explicit MaskedLm(Source source, MaskedLmConfig config = {})
+      : source_(std::move(source)), config_((config.validate(), config)), draws_(config.seed, "masked_lm") {
+    LOOM_CHECK(config_.mask_token < source_.vocab_size(), "masked lm config: mask_token", config_.mask_token,
+               "must be below the source's vocab_size (" + detail::to_text(source_.vocab_size()) +
+                   "), or -1 for a new id");
+  }
+
+  const Source& source() const noexcept { return source_; }
+  const MaskedLmConfig& config() const noexcept { return config_; }
+  //! The mask token's id.
+  std::int64_t mask_token() const noexcept { return config_.mask_token >= 0 ? config_.mask_token : source_.vocab_size(); }
+  //! The source's vocabulary, plus one where the mask token is a new id.
+  std::int64_t vocab_size() const noexcept { return source_.vocab_size() + (config_.mask_token < 0 ? 1 : 0); }
+
+  //! The global batch of step `step`: the source's tokens, masked; targets are the original
+  //! tokens at the selected positions and -1 elsewhere.
+  Batch batch_at(std::int64_t step, std::int64_t batch, std::int64_t seq) const {
+    Batch out = source_.batch_at(step, batch, seq);
+    const auto source_vocab = static_cast<std::uint64_t>(source_.vocab_size());
+    const auto mask = static_cast<std::int32_t>(mask_token());
+    for (std::int64_t i = 0; i < batch; ++i) {
+      const auto row = static_cast<std::uint64_t>(step * batch + i);
+      bool any = false;
+      for (std::int64_t t = 0; t < seq; ++t) any |= select(out, row, seq, i, t, source_vocab, mask, false);
+      if (!any) {
+        const auto t = static_cast<std::int64_t>(draws_.below(static_cast<std::uint64_t>(seq), row, 3));
+        select(out, row, seq, i, t, source_vocab, mask, true);
+      }
+    }
+    return out;
+  }
+
+ private:
+  //! Decides position t of row i (global row `row`): selects it when its draw says so or when
+  //! `force`, and then masks its input and sets its target; else clears its target. Returns
+  //! whether it was selected.
+  bool select(Batch& b, std::uint64_t row, std::int64_t seq, std::int64_t i, std::int64_t t, std::uint64_t vocab,
+              std::int32_t mask, bool force) const {
+    const auto at = static_cast<std::size_t>(i * seq + t);
+    const std::uint64_t j = row * static_cast<std::uint64_t>(seq) + static_cast<std::uint64_t>(t);
+    if (!force && draws_.uniform(j, 0) >= config_.select_probability) {
+      b.targets[at] = -1;
+      return false;
+    }
+    b.targets[at] = b.tokens[at];
+    const double how = draws_.uniform(j, 1);
+    if (how < config_.mask_share) b.tokens[at] = mask;
+    else if (how < config_.mask_share + config_.random_share)
+      b.tokens[at] = static_cast<std::int32_t>(draws_.below(vocab, j, 2));
+    return true;
+  }
+
+  Source source_;
+  MaskedLmConfig config_;
+  CounterRng draws_;
+};
+
+}  // namespace loom::io

@@ -1,0 +1,158 @@
+#pragma once
+//! \file BERT configurations and their parameter specs.
+
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/core/error.hpp"
+#include "loom/core/parameters.hpp"
+
+namespace loom::bert {
+
+//! Shape of a BERT encoder: a value, compared with `==` and printed with `<<`.
+struct Config {
+  std::int64_t max_seq_len = 512;          //!< position embeddings (rows of wpe)
+  std::int64_t vocab_size = 30522;         //!< real vocabulary V (BERT's uncased WordPiece)
+  std::int64_t padded_vocab_size = 30592;  //!< rows of wte (V rounded up to 128; never reaches the loss)
+  std::int64_t num_layers = 12;            //!< encoder blocks L
+  std::int64_t num_heads = 12;             //!< attention heads per block
+  std::int64_t channels = 768;             //!< hidden size C (the MLP is 4C wide)
+  double layernorm_eps = 1e-12;            //!< BERT's epsilon (GPT-2 uses 1e-5)
+
+  friend bool operator==(const Config&, const Config&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const Config& c) {
+    return out << "{max_seq_len=" << c.max_seq_len << ", vocab_size=" << c.vocab_size
+               << ", padded_vocab_size=" << c.padded_vocab_size << ", num_layers=" << c.num_layers
+               << ", num_heads=" << c.num_heads << ", channels=" << c.channels << "}";
+  }
+
+  //! Parameters without the vocabulary padding: the embeddings and their layernorm
+  //! v·h + s·h + 2h, the blocks l·(12h² + 13h), the masked-LM head's transform h² + 3h and its
+  //! output bias v (the output matrix is wte, tied).
+  std::int64_t parameter_count() const noexcept {
+    const std::int64_t l = num_layers, h = channels;
+    return vocab_size * h + max_seq_len * h + 2 * h + l * (12 * h * h + 13 * h) + h * h + 3 * h + vocab_size;
+  }
+  //! Elements stored: parameter_count() plus the padded rows of wte and of the output bias.
+  std::int64_t stored_parameter_count() const noexcept {
+    return parameter_count() + (padded_vocab_size - vocab_size) * (channels + 1);
+  }
+
+  //! Throws loom::Error naming the first value that breaks a rule.
+  void validate() const {
+    LOOM_CHECK(max_seq_len > 0, "bert config: max_seq_len", max_seq_len, "must be > 0");
+    LOOM_CHECK(vocab_size > 0, "bert config: vocab_size", vocab_size, "must be > 0");
+    LOOM_CHECK(padded_vocab_size >= vocab_size, "bert config: padded_vocab_size", padded_vocab_size,
+               "must be >= vocab_size (" + detail::to_text(vocab_size) + ")");
+    LOOM_CHECK(num_layers > 0, "bert config: num_layers", num_layers, "must be > 0");
+    LOOM_CHECK(num_heads > 0, "bert config: num_heads", num_heads, "must be > 0");
+    LOOM_CHECK(channels > 0 && channels % num_heads == 0, "bert config: channels", channels,
+               "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
+    LOOM_CHECK(layernorm_eps > 0, "bert config: layernorm_eps", layernorm_eps, "must be > 0");
+  }
+
+  //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):
+  //! channels split across ranks, whole heads per rank, whole rows of the padded vocabulary per
+  //! rank. Throws loom::Error naming the value and the rule.
+  void validate_tensor_parallel(std::int64_t ranks) const {
+    validate();
+    const std::string tp = "the tensor-parallel size (" + detail::to_text(ranks) + ")";
+    LOOM_CHECK(ranks >= 1, "bert config: tensor-parallel size", ranks, "must be >= 1");
+    LOOM_CHECK(channels % ranks == 0, "bert config: channels", channels,
+               "must be a multiple of " + tp +
+                   ": the attention and MLP projections (channels and 4·channels wide) are split");
+    LOOM_CHECK(num_heads % ranks == 0, "bert config: num_heads", num_heads,
+               "must be a multiple of " + tp + ": attention is split by whole heads");
+    LOOM_CHECK(padded_vocab_size % ranks == 0, "bert config: padded_vocab_size", padded_vocab_size,
+               "must be a multiple of " + tp + ": each rank holds an equal slice of wte's rows");
+  }
+};
+
+//! A small model for tests and the demo: 256-entry vocabulary, 2 layers, 64 channels.
+inline Config tiny() {
+  return {.max_seq_len = 64, .vocab_size = 256, .padded_vocab_size = 256, .num_layers = 2, .num_heads = 4,
+          .channels = 64};
+}
+//! BERT-base, 110M parameters (Devlin et al. 2019).
+inline Config base() { return {}; }
+//! BERT-large, 340M.
+inline Config large() { return {.num_layers = 24, .num_heads = 16, .channels = 1024}; }
+
+//! The config called `name`: tiny, base (110M), large (340M).
+inline Config config_by_name(std::string_view name) {
+  if (name == "tiny") return tiny();
+  if (name == "base" || name == "110M") return base();
+  if (name == "large" || name == "340M") return large();
+  throw Error("bert config name", std::string(name), "expected one of tiny, base, large");
+}
+
+//! Layer indices: 0 embeds (token and position embeddings, then a layernorm), 1..L are the
+//! encoder blocks, L+1 is the masked-LM head (transform, tied unembedding, cross-entropy).
+constexpr int embedding_layer = 0;
+inline int block_layer(std::int64_t block) { return static_cast<int>(block) + 1; }
+inline int head_layer(const Config& c) { return static_cast<int>(c.num_layers) + 1; }
+
+//! Global name of parameter `what` of block `block`, e.g. block_param(3, "attn.qkv.weight").
+inline std::string block_param(std::int64_t block, std::string_view what) {
+  return "h." + std::to_string(block) + "." + std::string(what);
+}
+
+//! Every parameter of the model, in layer order. Init follows BERT: N(0, 0.02) for matrices and
+//! embeddings, zero biases, unit layernorm weights.
+inline std::vector<ParameterSpec> parameter_specs(const Config& c) {
+  c.validate();
+  const std::int64_t C = c.channels;
+  const double std_dev = 0.02;
+  using P = Partition;
+  std::vector<ParameterSpec> specs;
+  specs.push_back({"wte", {c.padded_vocab_size, C}, embedding_layer, true, P::split_rows,
+                   Init::normal(std_dev, c.vocab_size)});
+  specs.push_back({"wpe", {c.max_seq_len, C}, embedding_layer, true, P::replicated, Init::normal(std_dev)});
+  specs.push_back({"ln_e.weight", {C}, embedding_layer, false, P::replicated, Init::ones()});
+  specs.push_back({"ln_e.bias", {C}, embedding_layer, false, P::replicated, Init::zeros()});
+  for (std::int64_t l = 0; l < c.num_layers; ++l) {
+    const int layer = block_layer(l);
+    auto add = [&](std::string_view what, Shape shape, bool decay, P part, Init init) {
+      specs.push_back({block_param(l, what), shape, layer, decay, part, init});
+    };
+    // [q; k; v] stacked: three blocks, each split by heads (Shard::groups).
+    add("attn.qkv.weight", {3 * C, C}, true, P::split_rows, Init::normal(std_dev));
+    specs.back().shard.groups = 3;
+    add("attn.qkv.bias", {3 * C}, false, P::split_rows, Init::zeros());
+    specs.back().shard.groups = 3;
+    add("attn.proj.weight", {C, C}, true, P::split_cols, Init::normal(std_dev));
+    add("attn.proj.bias", {C}, false, P::replicated, Init::zeros());
+    add("ln_1.weight", {C}, false, P::replicated, Init::ones());
+    add("ln_1.bias", {C}, false, P::replicated, Init::zeros());
+    add("mlp.fc.weight", {4 * C, C}, true, P::split_rows, Init::normal(std_dev));
+    add("mlp.fc.bias", {4 * C}, false, P::split_rows, Init::zeros());
+    add("mlp.proj.weight", {C, 4 * C}, true, P::split_cols, Init::normal(std_dev));
+    add("mlp.proj.bias", {C}, false, P::replicated, Init::zeros());
+    add("ln_2.weight", {C}, false, P::replicated, Init::ones());
+    add("ln_2.bias", {C}, false, P::replicated, Init::zeros());
+  }
+  const int head = head_layer(c);
+  // The transform is small (C x C) and replicated over tensor-parallel ranks, like the norms.
+  specs.push_back({"mlm.dense.weight", {C, C}, head, true, P::replicated, Init::normal(std_dev)});
+  specs.push_back({"mlm.dense.bias", {C}, head, false, P::replicated, Init::zeros()});
+  specs.push_back({"mlm.ln.weight", {C}, head, false, P::replicated, Init::ones()});
+  specs.push_back({"mlm.ln.bias", {C}, head, false, P::replicated, Init::zeros()});
+  specs.push_back({"mlm.bias", {c.padded_vocab_size}, head, false, P::split_rows, Init::zeros()});
+  return specs;
+}
+
+//! The parameters rank `rank` of a tensor-parallel group of `ranks` stores: same names, layers
+//! and order as parameter_specs(c), local shapes, each spec's Shard naming its slice. Validates
+//! `c` for `ranks` first.
+inline std::vector<ParameterSpec> parameter_specs(const Config& c, std::int64_t ranks, std::int64_t rank) {
+  c.validate_tensor_parallel(ranks);
+  std::vector<ParameterSpec> specs = parameter_specs(c);
+  for (auto& spec : specs) spec = tensor_parallel_slice(std::move(spec), ranks, rank);
+  return specs;
+}
+
+}  // namespace loom::bert

@@ -1,0 +1,563 @@
+#pragma once
+//! \file BERT (post-LayerNorm encoder, bidirectional attention, masked-LM head tied to the input
+//! embeddings) as a loom Model: layer 0 embeds (token and position embeddings, then a
+//! layernorm), layers 1..L are encoder blocks, layer L+1 is the masked-LM head (dense, GELU,
+//! layernorm, unembedding through wte plus an output bias, cross-entropy over the positions whose
+//! target is >= 0). Like gpt2::Model it splits over a tensor-parallel group (Megatron's split:
+//! heads, MLP column-then-row, vocabulary rows) and its backward splits into an input-gradient
+//! and a weight-gradient pass (SplitBackwardModel).
+//!
+//! The block, after Devlin et al. 2019 (and Vaswani et al. 2017):
+//!   r1 = x + Attention(x);  h = LN1(r1);  r2 = h + MLP(h);  out = LN2(r2).
+//! The pre-training objective is RoBERTa's (Liu et al. 2019): masked-LM only, on full-length
+//! sequences; there is no next-sentence head, no token-type embedding and no padding mask (see
+//! docs/bert.md).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "loom/backend/attention_mask.hpp"
+#include "loom/backend/concepts.hpp"
+#include "loom/comm/ref.hpp"
+#include "loom/core/accumulate.hpp"
+#include "loom/core/buffer.hpp"
+#include "loom/core/parameter_view.hpp"
+#include "loom/core/parameters.hpp"
+#include "loom/models/attention_storage.hpp"
+#include "loom/models/bert/config.hpp"
+#include "loom/models/concepts.hpp"
+#include "loom/models/detail/transformer.hpp"
+#include "loom/nn/tensor_parallel.hpp"
+
+namespace loom::bert {
+
+//! What a block keeps of its attention for the backward (loom::AttentionStorage).
+using Attention = AttentionStorage;
+using loom::name;
+
+//! BERT on backend `B` with scalar `T` (float, double for gradient checks, bf16 for mixed
+//! precision as gpt2::Model). The kernels for `B` must be visible (e.g. include
+//! "loom/backend/cpu/kernels.hpp").
+template <Backend B, class T = float>
+class Model {
+ public:
+  using loom_model = void;
+  using backend_type = B;
+  using scalar_type = T;
+
+  //! The whole model on one rank.
+  explicit Model(Config config, Attention attention = Attention::stored)
+      : Model(config, CommunicatorRef{}, attention) {}
+
+  //! This rank's slice of the model, split over `tensor_parallel` (which must outlive the model;
+  //! every rank of it constructs its Model with the same config). Throws loom::Error, before any
+  //! work, when `config` does not split over the group (Config::validate_tensor_parallel).
+  Model(Config config, CommunicatorRef tensor_parallel, Attention attention = Attention::stored)
+      : config_(config),
+        attention_(attention),
+        tensor_parallel_(tensor_parallel),
+        tensor_parallel_size_(tensor_parallel.size()),
+        tensor_parallel_rank_(tensor_parallel.rank()),
+        layout_(parameter_specs(config, tensor_parallel_size_, tensor_parallel_rank_)),
+        heads_(config.num_heads / tensor_parallel_size_),
+        attention_channels_(config.channels / tensor_parallel_size_),
+        mlp_channels_(4 * config.channels / tensor_parallel_size_),
+        vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
+        vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
+    const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
+    wte_ = offset("wte");
+    wpe_ = offset("wpe");
+    lne_weight_ = offset("ln_e.weight");
+    lne_bias_ = offset("ln_e.bias");
+    for (std::int64_t l = 0; l < config_.num_layers; ++l) {
+      const auto at = [&](std::string_view what) { return offset(block_param(l, what)); };
+      blocks_.push_back({at("attn.qkv.weight"), at("attn.qkv.bias"), at("attn.proj.weight"), at("attn.proj.bias"),
+                         at("ln_1.weight"), at("ln_1.bias"), at("mlp.fc.weight"), at("mlp.fc.bias"),
+                         at("mlp.proj.weight"), at("mlp.proj.bias"), at("ln_2.weight"), at("ln_2.bias")});
+    }
+    dense_weight_ = offset("mlm.dense.weight");
+    dense_bias_ = offset("mlm.dense.bias");
+    lnm_weight_ = offset("mlm.ln.weight");
+    lnm_bias_ = offset("mlm.ln.bias");
+    output_bias_ = offset("mlm.bias");
+  }
+
+  const Config& config() const noexcept { return config_; }
+  //! What the blocks keep for their attention's backward.
+  Attention attention() const noexcept { return attention_; }
+  //! Where every parameter of this rank lives in the flat buffers (local shapes under tensor
+  //! parallelism).
+  const ParameterLayout& layout() const noexcept { return layout_; }
+  std::int64_t tensor_parallel_size() const noexcept { return tensor_parallel_size_; }
+  std::int64_t tensor_parallel_rank() const noexcept { return tensor_parallel_rank_; }
+  //! The rows of the (padded) vocabulary this rank holds: [vocab_begin, vocab_begin + rows).
+  std::int64_t vocab_begin() const noexcept { return vocab_begin_; }
+  std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
+  //! Embedding, L blocks, head.
+  int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
+
+  //! Forward FLOPs per token of `layer` at full context on this rank (for pipeline balancing).
+  double layer_cost(int layer) const noexcept {
+    const double C = static_cast<double>(config_.channels);
+    if (layer == embedding_layer) return C;
+    if (layer == head_layer(config_)) return 2.0 * static_cast<double>(vocab_rows_) * C + 2.0 * C * C;
+    return (24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C) /
+           static_cast<double>(tensor_parallel_size_);
+  }
+
+  //! The layout ranges `layer` reads: its own parameters, and for the head also the tied `wte`.
+  std::vector<ElementRange> layer_parameters(int layer) const {
+    return detail::transformer::layer_ranges(layout_, layer, layer == head_layer(config_) ? "wte" : "");
+  }
+
+  //! Training FLOPs per token of the whole model, 6·N + 12·l·h·s (the attention term counts
+  //! every key, which a bidirectional mask does compute).
+  double flops_per_token(std::int64_t seq) const noexcept {
+    return 6.0 * static_cast<double>(config_.parameter_count()) +
+           12.0 * static_cast<double>(config_.num_layers * config_.channels * seq);
+  }
+
+  //! Elements of one [B, T, C] hidden state passed between layers.
+  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return s.batch * s.seq * config_.channels; }
+
+  //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
+  //! N·(C + 2) for the embedding (the sum before its layernorm and the layernorm's statistics);
+  //! for a block N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (r1, h, r2, this rank's qkv, attention
+  //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
+  //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) for the
+  //! head. For bf16 each float statistic takes two elements (as in gpt2::Model).
+  std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
+    Carver counter{};
+    if (layer == embedding_layer) embedding_saved(counter, s);
+    else if (layer == head_layer(config_)) head_saved(counter, s);
+    else block_saved(counter, s);
+    return counter.elements();
+  }
+
+  //! Scratch a layer's backward needs, on this rank: N·C for the embedding (the gradient before
+  //! its layernorm), N·(3·C + 8·C/tp) for a block, N·2·C for the head.
+  std::int64_t workspace_elements(int layer, MicroBatchShape s) const noexcept {
+    const std::int64_t N = s.batch * s.seq, C = config_.channels;
+    if (layer == embedding_layer) return N * C;
+    if (layer == head_layer(config_)) return 2 * N * C;
+    return N * C * 3 + N * attention_channels_ * 8;
+  }
+
+  //! Checks a batch on the host (the Trainer calls this before it copies the batch to a device):
+  //! tokens [B, T] in [0, vocab_size), targets of the same shape below vocab_size; a negative
+  //! target is not predicted (masked-LM: only the masked positions carry a target).
+  void check_batch(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) const {
+    detail::transformer::check_batch(tokens, targets, config_.vocab_size, "bert");
+  }
+
+  //! Runs `layer` forward; returns the sum of per-token losses for the head, 0 otherwise.
+  double forward(B& be, int layer, ParameterView<const T> params, const ForwardArgs<T>& a) const {
+    const MicroBatchShape s = shape_of(a.tokens);
+    if (layer == embedding_layer) return embedding_forward(be, params, a, s);
+    if (layer == head_layer(config_)) return head_forward(be, params, a, s);
+    block_forward(be, blocks_[layer - 1], params, a, s);
+    return 0.0;
+  }
+
+  //! Runs `layer` backward: parameter gradients into `grads` (+=), input gradient (+=).
+  void backward(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
+                const BackwardArgs<T>& a) const {
+    const MicroBatchShape s = shape_of(a.tokens);
+    if (layer == embedding_layer) return embedding_backward(be, params, grads, a, s);
+    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, true);
+    block_backward(be, blocks_[layer - 1], params, grads, a, s);
+  }
+
+  //! Elements `layer` keeps per micro-batch from backward_input to backward_weight, on this rank:
+  //! 0 for the embedding and the head (its weight pass reads the dlogits left in `saved`);
+  //! N·(2·C + 7·C/tp) for a block: the output gradients of its four linear layers (r2 for
+  //! mlp.proj and r1 for attn.proj, whole; this rank's MLP hidden units and qkv).
+  std::int64_t stash_elements(int layer, MicroBatchShape s) const noexcept {
+    if (layer == embedding_layer || layer == head_layer(config_)) return 0;
+    return s.batch * s.seq * (2 * config_.channels + mlp_channels_ + 3 * attention_channels_);
+  }
+
+  //! The input-gradient pass of `layer`'s backward (SplitBackwardModel): everything but the
+  //! weight and bias gradients of the blocks' linear layers and of the unembedding (wte and the
+  //! output bias), which backward_weight adds from `stash` and `saved`.
+  void backward_input(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
+                      const BackwardArgs<T>& a, Tensor<T> stash) const {
+    const MicroBatchShape s = shape_of(a.tokens);
+    check_stash(stash, layer, s, "bert backward_input");
+    if (layer == embedding_layer) return backward(be, layer, params, grads, a);
+    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, false);
+    block_backward_input(be, blocks_[layer - 1], params, grads, a, s, stash);
+  }
+
+  //! The weight-gradient pass of `layer`'s backward, after its backward_input. Reads neither
+  //! `a.output_grad`, `a.input_grad` nor `a.workspace`, and communicates nothing.
+  void backward_weight(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
+                       const BackwardArgs<T>& a, Tensor<T> stash) const {
+    const MicroBatchShape s = shape_of(a.tokens);
+    check_stash(stash, layer, s, "bert backward_weight");
+    if (layer == embedding_layer) return;
+    if (layer == head_layer(config_)) {
+      const HeadSaved h = carve_head(a.saved, s);
+      unembedding_weight_grads(be, params, grads, h);
+      return;
+    }
+    block_backward_weight(be, blocks_[layer - 1], params, grads, a, s, stash);
+  }
+
+ private:
+  struct BlockOffsets {
+    std::int64_t qkv_w, qkv_b, proj_w, proj_b, ln1_w, ln1_b, fc_w, fc_b, fcproj_w, fcproj_b, ln2_w, ln2_b;
+  };
+
+  //! The type of per-row statistics and losses (float for bf16).
+  using A = accumulate_t<T>;
+  using Carver = detail::transformer::Carver<T>;
+
+  std::int64_t C() const noexcept { return config_.channels; }
+  A eps() const noexcept { return static_cast<A>(config_.layernorm_eps); }
+  //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
+  //! that the all-reduce counts them once.
+  bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
+
+  MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
+    return detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "bert");
+  }
+  static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
+    return detail::transformer::param(params, offset, shape);
+  }
+  static Tensor<T> grad(ParameterView<T> grads, std::int64_t offset, Shape shape) {
+    return detail::transformer::grad(grads, offset, shape);
+  }
+  //! A row-parallel linear layer's bias: on the first rank only.
+  Tensor<const T> row_bias(ParameterView<const T> p, std::int64_t offset) const {
+    return first_rank() ? param(p, offset, {config_.channels}) : Tensor<const T>{};
+  }
+  //! A stash must hold stash_elements(layer, shape) elements; one of 0 may be an empty tensor.
+  void check_stash(Tensor<T> stash, int layer, MicroBatchShape s, const char* kernel) const {
+    const std::int64_t n = stash_elements(layer, s);
+    if (n > 0 || !stash.empty()) check_numel(stash, n, kernel, "stash");
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Embedding: e = wte[tokens] + wpe[positions]; out = LN_e(e).
+
+  struct EmbeddingSaved {
+    Tensor<A> mean, rstd;
+    Tensor<T> sum;
+  };
+  EmbeddingSaved embedding_saved(Carver& c, MicroBatchShape s) const {
+    const std::int64_t N = s.batch * s.seq;
+    EmbeddingSaved e;
+    e.mean = c.template take<A>({N});
+    e.rstd = c.template take<A>({N});
+    e.sum = c.take({s.batch, s.seq, C()});
+    return e;
+  }
+  EmbeddingSaved carve_embedding(Tensor<T> saved, MicroBatchShape s) const {
+    check_numel(saved, activation_elements(embedding_layer, s), "bert embedding", "saved");
+    Carver c{saved.data()};
+    return embedding_saved(c, s);
+  }
+
+  double embedding_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
+    // The host can read the tokens only where they are in host memory; a device batch was checked
+    // before its copy (check_batch, called by the Trainer).
+    if constexpr (host_addressable<B>) detail::transformer::check_tokens(a.tokens, config_.vocab_size, "bert");
+    const EmbeddingSaved e = carve_embedding(a.saved, s);
+    // Vocab-parallel: each rank looks up the tokens of its rows, the first adds the positions, and
+    // the sum over the group is the embedding; the layernorm then runs on every rank.
+    vocab_parallel_embedding_forward<T>(be, e.sum, a.tokens, param(p, wte_, {vocab_rows_, C()}), vocab_begin_,
+                                        first_rank() ? param(p, wpe_, {config_.max_seq_len, C()}) : Tensor<const T>{});
+    nn::sum_over_tensor_parallel(tensor_parallel_, e.sum);
+    layernorm_forward<T>(be, a.output, e.mean, e.rstd, e.sum, param(p, lne_weight_, {C()}),
+                         param(p, lne_bias_, {C()}), eps());
+    return 0.0;
+  }
+
+  void embedding_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
+                          MicroBatchShape s) const {
+    const EmbeddingSaved e = carve_embedding(a.saved, s);
+    check_numel(a.workspace, workspace_elements(embedding_layer, s), "bert embedding backward", "workspace");
+    const Tensor<T> dsum = a.workspace.reshape({s.batch, s.seq, C()});
+    zero<T>(be, dsum);
+    // The output gradient is whole on every rank, so the layernorm's gradients are too.
+    layernorm_backward<T>(be, dsum, grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()}), a.output_grad, e.sum,
+                          param(p, lne_weight_, {C()}), e.mean, e.rstd);
+    vocab_parallel_embedding_backward<T>(be, grad(g, wte_, {vocab_rows_, C()}), vocab_begin_,
+                                         grad(g, wpe_, {config_.max_seq_len, C()}), dsum, a.tokens);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Encoder block: r1 = x + attn(x); h = LN1(r1); r2 = h + mlp(h); out = LN2(r2).
+
+  //! What a block keeps; the statistics (and the log-sum-exp) first, in the accumulate type. Of
+  //! `att` (Attention::stored) and `lse` (recompute) one is empty.
+  struct BlockSaved {
+    Tensor<A> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse;
+    Tensor<T> qkv, att, atty, r1, h, fch, fch_gelu, r2;
+  };
+  BlockSaved block_saved(Carver& c, MicroBatchShape s) const {
+    const std::int64_t Bn = s.batch, Tn = s.seq, Ca = attention_channels_, F = mlp_channels_;
+    BlockSaved b;
+    b.ln1_mean = c.template take<A>({Bn * Tn});
+    b.ln1_rstd = c.template take<A>({Bn * Tn});
+    b.ln2_mean = c.template take<A>({Bn * Tn});
+    b.ln2_rstd = c.template take<A>({Bn * Tn});
+    if (attention_ == Attention::recompute) b.lse = c.template take<A>({Bn, heads_, Tn});
+    b.qkv = c.take({Bn, Tn, 3 * Ca});
+    if (attention_ == Attention::stored) b.att = c.take({Bn, heads_, Tn, Tn});
+    b.atty = c.take({Bn, Tn, Ca});
+    b.r1 = c.take({Bn, Tn, C()});
+    b.h = c.take({Bn, Tn, C()});
+    b.fch = c.take({Bn, Tn, F});
+    b.fch_gelu = c.take({Bn, Tn, F});
+    b.r2 = c.take({Bn, Tn, C()});
+    return b;
+  }
+  BlockSaved carve_block(Tensor<T> saved, MicroBatchShape s) const {
+    check_numel(saved, activation_elements(block_layer(0), s), "bert block", "saved");
+    Carver c{saved.data()};
+    return block_saved(c, s);
+  }
+
+  void block_forward(B& be, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
+                     MicroBatchShape s) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    const BlockSaved b = carve_block(a.saved, s);
+    // Column-parallel qkv (f: the replicated input goes in as it is): this rank's heads.
+    matmul_forward<T>(be, b.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
+    if (attention_ == Attention::stored)
+      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional);
+    else
+      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional);
+    // Row-parallel projection (g: all-reduce the partial sums; the bias rides on the first rank).
+    matmul_forward<T>(be, b.r1, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
+    nn::row_parallel_output(tensor_parallel_, b.r1);
+    add_to<T>(be, b.r1, a.input);
+    layernorm_forward<T>(be, b.h, b.ln1_mean, b.ln1_rstd, b.r1, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}),
+                         eps());
+    // MLP: column-parallel fc with GELU, then row-parallel proj.
+    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, b.h, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
+    matmul_forward<T>(be, b.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
+    nn::row_parallel_output(tensor_parallel_, b.r2);
+    add_to<T>(be, b.r2, b.h);
+    layernorm_forward<T>(be, a.output, b.ln2_mean, b.ln2_rstd, b.r2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}),
+                         eps());
+  }
+
+  //! A block's backward scratch: the gradients w.r.t. r2, the MLP's hidden units before GELU, h,
+  //! r1, the attention output, qkv. `h` is reused for the input's attention-branch gradient once
+  //! r1's is known.
+  struct BlockGrads {
+    Tensor<T> r2, fch, h, r1, atty, qkv;
+  };
+  BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
+    const std::int64_t Bn = s.batch, Tn = s.seq;
+    check_numel(workspace, workspace_elements(1, s), kernel, "workspace");
+    Carver w{workspace.data()};
+    BlockGrads d;
+    d.r2 = w.take({Bn, Tn, C()});
+    d.fch = w.take({Bn, Tn, mlp_channels_});
+    d.h = w.take({Bn, Tn, C()});
+    d.r1 = w.take({Bn, Tn, C()});
+    d.atty = w.take({Bn, Tn, attention_channels_});
+    d.qkv = w.take({Bn, Tn, 3 * attention_channels_});
+    return d;
+  }
+
+  //! What a block's backward_input keeps for its backward_weight: the gradients w.r.t. the outputs
+  //! of its four linear layers (mlp.proj: r2, attn.proj: r1, mlp.fc: fch, attn.qkv: qkv).
+  struct BlockStash {
+    Tensor<T> r2, r1, fch, qkv;
+  };
+  BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
+    const std::int64_t Bn = s.batch, Tn = s.seq;
+    Carver c{stash.data()};
+    BlockStash st;
+    st.r2 = c.take({Bn, Tn, C()});
+    st.r1 = c.take({Bn, Tn, C()});
+    st.fch = c.take({Bn, Tn, mlp_channels_});
+    st.qkv = c.take({Bn, Tn, 3 * attention_channels_});
+    return st;
+  }
+
+  //! The gradients of a block's four linear layers' weights and biases, or all empty (skipped).
+  struct BlockLinearGrads {
+    Tensor<T> fcproj_w, fcproj_b, fc_w, fc_b, proj_w, proj_b, qkv_w, qkv_b;
+  };
+  BlockLinearGrads block_linear_grads(ParameterView<T> g, const BlockOffsets& o) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    return {grad(g, o.fcproj_w, {C, F}), grad(g, o.fcproj_b, {C}), grad(g, o.fc_w, {F, C}), grad(g, o.fc_b, {F}),
+            grad(g, o.proj_w, {C, Ca}),  grad(g, o.proj_b, {C}),   grad(g, o.qkv_w, {3 * Ca, C}),
+            grad(g, o.qkv_b, {3 * Ca})};
+  }
+
+  void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                      const BackwardArgs<T>& a, MicroBatchShape s) const {
+    const BlockSaved b = carve_block(a.saved, s);
+    const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
+    zero<T>(be, a.workspace);
+    block_backward_chain(be, o, p, g, a, b, d, block_linear_grads(g, o));
+  }
+
+  //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
+  //! skips those GEMMs; block_backward_weight runs them on the same operands.
+  void block_backward_input(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                            const BackwardArgs<T>& a, MicroBatchShape s, Tensor<T> stash) const {
+    const BlockSaved b = carve_block(a.saved, s);
+    BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward_input");
+    const BlockStash st = carve_block_stash(stash, s);
+    d.r2 = st.r2;
+    d.r1 = st.r1;
+    d.fch = st.fch;
+    d.qkv = st.qkv;
+    // Everything the chain accumulates into starts at zero (fch is written).
+    const Tensor<T> accumulated[] = {d.r2, d.h, d.r1, d.atty, d.qkv};
+    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
+    block_backward_chain(be, o, p, g, a, b, d, BlockLinearGrads{});
+  }
+
+  void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                             const BackwardArgs<T>& a, MicroBatchShape s, Tensor<T> stash) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    const BlockSaved b = carve_block(a.saved, s);
+    const BlockStash st = carve_block_stash(stash, s);
+    const BlockLinearGrads w = block_linear_grads(g, o);
+    const Tensor<T> no_input_grad{};
+    matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}));
+    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, b.h, param(p, o.fc_w, {F, C}));
+    matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.r1, b.atty, param(p, o.proj_w, {C, Ca}));
+    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}));
+  }
+
+  //! A block's backward from the output gradient to the input gradient, into the zeroed
+  //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
+  //! skipped when `w` is empty (backward_input).
+  void block_backward_chain(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+                            const BackwardArgs<T>& a, const BlockSaved& b, const BlockGrads& d,
+                            const BlockLinearGrads& w) const {
+    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    // out = LN2(r2): the output gradient is whole on every rank, so the layernorm's are too.
+    layernorm_backward<T>(be, d.r2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), a.output_grad, b.r2,
+                          param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
+    // r2 = h + mlp(h). g backward is the identity, so each rank's row-parallel bias gradient is
+    // already the whole one.
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, d.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}), b.fch);
+    matmul_backward<T>(be, d.h, w.fc_w, w.fc_b, d.fch, b.h, param(p, o.fc_w, {F, C}));
+    // f backward: the ranks' shares of the MLP branch sum to its whole gradient; then the
+    // residual's.
+    nn::column_parallel_input_grad(tensor_parallel_, d.h);
+    add_to<T>(be, d.h, d.r2);
+    // h = LN1(r1); r1 = x + attn(x).
+    layernorm_backward<T>(be, d.r1, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.h, b.r1, param(p, o.ln1_w, {C}),
+                          b.ln1_mean, b.ln1_rstd);
+    add_to<T>(be, a.input_grad, d.r1);
+    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.r1, b.atty, param(p, o.proj_w, {C, Ca}));
+    if (attention_ == Attention::stored)
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::bidirectional);
+    else
+      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
+                                AttentionMask::bidirectional);
+    // The input's attention-branch gradient, summed over the group, lands in d.h (no longer read).
+    const Tensor<T> dx_attention = d.h;
+    zero<T>(be, dx_attention);
+    matmul_backward<T>(be, dx_attention, w.qkv_w, w.qkv_b, d.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}));
+    nn::column_parallel_input_grad(tensor_parallel_, dx_attention);
+    add_to<T>(be, a.input_grad, dx_attention);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Masked-LM head: pre = x W_d^T + b_d; t = LN_m(GELU(pre)); logits = t wte^T + b_out;
+  // cross-entropy over the positions whose target is >= 0.
+
+  //! What the head keeps; the statistics and losses in the accumulate type, first.
+  struct HeadSaved {
+    Tensor<A> mean, rstd, losses;
+    Tensor<T> pre, act, t, probs;
+  };
+  HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
+    const std::int64_t N = s.batch * s.seq;
+    HeadSaved h;
+    h.mean = c.template take<A>({N});
+    h.rstd = c.template take<A>({N});
+    h.losses = c.template take<A>({N});
+    h.pre = c.take({N, C()});
+    h.act = c.take({N, C()});
+    h.t = c.take({N, C()});
+    h.probs = c.take({N, vocab_rows_});
+    return h;
+  }
+  HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
+    check_numel(saved, activation_elements(head_layer(config_), s), "bert head", "saved");
+    Carver c{saved.data()};
+    return head_saved(c, s);
+  }
+
+  double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
+    const std::int64_t C = config_.channels, N = s.batch * s.seq;
+    const HeadSaved h = carve_head(a.saved, s);
+    // The transform is replicated: every rank computes it whole.
+    matmul_gelu_forward<T>(be, h.act, h.pre, a.input.reshape({N, C}), param(p, dense_weight_, {C, C}),
+                           param(p, dense_bias_, {C}));
+    layernorm_forward<T>(be, h.t, h.mean, h.rstd, h.act, param(p, lnm_weight_, {C}), param(p, lnm_bias_, {C}),
+                         eps());
+    // This rank's slice of the logits (column-parallel over wte's rows and the output bias) lands
+    // in the probs buffer; the vocab-parallel cross-entropy exchanges only per-row statistics.
+    matmul_forward<T>(be, h.probs, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, a.targets.reshape({N}),
+                                                       vocab_begin_, config_.vocab_size);
+  }
+
+  //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of
+  //! the probabilities.
+  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& h) const {
+    const std::int64_t C = config_.channels;
+    matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.probs,
+                       h.t, param(p, wte_, {vocab_rows_, C}));
+  }
+
+  //! The head's backward; with `unembedding_grads` false it leaves wte's and the output bias's
+  //! gradients to backward_weight.
+  void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
+                     MicroBatchShape s, bool unembedding_grads) const {
+    const std::int64_t C = config_.channels, N = s.batch * s.seq;
+    const HeadSaved h = carve_head(a.saved, s);
+    check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head backward", "workspace");
+    Carver w{a.workspace.data()};
+    const Tensor<T> dt = w.take({N, C}), dact = w.take({N, C});
+    zero<T>(be, a.workspace);
+    // dlogits overwrite the probabilities they are computed from (this rank's slice).
+    vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
+                                             config_.vocab_size, a.loss_scale);
+    if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
+    matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
+    // f backward of the column-parallel logits: sum the slices' shares of dt.
+    nn::column_parallel_input_grad(tensor_parallel_, dt);
+    layernorm_backward<T>(be, dact, grad(g, lnm_weight_, {C}), grad(g, lnm_bias_, {C}), dt, h.act,
+                          param(p, lnm_weight_, {C}), h.mean, h.rstd);
+    // dt is spent: it becomes the gradient w.r.t. pre.
+    const Tensor<T> dpre = dt;
+    zero<T>(be, dpre);
+    gelu_backward<T>(be, dpre, h.pre, dact);
+    matmul_backward<T>(be, a.input_grad.reshape({N, C}), grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}),
+                       dpre, a.input.reshape({N, C}), param(p, dense_weight_, {C, C}));
+  }
+
+  Config config_;
+  Attention attention_ = Attention::stored;
+  // Collectives are not const; the model's forward and backward are (they change no member).
+  mutable CommunicatorRef tensor_parallel_;
+  std::int64_t tensor_parallel_size_ = 1, tensor_parallel_rank_ = 0;
+  ParameterLayout layout_;
+  std::int64_t heads_ = 0;               //!< attention heads on this rank
+  std::int64_t attention_channels_ = 0;  //!< channels of this rank's heads (C / tp)
+  std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
+  std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
+  std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
+  std::int64_t wte_ = 0, wpe_ = 0, lne_weight_ = 0, lne_bias_ = 0;
+  std::int64_t dense_weight_ = 0, dense_bias_ = 0, lnm_weight_ = 0, lnm_bias_ = 0, output_bias_ = 0;
+  std::vector<BlockOffsets> blocks_;
+};
+
+}  // namespace loom::bert

@@ -1,0 +1,39 @@
+#pragma once
+// Test support for BERT: the masked synthetic task, a small BERT config, and parity_steps AdamW
+// steps on its batches (shared by tests/unit/test_bert.cpp and the CUDA training test).
+
+#include <cstdint>
+
+#include "loom/io/masked_lm.hpp"
+#include "loom/io/synthetic.hpp"
+#include "loom/models/bert/config.hpp"
+#include "support/parity_check.hpp"
+
+namespace loom::test {
+
+//! The synthetic chain over 49 tokens, masked: a vocabulary of 50 with the mask token last.
+inline io::MaskedLm<io::SyntheticMarkov> masked_test_source() {
+  return io::MaskedLm(io::SyntheticMarkov({.vocab_size = 49, .jump_probability = 0.1, .seed = 7}));
+}
+
+//! 2 layers, 4 heads of 4 channels, a vocabulary of 50 padded to 64 (4 tensor-parallel ranks
+//! divide it).
+inline bert::Config bert_test_config() {
+  return {.max_seq_len = 16, .vocab_size = 50, .padded_vocab_size = 64, .num_layers = 2, .num_heads = 4,
+          .channels = 16};
+}
+
+//! Trains `trainer` for parity_steps steps on masked_test_source()'s [global_batch, seq] batches.
+template <class Trainer>
+ParityRun masked_lm_steps(Trainer& trainer, std::int64_t global_batch, std::int64_t seq) {
+  ParityRun run;
+  for (int s = 0; s < parity_steps; ++s) {
+    const StepMetrics m = trainer.step(masked_test_source().batch_at(s, global_batch, seq));
+    run.losses.push_back(m.loss);
+    run.grad_norms.push_back(m.grad_norm);
+  }
+  run.weights = trainer.gather_parameters();
+  return run;
+}
+
+}  // namespace loom::test
