@@ -26,10 +26,10 @@ build() {
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_ENABLE_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="$arch" -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_EXAMPLES=ON \
         -DLOOM_BUILD_BENCH=ON -DLOOM_BENCH_NATIVE=OFF -DLOOM_EXAMPLES_NATIVE=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
-  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train loom_cuda_attention_bench
+  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train bert_train loom_cuda_attention_bench
   rm -rf "$bin" && mkdir -p "$bin"
   for p in "${programs[@]}"; do cp "$build_dir/tests/cuda/$p" "$bin/"; done
-  cp "$build_dir/examples/gpt2_train" "$build_dir/bench/loom_cuda_attention_bench" "$bin/"
+  cp "$build_dir/examples/gpt2_train" "$build_dir/examples/bert_train" "$build_dir/bench/loom_cuda_attention_bench" "$bin/"
   du -sh "$bin"
   echo "carry: [\"build-gpu\"]; then: scripts/gpu_check.sh run"
 }
@@ -98,6 +98,9 @@ run() {
             --gemm-epilogues --peak-tflops 989.4
     run_one gpt2_train_small_1024_bf16_recompute_32_flash_epilogues "${small[@]}" --batch 32 --micro-batch 32 \
             --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
+    # BERT-base at sequence 512 (bidirectional attention, masked-LM head), bf16.
+    run_one bert_train_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
+            --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
   fi
   if want bench; then
     # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
@@ -112,6 +115,7 @@ run() {
     run_one gpt2_train_pp2_staged "${demo[@]}" --pp 2
     run_one gpt2_train_recompute_dp2_tp2 "${demo[@]}" --dp 2 --tp 2 --attention recompute
     run_one gpt2_train_nccl_1 "${demo[@]}" --comm nccl
+    run_one bert_train_dp2_tp2_staged ./bert_train --demo --device cuda --steps 60 --log-every 20 --dp 2 --tp 2
     # NCCL needs a GPU per rank: pipelines over it where the machine has two.
     if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
       run_one gpt2_train_nccl_pp2_1f1b "${demo[@]}" --comm nccl --pp 2 --gpus 2
