@@ -276,7 +276,13 @@ TEST_CASE_TEMPLATE("BERT learns the synthetic masked-LM task", T, float, bf16) {
   bert::Config c = test_config();
   c.channels = 32;
   cpu be(2);
+#if defined(__SANITIZE_ADDRESS__)
+  // The sanitizer preset is an unoptimised build, where 200 steps take minutes: a few steps
+  // still run every kernel under ASan, and must bring the loss down.
+  constexpr int steps = 20;
+#else
   constexpr int steps = 200;
+#endif
   Trainer<Bert, AdamW> trainer(be, Bert(c), AdamW({.weight_decay = 0.01}),
                                WarmupCosineLr{.lr = 1e-2, .warmup = 10, .total_steps = steps, .min_lr_factor = 0.1},
                                {.micro_batch_size = 64, .seed = 1});
@@ -292,5 +298,9 @@ TEST_CASE_TEMPLATE("BERT learns the synthetic masked-LM task", T, float, bf16) {
   // neighbour's successor in the chain 90% of the time, which the model must learn to look up
   // through the position embeddings (about 0.5 nats at best); 200 steps get well on the way.
   CHECK(first > 3.5);
+#if defined(__SANITIZE_ADDRESS__)
+  CHECK(last < first);
+#else
   CHECK(last < 3.0);
+#endif
 }
