@@ -143,6 +143,10 @@ const Case cases[] = {{2, 5, 6, 2}, {2, 5, 6, 3}, {1, 1, 6, 3}, {3, 1, 4, 1},
 const Case bidirectional_cases[] = {{2, 1, 6, 3}, {2, 5, 6, 2}, {2, 5, 6, 3}, {1, 17, 12, 4},
                                     {2, 70, 12, 3}, {1, 130, 8, 2}, {2, 130, 6, 1}};
 
+// The central differences take two forward passes per qkv element: smaller shapes, one of
+// them still crossing a 64-row block (the debug + ASan build runs this too).
+const Case bidirectional_gradient_cases[] = {{2, 1, 6, 3}, {2, 5, 6, 2}, {1, 17, 12, 4}, {1, 70, 6, 2}};
+
 constexpr AttentionMask both_masks[] = {AttentionMask::causal, AttentionMask::bidirectional};
 
 }  // namespace
@@ -315,7 +319,7 @@ TEST_CASE_TEMPLATE("bidirectional attention backward matches central differences
                    SavesProbs<double>, SavesLse<double>) {
   const cpu be(1);
   constexpr AttentionMask mask = AttentionMask::bidirectional;
-  for (const Case& c : bidirectional_cases) {
+  for (const Case& c : bidirectional_gradient_cases) {
     CAPTURE(c.B);
     CAPTURE(c.T);
     CAPTURE(c.C);
