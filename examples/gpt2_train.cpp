@@ -221,6 +221,7 @@ int main(int argc, char** argv) {
                             "): they reduce-scatter gradients in every micro-batch's backward, and a tied "
                             "parameter's gradient must be summed across stages before it is sharded. Use "
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
+    gpt2_example::check_family_options(o);
     if ((o.comm == "nccl" || o.comm == "mpi-nccl") && o.device != "cuda")
       throw loom::Error("--comm", o.comm, "NCCL moves GPU buffers: it needs --device cuda");
     return o.device == "cuda" ? gpt2_example::run_cuda(o, argc, argv) : run_cpu(o, argc, argv);

@@ -144,6 +144,18 @@ inline std::int64_t source_vocab(const Source& s) {
   return std::visit([](const auto& src) { return src.vocab_size(); }, s);
 }
 
+//! The options only one model family takes; main checks them before any rank starts.
+inline void check_family_options(const Options& o) {
+#if LOOM_EXAMPLE_BERT
+  LOOM_CHECK(o.init.empty() && o.save.empty(), "--init/--save", o.init.empty() ? o.save : o.init,
+             "bert_train has no checkpoint format yet (--init and --save read and write llm.c GPT-2 files)");
+  LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
+             o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
+#else
+  LOOM_CHECK(o.mask_token < 0, "--mask-token", o.mask_token, "only bert_train masks tokens");
+#endif
+}
+
 inline family::Config model_config(const Options& o) {
   family::Config c = family::config_by_name(o.model);
   if (o.layers) c.num_layers = *o.layers;
@@ -157,13 +169,8 @@ inline family::Config model_config(const Options& o) {
     c.vocab_size = 257;
     c.padded_vocab_size = 384;
   }
-  LOOM_CHECK(o.init.empty() && o.save.empty(), "--init/--save", o.init.empty() ? o.save : o.init,
-             "bert_train has no checkpoint format yet (--init and --save read and write llm.c GPT-2 files)");
-  LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
-             o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
 #else
   if (o.data.starts_with("bytes:")) c.vocab_size = c.padded_vocab_size = 256;
-  LOOM_CHECK(o.mask_token < 0, "--mask-token", o.mask_token, "only bert_train masks tokens");
 #endif
   c.max_seq_len = std::max(c.max_seq_len, o.seq);
 #if !LOOM_EXAMPLE_BERT

@@ -94,22 +94,35 @@ std::vector<std::string> rank_failures(int ranks, Body&& body) {
 }
 
 //! Trains `shape` on thread ranks that share the GPU(s), each staging its buffers through host
-//! memory for the threads communicator; returns every rank's failures against the reference.
-template <class Strategy, class Schedule>
-std::vector<std::string> staged_mesh_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule,
-                                              gpt2::Attention attention = gpt2::Attention::stored) {
-  const ParameterLayout global_layout = Gpt(small_test_config()).layout();
+//! memory for the threads communicator: each rank's model is `make_model(tensor-parallel group)`,
+//! `train(trainer)` runs the steps. Returns every rank's failures against `expected`.
+template <class M, class Strategy, class Schedule, class MakeModel, class Train>
+std::vector<std::string> staged_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule,
+                                         MakeModel&& make_model, Train&& train, const ParityRun& expected,
+                                         const ParameterLayout& global_layout) {
   return rank_failures(shape.size(), [&](threads::Communicator& world) {
     loom::cuda be(gpu_of(world.rank()));
     be.set_tf32(false);
     StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
     Mesh<StagedCommunicator<threads::Communicator, loom::cuda>> mesh(staged, shape);
-    Trainer<Gpt, AdamW, Schedule, Strategy> trainer(
-        be, mesh, Gpt(small_test_config(), mesh.tensor_parallel(), attention), AdamW({.weight_decay = 0.1}),
-        parity_lr(), {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5}, strategy, schedule);
-    const ParityRun run = train_steps(trainer, global_batch, seq);
-    return parity_failures(trainer, run, reference(clip), global_layout, gpu_tolerance);
+    Trainer<M, AdamW, Schedule, Strategy> trainer(be, mesh, make_model(mesh.tensor_parallel()),
+                                                  AdamW({.weight_decay = 0.1}), parity_lr(),
+                                                  {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5},
+                                                  strategy, schedule);
+    const ParityRun run = train(trainer);
+    return parity_failures(trainer, run, expected, global_layout, gpu_tolerance);
   });
+}
+
+//! staged_failures for GPT-2 on small_test_config() against the CPU reference for `clip`.
+template <class Strategy, class Schedule>
+std::vector<std::string> staged_mesh_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule,
+                                              gpt2::Attention attention = gpt2::Attention::stored) {
+  return staged_failures<Gpt>(
+      shape, clip, strategy, schedule,
+      [&](auto& tensor_parallel) { return Gpt(small_test_config(), tensor_parallel, attention); },
+      [](auto& trainer) { return train_steps(trainer, global_batch, seq); }, reference(clip),
+      Gpt(small_test_config()).layout());
 }
 
 template <class Strategy, class Schedule = GradientAccumulation>
@@ -316,19 +329,11 @@ TEST_CASE("BERT on one GPU, stored and recomputed attention, and on meshes shari
                                  {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
     check_parity(masked_lm_steps(trainer, global_batch, seq), bert_reference, gpu_tolerance);
   }
-  const auto mesh_failures = [&]<class Strategy, class Schedule>(MeshShape shape, Strategy strategy,
-                                                                 Schedule schedule) {
-    return rank_failures(shape.size(), [&](threads::Communicator& world) {
-      loom::cuda be(gpu_of(world.rank()));
-      be.set_tf32(false);
-      StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
-      Mesh<StagedCommunicator<threads::Communicator, loom::cuda>> mesh(staged, shape);
-      Trainer<Bert, AdamW, Schedule, Strategy> trainer(
-          be, mesh, Bert(bert_test_config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}), parity_lr(),
-          {.micro_batch_size = 1, .clip_grad_norm = 1.0, .seed = 5}, strategy, schedule);
-      const ParityRun run = masked_lm_steps(trainer, global_batch, seq);
-      return parity_failures(trainer, run, bert_reference, global_layout, gpu_tolerance);
-    });
+  const auto mesh_failures = [&](MeshShape shape, auto strategy, auto schedule) {
+    return staged_failures<Bert>(
+        shape, 1.0, strategy, schedule,
+        [](auto& tensor_parallel) { return Bert(bert_test_config(), tensor_parallel); },
+        [](auto& trainer) { return masked_lm_steps(trainer, global_batch, seq); }, bert_reference, global_layout);
   };
   std::vector<std::string> failures = mesh_failures({.dp = 2, .tp = 2, .pp = 1}, Zero<3>{}, GradientAccumulation{});
   CHECK_MESSAGE(failures.empty(), joined(failures));
