@@ -258,4 +258,47 @@ class ParameterLayout {
   std::int64_t total_ = 0;
 };
 
+//! The layout of the whole tensors: every parameter of `layout` (one tensor-parallel rank's
+//! slices) at its global shape, unsharded, in the same order. Every rank of a tensor-parallel
+//! group gets the same layout, the one a single rank would have; checkpoints are written in it.
+inline ParameterLayout whole_layout(const ParameterLayout& layout) {
+  std::vector<ParameterSpec> specs;
+  for (const ParameterLayout::Entry& e : layout.entries()) {
+    ParameterSpec spec = e.spec;
+    spec.shape = spec.whole_shape();
+    spec.global_shape = spec.shape;
+    spec.shard = Shard{};
+    specs.push_back(std::move(spec));
+  }
+  return ParameterLayout(std::move(specs));
+}
+
+//! Writes each element of `local` (laid out by `layout`, a tensor-parallel rank's slices) to its
+//! place in `out` (laid out by `whole`, which is whole_layout(layout)); parameters every rank
+//! holds whole (Partition::replicated) only when `with_replicated`, so that the ranks of a group
+//! write disjoint elements and a sum over the group assembles each once.
+template <class T>
+void scatter_to_whole(const ParameterLayout& layout, const T* local, const ParameterLayout& whole, T* out,
+                      bool with_replicated) {
+  for (std::size_t p = 0; p < layout.entries().size(); ++p) {
+    const ParameterLayout::Entry& e = layout.entries()[p];
+    if (e.spec.replicated_over_tensor_parallel() && !with_replicated) continue;
+    T* to = out + whole.entries()[p].offset;
+    const T* from = local + e.offset;
+    for (std::int64_t i = 0; i < e.numel(); ++i) to[e.spec.global_index(i)] = from[i];
+  }
+}
+
+//! The inverse of scatter_to_whole: fills `local` (laid out by `layout`) with its elements of
+//! `values` (laid out by `whole`, which is whole_layout(layout)).
+template <class T>
+void gather_from_whole(const ParameterLayout& layout, const T* values, const ParameterLayout& whole, T* local) {
+  for (std::size_t p = 0; p < layout.entries().size(); ++p) {
+    const ParameterLayout::Entry& e = layout.entries()[p];
+    const T* from = values + whole.entries()[p].offset;
+    T* to = local + e.offset;
+    for (std::int64_t i = 0; i < e.numel(); ++i) to[i] = from[e.spec.global_index(i)];
+  }
+}
+
 }  // namespace loom

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <ostream>
+#include <span>
 #include <type_traits>
 
 #include "loom/core/error.hpp"
@@ -23,6 +24,17 @@ class Shape {
       if (e < 0) throw Error("shape extent", e, "extents must be >= 0");
       extents_[rank_++] = e;
     }
+  }
+
+  //! The shape with `extents` (at most max_rank, each >= 0), e.g. read from a file.
+  static constexpr Shape of(std::span<const std::int64_t> extents) {
+    if (extents.size() > max_rank) throw Error("shape", extents.size(), "rank must be <= 4");
+    Shape s;
+    for (std::int64_t e : extents) {
+      if (e < 0) throw Error("shape extent", e, "extents must be >= 0");
+      s.extents_[s.rank_++] = e;
+    }
+    return s;
   }
 
   constexpr int rank() const noexcept { return rank_; }

@@ -86,6 +86,14 @@ class BinaryFile {
     }
   }
 
+  //! Moves to byte `offset` from the start.
+  void seek(std::uint64_t offset) {
+    errno = 0;
+    if (offset > static_cast<std::uint64_t>(std::numeric_limits<long>::max()) ||
+        std::fseek(file_, static_cast<long>(offset), SEEK_SET) != 0)
+      throw Error(name() + ": seek to byte", offset, errno_text(errno));
+  }
+
   //! Writes `bytes` bytes from `data`.
   void write(const void* data, std::size_t bytes) {
     errno = 0;

@@ -14,6 +14,8 @@ namespace loom {
 class AdamW {
  public:
   using loom_optimizer = void;
+  //! Names the optimizer in checkpoints (whose state slots only it can read).
+  static constexpr const char* name = "AdamW";
   static constexpr int state_slots = 2;
 
   //! Hyper-parameters; the learning rate comes from the LR schedule each step.

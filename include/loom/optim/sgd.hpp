@@ -14,6 +14,8 @@ namespace loom {
 class SgdMomentum {
  public:
   using loom_optimizer = void;
+  //! Names the optimizer in checkpoints (whose state slots only it can read).
+  static constexpr const char* name = "SgdMomentum";
   static constexpr int state_slots = 1;
 
   struct Options {

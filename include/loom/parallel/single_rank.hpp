@@ -31,7 +31,9 @@ class ReplicatedEngine {
         params_(context.backend, context.layout.total(), MemoryCategory::parameters),
         grads_(context.backend, context.layout.total(), MemoryCategory::gradients),
         state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state),
-        master_(context.backend, context.layout.total()) {
+        master_(context.backend, context.layout.total()),
+        state_slots_(context.state_slots),
+        reports_state_(context.data_parallel.rank() == 0) {
     // Initial values are computed on the host, then moved to the backend's memory.
     std::vector<T> host(static_cast<std::size_t>(context.layout.total()));
     context.layout.initialize(host.data(), context.seed);
@@ -85,6 +87,32 @@ class ReplicatedEngine {
     master_.load(0, in, layout_->total());
   }
 
+  //! Writes training-state array `array` to host `out` (layout order) if this rank reports it:
+  //! array 0 is the parameters at the optimizer's precision (the fp32 master weights of bf16
+  //! parameters), array k >= 1 the optimizer's state slot k - 1. Every replica holds the same
+  //! values, so data-parallel rank 0 reports them and the others leave `out` as it is.
+  void copy_owned_state_to(int array, accumulate_t<T>* out) {
+    check_state_array(array, state_slots_);
+    if (!reports_state_) return;
+    const std::int64_t total = layout_->total();
+    const std::size_t bytes = sizeof(accumulate_t<T>) * static_cast<std::size_t>(total);
+    if (array > 0)
+      backend_->copy_to_host(out, state_.data() + (array - 1) * total, bytes);
+    else if constexpr (MasterWeights<B, T>::held)
+      backend_->copy_to_host(out, master_.data(), bytes);
+    else
+      backend_->copy_to_host(out, params_.data(), bytes);
+  }
+  //! Replaces training-state array `array` (as in copy_owned_state_to) with host `in`, every
+  //! element of the layout; the parameters of bf16 models become the master weights rounded.
+  void load_state(int array, const accumulate_t<T>* in) {
+    check_state_array(array, state_slots_);
+    if (array == 0) return load_parameters(in);
+    const std::int64_t total = layout_->total();
+    backend_->copy_from_host(state_.data() + (array - 1) * total, in,
+                             sizeof(accumulate_t<T>) * static_cast<std::size_t>(total));
+  }
+
  protected:
   B& backend() const noexcept { return *backend_; }
   Buffer<T, B>& gradient_buffer() noexcept { return grads_; }
@@ -95,6 +123,8 @@ class ReplicatedEngine {
   Buffer<T, B> params_, grads_;
   Buffer<accumulate_t<T>, B> state_;
   MasterWeights<B, T> master_;
+  int state_slots_;
+  bool reports_state_;
 };
 }  // namespace detail
 

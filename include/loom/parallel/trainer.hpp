@@ -80,6 +80,7 @@ class Trainer {
  public:
   using backend_type = typename M::backend_type;
   using scalar_type = typename M::scalar_type;
+  using optimizer_type = O;
   //! The layers (and parameters) this rank runs: all of them without pipeline stages.
   using Stage = PipelineStage<M>;
   using Engine = typename St::template Engine<backend_type, scalar_type>;
@@ -245,6 +246,65 @@ class Trainer {
   {
     load_values(values);
   }
+  //! The element type of the training state: the parameters at the optimizer's precision (the
+  //! fp32 master weights of a bf16 model) and the optimizer's state.
+  using state_type = accumulate_t<scalar_type>;
+  //! Arrays of the training state: the parameters (array 0), then the optimizer's state slots.
+  static constexpr int state_arrays = 1 + O::state_slots;
+  //! model().layout() unsharded: every parameter at its global shape, in the same order, as a
+  //! 1-rank run lays it out. Checkpoints are written in it, so any mesh can read them.
+  const ParameterLayout& whole_layout() const noexcept { return whole_layout_; }
+  //! Training-state array `array` (0: parameters, k: optimizer state slot k - 1) of the whole
+  //! model, in whole_layout() order, in host memory on every rank. Collective over the
+  //! data-parallel, tensor-parallel and pipeline groups: each element comes from the one rank
+  //! that owns it (its ZeRO shard, its tensor-parallel slice, its stage) and the others add
+  //! zeros, so the sums are exact.
+  std::vector<state_type> gather_state(int array) {
+    detail::check_state_array(array, O::state_slots);
+    std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()), state_type(0));
+    engine_.copy_owned_state_to(array, stage_values.data());
+    std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()), state_type(0));
+    stage_.scatter_owned(stage_values.data(), model_values.data());
+    stage_values = {};
+    std::vector<state_type> whole(static_cast<std::size_t>(whole_layout_.total()), state_type(0));
+    scatter_to_whole(model().layout(), model_values.data(), whole_layout_, whole.data(),
+                     tensor_parallel_.rank() == 0);
+    model_values = {};
+    for (CommunicatorRef* g : {&group_, &tensor_parallel_, &pipeline_})
+      if (g->size() > 1) g->all_reduce(std::span<state_type>(whole), ReduceOp::sum);
+    return whole;
+  }
+  //! Replaces training-state array `array` with `values` (whole_layout() order, host memory):
+  //! every rank passes the same values and keeps its part. Array 0 alone is how a run starts from
+  //! pretrained weights; all of them and set_steps() resume a run.
+  void load_state(int array, std::span<const state_type> values) {
+    detail::check_state_array(array, O::state_slots);
+    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == whole_layout_.total(), "load_state: elements",
+               values.size(), "must equal the whole layout's " + detail::to_text(whole_layout_.total()));
+    forget_unfinished_step();
+    std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()));
+    gather_from_whole(model().layout(), values.data(), whole_layout_, model_values.data());
+    std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()));
+    stage_.gather_from(model_values.data(), stage_values.data());
+    model_values = {};
+    engine_.load_state(array, stage_values.data());
+    backend_->synchronize();
+  }
+  //! True on every rank when `flag` is true on any rank of the mesh (collective over the
+  //! data-parallel, tensor-parallel and pipeline groups): how ranks agree that one of them failed,
+  //! so that all stop together instead of waiting for it.
+  bool any_of_ranks(bool flag) {
+    double any = flag ? 1.0 : 0.0;
+    for (CommunicatorRef* g : {&group_, &tensor_parallel_, &pipeline_})
+      if (g->size() > 1) g->all_reduce(std::span<double>(&any, 1), ReduceOp::max);
+    return any > 0;
+  }
+  //! Sets the steps done, which the learning-rate schedule and the optimizer's bias correction
+  //! count from: a run resumed from a checkpoint taken after step n continues at n + 1.
+  void set_steps(std::int64_t steps) {
+    LOOM_CHECK(steps >= 0, "set_steps: steps", steps, "must be >= 0");
+    step_ = steps;
+  }
   //! The flat parameters in place, in stage().layout() order (the model's layout without
   //! pipeline stages), for strategies that hold them whole on every rank (SingleRank,
   //! DataParallel).
@@ -299,6 +359,7 @@ class Trainer {
         tensor_parallel_(tensor_parallel),
         pipeline_(pipeline),
         stage_(make_stage(std::move(model), pipeline, schedule)),
+        whole_layout_(loom::whole_layout(stage_.model().layout())),
         optimizer_(std::move(optimizer)),
         schedule_((check_schedule(schedule, pipeline, chunks_per_rank(schedule)), std::move(schedule))),
         strategy_(std::move(strategy)),
@@ -897,6 +958,7 @@ class Trainer {
   CommunicatorRef tensor_parallel_;
   CommunicatorRef pipeline_;
   Stage stage_;
+  ParameterLayout whole_layout_;
   O optimizer_;
   S schedule_;
   St strategy_;

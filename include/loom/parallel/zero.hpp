@@ -362,7 +362,8 @@ class ZeroEngine {
         state_(context.backend, plan_.shard_size() * context.state_slots, MemoryCategory::optimizer_state),
         master_(context.backend, plan_.shard_size()),
         params_(context_, context.layout, context.seed, args...),
-        grads_(context_, overlap) {
+        grads_(context_, overlap),
+        state_slots_(context.state_slots) {
     state_.zero();
     for (const ShardUnit& u : plan_.units()) {
       const std::int64_t begin = plan_.owned_begin(u);
@@ -427,6 +428,36 @@ class ZeroEngine {
     params_.after_update();
   }
 
+  //! Writes the elements of training-state array `array` this rank owns (its pieces of every
+  //! unit) to host `out` (layout order) and leaves the others: array 0 is the parameters at the
+  //! optimizer's precision (the fp32 master weights of bf16 parameters), array k >= 1 the
+  //! optimizer's state slot k - 1. The ranks of the group write disjoint elements.
+  void copy_owned_state_to(int array, accumulate_t<T>* out) {
+    check_state_array(array, state_slots_);
+    for (const ShardUnit& u : plan_.units()) {
+      const std::int64_t n = plan_.owned_count(u);
+      if (n == 0) continue;
+      const std::size_t bytes = sizeof(accumulate_t<T>) * static_cast<std::size_t>(n);
+      accumulate_t<T>* to = out + plan_.owned_begin(u);
+      if (array > 0)
+        context_.backend->copy_to_host(to, state_.data() + (array - 1) * plan_.shard_size() + u.shard_offset, bytes);
+      else if constexpr (MasterWeights<B, T>::held)
+        context_.backend->copy_to_host(to, master_.data() + u.shard_offset, bytes);
+      else
+        context_.backend->copy_to_host(to, params_.owned(u), bytes);
+    }
+  }
+  //! Keeps this rank's part of training-state array `array` (as in copy_owned_state_to) from
+  //! host `in`, every element of the layout.
+  void load_state(int array, const accumulate_t<T>* in) {
+    check_state_array(array, state_slots_);
+    if (array == 0) return load_parameters(in);
+    for (const ShardUnit& u : plan_.units())
+      context_.backend->copy_from_host(state_.data() + (array - 1) * plan_.shard_size() + u.shard_offset,
+                                       in + plan_.owned_begin(u),
+                                       sizeof(accumulate_t<T>) * static_cast<std::size_t>(plan_.owned_count(u)));
+  }
+
   //! Every parameter in layout order (collective when parameters are sharded).
   void copy_parameters_to(T* out) { params_.copy_to(out); }
   //! This rank keeps its part of `in` (every parameter, layout order, of T or, for bf16
@@ -448,6 +479,7 @@ class ZeroEngine {
     return s;
   }
 
+
   ShardPlan plan_;
   ShardContext<B> context_;
   const ParameterLayout* layout_;
@@ -455,6 +487,7 @@ class ZeroEngine {
   MasterWeights<B, T> master_;
   P params_;
   G grads_;
+  int state_slots_;
 };
 
 }  // namespace detail

@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
+#include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
@@ -29,6 +31,13 @@ struct FlatRange {
   std::int64_t state_stride = 0;
   accumulate_t<T>* master = nullptr;
 };
+
+//! Training-state arrays are numbered 0 (the parameters) and 1..slots (the optimizer's state
+//! slots); `array` must be one of them.
+inline void check_state_array(int array, int slots) {
+  LOOM_CHECK(array >= 0 && array <= slots, "training state: array", array,
+             "must be in [0, " + std::to_string(slots) + "] (the parameters, then each optimizer state slot)");
+}
 
 //! `values` (host memory) as T: rounded once where they are wider (fp32 values for bf16
 //! parameters), widened where narrower.

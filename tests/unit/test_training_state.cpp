@@ -1,0 +1,327 @@
+// Training-state checkpoints (io/training_state.hpp): a run saved after step 3 and resumed
+// trains the same model as one that never stopped, bit for bit on the same mesh and within the
+// parity tolerance (DESIGN.md invariant 3) on any other mesh and strategy; and a file that is
+// not the right one fails with a message before anything is loaded from it.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "loom/comm/threads.hpp"
+#include "loom/io/training_state.hpp"
+#include "loom/loom.hpp"
+#include "support/temp_path.hpp"
+#include "support/training.hpp"
+
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+constexpr std::int64_t global_batch = 8, seq = 16, total_steps = 6, saved_at = 3;
+
+//! small_test_config with heads and vocabulary that 4 tensor-parallel ranks divide.
+gpt2::Config state_config() {
+  gpt2::Config c = small_test_config();
+  c.num_heads = 4;
+  return c;
+}
+
+WarmupCosineLr state_lr() { return {.lr = 1e-2, .warmup = 2, .total_steps = total_steps, .min_lr_factor = 0.1}; }
+
+//! What a stretch of training did: its losses and, at its end, every training-state array of the
+//! whole model (parameters, then the two AdamW moments).
+template <class V>
+struct Leg {
+  std::vector<double> losses;
+  std::vector<std::vector<V>> state;
+};
+
+template <class Trainer>
+auto run_steps(Trainer& trainer, std::int64_t first, std::int64_t last) {
+  Leg<typename Trainer::state_type> leg;
+  for (std::int64_t s = first; s < last; ++s)
+    leg.losses.push_back(trainer.step(make_batch(s, global_batch, seq, state_config().vocab_size)).loss);
+  for (int a = 0; a < Trainer::state_arrays; ++a) leg.state.push_back(trainer.gather_state(a));
+  return leg;
+}
+
+//! Trains steps [first, last) on thread ranks of `shape` with schedule `Sc` and strategy `St`,
+//! after loading `load` (if any) and before saving `save` (if any); rank 0's leg. Every rank must
+//! gather the same state.
+template <class Sc, class St, class T = float>
+Leg<accumulate_t<T>> train_leg(MeshShape shape, std::int64_t first, std::int64_t last, const std::string& load,
+                               const std::string& save, St strategy = {}, Sc schedule = {}, std::uint64_t seed = 5) {
+  using Gpt = gpt2::Model<cpu, T>;
+  Leg<accumulate_t<T>> out;
+  std::mutex mutex;
+  std::vector<std::string> mismatched;
+  threads::run(shape.size(), [&](threads::Communicator& world) {
+    Mesh<threads::Communicator> mesh(world, shape);
+    cpu be(1);
+    Trainer<Gpt, AdamW, Sc, St> trainer(be, mesh, Gpt(state_config(), mesh.tensor_parallel()),
+                                        AdamW({.weight_decay = 0.1}), state_lr(),
+                                        {.micro_batch_size = 1, .clip_grad_norm = 0.05, .seed = seed}, strategy,
+                                        schedule);
+    if (!load.empty()) {
+      const io::TrainingStateInfo info = io::load_training_state(trainer, load);
+      CHECK(info.steps == first);
+      CHECK(trainer.steps() == first);
+    }
+    auto leg = run_steps(trainer, first, last);
+    if (!save.empty()) io::save_training_state(trainer, save, "{\"test\": true}");
+    std::lock_guard lock(mutex);
+    if (world.rank() == 0)
+      out = leg;
+    else if (world.rank() > 0 && out.state.size() == leg.state.size() && out.state != leg.state)
+      mismatched.push_back(std::to_string(world.rank()));
+  });
+  CHECK(mismatched == std::vector<std::string>{});
+  return out;
+}
+
+constexpr MeshShape one_rank{.dp = 1, .tp = 1, .pp = 1};
+
+//! The whole run on one rank, uninterrupted.
+template <class T = float>
+Leg<accumulate_t<T>> uninterrupted() {
+  return train_leg<GradientAccumulation, SingleRank, T>(one_rank, 0, total_steps, "", "");
+}
+
+template <class V>
+void check_close(const Leg<V>& resumed, const Leg<V>& reference, double tolerance) {
+  REQUIRE(resumed.state.size() == reference.state.size());
+  for (std::size_t s = 0; s < resumed.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(resumed.losses[s] - reference.losses[saved_at + s]) <= tolerance * reference.losses[saved_at + s]);
+  }
+  for (std::size_t a = 0; a < resumed.state.size(); ++a) {
+    CAPTURE(a);
+    REQUIRE(resumed.state[a].size() == reference.state[a].size());
+    CHECK(relative_difference(resumed.state[a].data(), reference.state[a].data(),
+                              static_cast<std::int64_t>(resumed.state[a].size())) <= tolerance);
+  }
+}
+
+void flip_byte(const std::filesystem::path& path, std::uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+//! A one-rank float trainer of `config`, for the error cases.
+template <class O = AdamW>
+struct OneRank {
+  using Gpt = gpt2::Model<cpu, float>;
+  cpu be{1};
+  Trainer<Gpt, O> trainer;
+  explicit OneRank(gpt2::Config config = state_config(), O optimizer = O{})
+      : trainer(be, Gpt(config), optimizer, state_lr(), {.micro_batch_size = global_batch, .seed = 5}) {}
+};
+
+}  // namespace
+
+TEST_CASE("whole_layout and scatter_to_whole: the tensor-parallel slices assemble the one-rank tensors") {
+  using Gpt = gpt2::Model<cpu, float>;
+  const Gpt single(state_config());
+  std::vector<float> expected(static_cast<std::size_t>(single.layout().total()));
+  single.layout().initialize(expected.data(), 7);
+  for (int tp : {2, 4}) {
+    CAPTURE(tp);
+    std::vector<float> assembled(expected.size(), 0.0f);
+    threads::run(tp, [&](threads::Communicator& comm) {
+      const Gpt model(state_config(), comm);
+      const ParameterLayout whole = whole_layout(model.layout());
+      // The same names, shapes and offsets as the one-rank layout.
+      REQUIRE(whole.total() == single.layout().total());
+      for (std::size_t p = 0; p < whole.entries().size(); ++p) {
+        CHECK(whole.entries()[p].spec.name == single.layout().entries()[p].spec.name);
+        CHECK(whole.entries()[p].spec.shape == single.layout().entries()[p].spec.shape);
+        CHECK(whole.entries()[p].offset == single.layout().entries()[p].offset);
+      }
+      std::vector<float> local(static_cast<std::size_t>(model.layout().total()));
+      model.layout().initialize(local.data(), 7);
+      std::vector<float> mine(expected.size(), 0.0f);
+      scatter_to_whole(model.layout(), local.data(), whole, mine.data(), comm.rank() == 0);
+      comm.all_reduce(std::span<float>(mine), ReduceOp::sum);
+      // And back: each rank's slice is its elements of the whole tensors.
+      std::vector<float> back(local.size());
+      gather_from_whole(model.layout(), mine.data(), whole, back.data());
+      CHECK(back == local);
+      if (comm.rank() == 0) assembled = mine;
+    });
+    CHECK(assembled == expected);
+  }
+}
+
+TEST_CASE("a run saved after step 3 and resumed on one rank is bit-identical to one that never stopped") {
+  const auto reference = uninterrupted();
+  TempPath file("state");
+  const auto first = train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
+  CHECK(first.losses == std::vector<double>(reference.losses.begin(), reference.losses.begin() + saved_at));
+  // Another seed: the weights must come from the file.
+  const auto resumed =
+      train_leg<GradientAccumulation, SingleRank>(one_rank, saved_at, total_steps, file.str(), "", {}, {}, 99);
+  CHECK(resumed.losses == std::vector<double>(reference.losses.begin() + saved_at, reference.losses.end()));
+  CHECK(resumed.state == reference.state);
+
+  const io::TrainingStateInfo info = io::read_training_state_info(file.path);
+  CHECK(info.steps == saved_at);
+  CHECK(info.optimizer == "AdamW");
+  CHECK(info.state_slots == 2);
+  CHECK(info.scalar_bytes == 4);
+  CHECK(info.meta == "{\"test\": true}");
+  CHECK(info.elements == gpt2::Model<cpu, float>(state_config()).layout().total());
+  CHECK(info.parameters.front().first == "wte");
+  CHECK(!std::filesystem::exists(file.str() + ".tmp"));
+}
+
+TEST_CASE("a bf16 run resumes bit for bit: the file holds its fp32 master weights") {
+  const auto reference = uninterrupted<bf16>();
+  TempPath file("state_bf16");
+  (void)train_leg<GradientAccumulation, SingleRank, bf16>(one_rank, 0, saved_at, "", file.str());
+  const auto resumed = train_leg<GradientAccumulation, SingleRank, bf16>(one_rank, saved_at, total_steps,
+                                                                          file.str(), "", {}, {}, 99);
+  CHECK(resumed.losses == std::vector<double>(reference.losses.begin() + saved_at, reference.losses.end()));
+  CHECK(resumed.state == reference.state);
+}
+
+TEST_CASE("a state saved on one mesh and strategy resumes on another and trains the same model") {
+  const auto reference = uninterrupted();
+  const MeshShape dp2_tp2{.dp = 2, .tp = 2, .pp = 1}, tp2_pp2{.dp = 1, .tp = 2, .pp = 2},
+      dp2_pp2{.dp = 2, .tp = 1, .pp = 2}, dp4{.dp = 4, .tp = 1, .pp = 1}, tp4{.dp = 1, .tp = 4, .pp = 1};
+  SUBCASE("Zero<1> on DP2 x TP2, resumed on one rank") {
+    TempPath file("state_mesh");
+    train_leg<GradientAccumulation, Zero<1>>(dp2_tp2, 0, saved_at, "", file.str());
+    check_close(train_leg<GradientAccumulation, SingleRank>(one_rank, saved_at, total_steps, file.str(), ""),
+                reference, 1e-5);
+  }
+  SUBCASE("one rank, resumed with 1F1B and DDP on TP2 x PP2") {
+    TempPath file("state_mesh");
+    train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
+    check_close(train_leg<OneFOneB, DataParallel>(tp2_pp2, saved_at, total_steps, file.str(), ""), reference, 1e-5);
+  }
+  SUBCASE("Zero<1> with GPipe on DP2 x PP2, resumed with Zero<3> on DP4") {
+    TempPath file("state_mesh");
+    train_leg<GPipe, Zero<1>>(dp2_pp2, 0, saved_at, "", file.str(), {.bucket_bytes = 4096});
+    check_close(train_leg<GradientAccumulation, Zero<3>>(dp4, saved_at, total_steps, file.str(), ""), reference,
+                1e-5);
+  }
+  SUBCASE("Zero<3> on DP2 x TP2, resumed with Zero<2> on TP4") {
+    TempPath file("state_mesh");
+    train_leg<GradientAccumulation, Zero<3>>(dp2_tp2, 0, saved_at, "", file.str());
+    check_close(train_leg<GradientAccumulation, Zero<2>>(tp4, saved_at, total_steps, file.str(), ""), reference,
+                1e-5);
+  }
+}
+
+TEST_CASE("an fp32 state loads into a double model, and the values are the file's") {
+  TempPath file("state_double");
+  const auto saved = train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
+  using Gpt = gpt2::Model<cpu, double>;
+  cpu be(1);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(state_config()), AdamW({.weight_decay = 0.1}), state_lr(),
+                              {.micro_batch_size = global_batch, .seed = 5});
+  io::load_training_state(trainer, file.path);
+  for (int a = 0; a < 3; ++a) {
+    const std::vector<double> values = trainer.gather_state(a);
+    CHECK(std::vector<double>(saved.state[a].begin(), saved.state[a].end()) == values);
+  }
+}
+
+TEST_CASE("a training-state file that is not the trainer's fails with a message before anything loads") {
+  TempPath file("state_bad");
+  OneRank<> saver;
+  saver.trainer.step(make_batch(0, global_batch, seq, state_config().vocab_size));
+  io::save_training_state(saver.trainer, file.path);
+  const auto bytes = std::filesystem::file_size(file.path);
+  const std::vector<float> untouched = OneRank<>().trainer.gather_state(0);
+
+  SUBCASE("a flipped byte in the optimizer state") {
+    flip_byte(file.path, bytes - 200);
+    OneRank<> loader;
+    CHECK_THROWS_WITH(io::load_training_state(loader.trainer, file.path),
+                      doctest::Contains("checksum of array 2 (optimizer state slot 1)"));
+  }
+  SUBCASE("a flipped byte in the header") {
+    // The first parameter name, "wte", at byte 69: 8 magic, 4 + 4 + 8 + 4 + 4 of fields, the
+    // optimizer's name (8 + 5), the empty meta (8), the parameter count (8) and the name's length (8).
+    flip_byte(file.path, 69);
+    OneRank<> loader;
+    CHECK_THROWS_WITH(io::load_training_state(loader.trainer, file.path), doctest::Contains("header checksum"));
+  }
+  SUBCASE("a truncated file") {
+    std::filesystem::resize_file(file.path, bytes - 1000);
+    OneRank<> loader;
+    CHECK_THROWS_WITH(io::load_training_state(loader.trainer, file.path), doctest::Contains("truncated"));
+    CHECK(loader.trainer.gather_state(0) == untouched);
+  }
+  SUBCASE("another model config") {
+    gpt2::Config other = state_config();
+    other.num_layers = 3;
+    OneRank<> loader(other);
+    CHECK_THROWS_WITH(io::load_training_state(loader.trainer, file.path),
+                      doctest::Contains("(the checkpoint is of another model)"));
+    other = state_config();
+    other.channels = 32;
+    OneRank<> wider(other);
+    CHECK_THROWS_WITH(io::load_training_state(wider.trainer, file.path),
+                      doctest::Contains("shape of wte: got [64, 16]; the model's is [64, 32]"));
+  }
+  SUBCASE("another optimizer") {
+    OneRank<SgdMomentum> loader(state_config());
+    CHECK_THROWS_WITH(io::load_training_state(loader.trainer, file.path),
+                      doctest::Contains("optimizer: got AdamW (2 state slots); the trainer's is SgdMomentum (1)"));
+  }
+  SUBCASE("not a training-state file") {
+    std::ofstream(file.path, std::ios::binary) << std::string(2000, 'x');
+    OneRank<> loader;
+    CHECK_THROWS_WITH(io::load_training_state(loader.trainer, file.path), doctest::Contains("expected LOOMSTAT"));
+  }
+}
+
+TEST_CASE("a save that fails leaves the good file where it was, and every rank hears of it") {
+  TempPath file("state_keep");
+  OneRank<> first;
+  io::save_training_state(first.trainer, file.path);
+  const auto good = std::filesystem::file_size(file.path);
+  // The temporary file cannot be created: a directory is in its way.
+  std::filesystem::create_directory(file.str() + ".tmp");
+  threads::run(2, [&](threads::Communicator& comm) {
+    using Gpt = gpt2::Model<cpu, float>;
+    cpu be(1);
+    Trainer<Gpt, AdamW, GradientAccumulation, DataParallel> trainer(be, comm, Gpt(state_config()), AdamW{},
+                                                                     state_lr(), {.micro_batch_size = 4, .seed = 5});
+    trainer.step(make_batch(0, global_batch, seq, state_config().vocab_size));
+    if (comm.rank() == 0)
+      CHECK_THROWS_WITH(io::save_training_state(trainer, file.path), doctest::Contains("cannot open"));
+    else
+      CHECK_THROWS_WITH(io::save_training_state(trainer, file.path), doctest::Contains("not saved"));
+  });
+  CHECK(std::filesystem::file_size(file.path) == good);
+  CHECK(io::read_training_state_info(file.path).steps == 0);
+}
+
+TEST_CASE("a load that fails on one rank fails on every rank instead of leaving the others waiting") {
+  TempPath file("state_one_rank");
+  OneRank<> saver;
+  io::save_training_state(saver.trainer, file.path);
+  threads::run(2, [&](threads::Communicator& comm) {
+    using Gpt = gpt2::Model<cpu, float>;
+    cpu be(1);
+    Trainer<Gpt, AdamW, GradientAccumulation, DataParallel> trainer(be, comm, Gpt(state_config()), AdamW{},
+                                                                     state_lr(), {.micro_batch_size = 4, .seed = 5});
+    if (comm.rank() == 0)
+      CHECK_THROWS_WITH(io::load_training_state(trainer, file.path), doctest::Contains("another rank failed"));
+    else
+      CHECK_THROWS_WITH(io::load_training_state(trainer, file.str() + ".missing"), doctest::Contains("cannot open"));
+  });
+}
