@@ -147,6 +147,18 @@ int main(int argc, char** argv) {
                  "get a new id after their vocabulary)");
   app.add_option("--init", o.init, "Start from an llm.c GPT-2 checkpoint (its header sets the model config)");
   app.add_option("--save", o.save, "Write the trained weights as an llm.c checkpoint");
+  app.add_option("--save-state", o.save_state,
+                 "Write a loom training-state checkpoint (parameters, optimizer state, steps done) at the end, "
+                 "and every --save-every steps; any mesh and strategy can --resume it");
+  app.add_option("--save-every", o.save_every, "With --save-state: also save it after every N steps (0 = at the end only)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--resume", o.resume,
+                 "Go on from a training-state checkpoint (--save-state) of the same model, optimizer and "
+                 "data options: its steps are done, the run continues to --steps");
+  app.add_option("--stop-after", o.stop_after,
+                 "Stop after this step (0 = at --steps) while the learning-rate schedule still spans --steps: "
+                 "a run cut short on purpose, to --resume later")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--peak-tflops", o.peak_tflops, "The machine's peak TFLOP/s, to print MFU")
       ->check(CLI::NonNegativeNumber);
@@ -222,6 +234,8 @@ int main(int argc, char** argv) {
                             "parameter's gradient must be summed across stages before it is sharded. Use "
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
     gpt2_example::check_family_options(o);
+    if (o.save_every > 0 && o.save_state.empty())
+      throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
     if ((o.comm == "nccl" || o.comm == "mpi-nccl") && o.device != "cuda")
       throw loom::Error("--comm", o.comm, "NCCL moves GPU buffers: it needs --device cuda");
     return o.device == "cuda" ? gpt2_example::run_cuda(o, argc, argv) : run_cpu(o, argc, argv);

@@ -27,6 +27,7 @@
 #include "loom/io/masked_lm.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/io/token_file.hpp"
+#include "loom/io/training_state.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/models/gpt2/model.hpp"
 #if LOOM_EXAMPLE_BERT
@@ -91,6 +92,10 @@ struct Options {
   std::string metrics;
   std::string init;
   std::string save;
+  std::string save_state;  // a loom training-state checkpoint, written at the end and every save_every steps
+  std::int64_t save_every = 0;
+  std::string resume;  // a training-state checkpoint to go on from
+  std::int64_t stop_after = 0;  // stop after this step (0 = at --steps); the schedule still spans --steps
   int threads = 0;
   double peak_tflops = 0;
   std::int64_t log_every = 1;
@@ -148,7 +153,8 @@ inline std::int64_t source_vocab(const Source& s) {
 inline void check_family_options(const Options& o) {
 #if LOOM_EXAMPLE_BERT
   LOOM_CHECK(o.init.empty() && o.save.empty(), "--init/--save", o.init.empty() ? o.save : o.init,
-             "bert_train has no checkpoint format yet (--init and --save read and write llm.c GPT-2 files)");
+             "--init and --save read and write llm.c GPT-2 weight files; bert_train saves and resumes with "
+             "--save-state and --resume");
   LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
              o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
 #else
@@ -183,6 +189,25 @@ inline family::Config model_config(const Options& o) {
 //! The attention storage of --attention.
 inline loom::AttentionStorage attention_choice(const Options& o) {
   return o.attention == "recompute" ? loom::AttentionStorage::recompute : loom::AttentionStorage::stored;
+}
+
+//! What a training-state checkpoint says about the run that saved it (JSON): enough to see,
+//! before resuming, which model, data and batch it trained on.
+template <class Config>
+std::string state_meta(const Options& o, const Config& config, int ranks) {
+  return nlohmann::json{{"program", program},
+                        {"model", o.model},
+                        {"config", loom::detail::to_text(config)},
+                        {"dtype", o.dtype},
+                        {"optimizer", o.optimizer},
+                        {"data", o.data},
+                        {"seed", o.seed},
+                        {"batch", o.batch},
+                        {"seq", o.seq},
+                        {"steps", o.steps},
+                        {"ranks", ranks},
+                        {"mesh", {{"dp", o.dp}, {"tp", o.tp}, {"pp", o.pp}}}}
+      .dump();
 }
 
 inline nlohmann::json memory_json(const loom::MemoryTracker& m) {
@@ -360,13 +385,22 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) {
-    // Every rank reads the file and keeps its part (its stage's layers, or its ZeRO shard); in
-    // bf16 the fp32 master weights take the file's values exactly.
-    std::vector<float> weights(static_cast<std::size_t>(trainer.model().layout().total()));
-    io::load_llmc_checkpoint(o.init, config, trainer.model().layout(), weights.data());
-    trainer.load_parameters(std::span<const float>(weights));
+    // Every rank reads the file (whole tensors) and keeps its part: its tensor-parallel slices
+    // of its stage's layers, or its ZeRO shard; in bf16 the fp32 master weights take the file's
+    // values exactly.
+    std::vector<float> weights(static_cast<std::size_t>(trainer.whole_layout().total()));
+    io::load_llmc_checkpoint(o.init, config, trainer.whole_layout(), weights.data());
+    trainer.load_state(0, std::vector<typename decltype(trainer)::state_type>(weights.begin(), weights.end()));
   }
 #endif
+  std::int64_t first_step = 0;
+  if (!o.resume.empty()) {
+    // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
+    first_step = io::load_training_state(trainer, o.resume).steps;
+    LOOM_CHECK(first_step < o.steps && (o.stop_after == 0 || first_step < o.stop_after),
+               "--resume " + o.resume + ": steps done", first_step,
+               "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
+  }
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
   // that does not split into micro-batches is left to step 1, whose message names the rule.
@@ -421,15 +455,27 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     metrics.open(o.metrics);
     LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
   }
+  if (lead && first_step > 0)
+    std::printf("resumed from %s after step %lld (saved by %s)\n", o.resume.c_str(),
+                static_cast<long long>(first_step), io::read_training_state_info(o.resume).meta.c_str());
+  // Collective: every rank gathers its part, rank 0 writes.
+  const auto save_state = [&] {
+    io::save_training_state(trainer, o.save_state, state_meta(o, config, world.size()));
+    if (lead) std::printf("saved training state %s after step %lld\n", o.save_state.c_str(),
+                          static_cast<long long>(trainer.steps()));
+  };
   double first_loss = 0, last_loss = 0;
-  for (std::int64_t s = 0; s < o.steps; ++s) {
+  const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  for (std::int64_t s = first_step; s < last_step; ++s) {
+    // The batch of step s does not depend on where the run started: a resumed run sees the
+    // batches the uninterrupted one would have.
     const io::Batch batch = std::visit([&](const auto& src) { return src.batch_at(s, o.batch, o.seq); }, data);
     const StepMetrics m = trainer.step(batch);
-    if (s == 0) first_loss = m.loss;
+    if (s == first_step) first_loss = m.loss;
     last_loss = m.loss;
     const double tflops = m.flops / m.seconds / 1e12;
     const MemoryTracker& mem = trainer.memory();
-    if (lead && (s % o.log_every == 0 || s + 1 == o.steps)) {
+    if (lead && (s % o.log_every == 0 || s + 1 == last_step)) {
       std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
                   static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
       if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
@@ -439,10 +485,11 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
                   MemoryTracker::mib(mem.peak_total()));
       std::fflush(stdout);
     }
-    if (s == 0 && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
-    if (s == 0 && world.size() > 1) print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
+    if (s == first_step && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
+    if (s == first_step && world.size() > 1)
+      print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
     if constexpr (requires { trainer.engine().plan(); })
-      if (s == 0 && lead) print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots);
+      if (s == first_step && lead) print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots);
     if (metrics.is_open()) {
       nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
                           {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
@@ -453,18 +500,24 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
       metrics << j.dump() << '\n';
       metrics.flush();
     }
+    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) save_state();
   }
-  if (lead)
+  if (lead && first_step == 0 && last_step == o.steps)
     std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
+  else if (lead)
+    std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
+                static_cast<long long>(first_step + 1), static_cast<long long>(last_step),
+                static_cast<long long>(o.steps));
+  if (!o.save_state.empty()) save_state();
 #if !LOOM_EXAMPLE_BERT
   if (!o.save.empty()) {
-    // Collective over the pipeline (each stage contributes its layers) and, under ZeRO-3, over
-    // the data-parallel group: every rank gathers, rank 0 writes.
-    // In bf16 these are the bf16 parameters (the master weights rounded), widened.
-    std::vector<float> weights;
-    for (const auto w : trainer.gather_parameters()) weights.push_back(static_cast<float>(w));
+    // Collective over the mesh: every rank gathers the whole tensors (its tensor-parallel slices,
+    // its stage's layers, its ZeRO shard), rank 0 writes. In bf16 these are the fp32 master
+    // weights.
+    const auto whole = trainer.gather_state(0);
+    const std::vector<float> weights(whole.begin(), whole.end());
     if (lead) {
-      io::save_llmc_checkpoint(o.save, config, trainer.model().layout(), weights.data());
+      io::save_llmc_checkpoint(o.save, config, trainer.whole_layout(), weights.data());
       std::printf("saved %s\n", o.save.c_str());
     }
   }
