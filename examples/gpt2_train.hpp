@@ -7,8 +7,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -394,9 +396,12 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   }
 #endif
   std::int64_t first_step = 0;
+  double resume_seconds = 0;
   if (!o.resume.empty()) {
     // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
+    const auto begin = std::chrono::steady_clock::now();
     first_step = io::load_training_state(trainer, o.resume).steps;
+    resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     LOOM_CHECK(first_step < o.steps && (o.stop_after == 0 || first_step < o.stop_after),
                "--resume " + o.resume + ": steps done", first_step,
                "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
@@ -456,13 +461,17 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
   }
   if (lead && first_step > 0)
-    std::printf("resumed from %s after step %lld (saved by %s)\n", o.resume.c_str(),
-                static_cast<long long>(first_step), io::read_training_state_info(o.resume).meta.c_str());
+    std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", o.resume.c_str(),
+                static_cast<long long>(first_step), resume_seconds, io::read_training_state_info(o.resume).meta.c_str());
   // Collective: every rank gathers its part, rank 0 writes.
   const auto save_state = [&] {
+    const auto begin = std::chrono::steady_clock::now();
     io::save_training_state(trainer, o.save_state, state_meta(o, config, world.size()));
-    if (lead) std::printf("saved training state %s after step %lld\n", o.save_state.c_str(),
-                          static_cast<long long>(trainer.steps()));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (lead)
+      std::printf("saved training state %s after step %lld (%.1f MiB in %.2f s)\n", o.save_state.c_str(),
+                  static_cast<long long>(trainer.steps()),
+                  static_cast<double>(std::filesystem::file_size(o.save_state)) / (1 << 20), seconds);
   };
   double first_loss = 0, last_loss = 0;
   const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;

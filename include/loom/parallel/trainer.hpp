@@ -261,15 +261,18 @@ class Trainer {
   //! zeros, so the sums are exact.
   std::vector<state_type> gather_state(int array) {
     detail::check_state_array(array, O::state_slots);
-    std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()), state_type(0));
-    engine_.copy_owned_state_to(array, stage_values.data());
-    std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()), state_type(0));
-    stage_.scatter_owned(stage_values.data(), model_values.data());
-    stage_values = {};
     std::vector<state_type> whole(static_cast<std::size_t>(whole_layout_.total()), state_type(0));
-    scatter_to_whole(model().layout(), model_values.data(), whole_layout_, whole.data(),
-                     tensor_parallel_.rank() == 0);
-    model_values = {};
+    if (holds_whole_layout()) {
+      engine_.copy_owned_state_to(array, whole.data());
+    } else {
+      std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()), state_type(0));
+      engine_.copy_owned_state_to(array, stage_values.data());
+      std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()), state_type(0));
+      stage_.scatter_owned(stage_values.data(), model_values.data());
+      stage_values = {};
+      scatter_to_whole(model().layout(), model_values.data(), whole_layout_, whole.data(),
+                       tensor_parallel_.rank() == 0);
+    }
     for (CommunicatorRef* g : {&group_, &tensor_parallel_, &pipeline_})
       if (g->size() > 1) g->all_reduce(std::span<state_type>(whole), ReduceOp::sum);
     return whole;
@@ -282,12 +285,16 @@ class Trainer {
     LOOM_CHECK(static_cast<std::int64_t>(values.size()) == whole_layout_.total(), "load_state: elements",
                values.size(), "must equal the whole layout's " + detail::to_text(whole_layout_.total()));
     forget_unfinished_step();
-    std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()));
-    gather_from_whole(model().layout(), values.data(), whole_layout_, model_values.data());
-    std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()));
-    stage_.gather_from(model_values.data(), stage_values.data());
-    model_values = {};
-    engine_.load_state(array, stage_values.data());
+    if (holds_whole_layout()) {
+      engine_.load_state(array, values.data());
+    } else {
+      std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()));
+      gather_from_whole(model().layout(), values.data(), whole_layout_, model_values.data());
+      std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()));
+      stage_.gather_from(model_values.data(), stage_values.data());
+      model_values = {};
+      engine_.load_state(array, stage_values.data());
+    }
     backend_->synchronize();
   }
   //! True on every rank when `flag` is true on any rank of the mesh (collective over the
@@ -395,6 +402,12 @@ class Trainer {
   static void check_schedule(const S& schedule, CommunicatorRef pipeline, int chunks) {
     (void)schedule.actions(ScheduleShape{.stages = pipeline.size(), .stage = pipeline.rank(),
                                          .micro_batches = pipeline.size(), .virtual_stages = chunks});
+  }
+
+  //! Whether this rank's stage layout is the whole layout: one stage, one chunk, no tensor
+  //! parallelism (then the training state needs no rearranging).
+  bool holds_whole_layout() const noexcept {
+    return tensor_parallel_.size() == 1 && pipeline_.size() == 1 && stage_.chunks() == 1;
   }
 
   template <class U>
