@@ -185,13 +185,24 @@ TEST_CASE("a run saved after step 3 and resumed on one rank is bit-identical to 
 }
 
 TEST_CASE("a bf16 run resumes bit for bit: the file holds its fp32 master weights") {
-  const auto reference = uninterrupted<bf16>();
   TempPath file("state_bf16");
-  (void)train_leg<GradientAccumulation, SingleRank, bf16>(one_rank, 0, saved_at, "", file.str());
-  const auto resumed = train_leg<GradientAccumulation, SingleRank, bf16>(one_rank, saved_at, total_steps,
-                                                                          file.str(), "", {}, {}, 99);
-  CHECK(resumed.losses == std::vector<double>(reference.losses.begin() + saved_at, reference.losses.end()));
-  CHECK(resumed.state == reference.state);
+  SUBCASE("one rank") {
+    const auto reference = uninterrupted<bf16>();
+    (void)train_leg<GradientAccumulation, SingleRank, bf16>(one_rank, 0, saved_at, "", file.str());
+    const auto resumed = train_leg<GradientAccumulation, SingleRank, bf16>(one_rank, saved_at, total_steps,
+                                                                            file.str(), "", {}, {}, 99);
+    CHECK(resumed.losses == std::vector<double>(reference.losses.begin() + saved_at, reference.losses.end()));
+    CHECK(resumed.state == reference.state);
+  }
+  SUBCASE("Zero<2> on DP2 x TP2: master weights and moments sharded over data-parallel ranks") {
+    const MeshShape dp2_tp2{.dp = 2, .tp = 2, .pp = 1};
+    const auto reference = train_leg<GradientAccumulation, Zero<2>, bf16>(dp2_tp2, 0, total_steps, "", "");
+    (void)train_leg<GradientAccumulation, Zero<2>, bf16>(dp2_tp2, 0, saved_at, "", file.str());
+    const auto resumed = train_leg<GradientAccumulation, Zero<2>, bf16>(dp2_tp2, saved_at, total_steps, file.str(),
+                                                                         "", {}, {}, 99);
+    CHECK(resumed.losses == std::vector<double>(reference.losses.begin() + saved_at, reference.losses.end()));
+    CHECK(resumed.state == reference.state);
+  }
 }
 
 TEST_CASE("a state saved on one mesh and strategy resumes on another and trains the same model") {
@@ -214,6 +225,12 @@ TEST_CASE("a state saved on one mesh and strategy resumes on another and trains 
     train_leg<GPipe, Zero<1>>(dp2_pp2, 0, saved_at, "", file.str(), {.bucket_bytes = 4096});
     check_close(train_leg<GradientAccumulation, Zero<3>>(dp4, saved_at, total_steps, file.str(), ""), reference,
                 1e-5);
+  }
+  SUBCASE("interleaved 1F1B (2 chunks per rank) on PP2, resumed with ZB-H1 and Zero<1> on DP2 x PP2") {
+    TempPath file("state_mesh");
+    const MeshShape pp2{.dp = 1, .tp = 1, .pp = 2};
+    train_leg<Interleaved1F1B, DataParallel>(pp2, 0, saved_at, "", file.str(), {}, {.virtual_stages = 2});
+    check_close(train_leg<ZeroBubbleH1, Zero<1>>(dp2_pp2, saved_at, total_steps, file.str(), ""), reference, 1e-5);
   }
   SUBCASE("Zero<3> on DP2 x TP2, resumed with Zero<2> on TP4") {
     TempPath file("state_mesh");
