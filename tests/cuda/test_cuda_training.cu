@@ -18,11 +18,13 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "loom/backend/cuda/kernels.cuh"
+#include "loom/io/training_state.hpp"
 #include "loom/comm/staged.hpp"
 #include "loom/comm/threads.hpp"
 #include "loom/models/bert/model.hpp"
@@ -43,6 +45,7 @@
 #include "device_check.hpp"
 #include "support/masked_lm_training.hpp"
 #include "support/parity_check.hpp"
+#include "support/temp_path.hpp"
 #include "training_reference.hpp"
 
 using namespace loom;
@@ -342,6 +345,58 @@ TEST_CASE("BERT on one GPU, stored and recomputed attention, and on meshes shari
 }
 
 #if LOOM_TEST_WITH_NCCL
+TEST_CASE("a training state saved on the CPU resumes on ranks sharing the GPU, and one saved on the GPU on the CPU") {
+  if (!have_gpu()) return;
+  constexpr int saved_at = 2;
+  constexpr double clip = 0.05;
+  TempPath cpu_state("cuda_state_from_cpu"), gpu_state("cuda_state_from_gpu");
+  // CPU steps 1-2, then ZeRO-1 on DP2 x TP2 sharing the GPU for steps 3-5 (device-memory state
+  // shards and tensor-parallel slices loaded from host memory).
+  const ParityRun cpu_first = cpu_training_leg(global_batch, seq, clip, 0, saved_at, "", cpu_state.str());
+  const std::vector<std::string> failures = staged_failures<Gpt>(
+      {.dp = 2, .tp = 2, .pp = 1}, clip, Zero<1>{.bucket_bytes = 4096}, GradientAccumulation{},
+      [](auto& tensor_parallel) { return Gpt(small_test_config(), tensor_parallel); },
+      [&](auto& trainer) {
+        ParityRun run = cpu_first;
+        const std::int64_t steps = io::load_training_state(trainer, cpu_state.path).steps;
+        if (steps != saved_at) throw std::runtime_error("the state says " + std::to_string(steps) + " steps");
+        for (int s = saved_at; s < parity_steps; ++s) {
+          const StepMetrics m = trainer.step(make_batch(s, global_batch, seq, small_test_config().vocab_size));
+          run.losses.push_back(m.loss);
+          run.grad_norms.push_back(m.grad_norm);
+        }
+        run.weights = trainer.gather_parameters();
+        return run;
+      },
+      reference(clip), Gpt(small_test_config()).layout());
+  CHECK_MESSAGE(failures.empty(), joined(failures));
+
+  // One GPU for steps 1-2, the CPU for steps 3-5.
+  ParityRun run;
+  {
+    loom::cuda be(0);
+    be.set_tf32(false);
+    Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                {.micro_batch_size = global_batch, .clip_grad_norm = clip, .seed = 5});
+    for (int s = 0; s < saved_at; ++s) {
+      const StepMetrics m = trainer.step(make_batch(s, global_batch, seq, small_test_config().vocab_size));
+      run.losses.push_back(m.loss);
+      run.grad_norms.push_back(m.grad_norm);
+    }
+    io::save_training_state(trainer, gpu_state.path);
+  }
+  const ParityRun cpu_rest = cpu_training_leg(global_batch, seq, clip, saved_at, parity_steps, gpu_state.str(), "");
+  run.losses.insert(run.losses.end(), cpu_rest.losses.begin(), cpu_rest.losses.end());
+  run.grad_norms.insert(run.grad_norms.end(), cpu_rest.grad_norms.begin(), cpu_rest.grad_norms.end());
+  run.weights = cpu_rest.weights;
+  CHECK(relative_difference(run.weights.data(), reference(clip).weights.data(),
+                            static_cast<std::int64_t>(run.weights.size())) <= gpu_tolerance);
+  for (std::size_t s = 0; s < run.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(run.losses[s] - reference(clip).losses[s]) <= gpu_tolerance * reference(clip).losses[s]);
+  }
+}
+
 TEST_CASE("NCCL: a world of one GPU, and DDP, ZeRO-3 and TP over two GPUs, train as one rank") {
   if (!have_gpu()) return;
   const ParameterLayout global_layout = Gpt(small_test_config()).layout();

@@ -1,5 +1,6 @@
 #include "training_reference.hpp"
 
+#include "loom/io/training_state.hpp"
 #include "loom/models/bert/model.hpp"
 #include "support/masked_lm_training.hpp"
 #include "support/parity.hpp"
@@ -16,6 +17,24 @@ ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq) {
   Trainer<Bert, AdamW> trainer(be, Bert(bert_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
                                {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
   return masked_lm_steps(trainer, global_batch, seq);
+}
+
+ParityRun cpu_training_leg(std::int64_t global_batch, std::int64_t seq, double clip, int first, int last,
+                           const std::string& load, const std::string& save) {
+  using Gpt = gpt2::Model<cpu, float>;
+  cpu be(1);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                              {.micro_batch_size = global_batch, .clip_grad_norm = clip, .seed = 5});
+  if (!load.empty()) io::load_training_state(trainer, load);
+  ParityRun run;
+  for (int s = first; s < last; ++s) {
+    const StepMetrics m = trainer.step(make_batch(s, global_batch, seq, small_test_config().vocab_size));
+    run.losses.push_back(m.loss);
+    run.grad_norms.push_back(m.grad_norm);
+  }
+  if (!save.empty()) io::save_training_state(trainer, save);
+  run.weights = trainer.gather_parameters();
+  return run;
 }
 
 }  // namespace loom::test

@@ -3,6 +3,7 @@
 // training_reference.cpp (the CPU kernels stay out of the nvcc translation unit).
 
 #include <cstdint>
+#include <string>
 
 #include "support/parity_check.hpp"
 
@@ -15,5 +16,12 @@ ParityRun cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double 
 //! parity_steps AdamW steps of bert_test_config() on masked_test_source()'s batches, on one CPU
 //! rank, the whole global batch in one micro-batch, gradients clipped to 1.
 ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq);
+
+//! Steps [first, last) of cpu_reference_run's training on one CPU rank: from scratch when
+//! `load` is empty, else after loading the training state `load` (saved after step `first`);
+//! then saves the state to `save` unless it is empty. The run's losses and gradient norms of
+//! those steps, and its weights at the end.
+ParityRun cpu_training_leg(std::int64_t global_batch, std::int64_t seq, double clip, int first, int last,
+                           const std::string& load, const std::string& save);
 
 }  // namespace loom::test
