@@ -397,14 +397,18 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
 #endif
   std::int64_t first_step = 0;
   double resume_seconds = 0;
+  io::TrainingStateInfo resumed;
   if (!o.resume.empty()) {
-    // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
-    const auto begin = std::chrono::steady_clock::now();
-    first_step = io::load_training_state(trainer, o.resume).steps;
-    resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    // The header alone first: a run with nothing left to do ends before anything is loaded.
+    resumed = io::read_training_state_info(o.resume);
+    first_step = resumed.steps;
     LOOM_CHECK(first_step < o.steps && (o.stop_after == 0 || first_step < o.stop_after),
                "--resume " + o.resume + ": steps done", first_step,
                "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
+    // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
+    const auto begin = std::chrono::steady_clock::now();
+    io::load_training_state(trainer, o.resume);
+    resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   }
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
@@ -462,7 +466,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   }
   if (lead && first_step > 0)
     std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", o.resume.c_str(),
-                static_cast<long long>(first_step), resume_seconds, io::read_training_state_info(o.resume).meta.c_str());
+                static_cast<long long>(first_step), resume_seconds, resumed.meta.c_str());
   // Collective: every rank gathers its part, rank 0 writes.
   const auto save_state = [&] {
     const auto begin = std::chrono::steady_clock::now();

@@ -351,28 +351,31 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
                    "); an optimizer's state means nothing to another");
     const auto n = static_cast<std::size_t>(info.elements);
     std::vector<V> values(n);
-    std::vector<char> raw(n * static_cast<std::size_t>(info.scalar_bytes));
+    // The file's bytes land in `values` when its scalars are V; otherwise in `raw`, then widened
+    // or narrowed into `values`.
+    const bool same_width = info.scalar_bytes == static_cast<int>(sizeof(V));
+    std::vector<char> raw(same_width ? 0 : n * static_cast<std::size_t>(info.scalar_bytes));
+    void* const bytes = same_width ? static_cast<void*>(values.data()) : raw.data();
+    const std::size_t byte_count = n * static_cast<std::size_t>(info.scalar_bytes);
     for (int array = 0; array < Trainer::state_arrays; ++array) {
-      file.read(raw.data(), raw.size(), array == 0 ? "parameters" : "optimizer state");
-      const std::uint64_t sum = detail::checksum(raw.data(), raw.size());
+      file.read(bytes, byte_count, array == 0 ? "parameters" : "optimizer state");
+      const std::uint64_t sum = detail::checksum(bytes, byte_count);
       LOOM_CHECK(sum == sums[static_cast<std::size_t>(array)],
                  file.name() + ": checksum of array " + loom::detail::to_text(array) +
                      (array == 0 ? " (parameters)" : " (optimizer state slot " + loom::detail::to_text(array - 1) + ")"),
                  sum, "the trailer records " + loom::detail::to_text(sums[static_cast<std::size_t>(array)]) +
                           ": the file is corrupt");
-      if (info.scalar_bytes == static_cast<int>(sizeof(V))) {
-        std::memcpy(values.data(), raw.data(), raw.size());
-      } else if (info.scalar_bytes == 4) {
+      if (!same_width) {
         for (std::size_t i = 0; i < n; ++i) {
-          float x;
-          std::memcpy(&x, raw.data() + 4 * i, 4);
-          values[i] = static_cast<V>(x);
-        }
-      } else {
-        for (std::size_t i = 0; i < n; ++i) {
-          double x;
-          std::memcpy(&x, raw.data() + 8 * i, 8);
-          values[i] = static_cast<V>(x);
+          if (info.scalar_bytes == 4) {
+            float x;
+            std::memcpy(&x, raw.data() + 4 * i, 4);
+            values[i] = static_cast<V>(x);
+          } else {
+            double x;
+            std::memcpy(&x, raw.data() + 8 * i, 8);
+            values[i] = static_cast<V>(x);
+          }
         }
       }
       trainer.load_state(array, values);
