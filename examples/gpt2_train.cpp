@@ -133,6 +133,15 @@ int main(int argc, char** argv) {
                "--device cuda: fuse the linear layers' bias and bias gradient, the MLP's GELU and its "
                "gradient into the cuBLASLt GEMMs, or with --no-gemm-epilogues (the default until timed) "
                "run them as separate kernels");
+  app.add_option("--dropout", o.hidden_dropout,
+                 "Dropout on the embedding's output and on each block's attention and MLP branches (the "
+                 "config's hidden_dropout; masks keyed by seed, step, layer and global position, so every mesh "
+                 "drops the same elements); 0 = none")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--attention-dropout", o.attention_dropout,
+                 "Dropout on the attention probabilities (with --device cuda the tiled bf16 attention "
+                 "kernels give way to the cuBLAS ones); 0 = none")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--weight-decay", o.weight_decay, "Weight decay on matrices and embeddings")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();

@@ -82,6 +82,8 @@ struct Options {
   double min_lr_factor = 0.1;
   double clip = 1.0;
   double weight_decay = 0.1;
+  double hidden_dropout = 0.0;     // --dropout: the config's hidden_dropout
+  double attention_dropout = 0.0;  // --attention-dropout
   std::string optimizer = "adamw";
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   std::string attention = "stored";  // stored (probabilities) or recompute (log-sum-exp only)
@@ -184,6 +186,8 @@ inline family::Config model_config(const Options& o) {
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) c = loom::io::read_llmc_config(o.init);
 #endif
+  c.hidden_dropout = o.hidden_dropout;
+  c.attention_dropout = o.attention_dropout;
   c.validate();
   return c;
 }

@@ -28,7 +28,9 @@
 // - probabilities recomputed from scores and lse carry the forward's att errors (the softmax's
 //   first-order error is the same), which the backward reference propagates into the gradients.
 // The host emulation (products in double, results rounded to float) is held to float_tolerance
-// (1e-5) with the same magnitudes; a wrong stride, offset or transpose is off by O(1).
+// (1e-5) with the same magnitudes; a wrong stride, offset or transpose is off by O(1). With
+// dropout on the probabilities the host steps (DropoutMask::keep for DeviceDropout) are held to
+// 1e-5 of each tensor's largest element against a by-definition reference in double.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -45,6 +47,7 @@
 #include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cuda/attention.cuh"
 #include "loom/core/buffer.hpp"
+#include "loom/core/dropout.hpp"
 #include "attention_case.hpp"
 #include "device_check.hpp"
 
@@ -424,6 +427,137 @@ TEST_CASE("the attention algorithm with the cuBLAS plans matches the reference (
   }
 }
 
+namespace {
+
+//! The steps' `drop` on the host: DropoutMask::keep over batch element b's [NH,T,T] block, whose
+//! elements are the global tensor's from head_origin(b, 0, T) on (as DeviceDropout draws them).
+struct HostDropout {
+  AttentionDropout dropout;
+  std::int64_t tokens, block;
+  mutable std::vector<float> dropped;
+
+  float through(float x, std::uint64_t element) const {
+    return dropout.mask.keep(element) ? x * static_cast<float>(dropout.mask.scale()) : 0.0f;
+  }
+  const float* probabilities(const float* att_b, std::int64_t b) const {
+    dropped.resize(static_cast<std::size_t>(block));
+    for (std::int64_t i = 0; i < block; ++i) dropped[i] = through(att_b[i], dropout.head_origin(b, 0, tokens) + i);
+    return dropped.data();
+  }
+  void gradient(float* g, std::int64_t b) const {
+    for (std::int64_t i = 0; i < block; ++i) g[i] = through(g[i], dropout.head_origin(b, 0, tokens) + i);
+  }
+};
+
+//! out and dqkv (from 0) of attention with dropout on the probabilities, by the definitions, in
+//! double: out = dropout(P)·v; dv = dropout(P)^T dout; dP = mask(dout·v^T); dS = P ∘ (dP - Σ P dP).
+std::pair<std::vector<double>, std::vector<double>> dropout_reference(const Case& c, const std::vector<float>& qkv,
+                                                                      const std::vector<float>& dout,
+                                                                      AttentionMask mask, const AttentionDropout& drop) {
+  const QkvIndex at{c};
+  const std::int64_t T = c.T, C = c.C();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs));
+  std::vector<double> out(static_cast<std::size_t>(c.B * T * C), 0.0), dqkv(qkv.size(), 0.0);
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t h = 0; h < c.NH; ++h)
+      for (std::int64_t t = 0; t < T; ++t) {
+        const std::int64_t keys = keys_seen(mask, t, T);
+        std::vector<double> p(static_cast<std::size_t>(keys)), kept(p.size()), dp(p.size());
+        double max = -std::numeric_limits<double>::infinity(), sum = 0, shift = 0;
+        for (std::int64_t s = 0; s < keys; ++s) {
+          p[s] = 0;
+          for (std::int64_t i = 0; i < c.hs; ++i) p[s] += static_cast<double>(qkv[at(b, t, 0, h, i)]) * qkv[at(b, s, 1, h, i)];
+          max = std::max(max, p[s]);
+        }
+        for (auto& x : p) sum += (x = std::exp((x - max) * scale));
+        for (std::int64_t s = 0; s < keys; ++s) {
+          p[s] /= sum;
+          const bool keep = drop.mask.keep(drop.head_origin(b, h, T) + static_cast<std::uint64_t>(t * T + s));
+          kept[s] = keep ? drop.mask.scale() : 0.0;
+          dp[s] = 0;
+          for (std::int64_t i = 0; i < c.hs; ++i) {
+            const double g = dout[(b * T + t) * C + h * c.hs + i], v = qkv[at(b, s, 2, h, i)];
+            out[(b * T + t) * C + h * c.hs + i] += p[s] * kept[s] * v;
+            dqkv[at(b, s, 2, h, i)] += p[s] * kept[s] * g;
+            dp[s] += g * v * kept[s];
+          }
+          shift += p[s] * dp[s];
+        }
+        for (std::int64_t s = 0; s < keys; ++s)
+          for (std::int64_t i = 0; i < c.hs; ++i) {
+            const double ds = p[s] * (dp[s] - shift) * scale;
+            dqkv[at(b, t, 0, h, i)] += ds * qkv[at(b, s, 1, h, i)];
+            dqkv[at(b, s, 1, h, i)] += ds * qkv[at(b, t, 0, h, i)];
+          }
+      }
+  return {out, dqkv};
+}
+
+//! max |got - want| over max |want|.
+double scaled_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double error = 0, size = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    error = std::max(error, std::abs(static_cast<double>(got[i]) - want[i]));
+    size = std::max(size, std::abs(want[i]));
+  }
+  return error / size;
+}
+
+}  // namespace
+
+TEST_CASE("with dropout the steps multiply V by the dropped probabilities and pass datt through the mask (host "
+          "emulation of cuBLAS)") {
+  for (const AttentionMask mask : both_masks)
+    for (const Case& c : {Case{2, 7, 3, 5}, Case{2, 33, 3, 16}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      // Heads 1..3 of a model with 5, the micro-batch from the global batch's fourth sequence on.
+      const AttentionDropout dropout{.mask = DropoutMask(DropoutKey{.seed = 9, .step = 2}, 3, 2, 0.3),
+                                     .first_sequence = 3,
+                                     .heads = 5,
+                                     .first_head = 1};
+      const HostDropout drop{dropout, c.T, c.NH * c.T * c.T, {}};
+      const Data data = make_data(c, 13);
+      const auto [want_out, want_dqkv] = dropout_reference(c, data.qkv, data.dout, mask, dropout);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
+      const auto softmax = [&](float* scores, std::int64_t rows) {
+        for (std::int64_t row = 0; row < rows; ++row)
+          host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale);
+      };
+      std::vector<float> att(static_cast<std::size_t>(c.B * c.NH * c.T * c.T), not_a_number),
+          out(want_out.size(), not_a_number), dqkv(data.qkv.size(), 0.0f), dpre = scratch_block(c);
+      ca::forward_steps(dims(c, mask), out.data(), att.data(), data.qkv.data(), emulate_cublas, softmax, drop);
+      ca::backward_steps(dims(c, mask), dqkv.data(), data.dout.data(), data.qkv.data(), att.data(), dpre.data(),
+                         emulate_cublas, host_softmax_grad(c, mask), drop);
+      CHECK(scaled_error(out, want_out) < 1e-5);
+      CHECK(scaled_error(dqkv, want_dqkv) < 1e-5);
+      // Only lse kept: the same out and gradient.
+      std::vector<float> lse(static_cast<std::size_t>(c.B * c.NH * c.T), not_a_number), lse_out(out.size(), not_a_number),
+          lse_dqkv(dqkv.size(), 0.0f), probabilities = scratch_block(c), lse_dpre = scratch_block(c);
+      ca::forward_lse_steps(
+          dims(c, mask), lse_out.data(), lse.data(), data.qkv.data(), probabilities.data(), emulate_cublas,
+          [&](float* scores, float* lse_b, std::int64_t rows) {
+            for (std::int64_t row = 0; row < rows; ++row)
+              host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale, lse_b + row);
+          },
+          drop);
+      ca::backward_lse_steps(
+          dims(c, mask), lse_dqkv.data(), data.dout.data(), data.qkv.data(), lse.data(), probabilities.data(),
+          lse_dpre.data(), emulate_cublas,
+          [&](float* scores, const float* lse_b, std::int64_t rows) {
+            for (std::int64_t row = 0; row < rows; ++row)
+              host_probabilities_row(scores + row * c.T, lse_b[row], keys_seen(mask, row % c.T, c.T), c.T, scale);
+          },
+          host_softmax_grad(c, mask), drop);
+      CHECK(scaled_error(lse_out, want_out) < 1e-5);
+      CHECK(scaled_error(lse_dqkv, want_dqkv) < 1e-5);
+      // And the mask matters: without it the steps give another out.
+      std::vector<float> plain(out.size(), not_a_number);
+      ca::forward_steps(dims(c, mask), plain.data(), att.data(), data.qkv.data(), emulate_cublas, softmax);
+      CHECK(scaled_error(plain, want_out) > 1e-2);
+    }
+}
+
 TEST_CASE("the bidirectional steps change every query's out but the last one's (host emulation of cuBLAS)") {
   // Steps that ignored the mask would give the causal out, which differs from the bidirectional
   // one far beyond the tolerance for every query but the last (which sees every key either way).
@@ -735,6 +869,39 @@ TEST_CASE("attention_backward_lse from attention_forward_lse's own lse (the trai
                                                &forward.att, mask);
       check_reference(out.to_host(be), forward.out, tf32_tolerance, "out");
       check_reference(dqkv.to_host(be), ref, tf32_tolerance, "dqkv");
+    }
+  }
+}
+
+TEST_CASE("with dropout the four kernels give the by-definition out and gradient (fp32 products, both masks)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  be.set_tf32(false);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : {Case{2, 33, 3, 16}, Case{2, 130, 2, 64}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const AttentionDropout dropout{.mask = DropoutMask(DropoutKey{.seed = 9, .step = 2}, 3, 2, 0.3),
+                                     .first_sequence = 3,
+                                     .heads = 2 * c.NH,
+                                     .first_head = c.NH};
+      const Data data = make_data(c, 601);
+      const auto [want_out, want_dqkv] = dropout_reference(c, data.qkv, data.dout, mask, dropout);
+      const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
+      const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
+      const DeviceTensor dqkv(be, std::vector<float>(data.qkv.size(), 0.0f), Shape{c.B, c.T, 3 * c.C()});
+      attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH), mask, dropout);
+      attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH), mask,
+                                dropout);
+      CHECK(scaled_error(out.to_host(be), want_out) < 1e-5);
+      CHECK(scaled_error(dqkv.to_host(be), want_dqkv) < 1e-5);
+      const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), lse_out = nans(be, {c.B, c.T, c.C()});
+      const DeviceTensor lse_dqkv(be, std::vector<float>(data.qkv.size(), 0.0f), Shape{c.B, c.T, 3 * c.C()});
+      attention_forward_lse<float>(be, lse_out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH), mask, dropout);
+      attention_backward_lse<float>(be, lse_dqkv.view(), dout.cview(), qkv.cview(), lse_out.cview(), lse.cview(),
+                                    static_cast<int>(c.NH), mask, dropout);
+      CHECK(scaled_error(lse_out.to_host(be), want_out) < 1e-5);
+      CHECK(scaled_error(lse_dqkv.to_host(be), want_dqkv) < 1e-5);
     }
   }
 }

@@ -697,6 +697,27 @@ TEST_CASE("copy, add_to and zero") {
                        doctest::Contains("copy: argument dst element count: got 5; expected 4"), Error);
 }
 
+TEST_CASE("dropout keeps the elements the host mask keeps, scaled, at any offset into the global tensor") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const DropoutMask mask(DropoutKey{.seed = 7, .step = 3}, 2, 1, 0.3);
+  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{300007}})
+    for (const std::int64_t first : {std::int64_t{0}, std::int64_t{1}, std::int64_t{3}, std::int64_t{1} << 33}) {
+      CAPTURE(n);
+      CAPTURE(first);
+      const std::vector<float> a = random_floats(n, 704);
+      std::vector<float> want(a.size());
+      for (std::int64_t i = 0; i < n; ++i)
+        want[i] = mask.keep(static_cast<std::uint64_t>(first + i)) ? a[i] * static_cast<float>(mask.scale()) : 0.0f;
+      const DeviceTensor x(be, a, Shape{n});
+      dropout<float>(be, x.view(), mask, first);
+      CHECK(x.to_host(be) == want);
+      // An inactive mask leaves the values alone.
+      dropout<float>(be, x.view(), DropoutMask(), first);
+      CHECK(x.to_host(be) == want);
+    }
+}
+
 TEST_CASE("adamw_update and sgd_momentum_update follow torch's formulas over three steps") {
   if (!have_gpu()) return;
   loom::cuda be(0);

@@ -1,8 +1,8 @@
 // GPT-2 training on the CUDA backend against one CPU rank (DESIGN.md invariant 3): one GPU, then
 // every strategy and schedule with several ranks sharing the GPU(s) through the threads
 // communicator staged through host memory, then NCCL (a world of one GPU, and 2 ranks where
-// there are 2 GPUs); and BERT (bidirectional attention, masked-LM head) on one GPU and on meshes
-// sharing it.
+// there are 2 GPUs); BERT (bidirectional attention, masked-LM head) on one GPU and on meshes
+// sharing it; and dropout (hidden and attention) drawing the CPU's masks.
 //
 // Tolerance: 1e-4 relative on losses, gradient norms and weights after 5 AdamW steps, with TF32
 // off (full fp32 products). The CPU meshes agree with one rank to 1e-5; the GPU kernels add
@@ -187,6 +187,26 @@ TEST_CASE("keeping only the attention's log-sum-exp, one GPU and a DP x TP mesh 
   check_parity(train_steps(trainer, global_batch, seq), reference(0.0), gpu_tolerance);
   const std::vector<std::string> failures = staged_mesh_failures(
       {.dp = 2, .tp = 2, .pp = 1}, 0.05, DataParallel{}, GradientAccumulation{}, gpt2::Attention::recompute);
+  CHECK_MESSAGE(failures.empty(), joined(failures));
+}
+
+TEST_CASE("with dropout, one GPU and a DP x TP mesh sharing it drop the CPU's elements and train as it does") {
+  if (!have_gpu()) return;
+  gpt2::Config config = small_test_config();
+  config.hidden_dropout = config.attention_dropout = 0.1;
+  const ParityRun expected = cpu_dropout_reference_run(global_batch, seq, 0.1);
+  for (gpt2::Attention attention : {gpt2::Attention::stored, gpt2::Attention::recompute}) {
+    CAPTURE(attention);
+    loom::cuda be(0);
+    be.set_tf32(false);
+    Trainer<Gpt, AdamW> trainer(be, Gpt(config, attention), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                {.micro_batch_size = global_batch, .seed = 5});
+    check_parity(train_steps(trainer, global_batch, seq), expected, gpu_tolerance);
+  }
+  const std::vector<std::string> failures = staged_failures<Gpt>(
+      {.dp = 2, .tp = 2, .pp = 1}, 0.0, Zero<1>{}, GradientAccumulation{},
+      [&](auto& tensor_parallel) { return Gpt(config, tensor_parallel); },
+      [](auto& trainer) { return train_steps(trainer, global_batch, seq); }, expected, Gpt(config).layout());
   CHECK_MESSAGE(failures.empty(), joined(failures));
 }
 

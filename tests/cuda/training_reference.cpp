@@ -11,6 +11,16 @@ ParityRun cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double 
   return single_rank_run(global_batch, seq, clip);
 }
 
+ParityRun cpu_dropout_reference_run(std::int64_t global_batch, std::int64_t seq, double rate) {
+  using Gpt = gpt2::Model<cpu, float>;
+  gpt2::Config config = small_test_config();
+  config.hidden_dropout = config.attention_dropout = rate;
+  cpu be(1);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(config), AdamW({.weight_decay = 0.1}), parity_lr(),
+                              {.micro_batch_size = global_batch, .seed = 5});
+  return train_steps(trainer, global_batch, seq);
+}
+
 ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq) {
   using Bert = bert::Model<cpu, float>;
   cpu be(1);

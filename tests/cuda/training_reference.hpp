@@ -13,6 +13,10 @@ namespace loom::test {
 //! one micro-batch (parity.hpp's single_rank_run).
 ParityRun cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double clip);
 
+//! cpu_reference_run (no clipping) with the config's hidden and attention dropout at `rate`: the
+//! masks the GPU must draw too.
+ParityRun cpu_dropout_reference_run(std::int64_t global_batch, std::int64_t seq, double rate);
+
 //! parity_steps AdamW steps of bert_test_config() on masked_test_source()'s batches, on one CPU
 //! rank, the whole global batch in one micro-batch, gradients clipped to 1.
 ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq);

@@ -19,6 +19,7 @@
 #include "loom/models/bert/model.hpp"
 #include "support/gradcheck.hpp"
 #include "support/masked_lm_training.hpp"
+#include "support/model_pass.hpp"
 #include "support/parity_check.hpp"
 
 using namespace loom;
@@ -35,108 +36,14 @@ constexpr std::int64_t global_batch = 8, seq = 16;
 io::MaskedLm<io::SyntheticMarkov> test_source() { return masked_test_source(); }
 bert::Config test_config() { return bert_test_config(); }
 
-template <class T>
-Tensor<T> flat(std::vector<T>& v) {
-  return {v.data(), {static_cast<std::int64_t>(v.size())}};
-}
-
-//! The model's initial values plus noise, so that biases and layernorm parameters are not 0 or 1.
-template <class T>
-std::vector<T> noisy_parameters(const ParameterLayout& layout) {
-  std::vector<T> v(static_cast<std::size_t>(layout.total()));
-  layout.initialize(v.data(), 5);
-  const std::vector<double> noise = random_vector<double>(v.size(), 17, -0.1, 0.1);
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] += static_cast<T>(noise[i]);
-  return v;
-}
-
-//! How a whole-model backward runs: combined, or each layer's input pass then its weight pass.
-enum class Pass { combined, split };
-
-//! The mean masked-LM loss of `batch` and (when `grads` is non-null) its gradient w.r.t. every
-//! parameter, layer by layer on one rank.
-template <class T>
-double loss_and_gradient(const bert::Model<cpu, T>& model, cpu& be, const std::vector<T>& params,
-                         const io::Batch& batch, std::vector<T>* grads, Pass pass = Pass::combined) {
-  const MicroBatchShape s{batch.batch, batch.seq};
-  const int layers = model.num_layers();
-  const auto hidden = static_cast<std::size_t>(model.hidden_elements(s));
-  const Shape hidden_shape{s.batch, s.seq, model.config().channels};
-  std::vector<std::vector<T>> saved(static_cast<std::size_t>(layers)), outputs(static_cast<std::size_t>(layers));
-  const ParameterView<const T> p(params.data());
-  double loss = 0;
-  for (int l = 0; l < layers; ++l) {
-    saved[l].resize(static_cast<std::size_t>(model.activation_elements(l, s)));
-    if (l + 1 < layers) outputs[l].resize(hidden);
-    const ForwardArgs<T> f{.tokens = batch.tokens_view(), .targets = batch.targets_view(),
-                           .input = l == 0 ? Tensor<const T>{} : Tensor<const T>(outputs[l - 1].data(), hidden_shape),
-                           .output = l + 1 < layers ? Tensor<T>(outputs[l].data(), hidden_shape) : Tensor<T>{},
-                           .saved = flat(saved[l])};
-    loss += model.forward(be, l, p, f);
-  }
-  const auto targets = static_cast<double>(batch.target_count());
-  if (grads == nullptr) return loss / targets;
-  grads->assign(params.size(), T(0));
-  const ParameterView<T> g(grads->data());
-  std::vector<T> output_grad, input_grad;
-  for (int l = layers - 1; l >= 0; --l) {
-    input_grad.assign(l == 0 ? 0 : hidden, T(0));
-    std::vector<T> workspace(static_cast<std::size_t>(model.workspace_elements(l, s)));
-    std::vector<T> stash(static_cast<std::size_t>(model.stash_elements(l, s)));
-    const BackwardArgs<T> b{.tokens = batch.tokens_view(), .targets = batch.targets_view(),
-                            .input = l == 0 ? Tensor<const T>{} : Tensor<const T>(outputs[l - 1].data(), hidden_shape),
-                            .output_grad = l + 1 < layers ? Tensor<const T>(output_grad.data(), hidden_shape)
-                                                          : Tensor<const T>{},
-                            .input_grad = l == 0 ? Tensor<T>{} : Tensor<T>(input_grad.data(), hidden_shape),
-                            .saved = flat(saved[l]),
-                            .workspace = flat(workspace),
-                            .loss_scale = static_cast<accumulate_t<T>>(1.0 / targets)};
-    if (pass == Pass::combined) {
-      model.backward(be, l, p, g, b);
-    } else {
-      model.backward_input(be, l, p, g, b, flat(stash));
-      // The weight pass reads neither the output gradient, the input gradient nor the workspace.
-      BackwardArgs<T> w = b;
-      w.output_grad = {};
-      w.input_grad = {};
-      w.workspace = {};
-      model.backward_weight(be, l, p, g, w, flat(stash));
-    }
-    output_grad = input_grad;
-  }
-  return loss / targets;
-}
-
 //! The gradient of the whole model in double against central differences, at a few elements of
 //! every parameter tensor.
 void check_gradient(bert::Attention attention) {
   const bert::Config c{.max_seq_len = 6, .vocab_size = 11, .padded_vocab_size = 12, .num_layers = 2,
                        .num_heads = 2, .channels = 8};
   const bert::Model<cpu, double> model(c, attention);
-  cpu be(1);
-  std::vector<double> params = noisy_parameters<double>(model.layout());
   const auto source = io::MaskedLm(io::SyntheticMarkov({.vocab_size = 10, .seed = 3}), {.select_probability = 0.4});
-  const io::Batch batch = source.batch_at(0, 2, 5);
-  std::vector<double> grads;
-  loss_and_gradient(model, be, params, batch, &grads);
-  for (const auto& e : model.layout().entries()) {
-    CAPTURE(e.spec.name);
-    // A few elements spread over the tensor (wte's: the rows of tokens the batch holds too).
-    for (std::int64_t k : {std::int64_t{0}, e.numel() / 3, e.numel() / 2, e.numel() - 1}) {
-      CAPTURE(k);
-      double& x = params[static_cast<std::size_t>(e.offset + k)];
-      std::vector<double> one{x};
-      const auto numeric = finite_difference(
-          [&] {
-            x = one[0];
-            return loss_and_gradient<double>(model, be, params, batch, nullptr);
-          },
-          std::span<double>(one), 1e-5);
-      x = one[0];
-      const double analytic = grads[static_cast<std::size_t>(e.offset + k)];
-      CHECK(std::abs(analytic - numeric[0]) <= 1e-7 + 1e-6 * std::abs(numeric[0]));
-    }
-  }
+  check_model_gradient(model, noisy_parameters<double>(model.layout()), source.batch_at(0, 2, 5));
 }
 
 //! One-rank training of test_config() on the whole global batch.

@@ -19,6 +19,7 @@
 #include "loom/comm/threads.hpp"
 #include "loom/loom.hpp"
 #include "support/gradcheck.hpp"
+#include "support/model_pass.hpp"
 #include "support/training.hpp"
 
 using namespace loom;
@@ -47,11 +48,6 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 template <class T>
 std::vector<T> garbage(std::int64_t n) {
   return std::vector<T>(static_cast<std::size_t>(n), std::numeric_limits<T>::quiet_NaN());
-}
-
-template <class T>
-Tensor<T> flat(std::vector<T>& v) {
-  return {v.data(), {static_cast<std::int64_t>(v.size())}};
 }
 
 //! GPT-2's initial values plus noise keyed by (name, global index): every tensor-parallel rank

@@ -36,4 +36,10 @@ concept Backend = requires { typename B::loom_backend; } &&
 template <Backend B>
 inline constexpr bool host_addressable = !requires { requires B::device_memory; };
 
+//! Whether a backend's attention kernels take dropout on the probabilities (AttentionDropout).
+//! One whose kernels do not yet says so with `static constexpr bool attention_dropout = false;`,
+//! and models refuse an attention dropout rate on it when they are built.
+template <Backend B>
+inline constexpr bool supports_attention_dropout = !requires { requires !B::attention_dropout; };
+
 }  // namespace loom

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "loom/core/accumulate.hpp"
+#include "loom/core/dropout.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
@@ -30,6 +31,7 @@ struct ForwardArgs {
   Tensor<const T> input;               //!< [B, T, C] from the previous layer (empty for the first)
   Tensor<T> output;                    //!< [B, T, C] for the next layer (empty for the last)
   Tensor<T> saved;                     //!< activation_elements(layer, shape): kept for backward
+  DropoutKey dropout{};                //!< keys the layer's dropout masks; default: no dropout
 };
 
 //! What one layer's backward reads and writes. Gradients accumulate (+=).
@@ -45,6 +47,7 @@ struct BackwardArgs {
   //! d total loss / d per-token loss (1 / tokens of the global batch), in the accumulate type:
   //! float for bf16, where 1 / tokens would lose all but 8 bits.
   accumulate_t<T> loss_scale = accumulate_t<T>(1);
+  DropoutKey dropout{};  //!< the forward's key: the backward draws the same masks
 };
 
 //! A Model is an ordered list of layers over named parameters in one flat layout, each layer

@@ -40,7 +40,9 @@ namespace loom {
 struct TrainerOptions {
   std::int64_t micro_batch_size = 1;  //!< sequences per micro-batch on each rank
   double clip_grad_norm = 0.0;        //!< clip the global gradient norm to this; 0 = off
-  std::uint64_t seed = 1337;          //!< keys every parameter's initial values
+  //! Keys every parameter's initial values, and (with the step and the position in the global
+  //! batch) every dropout mask.
+  std::uint64_t seed = 1337;
 
   friend bool operator==(const TrainerOptions&, const TrainerOptions&) = default;
   friend std::ostream& operator<<(std::ostream& out, const TrainerOptions& o) {
@@ -156,7 +158,9 @@ class Trainer {
                                        mb_targets = micro(batch_targets, a.micro_batch);
       issue(plan_[i]);
       switch (a.kind) {
-        case Action::Kind::forward: loss_sum += forward(a.micro_batch, a.chunk, mb_tokens, mb_targets); break;
+        case Action::Kind::forward:
+          loss_sum += forward(a.micro_batch, a.chunk, mb_tokens, mb_targets, dropout_key(a.micro_batch));
+          break;
         case Action::Kind::backward:
         case Action::Kind::backward_input:
           backward(a, mb_tokens, mb_targets, loss_scale, completes_chunk_[i]);
@@ -210,7 +214,8 @@ class Trainer {
     for (std::size_t i = 0; i < evaluate_actions_.size(); ++i) {
       const Action& a = evaluate_actions_[i];
       issue(evaluate_plan_[i]);
-      loss_sum += forward(a.micro_batch, a.chunk, micro(tokens, a.micro_batch), micro(targets, a.micro_batch));
+      // No dropout: evaluation measures the model itself.
+      loss_sum += forward(a.micro_batch, a.chunk, micro(tokens, a.micro_batch), micro(targets, a.micro_batch), {});
       release(find(a.micro_batch, a.chunk));
     }
     issue(evaluate_plan_.back());
@@ -696,7 +701,14 @@ class Trainer {
             Shape{offsets[static_cast<std::size_t>(j) + 1] - offsets[static_cast<std::size_t>(j)]}};
   }
 
-  double forward(std::int64_t mb, int chunk, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
+  //! The dropout key of micro-batch `mb` in this step: the seed, the steps done, and the global
+  //! index of its first sequence (DESIGN.md invariant 2: masks do not depend on the mesh).
+  DropoutKey dropout_key(std::int64_t mb) const noexcept {
+    return {.seed = options_.seed, .step = step_, .first_sequence = first_row_ + mb * options_.micro_batch_size};
+  }
+
+  double forward(std::int64_t mb, int chunk, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
+                 DropoutKey dropout) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(chunk)];
     Slot* received = held(mb, chunk);  // a receive from another rank took the slot (issue)
     Slot& slot = received != nullptr ? *received : acquire(mb, chunk);
@@ -708,7 +720,8 @@ class Trainer {
                        .targets = targets,
                        .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                        .output = j + 1 < p.count || p.sends ? hidden(slot, p, j + 1) : Tensor<T>{},
-                       .saved = range(slot.saved, p.saved_offset, j)};
+                       .saved = range(slot.saved, p.saved_offset, j),
+                       .dropout = dropout};
       loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
     }
@@ -744,7 +757,8 @@ class Trainer {
                         .input_grad = input_grad,
                         .saved = range(slot.saved, p.saved_offset, j),
                         .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
-                        .loss_scale = loss_scale};
+                        .loss_scale = loss_scale,
+                        .dropout = dropout_key(mb)};
       if (action.kind == Action::Kind::backward) {
         stage_.backward(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a);
         notify(l, completes);
@@ -779,7 +793,8 @@ class Trainer {
                           .input_grad = {},
                           .saved = range(slot.saved, p.saved_offset, j),
                           .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
-                          .loss_scale = loss_scale};
+                          .loss_scale = loss_scale,
+                          .dropout = dropout_key(action.micro_batch)};
         stage_.backward_weight(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a,
                                range(slot.stash, p.stash_offset, j));
         notify(l, completes);

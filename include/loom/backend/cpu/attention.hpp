@@ -5,7 +5,9 @@
 //! the score matrix is computed (the bidirectional one computes all of it). Two pairs of kernels:
 //! attention_forward/attention_backward keep the probabilities [B,NH,T,T] for the backward;
 //! attention_forward_lse/attention_backward_lse keep only the row log-sum-exp [B,NH,T] and
-//! recompute the probabilities block by block (FlashAttention's contract).
+//! recompute the probabilities block by block (FlashAttention's contract). Each takes an optional
+//! AttentionDropout: out = dropout(P) V, with P (what att and lse keep) the undropped softmax,
+//! and the backward given the forward's AttentionDropout draws the same mask again.
 
 #include <Eigen/Core>
 
@@ -19,8 +21,10 @@
 #include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
+#include "loom/backend/cpu/dropout.hpp"
 #include "loom/backend/detail/attention_checks.hpp"
 #include "loom/core/accumulate.hpp"
+#include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -106,15 +110,32 @@ inline std::int64_t row_keys(AttentionMask mask, std::int64_t t, std::int64_t Tn
   return mask == AttentionMask::causal ? t + 1 : Tn;
 }
 
+//! The dropped probabilities of query rows [i0, i1): row t of `dropped` (rows T apart) is row t
+//! of `probs` (rows T apart) through `drop` at global elements origin + t·T + s, zero from the
+//! row's keys up to `keys`. Returns `dropped`.
+template <class A>
+const A* drop_block(const DropoutMask& drop, std::uint64_t origin, const A* probs, A* dropped, std::int64_t i0,
+                    std::int64_t i1, std::int64_t keys, std::int64_t Tn, AttentionMask mask) {
+  for (std::int64_t t = i0; t < i1; ++t) {
+    const std::int64_t seen = row_keys(mask, t, Tn), r = t - i0;
+    dropout_row(drop, origin + static_cast<std::uint64_t>(t * Tn), probs + r * Tn, dropped + r * Tn, seen);
+    std::fill(dropped + r * Tn + seen, dropped + r * Tn + keys, A(0));
+  }
+  return dropped;
+}
+
 //! One (batch, head) of the forward in the accumulate type A: q, k, v [T, hs] with rows
 //! `qkv_stride` apart, out [T, hs] with rows `out_stride` apart. The probabilities go to att
 //! [T, T] (contiguous; with the causal mask 0 above the diagonal); where att is null, each block
 //! of query rows goes in turn to `block` ([min(T, 64), T] scratch) and lse[t] = log Σ_s exp(scale
 //! q_t·k_s) over the keys s that t sees is kept instead. Either way out comes from the same
-//! arithmetic.
+//! arithmetic. With an active `drop`, out = dropout(P) V (the mask of element (t, s) is that of
+//! global element origin + t·T + s), the dropped block going to `dropped` ([min(T, 64), T]
+//! scratch); att and lse are the softmax's, undropped.
 template <class A>
 void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A* att, A* lse, A* block,
-                  A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask) {
+                  A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask,
+                  const DropoutMask& drop, std::uint64_t origin, A* dropped) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> O(out, Tn, hs, Eigen::OuterStride<>(out_stride));
@@ -134,7 +155,8 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
       if (lse != nullptr) lse[t] = static_cast<A>(static_cast<double>(max) * scale + std::log(sum));
       std::fill(row + seen, row + (att != nullptr ? Tn : keys), A(0));
     }
-    O.middleRows(i0, n).noalias() = ConstStrided<A>(probs, n, keys, Eigen::OuterStride<>(Tn)) * V.topRows(keys);
+    const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask) : probs;
+    O.middleRows(i0, n).noalias() = ConstStrided<A>(weights, n, keys, Eigen::OuterStride<>(Tn)) * V.topRows(keys);
   }
 }
 
@@ -145,11 +167,14 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
 //! over the keys s that t sees, and each row's sum_s P dP (the softmax backward's shift) is
 //! dout_t·out_t from the forward's out [T, hs] (rows `dout_stride` apart), as the GPU's tiled
 //! kernel forms it. `work` and `block` are [min(T, block_rows), T] scratch (block and out unused
-//! with att).
+//! with att). With an active `drop` (the forward's): dV from the dropped probabilities (into
+//! `dropped`, [min(T, 64), T] scratch), dP through the mask, and the rest on the undropped P
+//! (sum_s P dP is still dout_t·out_t: out is the dropped probabilities times V).
 template <class A>
 void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std::int64_t qkv_stride,
                    const A* dout, const A* out, std::int64_t dout_stride, const A* att, const A* lse, A* block,
-                   A* work, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask) {
+                   A* work, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask, const DropoutMask& drop,
+                   std::uint64_t origin, A* dropped) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> dQ(dq, Tn, hs, qkv_outer), dK(dk, Tn, hs, qkv_outer), dV(dv, Tn, hs, qkv_outer);
@@ -169,7 +194,8 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
         std::fill(row + seen, row + keys, A(0));
       }
     }
-    const ConstStrided<A> P(probs, n, keys, Eigen::OuterStride<>(Tn));
+    const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask) : probs;
+    const ConstStrided<A> P(weights, n, keys, Eigen::OuterStride<>(Tn));
     const auto dO_block = dO.middleRows(i0, n);
     // dV += P^T dO (P is 0 past each row's keys, so the block's masked part adds nothing).
     dV.topRows(keys).noalias() += P.transpose() * dO_block;
@@ -180,6 +206,7 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
       const std::int64_t t = i0 + r, seen = row_keys(mask, t, Tn);
       const ConstArrayMap<A> p(probs + r * Tn, seen);
       ArrayMap<A> g(work + r * Tn, seen);
+      if (drop.active()) dropout_row(drop, origin + static_cast<std::uint64_t>(t * Tn), g.data(), g.data(), seen);
       const A shift = static_cast<A>(att != nullptr ? dot_as_double(g.data(), p.data(), seen)
                                                     : dot_as_double(dout + t * dout_stride, out + t * dout_stride, hs));
       g = p * (g - shift);
@@ -202,13 +229,16 @@ A softmax_scale(std::int64_t head_size) {
 //! checked arguments (the mask in `d`): one task per (batch, head). On bf16 each head's q, k, v
 //! are widened to float, the head runs in float, and out (and att) are rounded once.
 template <class T>
-void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>* lse, const T* qkv) {
+void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>* lse, const T* qkv,
+                   const AttentionDropout& drop) {
   using A = accumulate_t<T>;
   const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
   const A scale = softmax_scale<A>(hs);
   const std::int64_t rows = std::min(Tn, block_rows);
   // Allocated here, not in the parallel region, so that a failed allocation throws normally.
-  std::vector<A> blocks(att != nullptr ? 0 : static_cast<std::size_t>(be.threads() * rows * Tn));
+  // Per thread a block of recomputed probabilities without att, and one of dropped ones.
+  const std::int64_t per_thread = ((att != nullptr ? 0 : 1) + (drop.mask.active() ? 1 : 0)) * rows * Tn;
+  std::vector<A> blocks(static_cast<std::size_t>(be.threads() * per_thread));
   // bf16: per thread q, k, v and out [T, hs] in float, and att [T, T] where it is kept.
   Staging<T> staging(be.threads(), 4 * Tn * hs + (att != nullptr ? Tn * Tn : 0));
 
@@ -217,7 +247,8 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
     serial_gemm_in_this_task();
     const int thread = thread_index();
     A* stage = staging.at(thread);
-    A* block = blocks.empty() ? nullptr : blocks.data() + thread * rows * Tn;
+    A* block = att != nullptr ? nullptr : blocks.data() + thread * per_thread;
+    A* dropped = drop.mask.active() ? blocks.data() + thread * per_thread + (att != nullptr ? 0 : rows * Tn) : nullptr;
 #pragma omp for schedule(static)
     for (std::int64_t bh = 0; bh < B * NH; ++bh) {
       const std::int64_t b = bh / NH, h = bh % NH;
@@ -225,17 +256,19 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
       T* att_head = att != nullptr ? att + bh * Tn * Tn : nullptr;
       A* lse_head = lse != nullptr ? lse + bh * Tn : nullptr;
       T* out_head = out + b * Tn * C + h * hs;
+      const std::uint64_t origin = drop.head_origin(b, h, Tn);
       if constexpr (is_narrow_storage<T>) {
         // q, k, v: three [T, hs] blocks C apart in qkv; then out and att.
         for (int i = 0; i < 3; ++i) widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, stage + i * Tn * hs);
         A* so = stage + 3 * Tn * hs;
         A* sa = att != nullptr ? so + Tn * hs : nullptr;
         head_forward<A>(stage, stage + Tn * hs, stage + 2 * Tn * hs, hs, sa, lse_head, block, so, hs, Tn, hs, scale,
-                        d.mask);
+                        d.mask, drop.mask, origin, dropped);
         if (att != nullptr) narrow_into(sa, att_head, Tn * Tn);
         narrow_block(so, hs, out_head, C, Tn, hs);
       } else {
-        head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, lse_head, block, out_head, C, Tn, hs, scale, d.mask);
+        head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, lse_head, block, out_head, C, Tn, hs, scale, d.mask,
+                        drop.mask, origin, dropped);
       }
     }
   }
@@ -247,14 +280,15 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
 //! widened to float, and dqkv rounded once.
 template <class T>
 void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att,
-                    const T* out, const accumulate_t<T>* lse) {
+                    const T* out, const accumulate_t<T>* lse, const AttentionDropout& drop) {
   using A = accumulate_t<T>;
   const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
   const A scale = softmax_scale<A>(hs);
   const std::int64_t rows = std::min(Tn, block_rows);
   // Per thread one [rows, T] block for dS, and one for the recomputed probabilities without att;
   // allocated here, not in the parallel region, so that a failed allocation throws normally.
-  const std::int64_t per_thread = (att != nullptr ? 1 : 2) * rows * Tn;
+  // And one for the dropped probabilities with dropout.
+  const std::int64_t per_thread = ((att != nullptr ? 1 : 2) + (drop.mask.active() ? 1 : 0)) * rows * Tn;
   std::vector<A> scratch(static_cast<std::size_t>(be.threads() * per_thread));
   // bf16: per thread q, k, v, dq, dk, dv, dout [T, hs] in float, and att [T, T] where given, else
   // out [T, hs].
@@ -266,6 +300,7 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
     const int thread = thread_index();
     A* work = scratch.data() + thread * per_thread;
     A* block = att != nullptr ? nullptr : work + rows * Tn;
+    A* dropped = drop.mask.active() ? work + (att != nullptr ? 1 : 2) * rows * Tn : nullptr;
     A* stage = staging.at(thread);
 #pragma omp for schedule(static)
     for (std::int64_t bh = 0; bh < B * NH; ++bh) {
@@ -277,6 +312,7 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
       const T* o = out != nullptr ? out + b * Tn * C + h * hs : nullptr;
       const T* a = att != nullptr ? att + bh * Tn * Tn : nullptr;
       const A* l = lse != nullptr ? lse + bh * Tn : nullptr;
+      const std::uint64_t origin = drop.head_origin(b, h, Tn);
       if constexpr (is_narrow_storage<T>) {
         // q, k, v, dq, dk, dv: six [T, hs] blocks at C apart in qkv and dqkv; then dout, and att
         // or out.
@@ -292,11 +328,12 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
         if (a != nullptr) widen_into(a, sa, Tn * Tn);
         else widen_block(o, C, 0, Tn, 0, hs, so);
         head_backward<A>(blocks, blocks + Tn * hs, blocks + 2 * Tn * hs, blocks + 3 * Tn * hs, blocks + 4 * Tn * hs,
-                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale, d.mask);
+                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale, d.mask, drop.mask,
+                         origin, dropped);
         for (int i = 0; i < 3; ++i) narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
       } else {
         head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, o, C, a, l, block, work, Tn, hs,
-                         scale, d.mask);
+                         scale, d.mask, drop.mask, origin, dropped);
       }
     }
   }
@@ -317,11 +354,11 @@ namespace loom::inline kernels {
 //! bidirectional one all of it.
 template <class T>
 void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
-                       AttentionMask mask = AttentionMask::causal) {
+                       AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_forward(out, att, qkv, num_heads, mask);
   if (d.empty()) return;
-  ad::forward_heads<T>(be, d, out.data(), att.data(), nullptr, qkv.data());
+  ad::forward_heads<T>(be, d, out.data(), att.data(), nullptr, qkv.data(), dropout);
 }
 
 //! Multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
@@ -330,11 +367,12 @@ void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const
 //! bf16 each head's operands (and its slice of dqkv) are widened to float, and dqkv rounded once.
 template <class T>
 void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal) {
+                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal,
+                        const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads, mask);
   if (d.empty()) return;
-  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr);
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr, dropout);
 }
 
 //! Self-attention forward (causal or bidirectional, `mask`) that keeps only the row log-sum-exp
@@ -345,11 +383,12 @@ void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Ten
 //! allocated.
 template <class T>
 void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
-                           int num_heads, AttentionMask mask = AttentionMask::causal) {
+                           int num_heads, AttentionMask mask = AttentionMask::causal,
+                           const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads, mask);
   if (d.empty()) return;
-  ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data());
+  ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data(), dropout);
 }
 
 //! Self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that attention_forward_lse
@@ -361,11 +400,11 @@ void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>>
 template <class T>
 void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
-                            AttentionMask mask = AttentionMask::causal) {
+                            AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, mask);
   if (d.empty()) return;
-  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data());
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data(), dropout);
 }
 
 }  // namespace loom::inline kernels

@@ -3,6 +3,7 @@
 
 #include "loom/backend/cpu/attention.hpp"
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/cpu/dropout.hpp"
 #include "loom/backend/cpu/elementwise.hpp"
 #include "loom/backend/cpu/embedding.hpp"
 #include "loom/backend/cpu/gelu.hpp"

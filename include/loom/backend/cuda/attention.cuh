@@ -28,11 +28,13 @@
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/flash_attention.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/elementwise.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/cuda/matmul.cuh"
 #include "loom/backend/detail/attention_checks.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
+#include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
 #include "loom/core/tensor.hpp"
@@ -98,7 +100,20 @@ inline BatchedGemm key_grad_gemm(const attention::Dims& d) {
 // The steps below are plain host code taking the GEMM and row kernels as callables, so that the
 // host test runs these very sequences with cuBLAS emulated. `run_gemm(plan, a, b, c, float beta)`
 // runs a BatchedGemm; the row callables take a [rows, T] block of T x T matrices in place (and
-// apply d.mask: the GEMMs are the same for both masks).
+// apply d.mask: the GEMMs are the same for both masks). `drop` is the dropout on the
+// probabilities: `drop.probabilities(att_b, b)` gives the dropped probabilities of batch element
+// b (what multiplies V, and what dV is formed from), `drop.gradient(dpre, b)` passes their
+// gradient through the same mask in place; the softmax and its backward see the undropped ones.
+
+//! The steps' `drop` without dropout.
+struct NoDropout {
+  template <class T>
+  const T* probabilities(const T* att_b, std::int64_t) const {
+    return att_b;
+  }
+  template <class T>
+  void gradient(T*, std::int64_t) const {}
+};
 
 //! Raw scores of every head of batch element b into `att_b` ([NH,T,T]).
 template <class T, class RunGemm>
@@ -117,10 +132,12 @@ void context_step(const attention::Dims& d, std::int64_t b, T* out, const T* att
 
 //! The backward of batch element b from its probabilities `att_b` ([NH,T,T]): datt into `dpre`
 //! ([NH,T,T] scratch), dv, `run_softmax_grad(dpre, att_b, rows)` turning datt into the score
-//! gradient in place, dq, dk.
-template <class T, class RunGemm, class RunSoftmaxGrad>
+//! gradient in place, dq, dk. With dropout, dv comes from the dropped probabilities and datt
+//! passes through the mask before the softmax's backward.
+template <class T, class RunGemm, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T* dout, const T* qkv,
-                      const T* att_b, T* dpre, RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad) {
+                      const T* att_b, T* dpre, RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad,
+                      const Drop& drop = {}) {
   const std::int64_t Tn = d.tokens, C = d.channels;
   // Head 0 of batch element b; the plans step from head to head.
   const T* q = qkv + b * Tn * 3 * C;
@@ -129,7 +146,8 @@ void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T
   T *dk = dq + C, *dv = dq + 2 * C;
   const T* g = dout + b * Tn * C;
   run_gemm(att_grad_gemm(d), v, g, dpre, 0.0f);  // datt, the whole T x T of each head
-  run_gemm(value_grad_gemm(d), g, att_b, dv, 1.0f);
+  run_gemm(value_grad_gemm(d), g, drop.probabilities(att_b, b), dv, 1.0f);
+  drop.gradient(dpre, b);
   run_softmax_grad(dpre, att_b, d.heads * Tn);  // datt -> dpre, in place
   run_gemm(query_grad_gemm(d), k, dpre, dq, 1.0f);
   run_gemm(key_grad_gemm(d), q, dpre, dk, 1.0f);
@@ -137,50 +155,51 @@ void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T
 
 //! attention_forward's steps in order, over all batch elements: the scores of every batch
 //! element into att, `run_softmax(att, rows)` over all of them at once, then out.
-template <class T, class RunGemm, class RunSoftmax>
+template <class T, class RunGemm, class RunSoftmax, class Drop = NoDropout>
 void forward_steps(const attention::Dims& d, T* out, T* att, const T* qkv, RunGemm&& run_gemm,
-                   RunSoftmax&& run_softmax) {
+                   RunSoftmax&& run_softmax, const Drop& drop = {}) {
   const std::int64_t B = d.batch, Tn = d.tokens, NH = d.heads;
   for (std::int64_t b = 0; b < B; ++b) scores_step(d, b, qkv, att + b * NH * Tn * Tn, run_gemm);
   run_softmax(att, B * NH * Tn);  // every row of every head at once
-  for (std::int64_t b = 0; b < B; ++b) context_step(d, b, out, att + b * NH * Tn * Tn, qkv, run_gemm);
+  for (std::int64_t b = 0; b < B; ++b)
+    context_step(d, b, out, drop.probabilities(static_cast<const T*>(att + b * NH * Tn * Tn), b), qkv, run_gemm);
 }
 
 //! attention_backward's steps in order: backward_element for each batch element, reading att.
-template <class T, class RunGemm, class RunSoftmaxGrad>
+template <class T, class RunGemm, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att, T* dpre,
-                    RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad) {
+                    RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad, const Drop& drop = {}) {
   const std::int64_t NH = d.heads, Tn = d.tokens;
   for (std::int64_t b = 0; b < d.batch; ++b)
-    backward_element(d, b, dqkv, dout, qkv, att + b * NH * Tn * Tn, dpre, run_gemm, run_softmax_grad);
+    backward_element(d, b, dqkv, dout, qkv, att + b * NH * Tn * Tn, dpre, run_gemm, run_softmax_grad, drop);
 }
 
 //! attention_forward_lse's steps in order, one batch element at a time through `att_b` ([NH,T,T]
 //! scratch): scores, `run_softmax_lse(att_b, lse_b, rows)` turning them into probabilities and
 //! writing each row's log-sum-exp, out.
-template <class T, class A, class RunGemm, class RunSoftmaxLse>
+template <class T, class A, class RunGemm, class RunSoftmaxLse, class Drop = NoDropout>
 void forward_lse_steps(const attention::Dims& d, T* out, A* lse, const T* qkv, T* att_b, RunGemm&& run_gemm,
-                       RunSoftmaxLse&& run_softmax_lse) {
+                       RunSoftmaxLse&& run_softmax_lse, const Drop& drop = {}) {
   const std::int64_t rows = d.heads * d.tokens;  // of one batch element
   for (std::int64_t b = 0; b < d.batch; ++b) {
     scores_step(d, b, qkv, att_b, run_gemm);
     run_softmax_lse(att_b, lse + b * rows, rows);
-    context_step(d, b, out, att_b, qkv, run_gemm);
+    context_step(d, b, out, drop.probabilities(static_cast<const T*>(att_b), b), qkv, run_gemm);
   }
 }
 
 //! attention_backward_lse's steps in order, one batch element at a time: scores into `att_b`
 //! ([NH,T,T] scratch), `run_probabilities(att_b, lse_b, rows)` recomputing the probabilities in
 //! place, then backward_element from them with `dpre` ([NH,T,T] scratch).
-template <class T, class A, class RunGemm, class RunProbabilities, class RunSoftmaxGrad>
+template <class T, class A, class RunGemm, class RunProbabilities, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_lse_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const A* lse, T* att_b,
                         T* dpre, RunGemm&& run_gemm, RunProbabilities&& run_probabilities,
-                        RunSoftmaxGrad&& run_softmax_grad) {
+                        RunSoftmaxGrad&& run_softmax_grad, const Drop& drop = {}) {
   const std::int64_t rows = d.heads * d.tokens;
   for (std::int64_t b = 0; b < d.batch; ++b) {
     scores_step(d, b, qkv, att_b, run_gemm);
     run_probabilities(att_b, lse + b * rows, rows);
-    backward_element(d, b, dqkv, dout, qkv, att_b, dpre, run_gemm, run_softmax_grad);
+    backward_element(d, b, dqkv, dout, qkv, att_b, dpre, run_gemm, run_softmax_grad, drop);
   }
 }
 
@@ -420,6 +439,38 @@ bool ready_to_run(const cuda& be, const attention::Dims& d, const Tensor<const T
   return true;
 }
 
+//! The steps' `drop` on the device: the dropout kernel (the CPU's mask) on batch element b's
+//! [NH,T,T] block, whose elements are the global tensor's from head_origin(b, 0, T) on (a rank's
+//! heads are consecutive). The dropped probabilities go to `dropped` ([NH,T,T] of workspace).
+template <class T>
+struct DeviceDropout {
+  const cuda* be;
+  AttentionDropout dropout;
+  std::int64_t tokens, block;  // T, and NH·T·T
+  T* dropped;
+
+  std::int64_t first(std::int64_t b) const { return static_cast<std::int64_t>(dropout.head_origin(b, 0, tokens)); }
+  const T* probabilities(const T* att_b, std::int64_t b) const {
+    be->copy(dropped, att_b, sizeof(T) * static_cast<std::size_t>(block));
+    kernels::dropout<T>(*be, Tensor<T>(dropped, Shape{block}), dropout.mask, first(b));
+    return dropped;
+  }
+  void gradient(T* dpre, std::int64_t b) const {
+    kernels::dropout<T>(*be, Tensor<T>(dpre, Shape{block}), dropout.mask, first(b));
+  }
+};
+
+//! Calls f(drop) with the steps' `drop` for `dropout`: NoDropout where it is inactive, else a
+//! DeviceDropout over one [NH,T,T] block of workspace from the caching allocator (returned when f
+//! returns, while the stream may still use it: safe, as for the kernels' other scratch).
+template <class T, class F>
+void with_dropout(cuda& be, const attention::Dims& d, const AttentionDropout& dropout, F&& f) {
+  if (!dropout.mask.active()) return f(NoDropout{});
+  const std::int64_t block = d.heads * d.tokens * d.tokens;
+  const Buffer<T, cuda> dropped(be, block, MemoryCategory::workspace);
+  f(DeviceDropout<T>{&be, dropout, d.tokens, block, dropped.data()});
+}
+
 //! The softmax scale 1/sqrt(hs) in float, the CPU kernel's value.
 inline float softmax_scale(const attention::Dims& d) {
   return 1.0f / std::sqrt(static_cast<float>(d.head_size));
@@ -549,21 +600,28 @@ inline bool flash_attention_available(const cuda& be) {
 //! every s < T), and `out` [B,T,C], per head att·v, heads concatenated. Throws loom::Error, before
 //! any CUDA call, on shapes that do not match, a num_heads that does not divide C or a mask that is
 //! not an AttentionMask value. Per batch element two cuBLAS calls (the full T x T scores for
-//! either mask); one softmax launch for the whole batch.
+//! either mask); one softmax launch for the whole batch. With an active `dropout` (each of the four
+//! kernels takes one, the CPU kernels' contract and mask) out = dropout(att)·v and att stays the
+//! softmax: per batch element a copy of its probabilities goes through the dropout kernel into
+//! [NH,T,T] of workspace, and the backward passes datt through the same mask; the tiled bf16
+//! kernels are then not used.
 template <class T>
-void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
-                       AttentionMask mask = AttentionMask::causal) {
+void attention_forward(cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
+                       AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward";
   const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   const float scale = d::softmax_scale(dims);
-  d::forward_steps(dims, out.data(), att.data(), qkv.data(), d::gemm_runner<T>(be, kernel),
-                   [&](T* scores, std::int64_t rows) {
-                     d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale, dims.mask,
-                                        kernel);
-                   });
+  d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
+    d::forward_steps(
+        dims, out.data(), att.data(), qkv.data(), d::gemm_runner<T>(be, kernel),
+        [&](T* scores, std::int64_t rows) {
+          d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale, dims.mask, kernel);
+        },
+        drop);
+  });
 }
 
 //! Multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
@@ -574,7 +632,8 @@ void attention_forward(const cuda& be, Tensor<T> out, Tensor<T> att, Tensor<cons
 //! is the same bits on every run.
 template <class T>
 void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal) {
+                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal,
+                        const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward";
@@ -583,8 +642,10 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
   // Freed (into the cache) when this returns, while the stream may still be using it: the
   // allocator hands a block out again only to work on the same stream, which runs after ours.
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
-  d::backward_steps(dims, dqkv.data(), dout.data(), qkv.data(), att.data(), scratch.data(),
-                    d::gemm_runner<T>(be, kernel), d::softmax_grad_runner<T>(be, dims, kernel));
+  d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
+    d::backward_steps(dims, dqkv.data(), dout.data(), qkv.data(), att.data(), scratch.data(),
+                      d::gemm_runner<T>(be, kernel), d::softmax_grad_runner<T>(be, dims, kernel), drop);
+  });
 }
 
 //! Multi-head self-attention forward (causal or bidirectional, `mask`) that saves only the row
@@ -599,14 +660,16 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
 //! online softmax.
 template <class T>
 void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
-                           int num_heads, AttentionMask mask = AttentionMask::causal) {
+                           int num_heads, AttentionMask mask = AttentionMask::causal,
+                           const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward_lse";
   const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (d::use_flash<T>(be, dims)) {
+    // The tiled kernels draw no dropout masks: with dropout the cuBLAS steps run.
+    if (!dropout.mask.active() && d::use_flash<T>(be, dims)) {
       d::flash_forward(be, dims, out.data(), lse.data(), qkv.data(), kernel);
       return;
     }
@@ -614,10 +677,14 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
   const float scale = d::softmax_scale(dims);
   // Returned to the cache while the stream may still use it: safe, as in attention_backward.
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
-  d::forward_lse_steps(dims, out.data(), lse.data(), qkv.data(), scratch.data(), d::gemm_runner<T>(be, kernel),
-                       [&](T* scores, float* lse_b, std::int64_t rows) {
-                         d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
-                       });
+  d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
+    d::forward_lse_steps(
+        dims, out.data(), lse.data(), qkv.data(), scratch.data(), d::gemm_runner<T>(be, kernel),
+        [&](T* scores, float* lse_b, std::int64_t rows) {
+          d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
+        },
+        drop);
+  });
 }
 
 //! Multi-head self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that
@@ -633,7 +700,7 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
 template <class T>
 void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
-                            AttentionMask mask = AttentionMask::causal) {
+                            AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward_lse";
@@ -641,7 +708,7 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
       detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, mask);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (d::use_flash<T>(be, dims)) {
+    if (!dropout.mask.active() && d::use_flash<T>(be, dims)) {
       d::flash_backward(be, dims, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), kernel);
       return;
     }
@@ -649,13 +716,15 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
   const float scale = d::softmax_scale(dims);
   const std::int64_t block = dims.heads * dims.tokens * dims.tokens;  // one [NH,T,T]
   const Buffer<T, cuda> scratch(be, 2 * block, MemoryCategory::workspace);
-  d::backward_lse_steps(
-      dims, dqkv.data(), dout.data(), qkv.data(), lse.data(), scratch.data(), scratch.data() + block,
-      d::gemm_runner<T>(be, kernel),
-      [&](T* scores, const float* lse_b, std::int64_t rows) {
-        d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
-      },
-      d::softmax_grad_runner<T>(be, dims, kernel));
+  d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
+    d::backward_lse_steps(
+        dims, dqkv.data(), dout.data(), qkv.data(), lse.data(), scratch.data(), scratch.data() + block,
+        d::gemm_runner<T>(be, kernel),
+        [&](T* scores, const float* lse_b, std::int64_t rows) {
+          d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
+        },
+        d::softmax_grad_runner<T>(be, dims, kernel), drop);
+  });
 }
 
 }  // namespace loom::inline kernels

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
 
@@ -22,12 +23,17 @@ struct Config {
   std::int64_t num_heads = 12;             //!< attention heads per block
   std::int64_t channels = 768;             //!< hidden size C (the MLP is 4C wide)
   double layernorm_eps = 1e-12;            //!< BERT's epsilon (GPT-2 uses 1e-5)
+  //! Dropout on the embeddings' output and on each block's attention and MLP branches before
+  //! their residual adds (BERT's hidden_dropout_prob, 0.1 in its pre-training; 0 = none).
+  double hidden_dropout = 0.0;
+  double attention_dropout = 0.0;          //!< dropout on the attention probabilities (0.1 in BERT's)
 
   friend bool operator==(const Config&, const Config&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Config& c) {
     return out << "{max_seq_len=" << c.max_seq_len << ", vocab_size=" << c.vocab_size
                << ", padded_vocab_size=" << c.padded_vocab_size << ", num_layers=" << c.num_layers
-               << ", num_heads=" << c.num_heads << ", channels=" << c.channels << "}";
+               << ", num_heads=" << c.num_heads << ", channels=" << c.channels
+               << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout << "}";
   }
 
   //! Parameters without the vocabulary padding: the embeddings and their layernorm
@@ -52,6 +58,8 @@ struct Config {
     LOOM_CHECK(num_heads > 0, "bert config: num_heads", num_heads, "must be > 0");
     LOOM_CHECK(channels > 0 && channels % num_heads == 0, "bert config: channels", channels,
                "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
+    check_dropout_rate(hidden_dropout, "bert config: hidden_dropout");
+    check_dropout_rate(attention_dropout, "bert config: attention_dropout");
     LOOM_CHECK(layernorm_eps > 0, "bert config: layernorm_eps", layernorm_eps, "must be > 0");
   }
 

@@ -52,7 +52,9 @@ class Model {
 
   //! This rank's slice of the model, split over `tensor_parallel` (which must outlive the model;
   //! every rank of it constructs its Model with the same config). Throws loom::Error, before any
-  //! work, when `config` does not split over the group (Config::validate_tensor_parallel).
+  //! work, when `config` does not split over the group (Config::validate_tensor_parallel), or asks
+  //! for attention dropout on a backend whose attention kernels cannot apply it
+  //! (supports_attention_dropout).
   Model(Config config, CommunicatorRef tensor_parallel, Attention attention = Attention::stored)
       : config_(config),
         attention_(attention),
@@ -65,6 +67,7 @@ class Model {
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
         vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
+    detail::transformer::check_dropout<B>(config_.hidden_dropout, config_.attention_dropout, "bert");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
     wpe_ = offset("wpe");
@@ -136,12 +139,14 @@ class Model {
   }
 
   //! Scratch a layer's backward needs, on this rank: N·C for the embedding (the gradient before
-  //! its layernorm), N·(3·C + 8·C/tp) for a block, N·2·C for the head.
+  //! its layernorm), N·(3·C + 8·C/tp) for a block, N·2·C for the head; with hidden dropout N·C
+  //! more for the embedding and a block (an output gradient through the mask).
   std::int64_t workspace_elements(int layer, MicroBatchShape s) const noexcept {
     const std::int64_t N = s.batch * s.seq, C = config_.channels;
-    if (layer == embedding_layer) return N * C;
+    const std::int64_t dropped = config_.hidden_dropout > 0 ? N * C : 0;
+    if (layer == embedding_layer) return N * C + dropped;
     if (layer == head_layer(config_)) return 2 * N * C;
-    return N * C * 3 + N * attention_channels_ * 8;
+    return N * C * 3 + N * attention_channels_ * 8 + dropped;
   }
 
   //! Checks a batch on the host (the Trainer calls this before it copies the batch to a device):
@@ -156,7 +161,7 @@ class Model {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) return embedding_forward(be, params, a, s);
     if (layer == head_layer(config_)) return head_forward(be, params, a, s);
-    block_forward(be, blocks_[layer - 1], params, a, s);
+    block_forward(be, layer, blocks_[layer - 1], params, a, s);
     return 0.0;
   }
 
@@ -166,7 +171,7 @@ class Model {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) return embedding_backward(be, params, grads, a, s);
     if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, true);
-    block_backward(be, blocks_[layer - 1], params, grads, a, s);
+    block_backward(be, layer, blocks_[layer - 1], params, grads, a, s);
   }
 
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight, on this rank:
@@ -187,7 +192,7 @@ class Model {
     check_stash(stash, layer, s, "bert backward_input");
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, false);
-    block_backward_input(be, blocks_[layer - 1], params, grads, a, s, stash);
+    block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
   //! The weight-gradient pass of `layer`'s backward, after its backward_input. Reads neither
@@ -272,6 +277,8 @@ class Model {
     nn::sum_over_tensor_parallel(tensor_parallel_, e.sum);
     layernorm_forward<T>(be, a.output, e.mean, e.rstd, e.sum, param(p, lne_weight_, {C()}),
                          param(p, lne_bias_, {C()}), eps());
+    detail::transformer::hidden_dropout<T>(be, a.output, a.dropout, embedding_layer, detail::transformer::hidden_site,
+                                           config_.hidden_dropout);
     return 0.0;
   }
 
@@ -279,10 +286,15 @@ class Model {
                           MicroBatchShape s) const {
     const EmbeddingSaved e = carve_embedding(a.saved, s);
     check_numel(a.workspace, workspace_elements(embedding_layer, s), "bert embedding backward", "workspace");
-    const Tensor<T> dsum = a.workspace.reshape({s.batch, s.seq, C()});
+    const std::int64_t N = s.batch * s.seq;
+    const Tensor<T> dsum(a.workspace.data(), {s.batch, s.seq, C()});
     zero<T>(be, dsum);
-    // The output gradient is whole on every rank, so the layernorm's gradients are too.
-    layernorm_backward<T>(be, dsum, grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()}), a.output_grad, e.sum,
+    // The output gradient (through the dropout mask) is whole on every rank, so the layernorm's
+    // gradients are too.
+    const Tensor<const T> doutput = detail::transformer::through_hidden_dropout<T>(
+        be, a, embedding_layer, detail::transformer::hidden_site, config_.hidden_dropout,
+        config_.hidden_dropout > 0 ? Tensor<T>(a.workspace.data() + N * C(), {N * C()}) : Tensor<T>{});
+    layernorm_backward<T>(be, dsum, grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()}), doutput, e.sum,
                           param(p, lne_weight_, {C()}), e.mean, e.rstd);
     vocab_parallel_embedding_backward<T>(be, grad(g, wte_, {vocab_rows_, C()}), vocab_begin_,
                                          grad(g, wpe_, {config_.max_seq_len, C()}), dsum, a.tokens);
@@ -321,19 +333,29 @@ class Model {
     return block_saved(c, s);
   }
 
-  void block_forward(B& be, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
+  //! The attention-probability dropout of block `layer` in a pass with `key`.
+  AttentionDropout attention_dropout(const DropoutKey& key, int layer) const {
+    return detail::transformer::attention_dropout(key, layer, config_.attention_dropout, config_.num_heads, heads_,
+                                                  tensor_parallel_rank_);
+  }
+
+  void block_forward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
                      MicroBatchShape s) const {
+    namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const BlockSaved b = carve_block(a.saved, s);
+    const AttentionDropout drop = attention_dropout(a.dropout, layer);
     // Column-parallel qkv (f: the replicated input goes in as it is): this rank's heads.
     matmul_forward<T>(be, b.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
     if (attention_ == Attention::stored)
-      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional);
+      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional, drop);
     else
-      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional);
+      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional,
+                               drop);
     // Row-parallel projection (g: all-reduce the partial sums; the bias rides on the first rank).
     matmul_forward<T>(be, b.r1, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
     nn::row_parallel_output(tensor_parallel_, b.r1);
+    tr::hidden_dropout<T>(be, b.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
     add_to<T>(be, b.r1, a.input);
     layernorm_forward<T>(be, b.h, b.ln1_mean, b.ln1_rstd, b.r1, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}),
                          eps());
@@ -341,16 +363,18 @@ class Model {
     matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, b.h, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
     matmul_forward<T>(be, b.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
     nn::row_parallel_output(tensor_parallel_, b.r2);
+    tr::hidden_dropout<T>(be, b.r2, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
     add_to<T>(be, b.r2, b.h);
     layernorm_forward<T>(be, a.output, b.ln2_mean, b.ln2_rstd, b.r2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}),
                          eps());
   }
 
   //! A block's backward scratch: the gradients w.r.t. r2, the MLP's hidden units before GELU, h,
-  //! r1, the attention output, qkv. `h` is reused for the input's attention-branch gradient once
+  //! r1, the attention output, qkv, and (with hidden dropout) the MLP branch's output gradient
+  //! through the mask (`mlp_out`). `h` is reused for the input's attention-branch gradient once
   //! r1's is known.
   struct BlockGrads {
-    Tensor<T> r2, fch, h, r1, atty, qkv;
+    Tensor<T> r2, fch, h, r1, atty, qkv, mlp_out;
   };
   BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
     const std::int64_t Bn = s.batch, Tn = s.seq;
@@ -363,6 +387,7 @@ class Model {
     d.r1 = w.take({Bn, Tn, C()});
     d.atty = w.take({Bn, Tn, attention_channels_});
     d.qkv = w.take({Bn, Tn, 3 * attention_channels_});
+    if (config_.hidden_dropout > 0) d.mlp_out = w.take({Bn, Tn, C()});
     return d;
   }
 
@@ -393,29 +418,32 @@ class Model {
             grad(g, o.qkv_b, {3 * Ca})};
   }
 
-  void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
     zero<T>(be, a.workspace);
-    block_backward_chain(be, o, p, g, a, b, d, block_linear_grads(g, o));
+    block_backward_chain(be, layer, o, p, g, a, b, d, block_linear_grads(g, o));
   }
 
   //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
-  //! skips those GEMMs; block_backward_weight runs them on the same operands.
-  void block_backward_input(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  //! skips those GEMMs; block_backward_weight runs them on the same operands. With hidden
+  //! dropout mlp.proj's is r2's gradient through the mask, while the residual takes r2's own: the
+  //! stash gets the former and r2's stays in the workspace.
+  void block_backward_input(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, Tensor<T> stash) const {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward_input");
     const BlockStash st = carve_block_stash(stash, s);
-    d.r2 = st.r2;
+    if (d.mlp_out.empty()) d.r2 = st.r2;
+    else d.mlp_out = st.r2;
     d.r1 = st.r1;
     d.fch = st.fch;
     d.qkv = st.qkv;
     // Everything the chain accumulates into starts at zero (fch is written).
     const Tensor<T> accumulated[] = {d.r2, d.h, d.r1, d.atty, d.qkv};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
-    block_backward_chain(be, o, p, g, a, b, d, BlockLinearGrads{});
+    block_backward_chain(be, layer, o, p, g, a, b, d, BlockLinearGrads{});
   }
 
   void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -434,16 +462,25 @@ class Model {
   //! A block's backward from the output gradient to the input gradient, into the zeroed
   //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
   //! skipped when `w` is empty (backward_input).
-  void block_backward_chain(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, const BlockSaved& b, const BlockGrads& d,
                             const BlockLinearGrads& w) const {
+    namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     // out = LN2(r2): the output gradient is whole on every rank, so the layernorm's are too.
     layernorm_backward<T>(be, d.r2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), a.output_grad, b.r2,
                           param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
-    // r2 = h + mlp(h). g backward is the identity, so each rank's row-parallel bias gradient is
-    // already the whole one.
-    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, d.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}), b.fch);
+    // r2 = h + dropout(mlp(h)): the MLP branch gets r2's gradient through the mask. g backward is
+    // the identity, so each rank's row-parallel bias gradient is already the whole one.
+    Tensor<const T> mlp_out = d.r2;
+    if (tr::dropping(a.dropout, config_.hidden_dropout)) {
+      copy<T>(be, d.mlp_out, d.r2);
+      tr::hidden_dropout<T>(be, d.mlp_out, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
+      mlp_out = d.mlp_out;
+    } else if (!d.mlp_out.empty()) {
+      copy<T>(be, d.mlp_out, d.r2);  // the stash's copy for backward_weight (a pass that drops nothing)
+    }
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, mlp_out, b.fch_gelu, param(p, o.fcproj_w, {C, F}), b.fch);
     matmul_backward<T>(be, d.h, w.fc_w, w.fc_b, d.fch, b.h, param(p, o.fc_w, {F, C}));
     // f backward: the ranks' shares of the MLP branch sum to its whole gradient; then the
     // residual's.
@@ -453,12 +490,17 @@ class Model {
     layernorm_backward<T>(be, d.r1, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.h, b.r1, param(p, o.ln1_w, {C}),
                           b.ln1_mean, b.ln1_rstd);
     add_to<T>(be, a.input_grad, d.r1);
+    // r1 = x + dropout(attn(x)): the branch's gradient through the mask, in place once the
+    // residual has it (under backward_input d.r1 is the stash attn.proj's weight GEMM reads).
+    tr::hidden_dropout<T>(be, d.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.r1, b.atty, param(p, o.proj_w, {C, Ca}));
+    const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::bidirectional);
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::bidirectional,
+                            drop);
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                AttentionMask::bidirectional);
+                                AttentionMask::bidirectional, drop);
     // The input's attention-branch gradient, summed over the group, lands in d.h (no longer read).
     const Tensor<T> dx_attention = d.h;
     zero<T>(be, dx_attention);

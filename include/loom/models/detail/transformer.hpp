@@ -15,6 +15,7 @@
 #include "loom/comm/ref.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
+#include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
@@ -119,6 +120,65 @@ inline std::vector<ElementRange> layer_ranges(const ParameterLayout& layout, int
     ranges.push_back({entry.offset, entry.offset + entry.numel()});
   }
   return ranges;
+}
+
+//! Dropout sites of a layer (DropoutMask's `site`).
+enum DropoutSite : int {
+  hidden_site = 0,     //!< the embedding's output, or a block's attention branch
+  mlp_site = 1,        //!< a block's MLP branch
+  attention_site = 2,  //!< a block's attention probabilities
+};
+
+//! Whether a pass with `key` drops anything at `rate`.
+inline bool dropping(const DropoutKey& key, double rate) noexcept { return key.active() && rate > 0.0; }
+
+//! Dropout on a replicated hidden state `x` [B, T, C] of `layer` at `site`: its elements are the
+//! global tensor's from key.first_sequence · T · C on (every tensor-parallel rank draws the same
+//! mask for its copy). The forward applies it to the branch, the backward to the branch's
+//! gradient. Nothing happens unless dropping(key, rate).
+template <class T, Backend B>
+void hidden_dropout(B& be, Tensor<T> x, const DropoutKey& key, int layer, DropoutSite site, double rate) {
+  if (!dropping(key, rate)) return;
+  const std::int64_t per_sequence = x.numel() / x.extent(0);
+  dropout<T>(be, x, DropoutMask(key, layer, site, rate), key.first_sequence * per_sequence);
+}
+
+//! The output gradient `a.output_grad` of `layer`'s hidden dropout `site`, through the mask:
+//! copied into `scratch` (as large) and dropped there when the pass drops anything at `rate`,
+//! else a.output_grad itself.
+template <class T, Backend B>
+Tensor<const T> through_hidden_dropout(B& be, const BackwardArgs<T>& a, int layer, DropoutSite site, double rate,
+                                       Tensor<T> scratch) {
+  if (!dropping(a.dropout, rate)) return a.output_grad;
+  check_numel(scratch, a.output_grad.numel(), "model backward", "dropout scratch");
+  const Tensor<T> dropped{scratch.data(), a.output_grad.shape()};
+  copy<T>(be, dropped, a.output_grad);
+  hidden_dropout<T>(be, dropped, a.dropout, layer, site, rate);
+  return dropped;
+}
+
+//! The attention-probability dropout of `layer` for a pass with `key` (inactive unless
+//! dropping(key, rate)): over the global [sequences, heads, T, T], this rank holding `local_heads`
+//! heads from tensor_parallel_rank · local_heads.
+inline AttentionDropout attention_dropout(const DropoutKey& key, int layer, double rate, std::int64_t heads,
+                                          std::int64_t local_heads, std::int64_t tensor_parallel_rank) {
+  if (!dropping(key, rate)) return {};
+  return {.mask = DropoutMask(key, layer, attention_site, rate),
+          .first_sequence = key.first_sequence,
+          .heads = heads,
+          .first_head = tensor_parallel_rank * local_heads};
+}
+
+//! Refuses an attention dropout rate on a backend whose attention kernels cannot apply it
+//! (supports_attention_dropout), and rates outside [0, 1); `model` names the model.
+template <Backend B>
+void check_dropout(double hidden, double attention, std::string_view model) {
+  const std::string what(model);
+  check_dropout_rate(hidden, what + " config: hidden_dropout");
+  check_dropout_rate(attention, what + " config: attention_dropout");
+  LOOM_CHECK(attention == 0.0 || supports_attention_dropout<B>, what + " config: attention_dropout", attention,
+             "this backend's attention kernels do not apply dropout to the probabilities yet; use "
+             "attention_dropout = 0 on it (hidden_dropout works on every backend)");
 }
 
 //! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `probs` (vocabulary

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
 
@@ -21,12 +22,17 @@ struct Config {
   std::int64_t num_layers = 12;            //!< transformer blocks L
   std::int64_t num_heads = 12;             //!< attention heads per block
   std::int64_t channels = 768;             //!< hidden size C
+  //! Dropout on the embedding's output and on each block's attention and MLP branches before
+  //! their residual adds (GPT-2's embd_pdrop and resid_pdrop; 0 = none, as llm.c trains).
+  double hidden_dropout = 0.0;
+  double attention_dropout = 0.0;          //!< dropout on the attention probabilities (attn_pdrop)
 
   friend bool operator==(const Config&, const Config&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Config& c) {
     return out << "{max_seq_len=" << c.max_seq_len << ", vocab_size=" << c.vocab_size
                << ", padded_vocab_size=" << c.padded_vocab_size << ", num_layers=" << c.num_layers
-               << ", num_heads=" << c.num_heads << ", channels=" << c.channels << "}";
+               << ", num_heads=" << c.num_heads << ", channels=" << c.channels
+               << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout << "}";
   }
 
   //! The published parameter count l·(12h² + 13h) + v·h + s·h + 2h (no vocabulary padding).
@@ -49,6 +55,8 @@ struct Config {
     LOOM_CHECK(num_heads > 0, "gpt2 config: num_heads", num_heads, "must be > 0");
     LOOM_CHECK(channels > 0 && channels % num_heads == 0, "gpt2 config: channels", channels,
                "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
+    check_dropout_rate(hidden_dropout, "gpt2 config: hidden_dropout");
+    check_dropout_rate(attention_dropout, "gpt2 config: attention_dropout");
   }
 
   //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "loom/backend/attention_mask.hpp"
 #include "loom/backend/concepts.hpp"
 #include "loom/comm/ref.hpp"
 #include "loom/core/accumulate.hpp"
@@ -52,7 +53,8 @@ class Model {
   //! the MLP column-then-row, the vocabulary by rows of wte. layout() is this rank's local
   //! layout. `attention` chooses what the blocks keep for their attention's backward. Throws
   //! loom::Error, before any work, when `config` does not split over the group
-  //! (Config::validate_tensor_parallel).
+  //! (Config::validate_tensor_parallel), or asks for attention dropout on a backend whose
+  //! attention kernels cannot apply it (supports_attention_dropout).
   Model(Config config, CommunicatorRef tensor_parallel, Attention attention = Attention::stored)
       : config_(config),
         attention_(attention),
@@ -65,6 +67,7 @@ class Model {
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
         vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
+    detail::transformer::check_dropout<B>(config_.hidden_dropout, config_.attention_dropout, "gpt2");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
     wpe_ = offset("wpe");
@@ -141,10 +144,12 @@ class Model {
   //! Scratch a layer's backward needs (not kept between calls), on this rank.
   std::int64_t workspace_elements(int layer, MicroBatchShape s) const noexcept {
     const std::int64_t N = s.batch * s.seq, C = config_.channels;
-    if (layer == embedding_layer) return 0;
+    // With hidden dropout, the embedding's and the MLP branch's output gradient through the mask.
+    const std::int64_t dropped = config_.hidden_dropout > 0 ? N * C : 0;
+    if (layer == embedding_layer) return dropped;
     if (layer == head_layer(config_)) return N * C;
     // Replicated dres2, dln2, dln1 (3·C); this rank's dfch, datty, dqkv (8·C/tp).
-    return N * C * 3 + N * attention_channels_ * 8;
+    return N * C * 3 + N * attention_channels_ * 8 + dropped;
   }
 
   //! Checks a batch on the host before it reaches the kernels (the Trainer calls this before it
@@ -169,10 +174,12 @@ class Model {
                                           first_rank() ? param(params, wpe_, {config_.max_seq_len, C()})
                                                        : Tensor<const T>{});
       nn::sum_over_tensor_parallel(tensor_parallel_, a.output);
+      detail::transformer::hidden_dropout<T>(be, a.output, a.dropout, layer, detail::transformer::hidden_site,
+                                             config_.hidden_dropout);
       return 0.0;
     }
     if (layer == head_layer(config_)) return head_forward(be, params, a, s);
-    block_forward(be, blocks_[layer - 1], params, a, s);
+    block_forward(be, layer, blocks_[layer - 1], params, a, s);
     return 0.0;
   }
 
@@ -184,13 +191,15 @@ class Model {
       // The output gradient is whole on every rank: each accumulates its own wte rows, and
       // every rank the whole (replicated) wpe gradient.
       vocab_parallel_embedding_backward<T>(be, grad(grads, wte_, {vocab_rows_, C()}), vocab_begin_,
-                                           grad(grads, wpe_, {config_.max_seq_len, C()}), a.output_grad,
+                                           grad(grads, wpe_, {config_.max_seq_len, C()}),
+                                           through_hidden_dropout(be, layer, a, detail::transformer::hidden_site,
+                                                                  a.workspace),
                                            a.tokens);
       return;
     }
     if (layer == head_layer(config_))
       return head_backward(be, params, grads, a, s, grad(grads, wte_, {vocab_rows_, C()}));
-    block_backward(be, blocks_[layer - 1], params, grads, a, s);
+    block_backward(be, layer, blocks_[layer - 1], params, grads, a, s);
   }
 
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight
@@ -215,7 +224,7 @@ class Model {
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     // The head's input pass is its backward without the tied-embedding gradient (dwte).
     if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, Tensor<T>{});
-    block_backward_input(be, blocks_[layer - 1], params, grads, a, s, stash);
+    block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
   //! The weight-gradient pass of `layer`'s backward, after its backward_input (other
@@ -300,22 +309,38 @@ class Model {
     return block_saved(c, s);
   }
 
-  void block_forward(B& be, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
+  //! a.output_grad through `layer`'s hidden dropout `site` (in `scratch` when this pass drops).
+  Tensor<const T> through_hidden_dropout(B& be, int layer, const BackwardArgs<T>& a,
+                                         detail::transformer::DropoutSite site, Tensor<T> scratch) const {
+    return detail::transformer::through_hidden_dropout<T>(be, a, layer, site, config_.hidden_dropout, scratch);
+  }
+
+  //! The attention-probability dropout of block `layer` in a pass with `key`.
+  AttentionDropout attention_dropout(const DropoutKey& key, int layer) const {
+    return detail::transformer::attention_dropout(key, layer, config_.attention_dropout, config_.num_heads, heads_,
+                                                  tensor_parallel_rank_);
+  }
+
+  void block_forward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
                      MicroBatchShape s) const {
+    namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     BlockSaved b = carve_block(a.saved, s);
     layernorm_forward<T>(be, b.ln1, b.ln1_mean, b.ln1_rstd, a.input, param(p, o.ln1_w, {C}),
                                   param(p, o.ln1_b, {C}));
     // Column-parallel qkv (f: the replicated ln1 goes in as it is): this rank's heads' q, k, v.
     matmul_forward<T>(be, b.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
+    const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_));
+      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::causal, drop);
     else
-      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_));
+      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::causal, drop);
     // Row-parallel projection (g: all-reduce the partial sums). The replicated bias rides on
-    // the first rank's partial sum, so the all-reduce adds it once at no extra pass.
+    // the first rank's partial sum, so the all-reduce adds it once at no extra pass. Dropout
+    // acts on the whole branch, the same on every rank.
     matmul_forward<T>(be, b.res2, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
     nn::row_parallel_output(tensor_parallel_, b.res2);
+    tr::hidden_dropout<T>(be, b.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
     add_to<T>(be, b.res2, a.input);
     layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}),
                                   param(p, o.ln2_b, {C}));
@@ -323,6 +348,7 @@ class Model {
     matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, b.ln2, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
     matmul_forward<T>(be, a.output, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
     nn::row_parallel_output(tensor_parallel_, a.output);
+    tr::hidden_dropout<T>(be, a.output, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
     add_to<T>(be, a.output, b.res2);
   }
 
@@ -332,10 +358,13 @@ class Model {
   }
 
   //! A block's backward scratch, carved from its workspace: the gradients w.r.t. res2, the
-  //! MLP's hidden units before GELU, ln2, the attention output, qkv and ln1. (The gradient
-  //! w.r.t. the GELU's output never exists: gelu_matmul_backward goes straight to fch's.)
+  //! MLP's hidden units before GELU, ln2, the attention output, qkv and ln1, and (with hidden
+  //! dropout) room for the MLP branch's output gradient through the mask. (The gradient w.r.t.
+  //! the GELU's output never exists: gelu_matmul_backward goes straight to fch's.) `mlp_out` is
+  //! the MLP branch's output gradient the chain reads.
   struct BlockGrads {
-    Tensor<T> res2, fch, ln2, atty, qkv, ln1;
+    Tensor<T> res2, fch, ln2, atty, qkv, ln1, dropped;
+    Tensor<const T> mlp_out;
   };
   BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
@@ -349,6 +378,7 @@ class Model {
     d.atty = w.take({Bn, Tn, Ca});
     d.qkv = w.take({Bn, Tn, 3 * Ca});
     d.ln1 = w.take({Bn, Tn, C});
+    if (config_.hidden_dropout > 0) d.dropped = w.take({Bn, Tn, C});
     return d;
   }
 
@@ -380,18 +410,19 @@ class Model {
             grad(g, o.qkv_b, {3 * Ca})};
   }
 
-  void block_backward(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
-    const BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
+    BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
     zero<T>(be, a.workspace);
-    block_backward_chain(be, o, p, g, a, b, d, block_linear_grads(g, o));
+    d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped);
+    block_backward_chain(be, layer, o, p, g, a, b, d, block_linear_grads(g, o));
   }
 
   //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
   //! workspace (the output gradient copied, the others computed there in place), and skips those
   //! GEMMs; block_backward_weight runs them on the same operands.
-  void block_backward_input(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward_input(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, Tensor<T> stash) const {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward_input");
@@ -402,8 +433,13 @@ class Model {
     // Everything the chain accumulates into starts at zero (res2 is copied into, fch written).
     const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
+    // The MLP branch's output gradient (through the dropout mask) is what mlp.proj's weight
+    // GEMM reads.
     copy<T>(be, st.output, a.output_grad);
-    block_backward_chain(be, o, p, g, a, b, d, BlockLinearGrads{});
+    detail::transformer::hidden_dropout<T>(be, st.output, a.dropout, layer, detail::transformer::mlp_site,
+                                           config_.hidden_dropout);
+    d.mlp_out = st.output;
+    block_backward_chain(be, layer, o, p, g, a, b, d, BlockLinearGrads{});
   }
 
   void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -423,28 +459,35 @@ class Model {
   //! A block's backward from the output gradient to the input gradient, into the zeroed
   //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
   //! skipped when `w` is empty (backward_input).
-  void block_backward_chain(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, const BlockSaved& b, const BlockGrads& d,
                             const BlockLinearGrads& w) const {
+    namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
-    // output = res2 + mlp(ln2(res2)): the residual passes the gradient straight through.
-    // g backward is the identity: the output gradient is whole on every rank, so each rank's
-    // (replicated) row-parallel bias gradient is already the whole one.
+    // output = res2 + dropout(mlp(ln2(res2))): the residual passes the gradient straight
+    // through, the MLP branch gets it through the mask (d.mlp_out). g backward is the identity:
+    // the output gradient is whole on every rank, so each rank's (replicated) row-parallel bias
+    // gradient is already the whole one.
     copy<T>(be, d.res2, a.output_grad);
-    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, a.output_grad, b.fch_gelu,
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, d.mlp_out, b.fch_gelu,
                             param(p, o.fcproj_w, {C, F}), b.fch);
     matmul_backward<T>(be, d.ln2, w.fc_w, w.fc_b, d.fch, b.ln2, param(p, o.fc_w, {F, C}));
     // f backward: each rank's dln2 is its slice's share; the sum is the whole gradient.
     nn::column_parallel_input_grad(tensor_parallel_, d.ln2);
     layernorm_backward<T>(be, d.res2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), d.ln2, b.res2,
                           param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
-    // res2 = input + attn(ln1(input)).
+    // res2 = input + dropout(attn(ln1(input))): the branch's gradient through the mask, in place
+    // once the residual has it (under backward_input d.res2 is the stash attn.proj's weight
+    // GEMM reads).
     add_to<T>(be, a.input_grad, d.res2);
+    tr::hidden_dropout<T>(be, d.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.res2, b.atty, param(p, o.proj_w, {C, Ca}));
+    const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_));
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::causal, drop);
     else
-      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_));
+      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
+                                AttentionMask::causal, drop);
     matmul_backward<T>(be, d.ln1, w.qkv_w, w.qkv_b, d.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
     nn::column_parallel_input_grad(tensor_parallel_, d.ln1);
     layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.ln1, a.input,
