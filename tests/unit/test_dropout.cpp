@@ -158,10 +158,10 @@ static_assert(supports_attention_dropout<cpu>);
 
 TEST_CASE("a backend without attention-dropout kernels refuses an attention dropout rate, not a hidden one") {
   namespace tr = detail::transformer;
-  CHECK_NOTHROW(tr::check_dropout<NoAttentionDropout>(0.1, 0.0, "gpt2"));
-  CHECK_THROWS_WITH_AS(tr::check_dropout<NoAttentionDropout>(0.1, 0.1, "gpt2"),
+  CHECK_NOTHROW(tr::check_attention_dropout<NoAttentionDropout>(0.0, "gpt2"));
+  CHECK_THROWS_WITH_AS(tr::check_attention_dropout<NoAttentionDropout>(0.1, "gpt2"),
                        doctest::Contains("gpt2 config: attention_dropout: got 0.1"), Error);
-  CHECK_NOTHROW(tr::check_dropout<cpu>(0.1, 0.1, "bert"));
+  CHECK_NOTHROW(tr::check_attention_dropout<cpu>(0.1, "bert"));
 }
 
 namespace {

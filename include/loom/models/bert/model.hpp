@@ -67,7 +67,7 @@ class Model {
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
         vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
-    detail::transformer::check_dropout<B>(config_.hidden_dropout, config_.attention_dropout, "bert");
+    detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "bert");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
     wpe_ = offset("wpe");
@@ -435,8 +435,8 @@ class Model {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward_input");
     const BlockStash st = carve_block_stash(stash, s);
-    if (d.mlp_out.empty()) d.r2 = st.r2;
-    else d.mlp_out = st.r2;
+    if (detail::transformer::dropping(a.dropout, config_.hidden_dropout)) d.mlp_out = st.r2;
+    else d.r2 = st.r2;
     d.r1 = st.r1;
     d.fch = st.fch;
     d.qkv = st.qkv;
@@ -477,8 +477,6 @@ class Model {
       copy<T>(be, d.mlp_out, d.r2);
       tr::hidden_dropout<T>(be, d.mlp_out, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
       mlp_out = d.mlp_out;
-    } else if (!d.mlp_out.empty()) {
-      copy<T>(be, d.mlp_out, d.r2);  // the stash's copy for backward_weight (a pass that drops nothing)
     }
     gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, mlp_out, b.fch_gelu, param(p, o.fcproj_w, {C, F}), b.fch);
     matmul_backward<T>(be, d.h, w.fc_w, w.fc_b, d.fch, b.h, param(p, o.fc_w, {F, C}));

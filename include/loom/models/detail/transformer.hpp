@@ -170,13 +170,12 @@ inline AttentionDropout attention_dropout(const DropoutKey& key, int layer, doub
 }
 
 //! Refuses an attention dropout rate on a backend whose attention kernels cannot apply it
-//! (supports_attention_dropout), and rates outside [0, 1); `model` names the model.
+//! (supports_attention_dropout); `model` names the model. (Config::validate has checked the
+//! rates themselves.)
 template <Backend B>
-void check_dropout(double hidden, double attention, std::string_view model) {
-  const std::string what(model);
-  check_dropout_rate(hidden, what + " config: hidden_dropout");
-  check_dropout_rate(attention, what + " config: attention_dropout");
-  LOOM_CHECK(attention == 0.0 || supports_attention_dropout<B>, what + " config: attention_dropout", attention,
+void check_attention_dropout(double attention, std::string_view model) {
+  LOOM_CHECK(attention == 0.0 || supports_attention_dropout<B>, std::string(model) + " config: attention_dropout",
+             attention,
              "this backend's attention kernels do not apply dropout to the probabilities yet; use "
              "attention_dropout = 0 on it (hidden_dropout works on every backend)");
 }

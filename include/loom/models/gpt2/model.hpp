@@ -67,7 +67,7 @@ class Model {
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
         vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
-    detail::transformer::check_dropout<B>(config_.hidden_dropout, config_.attention_dropout, "gpt2");
+    detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "gpt2");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
     wpe_ = offset("wpe");
