@@ -1,6 +1,8 @@
 """GPT-2 small in PyTorch, written here for loom's benchmarks (pytorch_compare.py on the CPU,
 pytorch_gpu.py on a GPU): pre-LayerNorm blocks, causal self-attention, GELU (tanh), tied
 input/output embeddings, learned position embeddings, no dropout, GPT-2's initialisation.
+With `checkpoint_blocks` each block keeps only its input and runs again in the backward
+(torch.utils.checkpoint, non-reentrant), loom's `--recompute-layers all`.
 Import it after setting any environment the torch import reads."""
 
 import math
@@ -8,6 +10,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # GPT-2 small (DESIGN.md, include/loom/models/gpt2/config.hpp).
 VOCAB = 50257
@@ -55,8 +58,9 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self, vocab_rows):
+    def __init__(self, vocab_rows, checkpoint_blocks=False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         self.wte = nn.Embedding(vocab_rows, CHANNELS)
         self.wpe = nn.Embedding(MAX_SEQ, CHANNELS)
         self.blocks = nn.ModuleList(Block(CHANNELS, HEADS, MAX_SEQ) for _ in range(LAYERS))
@@ -75,6 +79,9 @@ class GPT2(nn.Module):
         t = tokens.size(1)
         x = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))

@@ -39,6 +39,8 @@ def parse_args():
     p.add_argument("--foreach", action="store_true",
                    help="use AdamW's multi-tensor (foreach) implementation")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    p.add_argument("--recompute", action="store_true",
+                   help="checkpoint every block (torch.utils.checkpoint; loom_step_bench --recompute)")
     p.add_argument("--loom-json", help="loom_step_bench --json output to compare with")
     p.add_argument("--json", help="write PyTorch's numbers (and the comparison) to this file")
     args = p.parse_args()
@@ -118,7 +120,7 @@ def main():
     torch.set_num_threads(ARGS.threads)
     torch.manual_seed(1337)
     vocab_rows = PADDED_VOCAB if ARGS.vocab == "padded" else VOCAB
-    model = GPT2(vocab_rows)
+    model = GPT2(vocab_rows, checkpoint_blocks=ARGS.recompute)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -165,7 +167,7 @@ def main():
         "blas": blas,
         "settings": {"batch": ARGS.batch, "seq": ARGS.seq, "threads": torch.get_num_threads(),
                      "warmup": ARGS.warmup, "steps": ARGS.steps, "vocab_rows": vocab_rows,
-                     "vocab": ARGS.vocab, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+                     "vocab": ARGS.vocab, "recompute": ARGS.recompute, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                      "openblas_num_threads": os.environ["OPENBLAS_NUM_THREADS"], "attention": "sdpa" if hasattr(F, "scaled_dot_product_attention")
                      else "explicit (masked softmax)", "adamw_foreach": ARGS.foreach,
                      "params": parameter_count(model)},
@@ -188,13 +190,14 @@ def main():
         if set(rows) != {"forward", "train"}:
             fail(f"{ARGS.loom_json}: no GPT-2 small forward and train results")
         settings = loom["settings"]
-        for key in ("batch", "seq", "threads", "warmup", "steps"):
-            if settings[key] != report["settings"][key]:
+        for key in ("batch", "seq", "threads", "warmup", "steps", "recompute"):
+            if settings.get(key, False) != report["settings"][key]:
                 fail(f"loom ran with {key}={settings[key]}, PyTorch with {report['settings'][key]}")
         if rows["train"]["layers"] != LAYERS:
             fail("loom's GPT-2 small was scaled down; raise --max-gib")
         print(f"\nGPT-2 small, batch {ARGS.batch} x seq {ARGS.seq}, {ARGS.threads} threads, "
-              f"{ARGS.warmup} warm-up + {ARGS.steps} timed steps, medians")
+              f"{ARGS.warmup} warm-up + {ARGS.steps} timed steps, medians"
+              f"{', every block recomputed' if ARGS.recompute else ''}")
         print(f"{'mode':8s} {'loom ms':>10s} {'PyTorch ms':>11s} {'PyTorch/loom':>13s}")
         comparison = {}
         for mode in ("train", "forward"):

@@ -4,6 +4,7 @@
 #
 #   bench/pytorch_compare.sh                        # B=4, T=64, 2 threads, 2 warm-up + 5 timed steps
 #   bench/pytorch_compare.sh --steps 5 --json compare.json
+#   bench/pytorch_compare.sh --recompute            # both recompute every block (activation checkpointing)
 #
 # 1. checks Debian's python3-torch and libopenblas0-pthread (apt-get installs them only when
 #    missing), 2. says which BLAS PyTorch uses, 3. builds loom_step_bench (Release, -march=native),
@@ -11,7 +12,7 @@
 # settings, which prints both medians and their ratio (target: loom >= 1.5x faster).
 set -euo pipefail
 
-warmup=2 steps=5 batch=4 seq=64 threads=2 vocab=padded json="" foreach=""
+warmup=2 steps=5 batch=4 seq=64 threads=2 vocab=padded json="" foreach="" recompute=""
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="$root/build-bench"
 
@@ -22,6 +23,7 @@ usage() {
 options: --warmup N (2)  --steps N (5)  --batch B (4)  --seq T (64)  --threads N (2)
          --vocab padded|real (padded: PyTorch embeds 50304 rows as loom does)
          --foreach (PyTorch AdamW multi-tensor)  --build-dir DIR ($build)  --json FILE
+         --recompute (loom: recompute_layers all; PyTorch: torch.utils.checkpoint on every block)
 EOF
 }
 
@@ -34,6 +36,7 @@ while (($#)); do
     --threads) threads="$2"; shift 2 ;;
     --vocab) vocab="$2"; shift 2 ;;
     --foreach) foreach="--foreach"; shift ;;
+    --recompute) recompute="--recompute"; shift ;;
     --build-dir) build="$2"; shift 2 ;;
     --json) json="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -83,7 +86,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 common=(--warmup "$warmup" --steps "$steps" --batch "$batch" --seq "$seq" --threads "$threads")
 echo "== loom (load average $(cut -d' ' -f1 /proc/loadavg))"
-"$build/bench/loom_step_bench" --configs small "${common[@]}" --json "$work/loom.json"
+"$build/bench/loom_step_bench" --configs small "${common[@]}" $recompute --json "$work/loom.json"
 echo "== PyTorch eager (load average $(cut -d' ' -f1 /proc/loadavg))"
-"$python" "$root/bench/pytorch_compare.py" "${common[@]}" --vocab "$vocab" $foreach \
+"$python" "$root/bench/pytorch_compare.py" "${common[@]}" --vocab "$vocab" $foreach $recompute \
   --loom-json "$work/loom.json" ${json:+--json "$json"}

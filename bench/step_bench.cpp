@@ -10,6 +10,8 @@
 // memory exceeds --max-gib loses layers (width, heads and vocabulary stay) until it fits, and
 // the output says so. FLOPs follow DESIGN.md: 6N + 12·l·h·s per token for training, a third
 // of it (2N + 4·l·h·s) for forward only, with N the parameter count of the layers used.
+// --recompute recomputes every block's activations in the backward (docs/recompute.md); the
+// FLOPs stay the model's, so the rate falls by the recomputation's share of the time.
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -46,6 +48,7 @@ struct Options {
   double clip = 1.0;
   std::string json;
   bool plan_only = false;
+  bool recompute = false;  // TrainerOptions::recompute_layers = all_layers
 };
 
 //! Bytes a single-rank Trainer holds for `config` (fp32, AdamW, one live micro-batch).
@@ -149,7 +152,9 @@ std::vector<Row> run_config(const Plan& p, const Options& o, nlohmann::json& rep
   const auto setup_start = std::chrono::steady_clock::now();
   loom::Trainer<GptModel, loom::AdamW> trainer(
       backend, GptModel(p.used), loom::AdamW(), loom::ConstantLr{.lr = o.lr},
-      {.micro_batch_size = o.micro_batch, .clip_grad_norm = o.clip});
+      {.micro_batch_size = o.micro_batch,
+       .clip_grad_norm = o.clip,
+       .recompute_layers = o.recompute ? loom::TrainerOptions::all_layers : 0});
   report["setup_seconds"] =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();
   const loom::io::SyntheticMarkov data({.vocab_size = p.used.vocab_size});
@@ -256,7 +261,7 @@ int run(Options o) {
                             {{"batch", o.batch}, {"micro_batch", o.micro_batch}, {"seq", o.seq},
                              {"threads", o.threads}, {"warmup", o.warmup}, {"steps", o.steps},
                              {"max_gib", o.max_gib}, {"lr", o.lr}, {"clip_grad_norm", o.clip},
-                             {"dtype", "float32"}, {"optimizer", "AdamW"}}},
+                             {"dtype", "float32"}, {"optimizer", "AdamW"}, {"recompute", o.recompute}}},
                            {"configs", nlohmann::json::array()},
                            {"results", nlohmann::json::array()}};
   std::vector<Row> rows;
@@ -350,6 +355,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--json", o.json, "Also write the results to this JSON file");
+  app.add_flag("--recompute", o.recompute,
+               "Recompute every block's activations in the backward (TrainerOptions::recompute_layers)");
   app.add_flag("--plan", o.plan_only, "Print the layers and memory each config would use; run nothing");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -126,6 +126,17 @@ int main(int argc, char** argv) {
                  "stored: keep the attention probabilities (B x heads x seq^2 per block) for the backward; "
                  "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM)")
       ->capture_default_str()->check(CLI::IsMember({"stored", "recompute"}));
+  app.add_option("--recompute-layers", o.recompute_layers,
+                 "Full activation recomputation: in each pipeline chunk, the first N layers that keep activations "
+                 "(the loss layer excepted) keep only their input and run their forward again in the backward "
+                 "(Megatron-LM's --recompute-method block); a count, or all. Same model, about one more forward "
+                 "of time, activations of one layer instead of N")
+      ->capture_default_str();
+  app.add_option("--logits-chunk-rows", o.logits_chunk_rows,
+                 "The head computes the logits and the loss this many rows at a time and keeps 3 doubles a row "
+                 "instead of its probabilities (vocabulary/tp values a row); its backward computes each chunk again "
+                 "(one more unembedding GEMM). 0 = keep the probabilities")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_flag("--flash-attention,!--no-flash-attention", o.flash_attention,
                "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels, "
                "or with --no-flash-attention (the default; faster so far) the cuBLAS batched-GEMM ones");

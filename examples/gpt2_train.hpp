@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -87,6 +88,8 @@ struct Options {
   std::string optimizer = "adamw";
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   std::string attention = "stored";  // stored (probabilities) or recompute (log-sum-exp only)
+  std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
+  std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
   bool flash_attention = false;      // --device cuda, bf16, recompute: the SRAM-tiled kernels
   bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
   std::uint64_t seed = 1337;
@@ -188,8 +191,24 @@ inline family::Config model_config(const Options& o) {
 #endif
   c.hidden_dropout = o.hidden_dropout;
   c.attention_dropout = o.attention_dropout;
+  c.logits_chunk_rows = o.logits_chunk_rows;
   c.validate();
   return c;
+}
+
+//! TrainerOptions::recompute_layers of --recompute-layers: a count >= 0, or "all".
+inline int recompute_layers_of(const Options& o) {
+  if (o.recompute_layers == "all") return loom::TrainerOptions::all_layers;
+  std::size_t used = 0;
+  int n = -1;
+  try {
+    n = std::stoi(o.recompute_layers, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LOOM_CHECK(used == o.recompute_layers.size() && n >= 0, "--recompute-layers", o.recompute_layers,
+             "must be a count of layers >= 0 or \"all\"");
+  return n;
 }
 
 //! The attention storage of --attention.
@@ -388,7 +407,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
   Trainer<family::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
       backend, mesh, family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice(o)), optimizer, lr,
-      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed}, strategy, schedule);
+      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed, .recompute_layers = recompute_layers_of(o)},
+      strategy, schedule);
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) {
     // Every rank reads the file (whole tensors) and keeps its part: its tensor-parallel slices
@@ -427,13 +447,13 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   if (lead) {
   std::printf("loom %s: model %s %s\n", program, o.model.c_str(),
               detail::to_text(config).c_str());
-  std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s), attention %s\n",
+  std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s), attention %s, recompute layers %s\n",
               static_cast<long long>(config.parameter_count()),
               static_cast<long long>(config.stored_parameter_count()),
               is_narrow_storage<T> ? "bf16 (fp32 master weights and moments)" : "float", describe_backend(backend).c_str(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
               static_cast<long long>(micro), static_cast<long long>(o.batch / split),
-              stages > 1 ? "pipeline" : "rank", loom::name(trainer.model().attention()));
+              stages > 1 ? "pipeline" : "rank", loom::name(trainer.model().attention()), o.recompute_layers.c_str());
   std::printf("  strategy %s over %d rank(s) (%s), mesh %s schedule %s\n", detail::to_text(strategy).c_str(),
               world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
               describe_schedule(schedule, shape).c_str());

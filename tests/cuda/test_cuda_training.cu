@@ -2,7 +2,8 @@
 // every strategy and schedule with several ranks sharing the GPU(s) through the threads
 // communicator staged through host memory, then NCCL (a world of one GPU, and 2 ranks where
 // there are 2 GPUs); BERT (bidirectional attention, masked-LM head) on one GPU and on meshes
-// sharing it; and dropout (hidden and attention) drawing the CPU's masks.
+// sharing it; dropout (hidden and attention) drawing the CPU's masks; and full activation
+// recomputation giving the bits of storing, and the head computing its logits in chunks.
 //
 // Tolerance: 1e-4 relative on losses, gradient norms and weights after 5 AdamW steps, with TF32
 // off (full fp32 products). The CPU meshes agree with one rank to 1e-5; the GPU kernels add
@@ -102,7 +103,7 @@ std::vector<std::string> rank_failures(int ranks, Body&& body) {
 template <class M, class Strategy, class Schedule, class MakeModel, class Train>
 std::vector<std::string> staged_failures(MeshShape shape, double clip, Strategy strategy, Schedule schedule,
                                          MakeModel&& make_model, Train&& train, const ParityRun& expected,
-                                         const ParameterLayout& global_layout) {
+                                         const ParameterLayout& global_layout, int recompute_layers = 0) {
   return rank_failures(shape.size(), [&](threads::Communicator& world) {
     loom::cuda be(gpu_of(world.rank()));
     be.set_tf32(false);
@@ -110,7 +111,10 @@ std::vector<std::string> staged_failures(MeshShape shape, double clip, Strategy 
     Mesh<StagedCommunicator<threads::Communicator, loom::cuda>> mesh(staged, shape);
     Trainer<M, AdamW, Schedule, Strategy> trainer(be, mesh, make_model(mesh.tensor_parallel()),
                                                   AdamW({.weight_decay = 0.1}), parity_lr(),
-                                                  {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5},
+                                                  {.micro_batch_size = 1,
+                                                   .clip_grad_norm = clip,
+                                                   .seed = 5,
+                                                   .recompute_layers = recompute_layers},
                                                   strategy, schedule);
     const ParityRun run = train(trainer);
     return parity_failures(trainer, run, expected, global_layout, gpu_tolerance);
@@ -207,6 +211,39 @@ TEST_CASE("with dropout, one GPU and a DP x TP mesh sharing it drop the CPU's el
       {.dp = 2, .tp = 2, .pp = 1}, 0.0, Zero<1>{}, GradientAccumulation{},
       [&](auto& tensor_parallel) { return Gpt(config, tensor_parallel); },
       [](auto& trainer) { return train_steps(trainer, global_batch, seq); }, expected, Gpt(config).layout());
+  CHECK_MESSAGE(failures.empty(), joined(failures));
+}
+
+TEST_CASE("recomputing every layer, one GPU trains the bits of storing; a TP x PP mesh sharing it as one CPU rank") {
+  if (!have_gpu()) return;
+  gpt2::Config config = small_test_config();
+  config.hidden_dropout = config.attention_dropout = 0.1;
+  // Without atomics and with cuBLAS repeating its bits, the recomputed forward keeps what the
+  // first one kept, masks included (docs/recompute.md).
+  const auto one_gpu = [&](const gpt2::Config& c, int recompute_layers) {
+    loom::cuda be(0);
+    be.set_tf32(false);
+    Trainer<Gpt, AdamW> trainer(be, Gpt(c), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                {.micro_batch_size = 2, .seed = 5, .recompute_layers = recompute_layers});
+    ParityRun run = train_steps(trainer, global_batch, seq);
+    CHECK(trainer.recomputed_layers() == (recompute_layers > 0 ? c.num_layers : 0));
+    return run;
+  };
+  const ParityRun stored = one_gpu(config, 0), recomputed = one_gpu(config, TrainerOptions::all_layers);
+  CHECK(recomputed.losses == stored.losses);
+  CHECK(recomputed.grad_norms == stored.grad_norms);
+  CHECK(recomputed.weights == stored.weights);
+  // The head in chunks of 5 rows (32 rows: 6 chunks and one of 2), every block recomputed: the CPU's
+  // model to the GPU tolerance.
+  gpt2::Config chunked = config;
+  chunked.logits_chunk_rows = 5;
+  check_parity(one_gpu(chunked, TrainerOptions::all_layers), cpu_dropout_reference_run(global_batch, seq, 0.1),
+               gpu_tolerance);
+  const std::vector<std::string> failures = staged_failures<Gpt>(
+      {.dp = 1, .tp = 2, .pp = 2}, 0.0, DataParallel{}, OneFOneB{},
+      [&](auto& tensor_parallel) { return Gpt(config, tensor_parallel); },
+      [](auto& trainer) { return train_steps(trainer, global_batch, seq); },
+      cpu_dropout_reference_run(global_batch, seq, 0.1), Gpt(config).layout(), TrainerOptions::all_layers);
   CHECK_MESSAGE(failures.empty(), joined(failures));
 }
 

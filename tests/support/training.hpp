@@ -44,6 +44,13 @@ inline gpt2::Config small_test_config() {
           .num_heads = 2, .channels = 16};
 }
 
+//! `config` (GPT-2's or BERT's) with hidden and attention dropout at `rate`.
+template <class Config>
+Config with_dropout(Config config, double rate = 0.1) {
+  config.hidden_dropout = config.attention_dropout = rate;
+  return config;
+}
+
 template <class T>
 double relative_difference(const T* a, const T* b, std::int64_t n) {
   double diff = 0, norm = 0;

@@ -251,17 +251,10 @@ namespace {
 gpt2::Config dropout_gpt2_config() {
   gpt2::Config c = small_test_config();
   c.num_heads = 4;
-  c.hidden_dropout = 0.1;
-  c.attention_dropout = 0.1;
-  return c;
+  return with_dropout(c);
 }
 
-bert::Config dropout_bert_config() {
-  bert::Config c = bert_test_config();
-  c.hidden_dropout = 0.1;
-  c.attention_dropout = 0.1;
-  return c;
-}
+bert::Config dropout_bert_config() { return with_dropout(bert_test_config()); }
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <ostream>
 #include <span>
@@ -43,11 +44,24 @@ struct TrainerOptions {
   //! Keys every parameter's initial values, and (with the step and the position in the global
   //! batch) every dropout mask.
   std::uint64_t seed = 1337;
+  //! Activation recomputation (full activation checkpointing; Megatron-LM's `--recompute-method
+  //! block`): in every chunk of layers a rank runs, the first `recompute_layers` of the layers
+  //! that keep activations (the model's last layer, which computes the loss, excepted) keep
+  //! nothing but their input from forward to backward, and run their forward again just before
+  //! their backward, into one buffer the rank shares across them. 0: none; all_layers: every
+  //! one. The recomputed forward draws the same dropout masks and, on a deterministic backend,
+  //! computes the same bits, so the run trains the same model (docs/recompute.md).
+  int recompute_layers = 0;
+  //! recompute_layers for every layer it applies to.
+  static constexpr int all_layers = std::numeric_limits<int>::max();
 
   friend bool operator==(const TrainerOptions&, const TrainerOptions&) = default;
   friend std::ostream& operator<<(std::ostream& out, const TrainerOptions& o) {
-    return out << "{micro_batch_size=" << o.micro_batch_size
-               << ", clip_grad_norm=" << o.clip_grad_norm << ", seed=" << o.seed << "}";
+    out << "{micro_batch_size=" << o.micro_batch_size << ", clip_grad_norm=" << o.clip_grad_norm
+        << ", seed=" << o.seed << ", recompute_layers=";
+    if (o.recompute_layers == all_layers) out << "all";
+    else out << o.recompute_layers;
+    return out << "}";
   }
 };
 
@@ -359,6 +373,17 @@ class Trainer {
   std::int64_t activation_slots() const noexcept { return static_cast<std::int64_t>(slots_.size()); }
   //! Elements of one activation slot (saved activations, hidden states, split-backward stash).
   std::int64_t activation_slot_elements() const noexcept { return slot_elements_; }
+  //! Layers of this rank that recompute their activations in the backward
+  //! (TrainerOptions::recompute_layers), for the last step's shape.
+  int recomputed_layers() const noexcept {
+    int n = 0;
+    for (const ChunkPlan& p : chunk_plans_)
+      n += static_cast<int>(std::count(p.recomputed.begin(), p.recomputed.end(), true));
+    return n;
+  }
+  //! Elements of the one buffer the recomputed layers share for their activations and their
+  //! (discarded) output (0 without recomputation).
+  std::int64_t recompute_elements() const noexcept { return recompute_saved_.size() + recompute_output_.size(); }
 
  private:
   using T = scalar_type;
@@ -461,6 +486,16 @@ class Trainer {
                "must be >= 1");
     LOOM_CHECK(o.clip_grad_norm >= 0, "trainer options: clip_grad_norm", o.clip_grad_norm,
                "must be >= 0 (0 disables clipping)");
+    LOOM_CHECK(o.recompute_layers >= 0, "trainer options: recompute_layers", o.recompute_layers,
+               "must be >= 0 (0: no recomputation; TrainerOptions::all_layers: every layer)");
+    // A zero-bubble schedule defers each weight-gradient pass, which reads the layer's
+    // activations, past other micro-batches' work: a recomputed layer would have to hold them
+    // from its input pass to then, which saves nothing at the peak.
+    LOOM_CHECK(o.recompute_layers == 0 || !splits_backward_schedule<S>, "trainer options: recompute_layers",
+               o.recompute_layers,
+               "must be 0 under a schedule that splits the backward (ZeroBubbleH1): its weight passes read "
+               "the activations after other micro-batches' work; recompute with OneFOneB, Interleaved1F1B, "
+               "GPipe or GradientAccumulation, or keep less with AttentionStorage::recompute");
   }
 
   //! Checks the batch and (re)allocates activation storage for its shape; returns the number
@@ -531,6 +566,9 @@ class Trainer {
     bool receives = false;  //!< its first layer's input comes from the previous virtual stage
     bool sends = false;     //!< its last layer's output goes to the next virtual stage
     std::vector<std::int64_t> saved_offset, stash_offset;  //!< per layer of the chunk, and the end
+    //! Per layer of the chunk: it keeps nothing in the slot and recomputes its activations
+    //! (TrainerOptions::recompute_layers).
+    std::vector<bool> recomputed;
   };
 
   //! The schedule's actions and activation slots for `shape` (the schedule says how many
@@ -564,7 +602,7 @@ class Trainer {
     const std::int64_t hidden = stage_.hidden_elements(shape);
     const int model_layers = stage_.model().num_layers();
     chunk_plans_.clear();
-    std::int64_t saved = 0, stash = 0, hiddens = 0, workspace = 0;
+    std::int64_t saved = 0, stash = 0, hiddens = 0, workspace = 0, recomputed_saved = 0;
     bool any_receives = false;
     for (int c = 0; c < chunks; ++c) {
       ChunkPlan p;
@@ -576,8 +614,20 @@ class Trainer {
       p.sends = global.last + 1 < model_layers;
       p.saved_offset.assign(static_cast<std::size_t>(p.count) + 1, 0);
       p.stash_offset.assign(static_cast<std::size_t>(p.count) + 1, 0);
+      p.recomputed.assign(static_cast<std::size_t>(p.count), false);
+      int recompute_left = options_.recompute_layers;
       for (int j = 0; j < p.count; ++j) {
-        p.saved_offset[j + 1] = p.saved_offset[j] + stage_.activation_elements(p.first + j, shape);
+        // Every layer's range starts 16-byte aligned, so that a layer may keep values of a wider
+        // type than T in it (a head's per-row statistics in double).
+        constexpr auto align = static_cast<std::int64_t>(sizeof(T) >= 16 ? 1 : 16 / sizeof(T));
+        const std::int64_t kept = (stage_.activation_elements(p.first + j, shape) + align - 1) / align * align;
+        const bool last = global.first + j + 1 == model_layers;  // computes the loss
+        if (recompute_left > 0 && kept > 0 && !last) {
+          p.recomputed[static_cast<std::size_t>(j)] = true;
+          --recompute_left;
+          recomputed_saved = std::max(recomputed_saved, kept);
+        }
+        p.saved_offset[j + 1] = p.saved_offset[j] + (p.recomputed[static_cast<std::size_t>(j)] ? 0 : kept);
         if constexpr (splits_backward_schedule<S>)
           p.stash_offset[j + 1] = p.stash_offset[j] + stage_.stash_elements(p.first + j, shape);
         workspace = std::max(workspace, stage_.workspace_elements(p.first + j, shape));
@@ -598,6 +648,12 @@ class Trainer {
       slots_.push_back(std::move(slot));
     }
     slot_elements_ = saved + hidden * hiddens + stash;
+    // One layer's activations at a time: a recomputed layer's, from its forward run again to the
+    // end of its backward (and its forward's, which nothing reads), and its output, which its
+    // successor already holds.
+    recompute_saved_ = Buffer<T, backend_type>(*backend_, recomputed_saved, MemoryCategory::activations);
+    recompute_output_ =
+        Buffer<T, backend_type>(*backend_, recomputed_saved > 0 ? hidden : 0, MemoryCategory::workspace);
     workspace_ = Buffer<T, backend_type>(*backend_, workspace, MemoryCategory::workspace);
     hidden_grads_ = Buffer<T, backend_type>(*backend_, 2 * hidden, MemoryCategory::workspace);
     received_grad_ = Buffer<T, backend_type>(*backend_, any_sends() ? hidden : 0, MemoryCategory::communication);
@@ -700,6 +756,13 @@ class Trainer {
     return {b.data() + offsets[static_cast<std::size_t>(j)],
             Shape{offsets[static_cast<std::size_t>(j) + 1] - offsets[static_cast<std::size_t>(j)]}};
   }
+  //! Where layer j of a chunk keeps its activations: its range of the slot, or the buffer the
+  //! recomputed layers share.
+  Tensor<T> saved(Slot& slot, const ChunkPlan& p, int j) {
+    const Shape kept{stage_.activation_elements(p.first + j, shape_)};
+    if (p.recomputed[static_cast<std::size_t>(j)]) return {recompute_saved_.data(), kept};
+    return {slot.saved.data() + p.saved_offset[static_cast<std::size_t>(j)], kept};
+  }
 
   //! The dropout key of micro-batch `mb` in this step: the seed, the steps done, and the global
   //! index of its first sequence (DESIGN.md invariant 2: masks do not depend on the mesh).
@@ -720,7 +783,7 @@ class Trainer {
                        .targets = targets,
                        .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                        .output = j + 1 < p.count || p.sends ? hidden(slot, p, j + 1) : Tensor<T>{},
-                       .saved = range(slot.saved, p.saved_offset, j),
+                       .saved = saved(slot, p, j),
                        .dropout = dropout};
       loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
@@ -755,16 +818,28 @@ class Trainer {
                         .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                         .output_grad = output_grad,
                         .input_grad = input_grad,
-                        .saved = range(slot.saved, p.saved_offset, j),
+                        .saved = saved(slot, p, j),
                         .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
                         .loss_scale = loss_scale,
                         .dropout = dropout_key(mb)};
+      const ParameterView<const T> params = engine_.backward_params(l);
+      if (p.recomputed[static_cast<std::size_t>(j)]) {
+        // The forward again, from the input the slot kept, with the same parameters and masks:
+        // the activations it kept the first time (its output is already the next layer's input).
+        const ForwardArgs<T> again{.tokens = tokens,
+                                   .targets = targets,
+                                   .input = a.input,
+                                   .output = Tensor<T>(recompute_output_.data(), hidden_shape()),
+                                   .saved = a.saved,
+                                   .dropout = a.dropout};
+        (void)stage_.forward(*backend_, l, params, again);
+      }
       if (action.kind == Action::Kind::backward) {
-        stage_.backward(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a);
+        stage_.backward(*backend_, l, params, engine_.backward_grads(l), a);
         notify(l, completes);
       } else {
         if constexpr (SplitBackwardModel<M>)
-          stage_.backward_input(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a,
+          stage_.backward_input(*backend_, l, params, engine_.backward_grads(l), a,
                                 range(slot.stash, p.stash_offset, j));
         else
           throw Error("trainer: schedule action", detail::to_text(action),
@@ -791,7 +866,7 @@ class Trainer {
                           .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                           .output_grad = {},  // the weight pass reads the stash instead
                           .input_grad = {},
-                          .saved = range(slot.saved, p.saved_offset, j),
+                          .saved = saved(slot, p, j),
                           .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
                           .loss_scale = loss_scale,
                           .dropout = dropout_key(action.micro_batch)};
@@ -1005,6 +1080,8 @@ class Trainer {
   std::vector<Slot> slots_;
   std::int64_t slot_elements_ = 0;
   Buffer<T, backend_type> workspace_, hidden_grads_, received_grad_, tied_buffer_;
+  //! The recomputed layers' activations and discarded output (TrainerOptions::recompute_layers).
+  Buffer<T, backend_type> recompute_saved_, recompute_output_;
   Buffer<std::int32_t, backend_type> batch_;  //!< the global batch in backend memory (device backends)
   std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
   detail::BufferPool<T, backend_type> mailbox_pool_;

@@ -27,13 +27,19 @@ struct Config {
   //! their residual adds (BERT's hidden_dropout_prob, 0.1 in its pre-training; 0 = none).
   double hidden_dropout = 0.0;
   double attention_dropout = 0.0;          //!< dropout on the attention probabilities (0.1 in BERT's)
+  //! 0: the head keeps its slice of the probabilities, N·V/tp values, for the backward. n > 0:
+  //! it computes the logits and the loss n rows at a time, keeps only each row's statistics (3
+  //! doubles), and its backward computes each chunk's logits again (one more unembedding GEMM;
+  //! docs/recompute.md). The same model to rounding.
+  std::int64_t logits_chunk_rows = 0;
 
   friend bool operator==(const Config&, const Config&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Config& c) {
     return out << "{max_seq_len=" << c.max_seq_len << ", vocab_size=" << c.vocab_size
                << ", padded_vocab_size=" << c.padded_vocab_size << ", num_layers=" << c.num_layers
                << ", num_heads=" << c.num_heads << ", channels=" << c.channels
-               << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout << "}";
+               << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout
+               << ", logits_chunk_rows=" << c.logits_chunk_rows << "}";
   }
 
   //! Parameters without the vocabulary padding: the embeddings and their layernorm
@@ -60,6 +66,8 @@ struct Config {
                "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
     check_dropout_rate(hidden_dropout, "bert config: hidden_dropout");
     check_dropout_rate(attention_dropout, "bert config: attention_dropout");
+    LOOM_CHECK(logits_chunk_rows >= 0, "bert config: logits_chunk_rows", logits_chunk_rows,
+               "must be >= 0 (0: the head keeps its probabilities)");
     LOOM_CHECK(layernorm_eps > 0, "bert config: layernorm_eps", layernorm_eps, "must be > 0");
   }
 

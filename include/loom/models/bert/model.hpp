@@ -129,7 +129,8 @@ class Model {
   //! for a block N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (r1, h, r2, this rank's qkv, attention
   //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
   //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) for the
-  //! head. For bf16 each float statistic takes two elements (as in gpt2::Model).
+  //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows. For bf16 each float
+  //! statistic takes two elements (as in gpt2::Model).
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
     Carver counter{};
     if (layer == embedding_layer) embedding_saved(counter, s);
@@ -145,7 +146,11 @@ class Model {
     const std::int64_t N = s.batch * s.seq, C = config_.channels;
     const std::int64_t dropped = config_.hidden_dropout > 0 ? N * C : 0;
     if (layer == embedding_layer) return N * C + dropped;
-    if (layer == head_layer(config_)) return 2 * N * C;
+    if (layer == head_layer(config_)) {
+      Carver counter{};
+      head_workspace(counter, s);
+      return counter.elements();
+    }
     return N * C * 3 + N * attention_channels_ * 8 + dropped;
   }
 
@@ -191,7 +196,9 @@ class Model {
     const MicroBatchShape s = shape_of(a.tokens);
     check_stash(stash, layer, s, "bert backward_input");
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
-    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, false);
+    // With chunked logits the input pass adds the unembedding's gradients too, from the chunks
+    // it computes anyway.
+    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, chunked_logits());
     block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
@@ -203,6 +210,7 @@ class Model {
     check_stash(stash, layer, s, "bert backward_weight");
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
+      if (chunked_logits()) return;  // backward_input did it
       const HeadSaved h = carve_head(a.saved, s);
       unembedding_weight_grads(be, params, grads, h);
       return;
@@ -511,9 +519,11 @@ class Model {
   // Masked-LM head: pre = x W_d^T + b_d; t = LN_m(GELU(pre)); logits = t wte^T + b_out;
   // cross-entropy over the positions whose target is >= 0.
 
-  //! What the head keeps; the statistics and losses in the accumulate type, first.
+  //! What the head keeps; the statistics and losses in the accumulate type, first; then the
+  //! probabilities, or with Config::logits_chunk_rows each row's statistics in double.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
+    detail::transformer::LogitStatistics stats;
     Tensor<T> pre, act, t, probs;
   };
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
@@ -522,11 +532,33 @@ class Model {
     h.mean = c.template take<A>({N});
     h.rstd = c.template take<A>({N});
     h.losses = c.template take<A>({N});
+    if (chunked_logits()) {
+      h.stats.row_max = c.template take<double>({N});
+      h.stats.partials = c.template take<double>({2 * N});
+    }
     h.pre = c.take({N, C()});
     h.act = c.take({N, C()});
     h.t = c.take({N, C()});
-    h.probs = c.take({N, vocab_rows_});
+    if (!chunked_logits()) h.probs = c.take({N, vocab_rows_});
     return h;
+  }
+  //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
+  bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
+  std::int64_t logits_chunk(MicroBatchShape s) const noexcept {
+    return std::min(config_.logits_chunk_rows, s.batch * s.seq);
+  }
+  //! The head's backward scratch: dt and dact, and one chunk's logits and statistics when
+  //! chunked.
+  struct HeadWorkspace {
+    Tensor<T> dt, dact;
+    detail::transformer::LogitScratch<T> chunk;
+  };
+  HeadWorkspace head_workspace(Carver& c, MicroBatchShape s) const {
+    HeadWorkspace w;
+    if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
+    w.dt = c.take({s.batch * s.seq, C()});
+    w.dact = c.take({s.batch * s.seq, C()});
+    return w;
   }
   HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
     check_numel(saved, activation_elements(head_layer(config_), s), "bert head", "saved");
@@ -542,6 +574,13 @@ class Model {
                            param(p, dense_bias_, {C}));
     layernorm_forward<T>(be, h.t, h.mean, h.rstd, h.act, param(p, lnm_weight_, {C}), param(p, lnm_bias_, {C}),
                          eps());
+    if (chunked_logits()) {
+      const Buffer<T, B> logits(be, logits_chunk(s) * vocab_rows_, MemoryCategory::workspace);
+      return detail::transformer::chunked_unembedding_loss<T>(
+          be, tensor_parallel_, h.losses, h.stats, Tensor<T>(logits.data(), {logits.size()}), h.t,
+          param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), a.targets.reshape({N}), vocab_begin_,
+          config_.vocab_size, logits_chunk(s));
+    }
     // This rank's slice of the logits (column-parallel over wte's rows and the output bias) lands
     // in the probs buffer; the vocab-parallel cross-entropy exchanges only per-row statistics.
     matmul_forward<T>(be, h.probs, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
@@ -564,14 +603,24 @@ class Model {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     const HeadSaved h = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head backward", "workspace");
-    Carver w{a.workspace.data()};
-    const Tensor<T> dt = w.take({N, C}), dact = w.take({N, C});
-    zero<T>(be, a.workspace);
-    // dlogits overwrite the probabilities they are computed from (this rank's slice).
-    vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
-                                             config_.vocab_size, a.loss_scale);
-    if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
-    matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
+    Carver c{a.workspace.data()};
+    const HeadWorkspace w = head_workspace(c, s);
+    const Tensor<T> dt = w.dt, dact = w.dact;
+    zero<T>(be, dt);
+    zero<T>(be, dact);
+    if (chunked_logits()) {
+      detail::transformer::chunked_unembedding_loss_backward<T>(
+          be, dt, unembedding_grads ? grad(g, wte_, {vocab_rows_, C}) : Tensor<T>{},
+          unembedding_grads ? grad(g, output_bias_, {vocab_rows_}) : Tensor<T>{}, w.chunk, h.stats, h.t,
+          param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), a.targets.reshape({N}), vocab_begin_,
+          config_.vocab_size, a.loss_scale, logits_chunk(s));
+    } else {
+      // dlogits overwrite the probabilities they are computed from (this rank's slice).
+      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
+                                               config_.vocab_size, a.loss_scale);
+      if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
+      matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
+    }
     // f backward of the column-parallel logits: sum the slices' shares of dt.
     nn::column_parallel_input_grad(tensor_parallel_, dt);
     layernorm_backward<T>(be, dact, grad(g, lnm_weight_, {C}), grad(g, lnm_bias_, {C}), dt, h.act,

@@ -180,25 +180,118 @@ void check_attention_dropout(double attention, std::string_view model) {
              "attention_dropout = 0 on it (hidden_dropout works on every backend)");
 }
 
-//! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `probs` (vocabulary
-//! rows [vocab_begin, ...) of a group `tensor_parallel`), against `targets` [N] (< 0: ignored):
-//! turns `probs` into this slice's probabilities in place, writes the per-token `losses` [N], and
-//! returns their sum. Only per-row statistics cross the group (max, sum of exps, target logit),
-//! in double, in backend memory: the full logits never exist.
+//! The vocabulary-parallel softmax and cross-entropy of n rows whose slice of the logits
+//! (vocabulary rows [vocab_begin, ...) of a group `tensor_parallel`) is in `probs` [n, vocab rows],
+//! against `targets` [n] (< 0: ignored): turns `probs` into this slice's probabilities in place
+//! and writes the per-token `losses` [n]. Only per-row statistics cross the group, left in
+//! `row_max` [n] (each row's largest logit over the whole vocabulary) and `partials` [2, n] (the
+//! sum of the exps below it, and the target's logit less it), in double, in backend memory.
+template <class T, Backend B>
+void vocab_parallel_softmax_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
+                                 Tensor<T> probs, Tensor<double> row_max, Tensor<double> partials,
+                                 Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size) {
+  vocab_parallel_cross_entropy_max<T>(be, row_max, probs, vocab_begin, vocab_size);
+  if (tensor_parallel.size() > 1)
+    tensor_parallel.all_reduce(std::span<double>(row_max.data(), static_cast<std::size_t>(row_max.numel())),
+                               ReduceOp::max);
+  vocab_parallel_cross_entropy_partials<T>(be, probs, partials, probs, row_max, targets, vocab_begin, vocab_size);
+  nn::sum_over_tensor_parallel(tensor_parallel, partials);
+  vocab_parallel_cross_entropy_finish<T>(be, losses, probs, partials, targets);
+}
+
+//! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `probs`, against
+//! `targets` [N]: vocab_parallel_softmax_loss with its statistics in scratch (24 bytes a token);
+//! returns the sum of the losses. The full logits never exist.
 template <class T, Backend B>
 double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size) {
   const std::int64_t N = targets.numel();
-  const Buffer<double, B> scratch(be, 3 * N, MemoryCategory::workspace);  // 24 bytes a token
-  double* statistics = scratch.data();
-  Tensor<double> row_max(statistics, {N}), partials(statistics + N, {2, N});
-  vocab_parallel_cross_entropy_max<T>(be, row_max, probs, vocab_begin, vocab_size);
-  if (tensor_parallel.size() > 1)
-    tensor_parallel.all_reduce(std::span<double>(statistics, static_cast<std::size_t>(N)), ReduceOp::max);
-  vocab_parallel_cross_entropy_partials<T>(be, probs, partials, probs, row_max, targets, vocab_begin, vocab_size);
-  nn::sum_over_tensor_parallel(tensor_parallel, partials);
-  vocab_parallel_cross_entropy_finish<T>(be, losses, probs, partials, targets);
+  const Buffer<double, B> scratch(be, 3 * N, MemoryCategory::workspace);
+  vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, probs, Tensor<double>(scratch.data(), {N}),
+                                 Tensor<double>(scratch.data() + N, {2, N}), targets, vocab_begin, vocab_size);
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
+}
+
+//! Rows [first, first + count) of a tensor whose first dimension is rows.
+template <class U>
+Tensor<U> rows(Tensor<U> t, std::int64_t first, std::int64_t count) {
+  const std::int64_t width = t.numel() / t.extent(0);
+  return t.shape().rank() == 1 ? Tensor<U>(t.data() + first, {count})
+                               : Tensor<U>(t.data() + first * width, {count, width});
+}
+
+//! What a head that computes its logits in chunks of rows (Config::logits_chunk_rows) keeps of
+//! them per row for the backward: vocab_parallel_softmax_loss's statistics, `row_max` [N] and,
+//! chunk after chunk, each chunk's [2, k] `partials` (2·N values), in double.
+struct LogitStatistics {
+  Tensor<double> row_max, partials;
+};
+
+//! The chunked head's scratch for the backward: one chunk's logits [chunk, vocab rows], its
+//! recomputed partials [2·chunk] and losses [chunk] (both discarded).
+template <class T>
+struct LogitScratch {
+  Tensor<T> logits;
+  Tensor<double> partials;
+  Tensor<accumulate_t<T>> losses;
+};
+//! Carves a LogitScratch for chunks of `chunk` rows of `vocab_rows` columns.
+template <class T>
+LogitScratch<T> carve_logit_scratch(Carver<T>& c, std::int64_t chunk, std::int64_t vocab_rows) {
+  LogitScratch<T> s;
+  s.partials = c.template take<double>({2 * chunk});
+  s.losses = c.template take<accumulate_t<T>>({chunk});
+  s.logits = c.take({chunk, vocab_rows});
+  return s;
+}
+
+//! The unembedding and loss of a head, `chunk` rows at a time: each chunk's slice of the logits
+//! `x` [N, C] · `w`ᵀ (+ `bias`, may be empty) goes into `logits` [chunk, vocab rows] (scratch),
+//! through vocab_parallel_softmax_loss into its rows of `losses` and `stats`. Returns the sum of
+//! the losses. The [N, vocab rows] logits never exist; the backward computes each chunk again.
+template <class T, Backend B>
+double chunked_unembedding_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
+                                const LogitStatistics& stats, Tensor<T> logits, Tensor<const T> x, Tensor<const T> w,
+                                Tensor<const T> bias, Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                                std::int64_t vocab_size, std::int64_t chunk) {
+  const std::int64_t N = targets.numel(), V = w.extent(0);
+  for (std::int64_t first = 0; first < N; first += chunk) {
+    const std::int64_t k = std::min(chunk, N - first);
+    const Tensor<T> slice(logits.data(), {k, V});
+    matmul_forward<T>(be, slice, rows(x, first, k), w, bias);
+    vocab_parallel_softmax_loss<T>(be, tensor_parallel, rows(losses, first, k), slice, rows(stats.row_max, first, k),
+                                   Tensor<double>(stats.partials.data() + 2 * first, {2, k}), rows(targets, first, k),
+                                   vocab_begin, vocab_size);
+  }
+  return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
+}
+
+//! The backward of chunked_unembedding_loss: per chunk, the logits again, the probabilities from
+//! the forward's `stats` (the same bits), dlogits (scaled by `loss_scale`), then `dx` [N, C] +=
+//! dlogits · w, and `dw` += dlogitsᵀ · x and `dbias` += its column sums where they are not empty.
+//! Communicates nothing: the caller sums dx over the group.
+template <class T, Backend B>
+void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor<T> dbias,
+                                       const LogitScratch<T>& scratch, const LogitStatistics& stats, Tensor<const T> x,
+                                       Tensor<const T> w, Tensor<const T> bias, Tensor<const std::int32_t> targets,
+                                       std::int64_t vocab_begin, std::int64_t vocab_size, accumulate_t<T> loss_scale,
+                                       std::int64_t chunk) {
+  const std::int64_t N = targets.numel(), V = w.extent(0);
+  for (std::int64_t first = 0; first < N; first += chunk) {
+    const std::int64_t k = std::min(chunk, N - first);
+    const Tensor<T> logits(scratch.logits.data(), {k, V});
+    const Tensor<const std::int32_t> chunk_targets = rows(targets, first, k);
+    matmul_forward<T>(be, logits, rows(x, first, k), w, bias);
+    // exp(logit - max) with the forward's max; the group's sums of them, kept by the forward,
+    // normalise them (this slice's own sums, recomputed, are not needed).
+    vocab_parallel_cross_entropy_partials<T>(be, logits, Tensor<double>(scratch.partials.data(), {2, k}), logits,
+                                             rows(stats.row_max, first, k), chunk_targets, vocab_begin, vocab_size);
+    vocab_parallel_cross_entropy_finish<T>(be, Tensor<accumulate_t<T>>(scratch.losses.data(), {k}), logits,
+                                           Tensor<const double>(stats.partials.data() + 2 * first, {2, k}),
+                                           chunk_targets);
+    vocab_parallel_cross_entropy_backward<T>(be, logits, logits, chunk_targets, vocab_begin, vocab_size, loss_scale);
+    matmul_backward<T>(be, rows(dx, first, k), dw, dbias, logits, rows(x, first, k), w);
+  }
 }
 
 }  // namespace loom::detail::transformer

@@ -127,12 +127,13 @@ class Model {
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
-  //! N·(C + 3 + V/tp) for the head and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
+  //! N·(C + 3 + V/tp) for the head (N·(C + 3) and 3 doubles a row with
+  //! Config::logits_chunk_rows) and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
   //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention
   //! probabilities and four row statistics), or + B·(H/tp)·T (the rows' log-sum-exp) in place
   //! of the probabilities with Attention::recompute; for bf16 each float statistic takes two
   //! elements and the count is rounded up to even, so that ranges laid end to end keep their
-  //! statistics 4-byte aligned.
+  //! statistics 4-byte aligned (the Trainer starts each range 16-byte aligned, for the doubles).
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
     if (layer == embedding_layer) return 0;
     Carver counter{};
@@ -147,7 +148,11 @@ class Model {
     // With hidden dropout, the embedding's and the MLP branch's output gradient through the mask.
     const std::int64_t dropped = config_.hidden_dropout > 0 ? N * C : 0;
     if (layer == embedding_layer) return dropped;
-    if (layer == head_layer(config_)) return N * C;
+    if (layer == head_layer(config_)) {
+      Carver counter{};
+      head_workspace(counter, s);
+      return counter.elements();
+    }
     // Replicated dres2, dln2, dln1 (3·C); this rank's dfch, datty, dqkv (8·C/tp).
     return N * C * 3 + N * attention_channels_ * 8 + dropped;
   }
@@ -222,8 +227,11 @@ class Model {
     const MicroBatchShape s = shape_of(a.tokens);
     check_stash(stash, layer, s, "gpt2 backward_input");
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
-    // The head's input pass is its backward without the tied-embedding gradient (dwte).
-    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, Tensor<T>{});
+    // The head's input pass is its backward without the tied-embedding gradient (dwte), unless
+    // it recomputes its logits: then dwte too, from the chunks it computes anyway.
+    if (layer == head_layer(config_))
+      return head_backward(be, params, grads, a, s,
+                           chunked_logits() ? grad(grads, wte_, {vocab_rows_, C()}) : Tensor<T>{});
     block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
@@ -238,6 +246,7 @@ class Model {
     check_stash(stash, layer, s, "gpt2 backward_weight");
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
+      if (chunked_logits()) return;  // backward_input did it
       // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the probabilities.
       const std::int64_t C = config_.channels;
       const HeadSaved h = carve_head(a.saved, s);
@@ -501,9 +510,11 @@ class Model {
   }
 
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
-  //! accumulate type, first (see block_saved).
+  //! accumulate type, first (see block_saved); then the probabilities, or with
+  //! Config::logits_chunk_rows each row's statistics in double.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
+    detail::transformer::LogitStatistics stats;
     Tensor<T> lnf, probs;
   };
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
@@ -512,9 +523,30 @@ class Model {
     h.mean = c.template take<A>({N});
     h.rstd = c.template take<A>({N});
     h.losses = c.template take<A>({N});
+    if (chunked_logits()) {
+      h.stats.row_max = c.template take<double>({N});
+      h.stats.partials = c.template take<double>({2 * N});
+    }
     h.lnf = c.take({N, config_.channels});
-    h.probs = c.take({N, vocab_rows_});
+    if (!chunked_logits()) h.probs = c.take({N, vocab_rows_});
     return h;
+  }
+  //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
+  bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
+  //! Rows of a chunk of the logits for `s`.
+  std::int64_t logits_chunk(MicroBatchShape s) const noexcept {
+    return std::min(config_.logits_chunk_rows, s.batch * s.seq);
+  }
+  //! The head's backward scratch: dlnf, and one chunk's logits and statistics when chunked.
+  struct HeadWorkspace {
+    Tensor<T> dlnf;
+    detail::transformer::LogitScratch<T> chunk;
+  };
+  HeadWorkspace head_workspace(Carver& c, MicroBatchShape s) const {
+    HeadWorkspace w;
+    if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
+    w.dlnf = c.take({s.batch * s.seq, config_.channels});
+    return w;
   }
   HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
     check_numel(saved, activation_elements(head_layer(config_), s), "gpt2 head", "saved");
@@ -527,6 +559,13 @@ class Model {
     HeadSaved h = carve_head(a.saved, s);
     layernorm_forward<T>(be, h.lnf, h.mean, h.rstd, a.input.reshape({N, C}),
                                   param(p, lnf_weight_, {C}), param(p, lnf_bias_, {C}));
+    if (chunked_logits()) {
+      const Buffer<T, B> logits(be, logits_chunk(s) * vocab_rows_, MemoryCategory::workspace);
+      return detail::transformer::chunked_unembedding_loss<T>(
+          be, tensor_parallel_, h.losses, h.stats, Tensor<T>(logits.data(), {logits.size()}), h.lnf,
+          param(p, wte_, {vocab_rows_, C}), Tensor<const T>{}, a.targets.reshape({N}), vocab_begin_,
+          config_.vocab_size, logits_chunk(s));
+    }
     // This rank's slice of the logits (a column-parallel use of wte) lands in the probs buffer;
     // the vocab-parallel cross-entropy turns it into probabilities in place, exchanging only
     // per-row statistics (max, sum of exps, target logit): the full logits never exist.
@@ -542,12 +581,20 @@ class Model {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     HeadSaved h = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");
-    Tensor<T> dlnf = a.workspace.reshape({N, C});
+    Carver c{a.workspace.data()};
+    const HeadWorkspace w = head_workspace(c, s);
+    const Tensor<T> dlnf = w.dlnf;
     zero<T>(be, dlnf);
-    // dlogits overwrite the probabilities they are computed from (this rank's slice).
-    vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
-                                             config_.vocab_size, a.loss_scale);
-    matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}));
+    if (chunked_logits()) {
+      detail::transformer::chunked_unembedding_loss_backward<T>(
+          be, dlnf, dwte, Tensor<T>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
+          a.targets.reshape({N}), vocab_begin_, config_.vocab_size, a.loss_scale, logits_chunk(s));
+    } else {
+      // dlogits overwrite the probabilities they are computed from (this rank's slice).
+      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
+                                               config_.vocab_size, a.loss_scale);
+      matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}));
+    }
     // f backward of the column-parallel logits: sum the slices' shares of dlnf.
     nn::column_parallel_input_grad(tensor_parallel_, dlnf);
     layernorm_backward<T>(be, a.input_grad.reshape({N, C}), grad(g, lnf_weight_, {C}),
