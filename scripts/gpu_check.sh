@@ -98,6 +98,12 @@ run() {
             --gemm-epilogues --peak-tflops 989.4
     run_one gpt2_train_small_1024_bf16_recompute_32_flash_epilogues "${small[@]}" --batch 32 --micro-batch 32 \
             --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
+    # Full recomputation and the chunked loss head (docs/recompute.md): what the head's extra GEMM
+    # costs at micro-batch 16, and the largest micro-batch with everything recomputed.
+    run_one gpt2_train_small_1024_bf16_chunked_logits "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --logits-chunk-rows 4096 --peak-tflops 989.4
+    run_one gpt2_train_small_1024_bf16_recompute_all_128 "${small[@]}" --batch 128 --micro-batch 128 --dtype bf16 \
+            --attention recompute --recompute-layers all --logits-chunk-rows 4096 --peak-tflops 989.4
     # BERT-base at sequence 512 (bidirectional attention, masked-LM head), bf16.
     run_one bert_train_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
             --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
