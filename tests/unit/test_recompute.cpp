@@ -251,6 +251,29 @@ TEST_CASE("a head with chunked logits keeps 3 doubles a row instead of its proba
           gpt2::head_layer(gpt), 6 * N);
   compare(bert::Model<cpu, float>(bert_test_config()), bert::Model<cpu, float>(bert),
           masked_test_source().batch_at(0, 2, seq), bert::head_layer(bert), 6 * N);
+
+  // Given the layer's workspace (as the Trainer gives it), the forward computes the chunks there
+  // and allocates nothing; without one, it allocates one chunk's logits.
+  cpu fresh(1);
+  const gpt2::Model<cpu, float> model(gpt);
+  const int head = gpt2::head_layer(gpt);
+  const TestBatch batch = make_batch(0, 2, seq, 50);
+  std::vector<float> params = noisy_parameters<float>(model.layout());
+  std::vector<float> input(static_cast<std::size_t>(model.hidden_elements(s)), 0.5f);
+  std::vector<float> saved(static_cast<std::size_t>(model.activation_elements(head, s)));
+  std::vector<float> workspace(static_cast<std::size_t>(model.workspace_elements(head, s)));
+  const auto head_loss = [&](Tensor<float> scratch) {
+    return model.forward(fresh, head, ParameterView<const float>(params.data()),
+                         {.tokens = batch.tokens_view(),
+                          .targets = batch.targets_view(),
+                          .input = Tensor<const float>(input.data(), {2, seq, gpt.channels}),
+                          .saved = flat(saved),
+                          .workspace = scratch});
+  };
+  const double in_workspace = head_loss(flat(workspace));
+  CHECK(fresh.memory().peak(MemoryCategory::workspace) == 0);
+  CHECK(head_loss({}) == in_workspace);
+  CHECK(fresh.memory().peak(MemoryCategory::workspace) == 7 * gpt.padded_vocab_size * std::int64_t{sizeof(float)});
 }
 
 TEST_CASE("a head with chunked logits trains as one rank on meshes, and with every layer recomputed") {

@@ -32,6 +32,9 @@ struct ForwardArgs {
   Tensor<T> output;                    //!< [B, T, C] for the next layer (empty for the last)
   Tensor<T> saved;                     //!< activation_elements(layer, shape): kept for backward
   DropoutKey dropout{};                //!< keys the layer's dropout masks; default: no dropout
+  //! Scratch the forward may use, workspace_elements(layer, shape) elements (the backward's),
+  //! or empty: a layer whose forward needs scratch then allocates it.
+  Tensor<T> workspace{};
 };
 
 //! What one layer's backward reads and writes. Gradients accumulate (+=).

@@ -381,7 +381,7 @@ class Trainer {
       n += static_cast<int>(std::count(p.recomputed.begin(), p.recomputed.end(), true));
     return n;
   }
-  //! Elements of the one buffer the recomputed layers share for their activations and their
+  //! Elements of the buffers the recomputed layers share for their activations and their
   //! (discarded) output (0 without recomputation).
   std::int64_t recompute_elements() const noexcept { return recompute_saved_.size() + recompute_output_.size(); }
 
@@ -756,6 +756,8 @@ class Trainer {
     return {b.data() + offsets[static_cast<std::size_t>(j)],
             Shape{offsets[static_cast<std::size_t>(j) + 1] - offsets[static_cast<std::size_t>(j)]}};
   }
+  //! Local layer `l`'s scratch, for its forward and its backward.
+  Tensor<T> workspace(int l) { return {workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}}; }
   //! Where layer j of a chunk keeps its activations: its range of the slot, or the buffer the
   //! recomputed layers share.
   Tensor<T> saved(Slot& slot, const ChunkPlan& p, int j) {
@@ -784,7 +786,8 @@ class Trainer {
                        .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                        .output = j + 1 < p.count || p.sends ? hidden(slot, p, j + 1) : Tensor<T>{},
                        .saved = saved(slot, p, j),
-                       .dropout = dropout};
+                       .dropout = dropout,
+                       .workspace = workspace(l)};
       loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
     }
@@ -819,7 +822,7 @@ class Trainer {
                         .output_grad = output_grad,
                         .input_grad = input_grad,
                         .saved = saved(slot, p, j),
-                        .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
+                        .workspace = workspace(l),
                         .loss_scale = loss_scale,
                         .dropout = dropout_key(mb)};
       const ParameterView<const T> params = engine_.backward_params(l);
@@ -831,7 +834,8 @@ class Trainer {
                                    .input = a.input,
                                    .output = Tensor<T>(recompute_output_.data(), hidden_shape()),
                                    .saved = a.saved,
-                                   .dropout = a.dropout};
+                                   .dropout = a.dropout,
+                                   .workspace = a.workspace};
         (void)stage_.forward(*backend_, l, params, again);
       }
       if (action.kind == Action::Kind::backward) {
@@ -867,7 +871,7 @@ class Trainer {
                           .output_grad = {},  // the weight pass reads the stash instead
                           .input_grad = {},
                           .saved = saved(slot, p, j),
-                          .workspace = Tensor<T>(workspace_.data(), Shape{stage_.workspace_elements(l, shape_)}),
+                          .workspace = workspace(l),
                           .loss_scale = loss_scale,
                           .dropout = dropout_key(action.micro_batch)};
         stage_.backward_weight(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a,
