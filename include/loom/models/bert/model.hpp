@@ -575,17 +575,9 @@ class Model {
     layernorm_forward<T>(be, h.t, h.mean, h.rstd, h.act, param(p, lnm_weight_, {C}), param(p, lnm_bias_, {C}),
                          eps());
     if (chunked_logits()) {
-      // The chunk's logits in the scratch the backward uses for them, or in their own.
       Buffer<T, B> own;
-      Tensor<T> logits;
-      if (a.workspace.empty()) {
-        own = Buffer<T, B>(be, logits_chunk(s) * vocab_rows_, MemoryCategory::workspace);
-        logits = Tensor<T>(own.data(), {own.size()});
-      } else {
-        check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head forward", "workspace");
-        Carver c{a.workspace.data()};
-        logits = head_workspace(c, s).chunk.logits;
-      }
+      const Tensor<T> logits = detail::transformer::forward_logits_scratch(be, a.workspace, own, logits_chunk(s),
+                                                                            vocab_rows_);
       return detail::transformer::chunked_unembedding_loss<T>(
           be, tensor_parallel_, h.losses, h.stats, logits, h.t, param(p, wte_, {vocab_rows_, C}),
           param(p, output_bias_, {vocab_rows_}), a.targets.reshape({N}), vocab_begin_, config_.vocab_size, logits_chunk(s));

@@ -245,6 +245,24 @@ LogitScratch<T> carve_logit_scratch(Carver<T>& c, std::int64_t chunk, std::int64
   return s;
 }
 
+//! Where a chunked head's forward computes a chunk's logits [chunk, vocab rows]: in `workspace`
+//! (the layer's, which starts with the backward's LogitScratch) when the caller gave one, else in
+//! `own`, allocated here.
+template <class T, Backend B>
+Tensor<T> forward_logits_scratch(B& be, Tensor<T> workspace, Buffer<T, B>& own, std::int64_t chunk,
+                                 std::int64_t vocab_rows) {
+  if (workspace.empty()) {
+    own = Buffer<T, B>(be, chunk * vocab_rows, MemoryCategory::workspace);
+    return {own.data(), {chunk, vocab_rows}};
+  }
+  Carver<T> counter{};
+  carve_logit_scratch(counter, chunk, vocab_rows);
+  LOOM_CHECK(workspace.numel() >= counter.elements(), "chunked head forward: workspace elements", workspace.numel(),
+             "must hold one chunk's logits and statistics (" + detail::to_text(counter.elements()) + " elements)");
+  Carver<T> c{workspace.data()};
+  return carve_logit_scratch(c, chunk, vocab_rows).logits;
+}
+
 //! The unembedding and loss of a head, `chunk` rows at a time: each chunk's slice of the logits
 //! `x` [N, C] · `w`ᵀ (+ `bias`, may be empty) goes into `logits` [chunk, vocab rows] (scratch),
 //! through vocab_parallel_softmax_loss into its rows of `losses` and `stats`. Returns the sum of

@@ -560,17 +560,9 @@ class Model {
     layernorm_forward<T>(be, h.lnf, h.mean, h.rstd, a.input.reshape({N, C}),
                                   param(p, lnf_weight_, {C}), param(p, lnf_bias_, {C}));
     if (chunked_logits()) {
-      // The chunk's logits in the scratch the backward uses for them, or in their own.
       Buffer<T, B> own;
-      Tensor<T> logits;
-      if (a.workspace.empty()) {
-        own = Buffer<T, B>(be, logits_chunk(s) * vocab_rows_, MemoryCategory::workspace);
-        logits = Tensor<T>(own.data(), {own.size()});
-      } else {
-        check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head forward", "workspace");
-        Carver c{a.workspace.data()};
-        logits = head_workspace(c, s).chunk.logits;
-      }
+      const Tensor<T> logits = detail::transformer::forward_logits_scratch(be, a.workspace, own, logits_chunk(s),
+                                                                            vocab_rows_);
       return detail::transformer::chunked_unembedding_loss<T>(
           be, tensor_parallel_, h.losses, h.stats, logits, h.lnf, param(p, wte_, {vocab_rows_, C}),
           Tensor<const T>{}, a.targets.reshape({N}), vocab_begin_, config_.vocab_size, logits_chunk(s));
