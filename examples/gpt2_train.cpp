@@ -9,6 +9,7 @@
 //   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
 //   gpt2_train --demo --dp 2 --zero 3                   # ZeRO-3 (FSDP FULL_SHARD) over 2 ranks
 //   gpt2_train --demo --dp 2 --tp 2                     # 4 ranks: 2 replicas of a 2-way TP model
+//   gpt2_train --demo --tp 2 --sequence-parallel        # the layernorms' rows split over the TP ranks too
 //   gpt2_train --demo --pp 2                            # 2 pipeline stages, 1F1B
 //   gpt2_train --demo --pp 2 --schedule interleaved --virtual-stages 2
 //   gpt2_train --demo --device cuda --dp 2              # 2 ranks on the GPU(s) (gpt2_train_cuda.cu)
@@ -191,6 +192,11 @@ int main(int argc, char** argv) {
                  "Tensor-parallel ranks per model replica (Megatron's split; heads, channels and the padded "
                  "vocabulary must divide by it). Ranks = dp x tp x pp")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--sequence-parallel", o.sequence_parallel,
+               "gpt2_train with --tp > 1: split the hidden state's rows between the layers over the tensor-parallel "
+               "ranks too (Megatron-LM's --sequence-parallel): layernorms, dropout and residuals on 1/tp of the "
+               "tokens, reduce-scatter and all-gather in place of the all-reduces; micro-batch x seq must divide "
+               "by --tp");
   app.add_option("--pp", o.pp,
                  "Pipeline stages: the model's layers (embedding, blocks, head) split into pp contiguous "
                  "stages balanced by cost. Ranks = dp x tp x pp")

@@ -247,6 +247,23 @@ TEST_CASE("recomputing every layer, one GPU trains the bits of storing; a TP x P
   CHECK_MESSAGE(failures.empty(), joined(failures));
 }
 
+TEST_CASE("sequence parallelism with dropout, on a DP x TP and a TP x PP (ZB-H1) mesh sharing the GPU, trains as one CPU rank") {
+  if (!have_gpu()) return;
+  gpt2::Config config = small_test_config();
+  config.hidden_dropout = config.attention_dropout = 0.1;
+  config.sequence_parallel = true;  // 16 rows a micro-batch: 8 a TP rank
+  const ParityRun expected = cpu_dropout_reference_run(global_batch, seq, 0.1);
+  const auto make = [&](auto& tensor_parallel) { return Gpt(config, tensor_parallel); };
+  const auto train = [](auto& trainer) { return train_steps(trainer, global_batch, seq); };
+  const ParameterLayout layout = Gpt(small_test_config()).layout();
+  const std::vector<std::string> mesh = staged_failures<Gpt>({.dp = 2, .tp = 2, .pp = 1}, 0.0, Zero<3>{},
+                                                             GradientAccumulation{}, make, train, expected, layout);
+  CHECK_MESSAGE(mesh.empty(), joined(mesh));
+  const std::vector<std::string> zero_bubble = staged_failures<Gpt>({.dp = 1, .tp = 2, .pp = 2}, 0.0, DataParallel{},
+                                                                    ZeroBubbleH1{}, make, train, expected, layout);
+  CHECK_MESSAGE(zero_bubble.empty(), joined(zero_bubble));
+}
+
 TEST_CASE("bf16 training on the SRAM-tiled attention tracks the cuBLAS attention and the stored one") {
   // Head size 32 (the tiled kernels' smallest) and 70 tokens (a partial second tile of 64).
   if (!have_gpu()) return;

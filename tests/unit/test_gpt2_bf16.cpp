@@ -135,7 +135,8 @@ template <class T>
 Step<T> run_step(const gpt2::Model<cpu, T>& model, cpu& be, const std::vector<T>& params, const TestBatch& batch,
                  accumulate_t<T> loss_scale, Backward how) {
   const MicroBatchShape s{batch.batch, batch.seq};
-  const Shape hidden_shape{s.batch, s.seq, model.config().channels};
+  // The Trainer's shape: [B, T, C], or [B, T, C/tp] holding a sequence-parallel rank's rows.
+  const Shape hidden_shape{s.batch, s.seq, model.hidden_elements(s) / (s.batch * s.seq)};
   const int layers = model.num_layers();
   const ParameterView<const T> p(params.data());
   Step<T> step;
@@ -241,7 +242,7 @@ TEST_CASE("GPT-2 in bf16 against float on the same parameters: loss, hidden stat
 }
 
 TEST_CASE("GPT-2 in bf16: backward_input then backward_weight give backward's bits, one rank and tp = 2") {
-  const gpt2::Config c = small_test_config();
+  gpt2::Config c = small_test_config();
   const TestBatch batch = make_batch(5, 2, 8, c.vocab_size);
   const float loss_scale = 1.0f / static_cast<float>(batch.batch * batch.seq);
   const auto split_matches_whole = [&](const gpt2::Model<cpu, bf16>& model, cpu& be) {
@@ -263,15 +264,21 @@ TEST_CASE("GPT-2 in bf16: backward_input then backward_weight give backward's bi
 
   cpu be(2);
   for (const std::string& w : split_matches_whole(gpt2::Model<cpu, bf16>(c), be)) FAIL_CHECK(w);
-  std::vector<std::vector<std::string>> wrong(2);
-  threads::run(2, [&](threads::Communicator& comm) {
-    cpu rank_be(1);
-    wrong[static_cast<std::size_t>(comm.rank())] =
-        split_matches_whole(gpt2::Model<cpu, bf16>(c, CommunicatorRef(comm)), rank_be);
-  });
-  for (std::size_t rank = 0; rank < 2; ++rank) {
-    CAPTURE(rank);
-    for (const std::string& w : wrong[rank]) FAIL_CHECK(w);
+  // And with the hidden state's rows split over the group (the weight pass reads the layernorms'
+  // outputs the input pass gathered into the stash).
+  for (const bool sequence_parallel : {false, true}) {
+    CAPTURE(sequence_parallel);
+    c.sequence_parallel = sequence_parallel;
+    std::vector<std::vector<std::string>> wrong(2);
+    threads::run(2, [&](threads::Communicator& comm) {
+      cpu rank_be(1);
+      wrong[static_cast<std::size_t>(comm.rank())] =
+          split_matches_whole(gpt2::Model<cpu, bf16>(c, CommunicatorRef(comm)), rank_be);
+    });
+    for (std::size_t rank = 0; rank < 2; ++rank) {
+      CAPTURE(rank);
+      for (const std::string& w : wrong[rank]) FAIL_CHECK(w);
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // Tensor parallelism for GPT-2 (Megatron's split), tested against one rank: the sharding map
 // and initial values, each layer (embedding, block, head) forward and backward with tp = 2 and 4
-// in double and float, the padded vocabulary, 5 AdamW steps of the whole model, and the rejected
+// in double and float (and with sequence parallelism, each rank passing its rows of the hidden
+// state), the padded vocabulary, 5 AdamW steps of the whole model, and the rejected
 // configurations. TP ranks are threads; results are collected per rank and checked after join
 // (doctest's assertions are not thread-safe).
 
@@ -94,14 +95,15 @@ struct LayerRun {
 };
 
 //! Runs `layer` of `model` forward then backward on `batch`, with parameters `params` (local
-//! layout), the layer's input `input` and output gradient `output_grad` ([B, T, C] each).
+//! layout), the layer's input `input` and output gradient `output_grad` (the rank's hidden
+//! state each: [B, T, C], or its rows under sequence parallelism).
 template <class T>
 LayerRun<T> run_layer(const gpt2::Model<cpu, T>& model, cpu& be, int layer, const std::vector<T>& params,
                       const TestBatch& batch, const std::vector<T>& input, const std::vector<T>& output_grad) {
   const MicroBatchShape s{batch.batch, batch.seq};
   const std::int64_t C = model.config().channels;
   const bool first = layer == gpt2::embedding_layer, last = layer == gpt2::head_layer(model.config());
-  const Shape hidden{s.batch, s.seq, C};
+  const Shape hidden = model.sequence_parallel() ? Shape{model.hidden_elements(s) / C, C} : Shape{s.batch, s.seq, C};
   LayerRun<T> run;
   std::vector<T> saved(static_cast<std::size_t>(model.activation_elements(layer, s)));
   std::vector<T> workspace(static_cast<std::size_t>(model.workspace_elements(layer, s)));
@@ -135,12 +137,20 @@ std::vector<T> random_parameters(const ParameterLayout& whole) {
   return v;
 }
 
+//! Rows [rank·n, (rank + 1)·n) of a [N, C] tensor held flat, n = N / tp.
+template <class T>
+std::vector<T> rows_of(const std::vector<T>& whole, std::int64_t tp, std::int64_t rank) {
+  const auto n = static_cast<std::int64_t>(whole.size()) / tp;
+  return {whole.begin() + rank * n, whole.begin() + (rank + 1) * n};
+}
+
 //! Layer `layer` with tp ranks against one rank: outputs, loss, input gradients and every
 //! parameter-gradient slice within `tol` of the one-rank values; replicated gradients equal on
-//! every rank.
+//! every rank. With `sequence_parallel` each rank passes and gets its rows of the hidden state.
 template <class T>
-double check_layer(int layer, std::int64_t tp, double tol) {
-  const gpt2::Config c = tp_config();
+double check_layer(int layer, std::int64_t tp, double tol, bool sequence_parallel = false) {
+  gpt2::Config c = tp_config();
+  c.sequence_parallel = sequence_parallel;
   const TestBatch batch = make_batch(3, 2, 8, c.vocab_size);
   const std::int64_t hidden = batch.batch * batch.seq * c.channels;
   const auto input = random_vector<T>(static_cast<std::size_t>(hidden), 31, -1.0, 1.0);
@@ -159,8 +169,9 @@ double check_layer(int layer, std::int64_t tp, double tol) {
     const gpt2::Model<cpu, T> model(c, CommunicatorRef(comm));
     const auto r = static_cast<std::size_t>(comm.rank());
     layouts[r] = model.layout();
+    const auto hidden = [&](const std::vector<T>& v) { return sequence_parallel ? rows_of(v, tp, comm.rank()) : v; };
     runs[r] = run_layer(model, rank_be, layer, slice_of(params, whole.layout(), model.layout(), tp, comm.rank()),
-                        batch, input, output_grad);
+                        batch, hidden(input), hidden(output_grad));
   });
   double worst = 0;
   const auto within = [&](double error) {
@@ -171,8 +182,9 @@ double check_layer(int layer, std::int64_t tp, double tol) {
     CAPTURE(r);
     const LayerRun<T>& got = runs[r];
     CHECK(within(std::abs(got.loss - want.loss) / std::max(1.0, std::abs(want.loss))));
-    CHECK(within(scaled_error(got.output, want.output)));
-    CHECK(within(scaled_error(got.input_grad, want.input_grad)));
+    const auto hidden = [&](const std::vector<T>& v) { return sequence_parallel ? rows_of(v, tp, r) : v; };
+    CHECK(within(scaled_error(got.output, hidden(want.output))));
+    CHECK(within(scaled_error(got.input_grad, hidden(want.input_grad))));
     const std::vector<T> want_slice = slice_of(want.grads, whole.layout(), layouts[r], tp, r);
     for (const auto& e : layouts[r].entries()) {
       const std::vector<T> g(got.grads.begin() + e.offset, got.grads.begin() + e.offset + e.numel());
@@ -266,17 +278,22 @@ TEST_CASE("a fused qkv shard holds its heads' rows of q, of k and of v") {
   expect_error([&] { ParameterLayout(std::vector<ParameterSpec>{lying}); }, "must be the slice [6, 2]");
 }
 
-TEST_CASE_TEMPLATE("each GPT-2 layer with tp = 2 and 4 matches one rank, forward and backward", T, double, float) {
+TEST_CASE_TEMPLATE("each GPT-2 layer with tp = 2 and 4 matches one rank, forward and backward, and with sequence "
+                   "parallelism on its rows", T, double, float) {
   const double tol = tolerance<T>();
   const int head = gpt2::head_layer(tp_config());
-  double worst = 0;
-  for (std::int64_t tp : {2, 4})
-    for (int layer : {gpt2::embedding_layer, gpt2::block_layer(0), gpt2::block_layer(1), head}) {
-      CAPTURE(tp);
-      CAPTURE(layer);
-      worst = std::max(worst, check_layer<T>(layer, tp, tol));
-    }
-  MESSAGE("worst error relative to the tensor's largest element: " << worst << " (bound " << tol << ")");
+  for (const bool sequence_parallel : {false, true}) {
+    double worst = 0;
+    for (std::int64_t tp : {2, 4})
+      for (int layer : {gpt2::embedding_layer, gpt2::block_layer(0), gpt2::block_layer(1), head}) {
+        CAPTURE(sequence_parallel);
+        CAPTURE(tp);
+        CAPTURE(layer);
+        worst = std::max(worst, check_layer<T>(layer, tp, tol, sequence_parallel));
+      }
+    MESSAGE("sequence parallel " << sequence_parallel << ": worst error relative to the tensor's largest element: "
+                                 << worst << " (bound " << tol << ")");
+  }
 }
 
 TEST_CASE("a padded vocabulary split over tp ranks gives one rank's loss; padding never contributes") {

@@ -139,8 +139,17 @@ inline bool dropping(const DropoutKey& key, double rate) noexcept { return key.a
 template <class T, Backend B>
 void hidden_dropout(B& be, Tensor<T> x, const DropoutKey& key, int layer, DropoutSite site, double rate) {
   if (!dropping(key, rate)) return;
-  const std::int64_t per_sequence = x.numel() / x.extent(0);
-  dropout<T>(be, x, DropoutMask(key, layer, site, rate), key.first_sequence * per_sequence);
+  hidden_dropout<T>(be, x, key, layer, site, rate, x.numel() / x.extent(0), 0);
+}
+
+//! Dropout on a slice of a micro-batch's hidden state: `x` holds its elements [first_element,
+//! + x.numel()), each sequence `sequence_elements` long (a sequence-parallel rank's rows; the
+//! mask is the whole state's, so the ranks' slices drop what one rank would).
+template <class T, Backend B>
+void hidden_dropout(B& be, Tensor<T> x, const DropoutKey& key, int layer, DropoutSite site, double rate,
+                    std::int64_t sequence_elements, std::int64_t first_element) {
+  if (!dropping(key, rate)) return;
+  dropout<T>(be, x, DropoutMask(key, layer, site, rate), key.first_sequence * sequence_elements + first_element);
 }
 
 //! The output gradient `a.output_grad` of `layer`'s hidden dropout `site`, through the mask:
@@ -150,10 +159,21 @@ template <class T, Backend B>
 Tensor<const T> through_hidden_dropout(B& be, const BackwardArgs<T>& a, int layer, DropoutSite site, double rate,
                                        Tensor<T> scratch) {
   if (!dropping(a.dropout, rate)) return a.output_grad;
+  return through_hidden_dropout<T>(be, a, layer, site, rate, scratch, a.output_grad.numel() / a.output_grad.extent(0),
+                                   0);
+}
+
+//! through_hidden_dropout of a slice of the micro-batch's hidden state (see the slice form of
+//! hidden_dropout).
+template <class T, Backend B>
+Tensor<const T> through_hidden_dropout(B& be, const BackwardArgs<T>& a, int layer, DropoutSite site, double rate,
+                                       Tensor<T> scratch, std::int64_t sequence_elements,
+                                       std::int64_t first_element) {
+  if (!dropping(a.dropout, rate)) return a.output_grad;
   check_numel(scratch, a.output_grad.numel(), "model backward", "dropout scratch");
   const Tensor<T> dropped{scratch.data(), a.output_grad.shape()};
   copy<T>(be, dropped, a.output_grad);
-  hidden_dropout<T>(be, dropped, a.dropout, layer, site, rate);
+  hidden_dropout<T>(be, dropped, a.dropout, layer, site, rate, sequence_elements, first_element);
   return dropped;
 }
 
@@ -243,6 +263,19 @@ LogitScratch<T> carve_logit_scratch(Carver<T>& c, std::int64_t chunk, std::int64
   s.losses = c.template take<accumulate_t<T>>({chunk});
   s.logits = c.take({chunk, vocab_rows});
   return s;
+}
+
+//! Scratch of `shape` for a layer's forward: the start of `workspace` (the layer's) when the
+//! caller gave one, else `own`, allocated here. `what` names the layer for the error.
+template <class T, Backend B>
+Tensor<T> forward_scratch(B& be, Tensor<T> workspace, Buffer<T, B>& own, Shape shape, const char* what) {
+  if (workspace.empty()) {
+    own = Buffer<T, B>(be, shape.numel(), MemoryCategory::workspace);
+    return {own.data(), shape};
+  }
+  LOOM_CHECK(workspace.numel() >= shape.numel(), std::string(what) + " forward: workspace elements",
+             workspace.numel(), "must hold " + detail::to_text(shape.numel()));
+  return {workspace.data(), shape};
 }
 
 //! Where a chunked head's forward computes a chunk's logits [chunk, vocab rows]: in `workspace`

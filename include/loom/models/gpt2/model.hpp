@@ -6,10 +6,13 @@
 //! for zero-bubble pipeline schedules).
 //! Under tensor parallelism (Megatron's split, docs/tensor_parallel.md) each rank holds its
 //! slice of the weights and computes its slice of the work; the collectives that join the
-//! slices happen inside forward and backward, over the model's tensor-parallel group.
+//! slices happen inside forward and backward, over the model's tensor-parallel group. With
+//! Config::sequence_parallel the hidden state between the layers is split by rows over the group
+//! too (Megatron's sequence parallelism): all-gathers and reduce-scatters replace the all-reduces.
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -66,7 +69,8 @@ class Model {
         attention_channels_(config.channels / tensor_parallel_size_),
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
-        vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
+        vocab_begin_(tensor_parallel_rank_ * vocab_rows_),
+        sequence_parallel_(config.sequence_parallel && tensor_parallel_size_ > 1) {
     detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "gpt2");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
@@ -94,6 +98,9 @@ class Model {
   //! The rows of the (padded) vocabulary this rank holds: [vocab_begin, vocab_begin + rows).
   std::int64_t vocab_begin() const noexcept { return vocab_begin_; }
   std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
+  //! Whether the hidden state between layers is split by rows over the tensor-parallel group
+  //! (Config::sequence_parallel with more than one rank).
+  bool sequence_parallel() const noexcept { return sequence_parallel_; }
   //! Embedding, L blocks, head.
   int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
 
@@ -120,10 +127,9 @@ class Model {
            12.0 * static_cast<double>(config_.num_layers * config_.channels * seq);
   }
 
-  //! Elements of one [B, T, C] hidden state passed between layers.
-  std::int64_t hidden_elements(MicroBatchShape s) const noexcept {
-    return s.batch * s.seq * config_.channels;
-  }
+  //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
+  //! sequence parallelism this rank's B·T/tp rows of it (rows r·B·T/tp onwards of [B·T, C]).
+  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return rows(s).local * config_.channels; }
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
@@ -131,7 +137,9 @@ class Model {
   //! Config::logits_chunk_rows) and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
   //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention
   //! probabilities and four row statistics), or + B·(H/tp)·T (the rows' log-sum-exp) in place
-  //! of the probabilities with Attention::recompute; for bf16 each float statistic takes two
+  //! of the probabilities with Attention::recompute. Under sequence parallelism the layernorms'
+  //! inputs and outputs and their statistics (ln1, res2, ln2; ln_f's statistics) are this rank's
+  //! N/tp rows: 3·C/tp in place of 3·C a token in a block. For bf16 each float statistic takes two
   //! elements and the count is rounded up to even, so that ranges laid end to end keep their
   //! statistics 4-byte aligned (the Trainer starts each range 16-byte aligned, for the doubles).
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
@@ -144,17 +152,11 @@ class Model {
 
   //! Scratch a layer's backward needs (not kept between calls), on this rank.
   std::int64_t workspace_elements(int layer, MicroBatchShape s) const noexcept {
-    const std::int64_t N = s.batch * s.seq, C = config_.channels;
-    // With hidden dropout, the embedding's and the MLP branch's output gradient through the mask.
-    const std::int64_t dropped = config_.hidden_dropout > 0 ? N * C : 0;
-    if (layer == embedding_layer) return dropped;
-    if (layer == head_layer(config_)) {
-      Carver counter{};
-      head_workspace(counter, s);
-      return counter.elements();
-    }
-    // Replicated dres2, dln2, dln1 (3·C); this rank's dfch, datty, dqkv (8·C/tp).
-    return N * C * 3 + N * attention_channels_ * 8 + dropped;
+    Carver counter{};
+    if (layer == embedding_layer) embedding_workspace(counter, s);
+    else if (layer == head_layer(config_)) head_workspace(counter, s);
+    else block_workspace(counter, s);
+    return counter.elements();
   }
 
   //! Checks a batch on the host before it reaches the kernels (the Trainer calls this before it
@@ -173,14 +175,19 @@ class Model {
       // checked before its copy (check_batch, called by the Trainer).
       if constexpr (host_addressable<B>) check_tokens(a.tokens);
       // Vocab-parallel: each rank looks up the tokens of its rows (zero for the others), the
-      // first rank adds the positions, and the sum over the group is the embedding.
-      vocab_parallel_embedding_forward<T>(be, a.output, a.tokens, param(params, wte_, {vocab_rows_, C()}),
-                                          vocab_begin_,
+      // first rank adds the positions, and the sum over the group is the embedding (this rank's
+      // rows of it under sequence parallelism: the sum is computed whole in scratch first).
+      Buffer<T, B> own;
+      const Tensor<T> output = local_rows(a.output, s);
+      const Tensor<T> sums = sequence_parallel_ ? detail::transformer::forward_scratch(
+                                                      be, a.workspace, own, {s.batch, s.seq, C()}, "gpt2 embedding")
+                                                : output;
+      vocab_parallel_embedding_forward<T>(be, sums.reshape({s.batch, s.seq, C()}), a.tokens,
+                                          param(params, wte_, {vocab_rows_, C()}), vocab_begin_,
                                           first_rank() ? param(params, wpe_, {config_.max_seq_len, C()})
                                                        : Tensor<const T>{});
-      nn::sum_over_tensor_parallel(tensor_parallel_, a.output);
-      detail::transformer::hidden_dropout<T>(be, a.output, a.dropout, layer, detail::transformer::hidden_site,
-                                             config_.hidden_dropout);
+      reduce_rows(sums, output);
+      drop_rows(be, output, a.dropout, layer, detail::transformer::hidden_site, s);
       return 0.0;
     }
     if (layer == head_layer(config_)) return head_forward(be, params, a, s);
@@ -193,13 +200,14 @@ class Model {
                 const BackwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) {
-      // The output gradient is whole on every rank: each accumulates its own wte rows, and
-      // every rank the whole (replicated) wpe gradient.
+      // The output gradient is whole on every rank (gathered under sequence parallelism): each
+      // accumulates its own wte rows, and every rank the whole (replicated) wpe gradient.
+      const EmbeddingWorkspace w = carve_embedding_workspace(a.workspace, s);
+      const Tensor<const T> dout =
+          gather_rows(through_hidden_dropout(be, layer, a, detail::transformer::hidden_site, w.dropped, s), w.gathered);
       vocab_parallel_embedding_backward<T>(be, grad(grads, wte_, {vocab_rows_, C()}), vocab_begin_,
                                            grad(grads, wpe_, {config_.max_seq_len, C()}),
-                                           through_hidden_dropout(be, layer, a, detail::transformer::hidden_site,
-                                                                  a.workspace),
-                                           a.tokens);
+                                           dout.reshape({s.batch, s.seq, C()}), a.tokens);
       return;
     }
     if (layer == head_layer(config_))
@@ -212,10 +220,13 @@ class Model {
   //! weight pass reads dlogits and lnf from `saved`); N·(2·C + 7·C/tp) for a block, N = B·T: the
   //! output gradients of its four linear layers, which their weight GEMMs read: the block's
   //! output gradient (mlp.proj) and dres2 (attn.proj), both whole, and this rank's dfch (mlp.fc,
-  //! 4·C/tp) and dqkv (attn.qkv, 3·C/tp).
+  //! 4·C/tp) and dqkv (attn.qkv, 3·C/tp). Under sequence parallelism also ln1 and ln2 gathered
+  //! whole (2·N·C), which the weight GEMMs read and the weight pass may not gather.
   std::int64_t stash_elements(int layer, MicroBatchShape s) const noexcept {
     if (layer == embedding_layer || layer == head_layer(config_)) return 0;
-    return s.batch * s.seq * (2 * config_.channels + mlp_channels_ + 3 * attention_channels_);
+    Carver counter{};
+    block_stash(counter, s);
+    return counter.elements();
   }
 
   //! The input-gradient pass of `layer`'s backward (SplitBackwardModel): the input gradient
@@ -269,12 +280,67 @@ class Model {
   using Carver = detail::transformer::Carver<T>;
 
   std::int64_t C() const noexcept { return config_.channels; }
+
+  //! The rows of a micro-batch's hidden state [B·T, C] this rank holds between layers: all
+  //! `total`, or under sequence parallelism `local` = total / tp of them from row `first`.
+  struct Rows {
+    std::int64_t total = 0, local = 0, first = 0;
+  };
+  Rows rows(MicroBatchShape s) const noexcept {
+    const std::int64_t N = s.batch * s.seq;
+    if (!sequence_parallel_) return {N, N, 0};
+    const std::int64_t n = N / tensor_parallel_size_;
+    return {N, n, tensor_parallel_rank_ * n};
+  }
+  //! A hidden state passed between layers (the Trainer's shape) as this rank's rows [n, C].
+  template <class U>
+  Tensor<U> local_rows(Tensor<U> hidden, MicroBatchShape s) const {
+    return hidden.reshape({rows(s).local, config_.channels});
+  }
+  //! f forward (and g backward): a column-parallel layer's input, or a row-parallel layer's
+  //! output gradient, whole on every rank: `local` itself, or under sequence parallelism every
+  //! rank's rows gathered into `whole` [N, C].
+  Tensor<const T> gather_rows(Tensor<const T> local, Tensor<T> whole) const {
+    if (!sequence_parallel_) return local;
+    nn::gather_sequence(tensor_parallel_, local, whole);
+    return whole;
+  }
+  //! g forward (and f backward): partial sums over the group become this rank's rows of the sum:
+  //! all-reduced in place (`local` is `partial`), or under sequence parallelism reduce-scattered
+  //! from `partial` [N, C] into `local` [n, C].
+  void reduce_rows(Tensor<T> partial, Tensor<T> local) const {
+    if (!sequence_parallel_) return nn::sum_over_tensor_parallel(tensor_parallel_, partial);
+    nn::reduce_scatter_sequence(tensor_parallel_, Tensor<const T>(partial), local);
+  }
+  //! Hidden dropout of `layer`'s `site` on this rank's rows `x` of the micro-batch (the mask of
+  //! the whole hidden state, so that every split drops the same elements).
+  void drop_rows(B& be, Tensor<T> x, const DropoutKey& key, int layer, detail::transformer::DropoutSite site,
+                 MicroBatchShape s) const {
+    detail::transformer::hidden_dropout<T>(be, x, key, layer, site, config_.hidden_dropout, s.seq * C(),
+                                           rows(s).first * C());
+  }
+  //! Under sequence parallelism each rank's rows give a partial sum of a layernorm's weight and
+  //! bias gradients: the backward accumulates them in `scratch` (zeroed), and this sums it over
+  //! the group and adds it to the gradients `into` (in the order of `scratch`'s C-sized pieces).
+  void sum_norm_grads(B& be, Tensor<T> scratch, std::initializer_list<Tensor<T>> into) const {
+    nn::sum_over_tensor_parallel(tensor_parallel_, scratch);
+    std::int64_t at = 0;
+    for (const Tensor<T>& g : into) {
+      add_to<T>(be, g, Tensor<const T>{scratch.data() + at, g.shape()});
+      at += g.numel();
+    }
+  }
   //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
   //! that the all-reduce counts them once.
   bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
 
   MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
-    return detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "gpt2");
+    const MicroBatchShape s = detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "gpt2");
+    LOOM_CHECK(!sequence_parallel_ || s.batch * s.seq % tensor_parallel_size_ == 0,
+               "gpt2 sequence parallelism: tokens of the micro-batch", s.batch * s.seq,
+               "must be a multiple of the tensor-parallel size (" + detail::to_text(tensor_parallel_size_) +
+                   "): each rank holds an equal share of the rows");
+    return s;
   }
   void check_tokens(Tensor<const std::int32_t> tokens) const {
     detail::transformer::check_tokens(tokens, config_.vocab_size, "gpt2");
@@ -293,21 +359,23 @@ class Model {
     Tensor<T> ln1, qkv, att, atty, res2, ln2, fch, fch_gelu;
   };
   //! The statistics come first: at the (aligned) start of the range they need no padding.
+  //! ln1, res2, ln2 and their statistics are this rank's rows (all of them without sequence
+  //! parallelism).
   BlockSaved block_saved(Carver& c, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
-                       F = mlp_channels_;
+                       F = mlp_channels_, n = rows(s).local;
     BlockSaved b;
-    b.ln1_mean = c.template take<A>({Bn * Tn});
-    b.ln1_rstd = c.template take<A>({Bn * Tn});
-    b.ln2_mean = c.template take<A>({Bn * Tn});
-    b.ln2_rstd = c.template take<A>({Bn * Tn});
+    b.ln1_mean = c.template take<A>({n});
+    b.ln1_rstd = c.template take<A>({n});
+    b.ln2_mean = c.template take<A>({n});
+    b.ln2_rstd = c.template take<A>({n});
     if (attention_ == Attention::recompute) b.lse = c.template take<A>({Bn, heads_, Tn});
-    b.ln1 = c.take({Bn, Tn, C});
+    b.ln1 = c.take({n, C});
     b.qkv = c.take({Bn, Tn, 3 * Ca});
     if (attention_ == Attention::stored) b.att = c.take({Bn, heads_, Tn, Tn});
     b.atty = c.take({Bn, Tn, Ca});
-    b.res2 = c.take({Bn, Tn, C});
-    b.ln2 = c.take({Bn, Tn, C});
+    b.res2 = c.take({n, C});
+    b.ln2 = c.take({n, C});
     b.fch = c.take({Bn, Tn, F});
     b.fch_gelu = c.take({Bn, Tn, F});
     return b;
@@ -318,10 +386,32 @@ class Model {
     return block_saved(c, s);
   }
 
-  //! a.output_grad through `layer`'s hidden dropout `site` (in `scratch` when this pass drops).
+  //! This rank's rows of a.output_grad through `layer`'s hidden dropout `site` (in `scratch` when
+  //! this pass drops).
   Tensor<const T> through_hidden_dropout(B& be, int layer, const BackwardArgs<T>& a,
-                                         detail::transformer::DropoutSite site, Tensor<T> scratch) const {
-    return detail::transformer::through_hidden_dropout<T>(be, a, layer, site, config_.hidden_dropout, scratch);
+                                         detail::transformer::DropoutSite site, Tensor<T> scratch,
+                                         MicroBatchShape s) const {
+    return local_rows(detail::transformer::through_hidden_dropout<T>(be, a, layer, site, config_.hidden_dropout,
+                                                                     scratch, s.seq * C(), rows(s).first * C()),
+                      s);
+  }
+
+  //! The embedding's backward scratch: its output gradient gathered whole (sequence parallelism;
+  //! the forward sums its partial embeddings there) and through the dropout mask (hidden dropout).
+  struct EmbeddingWorkspace {
+    Tensor<T> gathered, dropped;
+  };
+  EmbeddingWorkspace embedding_workspace(Carver& c, MicroBatchShape s) const {
+    const Rows r = rows(s);
+    EmbeddingWorkspace w;
+    if (sequence_parallel_) w.gathered = c.take({r.total, C()});
+    if (config_.hidden_dropout > 0) w.dropped = c.take({r.local, C()});
+    return w;
+  }
+  EmbeddingWorkspace carve_embedding_workspace(Tensor<T> workspace, MicroBatchShape s) const {
+    check_numel(workspace, workspace_elements(embedding_layer, s), "gpt2 embedding backward", "workspace");
+    Carver c{workspace.data()};
+    return embedding_workspace(c, s);
   }
 
   //! The attention-probability dropout of block `layer` in a pass with `key`.
@@ -335,30 +425,41 @@ class Model {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     BlockSaved b = carve_block(a.saved, s);
-    layernorm_forward<T>(be, b.ln1, b.ln1_mean, b.ln1_rstd, a.input, param(p, o.ln1_w, {C}),
-                                  param(p, o.ln1_b, {C}));
-    // Column-parallel qkv (f: the replicated ln1 goes in as it is): this rank's heads' q, k, v.
-    matmul_forward<T>(be, b.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
+    const Tensor<const T> input = local_rows(a.input, s);
+    const Tensor<T> output = local_rows(a.output, s);
+    // Under sequence parallelism the layernorms see this rank's rows only: their outputs are
+    // gathered whole into `whole` before the column-parallel layers, and the row-parallel layers'
+    // partial sums are computed there and reduce-scattered back to this rank's rows.
+    Buffer<T, B> own;
+    const Tensor<T> whole = sequence_parallel_
+                                ? tr::forward_scratch(be, a.workspace, own, {rows(s).total, C}, "gpt2 block")
+                                : Tensor<T>{};
+    layernorm_forward<T>(be, b.ln1, b.ln1_mean, b.ln1_rstd, input, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}));
+    // Column-parallel qkv (f: ln1 goes in whole, replicated or gathered): this rank's heads' q, k, v.
+    matmul_forward<T>(be, b.qkv, gather_rows(b.ln1, whole), param(p, o.qkv_w, {3 * Ca, C}),
+                      param(p, o.qkv_b, {3 * Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
       attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::causal, drop);
     else
       attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::causal, drop);
-    // Row-parallel projection (g: all-reduce the partial sums). The replicated bias rides on
-    // the first rank's partial sum, so the all-reduce adds it once at no extra pass. Dropout
-    // acts on the whole branch, the same on every rank.
-    matmul_forward<T>(be, b.res2, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
-    nn::row_parallel_output(tensor_parallel_, b.res2);
-    tr::hidden_dropout<T>(be, b.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
-    add_to<T>(be, b.res2, a.input);
-    layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}),
-                                  param(p, o.ln2_b, {C}));
+    // Row-parallel projection (g: sum the partial sums over the group). The replicated bias
+    // rides on the first rank's partial sum, so the sum adds it once at no extra pass. Dropout
+    // acts on the whole branch: each rank drops its rows of the one mask.
+    const Tensor<T> attn_sums = sequence_parallel_ ? whole : b.res2;
+    matmul_forward<T>(be, attn_sums, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
+    reduce_rows(attn_sums, b.res2);
+    drop_rows(be, b.res2, a.dropout, layer, tr::hidden_site, s);
+    add_to<T>(be, b.res2, input);
+    layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
     // MLP: column-parallel fc, then row-parallel proj.
-    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, b.ln2, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
-    matmul_forward<T>(be, a.output, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
-    nn::row_parallel_output(tensor_parallel_, a.output);
-    tr::hidden_dropout<T>(be, a.output, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
-    add_to<T>(be, a.output, b.res2);
+    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, gather_rows(b.ln2, whole), param(p, o.fc_w, {F, C}),
+                           param(p, o.fc_b, {F}));
+    const Tensor<T> mlp_sums = sequence_parallel_ ? whole : output;
+    matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
+    reduce_rows(mlp_sums, output);
+    drop_rows(be, output, a.dropout, layer, tr::mlp_site, s);
+    add_to<T>(be, output, b.res2);
   }
 
   //! A row-parallel linear layer's bias: on the first rank only (see block_forward).
@@ -371,41 +472,69 @@ class Model {
   //! dropout) room for the MLP branch's output gradient through the mask. (The gradient w.r.t.
   //! the GELU's output never exists: gelu_matmul_backward goes straight to fch's.) `mlp_out` is
   //! the MLP branch's output gradient the chain reads.
+  //!
+  //! Under sequence parallelism res2, ln2, ln1 and dropped are this rank's rows, and three more
+  //! pieces exist: `gathered` [N, C] for what the linear layers need whole (an output gradient
+  //! gathered, a layernorm's output gathered again), `partial` [N, C] for the column-parallel
+  //! layers' partial input gradients before their reduce-scatter, and `norm_grads` [4·C] for the
+  //! layernorms' partial weight and bias gradients (ln2 then ln1) before their sum over the group.
+  //! The `*_whole` tensors say where the chain gathers each of the four (all `gathered`, or the
+  //! stash under backward_input, which the weight pass reads).
   struct BlockGrads {
-    Tensor<T> res2, fch, ln2, atty, qkv, ln1, dropped;
+    Tensor<T> res2, fch, ln2, atty, qkv, ln1, dropped, gathered, partial, norm_grads;
+    Tensor<T> mlp_whole, ln2_whole, res2_whole, ln1_whole;
     Tensor<const T> mlp_out;
   };
-  BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
+  BlockGrads block_workspace(Carver& w, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
                        F = mlp_channels_;
-    check_numel(workspace, workspace_elements(1, s), kernel, "workspace");
-    Carver w{workspace.data()};
+    const Rows r = rows(s);
     BlockGrads d;
-    d.res2 = w.take({Bn, Tn, C});
+    d.res2 = w.take({r.local, C});
     d.fch = w.take({Bn, Tn, F});
-    d.ln2 = w.take({Bn, Tn, C});
+    d.ln2 = w.take({r.local, C});
     d.atty = w.take({Bn, Tn, Ca});
     d.qkv = w.take({Bn, Tn, 3 * Ca});
-    d.ln1 = w.take({Bn, Tn, C});
-    if (config_.hidden_dropout > 0) d.dropped = w.take({Bn, Tn, C});
+    d.ln1 = w.take({r.local, C});
+    if (config_.hidden_dropout > 0) d.dropped = w.take({r.local, C});
+    if (sequence_parallel_) {
+      d.gathered = w.take({r.total, C});
+      d.partial = w.take({r.total, C});
+      d.norm_grads = w.take({4 * C});
+      d.mlp_whole = d.ln2_whole = d.res2_whole = d.ln1_whole = d.gathered;
+    }
     return d;
+  }
+  BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
+    check_numel(workspace, workspace_elements(1, s), kernel, "workspace");
+    Carver w{workspace.data()};
+    return block_workspace(w, s);
   }
 
   //! What a block's backward_input keeps for its backward_weight: the gradients w.r.t. the
   //! outputs of its four linear layers (mlp.proj: the block output, attn.proj: res2, mlp.fc:
   //! fch, attn.qkv: qkv), carved from its stash.
+  //! Under sequence parallelism output and res2 are gathered whole, and ln2 and ln1 (the fc's and
+  //! qkv's inputs, gathered whole) are kept too.
   struct BlockStash {
-    Tensor<T> output, res2, fch, qkv;
+    Tensor<T> output, res2, fch, qkv, ln2, ln1;
   };
-  BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
+  BlockStash block_stash(Carver& c, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels;
-    Carver c{stash.data()};
     BlockStash st;
-    st.output = c.take({Bn, Tn, C});
-    st.res2 = c.take({Bn, Tn, C});
+    st.output = c.take({Bn * Tn, C});
+    st.res2 = c.take({Bn * Tn, C});
     st.fch = c.take({Bn, Tn, mlp_channels_});
     st.qkv = c.take({Bn, Tn, 3 * attention_channels_});
+    if (sequence_parallel_) {
+      st.ln2 = c.take({Bn * Tn, C});
+      st.ln1 = c.take({Bn * Tn, C});
+    }
     return st;
+  }
+  BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
+    Carver c{stash.data()};
+    return block_stash(c, s);
   }
 
   //! The gradients of a block's four linear layers' weights and biases, or all empty (skipped).
@@ -424,8 +553,8 @@ class Model {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
     zero<T>(be, a.workspace);
-    d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped);
-    block_backward_chain(be, layer, o, p, g, a, b, d, block_linear_grads(g, o));
+    d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
+    block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
   }
 
   //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
@@ -436,19 +565,27 @@ class Model {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward_input");
     const BlockStash st = carve_block_stash(stash, s);
-    d.res2 = st.res2;
     d.fch = st.fch;
     d.qkv = st.qkv;
     // Everything the chain accumulates into starts at zero (res2 is copied into, fch written).
     const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
-    // The MLP branch's output gradient (through the dropout mask) is what mlp.proj's weight
-    // GEMM reads.
-    copy<T>(be, st.output, a.output_grad);
-    detail::transformer::hidden_dropout<T>(be, st.output, a.dropout, layer, detail::transformer::mlp_site,
-                                           config_.hidden_dropout);
-    d.mlp_out = st.output;
-    block_backward_chain(be, layer, o, p, g, a, b, d, BlockLinearGrads{});
+    if (sequence_parallel_) {
+      // The chain gathers the four whole operands of the weight GEMMs into the stash.
+      d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
+      d.mlp_whole = st.output;
+      d.res2_whole = st.res2;
+      d.ln2_whole = st.ln2;
+      d.ln1_whole = st.ln1;
+    } else {
+      // The MLP branch's output gradient (through the dropout mask) and dres2 are what the
+      // projections' weight GEMMs read.
+      d.res2 = st.res2;
+      copy<T>(be, st.output, a.output_grad);
+      drop_rows(be, st.output, a.dropout, layer, detail::transformer::mlp_site, s);
+      d.mlp_out = st.output;
+    }
+    block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
   }
 
   void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -458,49 +595,67 @@ class Model {
     const BlockStash st = carve_block_stash(stash, s);
     const BlockLinearGrads w = block_linear_grads(g, o);
     const Tensor<T> no_input_grad{};
+    // The layernorms' outputs whole: kept (replicated), or gathered into the stash by the I pass.
+    const Tensor<const T> ln2 = sequence_parallel_ ? st.ln2 : b.ln2, ln1 = sequence_parallel_ ? st.ln1 : b.ln1;
     matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.output, b.fch_gelu,
                        param(p, o.fcproj_w, {C, F}));
-    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, b.ln2, param(p, o.fc_w, {F, C}));
+    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, ln2, param(p, o.fc_w, {F, C}));
     matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.res2, b.atty, param(p, o.proj_w, {C, Ca}));
-    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
+    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, ln1, param(p, o.qkv_w, {3 * Ca, C}));
   }
 
   //! A block's backward from the output gradient to the input gradient, into the zeroed
   //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
   //! skipped when `w` is empty (backward_input).
   void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
-                            const BackwardArgs<T>& a, const BlockSaved& b, const BlockGrads& d,
+                            const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
                             const BlockLinearGrads& w) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
+    const Tensor<T> input_grad = local_rows(a.input_grad, s);
+    // The layernorms' weight and bias gradients: straight into `g`, or under sequence parallelism
+    // (partial sums over this rank's rows) into d.norm_grads, summed over the group at the end.
+    const auto norm_grad = [&](std::int64_t offset, int piece) {
+      return sequence_parallel_ ? Tensor<T>{d.norm_grads.data() + piece * C, Shape{C}} : grad(g, offset, {C});
+    };
+    if (sequence_parallel_) zero<T>(be, d.norm_grads);
+    // The column-parallel layers' input gradients are partial sums (f backward): summed in place,
+    // or under sequence parallelism in d.partial and reduce-scattered into this rank's rows.
+    const Tensor<T> dln2 = sequence_parallel_ ? d.partial : d.ln2, dln1 = sequence_parallel_ ? d.partial : d.ln1;
     // output = res2 + dropout(mlp(ln2(res2))): the residual passes the gradient straight
-    // through, the MLP branch gets it through the mask (d.mlp_out). g backward is the identity:
-    // the output gradient is whole on every rank, so each rank's (replicated) row-parallel bias
-    // gradient is already the whole one.
+    // through, the MLP branch gets it through the mask (d.mlp_out). g backward: the output
+    // gradient whole on every rank (gathered under sequence parallelism), so each rank's
+    // (replicated) row-parallel bias gradient is already the whole one.
     copy<T>(be, d.res2, a.output_grad);
-    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, d.mlp_out, b.fch_gelu,
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, gather_rows(d.mlp_out, d.mlp_whole), b.fch_gelu,
                             param(p, o.fcproj_w, {C, F}), b.fch);
-    matmul_backward<T>(be, d.ln2, w.fc_w, w.fc_b, d.fch, b.ln2, param(p, o.fc_w, {F, C}));
-    // f backward: each rank's dln2 is its slice's share; the sum is the whole gradient.
-    nn::column_parallel_input_grad(tensor_parallel_, d.ln2);
-    layernorm_backward<T>(be, d.res2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), d.ln2, b.res2,
+    if (sequence_parallel_) zero<T>(be, dln2);
+    matmul_backward<T>(be, dln2, w.fc_w, w.fc_b, d.fch, gather_rows(b.ln2, d.ln2_whole), param(p, o.fc_w, {F, C}));
+    reduce_rows(dln2, d.ln2);
+    layernorm_backward<T>(be, d.res2, norm_grad(o.ln2_w, 0), norm_grad(o.ln2_b, 1), d.ln2, b.res2,
                           param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
     // res2 = input + dropout(attn(ln1(input))): the branch's gradient through the mask, in place
-    // once the residual has it (under backward_input d.res2 is the stash attn.proj's weight
-    // GEMM reads).
-    add_to<T>(be, a.input_grad, d.res2);
-    tr::hidden_dropout<T>(be, d.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
-    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.res2, b.atty, param(p, o.proj_w, {C, Ca}));
+    // once the residual has it (under backward_input without sequence parallelism d.res2 is the
+    // stash attn.proj's weight GEMM reads).
+    add_to<T>(be, input_grad, d.res2);
+    drop_rows(be, d.res2, a.dropout, layer, tr::hidden_site, s);
+    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, gather_rows(d.res2, d.res2_whole), b.atty,
+                       param(p, o.proj_w, {C, Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
       attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::causal, drop);
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
                                 AttentionMask::causal, drop);
-    matmul_backward<T>(be, d.ln1, w.qkv_w, w.qkv_b, d.qkv, b.ln1, param(p, o.qkv_w, {3 * Ca, C}));
-    nn::column_parallel_input_grad(tensor_parallel_, d.ln1);
-    layernorm_backward<T>(be, a.input_grad, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.ln1, a.input,
+    if (sequence_parallel_) zero<T>(be, dln1);
+    matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, gather_rows(b.ln1, d.ln1_whole),
+                       param(p, o.qkv_w, {3 * Ca, C}));
+    reduce_rows(dln1, d.ln1);
+    layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, local_rows(a.input, s),
                           param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
+    if (sequence_parallel_)
+      sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+                                        grad(g, o.ln1_b, {C})});
   }
 
   //! A stash must hold stash_elements(layer, shape) elements; one of 0 may be an empty tensor.
@@ -511,17 +666,19 @@ class Model {
 
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
   //! accumulate type, first (see block_saved); then the probabilities, or with
-  //! Config::logits_chunk_rows each row's statistics in double.
+  //! Config::logits_chunk_rows each row's statistics in double. ln_f's statistics are this rank's
+  //! rows; its output `lnf` is whole (gathered under sequence parallelism), as the unembedding
+  //! GEMMs read it.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
     detail::transformer::LogitStatistics stats;
     Tensor<T> lnf, probs;
   };
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
-    const std::int64_t N = s.batch * s.seq;
+    const std::int64_t N = s.batch * s.seq, n = rows(s).local;
     HeadSaved h;
-    h.mean = c.template take<A>({N});
-    h.rstd = c.template take<A>({N});
+    h.mean = c.template take<A>({n});
+    h.rstd = c.template take<A>({n});
     h.losses = c.template take<A>({N});
     if (chunked_logits()) {
       h.stats.row_max = c.template take<double>({N});
@@ -537,15 +694,18 @@ class Model {
   std::int64_t logits_chunk(MicroBatchShape s) const noexcept {
     return std::min(config_.logits_chunk_rows, s.batch * s.seq);
   }
-  //! The head's backward scratch: dlnf, and one chunk's logits and statistics when chunked.
+  //! The head's backward scratch: dlnf (whole: partial sums over the group), one chunk's logits
+  //! and statistics when chunked, and under sequence parallelism ln_f's partial weight and bias
+  //! gradients [2·C].
   struct HeadWorkspace {
-    Tensor<T> dlnf;
+    Tensor<T> dlnf, norm_grads;
     detail::transformer::LogitScratch<T> chunk;
   };
   HeadWorkspace head_workspace(Carver& c, MicroBatchShape s) const {
     HeadWorkspace w;
     if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
     w.dlnf = c.take({s.batch * s.seq, config_.channels});
+    if (sequence_parallel_) w.norm_grads = c.take({2 * config_.channels});
     return w;
   }
   HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
@@ -557,8 +717,13 @@ class Model {
   double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     HeadSaved h = carve_head(a.saved, s);
-    layernorm_forward<T>(be, h.lnf, h.mean, h.rstd, a.input.reshape({N, C}),
-                                  param(p, lnf_weight_, {C}), param(p, lnf_bias_, {C}));
+    // Under sequence parallelism this rank normalizes its rows into their place in lnf and
+    // gathers the others' in place.
+    const Rows r = rows(s);
+    const Tensor<T> lnf_rows{h.lnf.data() + r.first * C, Shape{r.local, C}};
+    layernorm_forward<T>(be, lnf_rows, h.mean, h.rstd, local_rows(a.input, s), param(p, lnf_weight_, {C}),
+                         param(p, lnf_bias_, {C}));
+    if (sequence_parallel_) nn::gather_sequence(tensor_parallel_, Tensor<const T>(lnf_rows), h.lnf);
     if (chunked_logits()) {
       Buffer<T, B> own;
       const Tensor<T> logits = detail::transformer::forward_logits_scratch(be, a.workspace, own, logits_chunk(s),
@@ -596,11 +761,21 @@ class Model {
                                                config_.vocab_size, a.loss_scale);
       matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}));
     }
-    // f backward of the column-parallel logits: sum the slices' shares of dlnf.
-    nn::column_parallel_input_grad(tensor_parallel_, dlnf);
-    layernorm_backward<T>(be, a.input_grad.reshape({N, C}), grad(g, lnf_weight_, {C}),
-                                   grad(g, lnf_bias_, {C}), dlnf, a.input.reshape({N, C}),
-                                   param(p, lnf_weight_, {C}), h.mean, h.rstd);
+    // f backward of the column-parallel logits: sum the slices' shares of dlnf (this rank's rows
+    // of the sum under sequence parallelism, reduce-scattered in place).
+    const Rows r = rows(s);
+    const Tensor<T> dlnf_rows{dlnf.data() + r.first * C, Shape{r.local, C}};
+    reduce_rows(dlnf, dlnf_rows);
+    if (!sequence_parallel_) {
+      layernorm_backward<T>(be, local_rows(a.input_grad, s), grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C}),
+                            dlnf_rows, local_rows(a.input, s), param(p, lnf_weight_, {C}), h.mean, h.rstd);
+      return;
+    }
+    zero<T>(be, w.norm_grads);
+    layernorm_backward<T>(be, local_rows(a.input_grad, s), Tensor<T>{w.norm_grads.data(), Shape{C}},
+                          Tensor<T>{w.norm_grads.data() + C, Shape{C}}, dlnf_rows, local_rows(a.input, s),
+                          param(p, lnf_weight_, {C}), h.mean, h.rstd);
+    sum_norm_grads(be, w.norm_grads, {grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C})});
   }
 
   Config config_;
@@ -614,6 +789,7 @@ class Model {
   std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
   std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
   std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
+  bool sequence_parallel_ = false;       //!< Config::sequence_parallel with more than one rank
   std::int64_t wte_ = 0, wpe_ = 0, lnf_weight_ = 0, lnf_bias_ = 0;
   std::vector<BlockOffsets> blocks_;
 };
