@@ -193,7 +193,7 @@ int main(int argc, char** argv) {
                  "vocabulary must divide by it). Ranks = dp x tp x pp")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", o.sequence_parallel,
-               "gpt2_train with --tp > 1: split the hidden state's rows between the layers over the tensor-parallel "
+               "With --tp > 1: split the hidden state's rows between the layers over the tensor-parallel "
                "ranks too (Megatron-LM's --sequence-parallel): layernorms, dropout and residuals on 1/tp of the "
                "tokens, reduce-scatter and all-gather in place of the all-reduces; micro-batch x seq must divide "
                "by --tp");

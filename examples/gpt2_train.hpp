@@ -90,7 +90,7 @@ struct Options {
   std::string attention = "stored";  // stored (probabilities) or recompute (log-sum-exp only)
   std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
-  bool sequence_parallel = false;      // gpt2_train: the config's sequence_parallel (rows split over --tp)
+  bool sequence_parallel = false;      // the config's sequence_parallel (rows split over --tp)
   bool flash_attention = false;      // --device cuda, bf16, recompute: the SRAM-tiled kernels
   bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
   std::uint64_t seed = 1337;
@@ -165,8 +165,6 @@ inline void check_family_options(const Options& o) {
              "--save-state and --resume");
   LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
              o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
-  LOOM_CHECK(!o.sequence_parallel, "--sequence-parallel", "set",
-             "only gpt2_train splits the hidden state's rows; BERT's tensor parallelism keeps them whole");
 #else
   LOOM_CHECK(o.mask_token < 0, "--mask-token", o.mask_token, "only bert_train masks tokens");
 #endif
@@ -195,9 +193,7 @@ inline family::Config model_config(const Options& o) {
   c.hidden_dropout = o.hidden_dropout;
   c.attention_dropout = o.attention_dropout;
   c.logits_chunk_rows = o.logits_chunk_rows;
-#if !LOOM_EXAMPLE_BERT
   c.sequence_parallel = o.sequence_parallel;
-#endif
   c.validate();
   return c;
 }

@@ -32,6 +32,12 @@ struct Config {
   //! doubles), and its backward computes each chunk's logits again (one more unembedding GEMM;
   //! docs/recompute.md). The same model to rounding.
   std::int64_t logits_chunk_rows = 0;
+  //! Under tensor parallelism, split the rows (tokens) of the hidden state between the layers over
+  //! the tensor-parallel group as well (Megatron's --sequence-parallel): each rank keeps and
+  //! normalizes 1/tp of the rows, and the all-reduces become reduce-scatters and all-gathers of
+  //! the same volume (docs/tensor_parallel.md). The micro-batch's tokens must be a multiple of
+  //! tp. No effect with one rank. The same model to rounding.
+  bool sequence_parallel = false;
 
   friend bool operator==(const Config&, const Config&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Config& c) {
@@ -39,7 +45,8 @@ struct Config {
                << ", padded_vocab_size=" << c.padded_vocab_size << ", num_layers=" << c.num_layers
                << ", num_heads=" << c.num_heads << ", channels=" << c.channels
                << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout
-               << ", logits_chunk_rows=" << c.logits_chunk_rows << "}";
+               << ", logits_chunk_rows=" << c.logits_chunk_rows
+               << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << "}";
   }
 
   //! Parameters without the vocabulary padding: the embeddings and their layernorm

@@ -66,7 +66,8 @@ class Model {
         attention_channels_(config.channels / tensor_parallel_size_),
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
-        vocab_begin_(tensor_parallel_rank_ * vocab_rows_) {
+        vocab_begin_(tensor_parallel_rank_ * vocab_rows_),
+        split_(tensor_parallel, config.sequence_parallel, config.channels) {
     detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "bert");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
@@ -97,6 +98,9 @@ class Model {
   //! The rows of the (padded) vocabulary this rank holds: [vocab_begin, vocab_begin + rows).
   std::int64_t vocab_begin() const noexcept { return vocab_begin_; }
   std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
+  //! Whether the hidden state between layers is split by rows over the tensor-parallel group
+  //! (Config::sequence_parallel with more than one rank).
+  bool sequence_parallel() const noexcept { return split_.split(); }
   //! Embedding, L blocks, head.
   int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
 
@@ -121,16 +125,19 @@ class Model {
            12.0 * static_cast<double>(config_.num_layers * config_.channels * seq);
   }
 
-  //! Elements of one [B, T, C] hidden state passed between layers.
-  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return s.batch * s.seq * config_.channels; }
+  //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
+  //! sequence parallelism this rank's B·T/tp rows of it.
+  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return split_.rows(s).local * config_.channels; }
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! N·(C + 2) for the embedding (the sum before its layernorm and the layernorm's statistics);
   //! for a block N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (r1, h, r2, this rank's qkv, attention
   //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
   //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) for the
-  //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows. For bf16 each float
-  //! statistic takes two elements (as in gpt2::Model).
+  //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows. Under sequence
+  //! parallelism the embedding's and the blocks' row-wise tensors (sum; r1, h, r2) and their
+  //! statistics are this rank's N/tp rows. For bf16 each float statistic takes two elements (as in
+  //! gpt2::Model).
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
     Carver counter{};
     if (layer == embedding_layer) embedding_saved(counter, s);
@@ -141,17 +148,15 @@ class Model {
 
   //! Scratch a layer's backward needs, on this rank: N·C for the embedding (the gradient before
   //! its layernorm), N·(3·C + 8·C/tp) for a block, N·2·C for the head; with hidden dropout N·C
-  //! more for the embedding and a block (an output gradient through the mask).
+  //! more for the embedding and a block (an output gradient through the mask). Under sequence
+  //! parallelism the row-wise ones are N/tp rows, and whole [N, C] buffers for what is gathered
+  //! and for partial sums come on top (embedding_workspace, block_workspace, head_workspace).
   std::int64_t workspace_elements(int layer, MicroBatchShape s) const noexcept {
-    const std::int64_t N = s.batch * s.seq, C = config_.channels;
-    const std::int64_t dropped = config_.hidden_dropout > 0 ? N * C : 0;
-    if (layer == embedding_layer) return N * C + dropped;
-    if (layer == head_layer(config_)) {
-      Carver counter{};
-      head_workspace(counter, s);
-      return counter.elements();
-    }
-    return N * C * 3 + N * attention_channels_ * 8 + dropped;
+    Carver counter{};
+    if (layer == embedding_layer) embedding_workspace(counter, s);
+    else if (layer == head_layer(config_)) head_workspace(counter, s);
+    else block_workspace(counter, s);
+    return counter.elements();
   }
 
   //! Checks a batch on the host (the Trainer calls this before it copies the batch to a device):
@@ -182,10 +187,14 @@ class Model {
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight, on this rank:
   //! 0 for the embedding and the head (its weight pass reads the dlogits left in `saved`);
   //! N·(2·C + 7·C/tp) for a block: the output gradients of its four linear layers (r2 for
-  //! mlp.proj and r1 for attn.proj, whole; this rank's MLP hidden units and qkv).
+  //! mlp.proj and r1 for attn.proj, whole; this rank's MLP hidden units and qkv). Under sequence
+  //! parallelism also the block's input and h gathered whole (2·N·C), which the weight GEMMs read
+  //! and the weight pass may not gather.
   std::int64_t stash_elements(int layer, MicroBatchShape s) const noexcept {
     if (layer == embedding_layer || layer == head_layer(config_)) return 0;
-    return s.batch * s.seq * (2 * config_.channels + mlp_channels_ + 3 * attention_channels_);
+    Carver counter{};
+    block_stash(counter, s);
+    return counter.elements();
   }
 
   //! The input-gradient pass of `layer`'s backward (SplitBackwardModel): everything but the
@@ -234,7 +243,16 @@ class Model {
   bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
 
   MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
-    return detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "bert");
+    const MicroBatchShape s = detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "bert");
+    split_.check(s, "bert");
+    return s;
+  }
+  //! Where a layernorm's weight or bias gradient goes in this pass: straight into the gradients,
+  //! or under sequence parallelism (a partial sum over this rank's rows) into piece `piece` of
+  //! `norm_grads`, which split_.sum_norm_grads sums over the group.
+  Tensor<T> norm_grad(ParameterView<T> g, std::int64_t offset, Tensor<T> norm_grads, int piece) const {
+    if (!split_.split()) return grad(g, offset, {C()});
+    return {norm_grads.data() + piece * C(), Shape{C()}};
   }
   static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
     return detail::transformer::param(params, offset, shape);
@@ -259,18 +277,35 @@ class Model {
     Tensor<A> mean, rstd;
     Tensor<T> sum;
   };
+  //! The sum and the layernorm's statistics are this rank's rows.
   EmbeddingSaved embedding_saved(Carver& c, MicroBatchShape s) const {
-    const std::int64_t N = s.batch * s.seq;
+    const std::int64_t n = split_.rows(s).local;
     EmbeddingSaved e;
-    e.mean = c.template take<A>({N});
-    e.rstd = c.template take<A>({N});
-    e.sum = c.take({s.batch, s.seq, C()});
+    e.mean = c.template take<A>({n});
+    e.rstd = c.template take<A>({n});
+    e.sum = c.take({n, C()});
     return e;
   }
   EmbeddingSaved carve_embedding(Tensor<T> saved, MicroBatchShape s) const {
     check_numel(saved, activation_elements(embedding_layer, s), "bert embedding", "saved");
     Carver c{saved.data()};
     return embedding_saved(c, s);
+  }
+  //! The embedding's backward scratch: the gradient before its layernorm (this rank's rows), and
+  //! through the dropout mask (hidden dropout); under sequence parallelism first the whole [N, C]
+  //! the sum's gradient is gathered into (the forward sums the partial embeddings there), and last
+  //! the layernorm's partial weight and bias gradients [2·C].
+  struct EmbeddingWorkspace {
+    Tensor<T> gathered, dsum, dropped, norm_grads;
+  };
+  EmbeddingWorkspace embedding_workspace(Carver& c, MicroBatchShape s) const {
+    const auto r = split_.rows(s);
+    EmbeddingWorkspace w;
+    if (split_.split()) w.gathered = c.take({r.total, C()});
+    w.dsum = c.take({r.local, C()});
+    if (config_.hidden_dropout > 0) w.dropped = c.take({r.local, C()});
+    if (split_.split()) w.norm_grads = c.take({2 * C()});
+    return w;
   }
 
   double embedding_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
@@ -279,14 +314,20 @@ class Model {
     if constexpr (host_addressable<B>) detail::transformer::check_tokens(a.tokens, config_.vocab_size, "bert");
     const EmbeddingSaved e = carve_embedding(a.saved, s);
     // Vocab-parallel: each rank looks up the tokens of its rows, the first adds the positions, and
-    // the sum over the group is the embedding; the layernorm then runs on every rank.
-    vocab_parallel_embedding_forward<T>(be, e.sum, a.tokens, param(p, wte_, {vocab_rows_, C()}), vocab_begin_,
+    // the sum over the group is the embedding (this rank's rows of it under sequence parallelism,
+    // summed whole in scratch first); the layernorm then runs on the rank's rows.
+    Buffer<T, B> own;
+    const Tensor<T> sums = split_.split() ? detail::transformer::forward_scratch(be, a.workspace, own,
+                                                                                {s.batch, s.seq, C()}, "bert embedding")
+                                          : e.sum;
+    vocab_parallel_embedding_forward<T>(be, sums.reshape({s.batch, s.seq, C()}), a.tokens,
+                                        param(p, wte_, {vocab_rows_, C()}), vocab_begin_,
                                         first_rank() ? param(p, wpe_, {config_.max_seq_len, C()}) : Tensor<const T>{});
-    nn::sum_over_tensor_parallel(tensor_parallel_, e.sum);
-    layernorm_forward<T>(be, a.output, e.mean, e.rstd, e.sum, param(p, lne_weight_, {C()}),
-                         param(p, lne_bias_, {C()}), eps());
-    detail::transformer::hidden_dropout<T>(be, a.output, a.dropout, embedding_layer, detail::transformer::hidden_site,
-                                           config_.hidden_dropout);
+    split_.reduce(sums, e.sum);
+    const Tensor<T> output = split_.local(a.output, s);
+    layernorm_forward<T>(be, output, e.mean, e.rstd, e.sum, param(p, lne_weight_, {C()}), param(p, lne_bias_, {C()}),
+                         eps());
+    split_.drop(be, output, a.dropout, embedding_layer, detail::transformer::hidden_site, config_.hidden_dropout, s);
     return 0.0;
   }
 
@@ -294,18 +335,25 @@ class Model {
                           MicroBatchShape s) const {
     const EmbeddingSaved e = carve_embedding(a.saved, s);
     check_numel(a.workspace, workspace_elements(embedding_layer, s), "bert embedding backward", "workspace");
-    const std::int64_t N = s.batch * s.seq;
-    const Tensor<T> dsum(a.workspace.data(), {s.batch, s.seq, C()});
-    zero<T>(be, dsum);
-    // The output gradient (through the dropout mask) is whole on every rank, so the layernorm's
-    // gradients are too.
-    const Tensor<const T> doutput = detail::transformer::through_hidden_dropout<T>(
-        be, a, embedding_layer, detail::transformer::hidden_site, config_.hidden_dropout,
-        config_.hidden_dropout > 0 ? Tensor<T>(a.workspace.data() + N * C(), {N * C()}) : Tensor<T>{});
-    layernorm_backward<T>(be, dsum, grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()}), doutput, e.sum,
-                          param(p, lne_weight_, {C()}), e.mean, e.rstd);
+    Carver c{a.workspace.data()};
+    const EmbeddingWorkspace w = embedding_workspace(c, s);
+    zero<T>(be, w.dsum);
+    if (split_.split()) zero<T>(be, w.norm_grads);
+    // The output gradient (through the dropout mask) of this rank's rows: whole on every rank
+    // without sequence parallelism, so the layernorm's gradients are too; with it they are partial
+    // sums, summed over the group.
+    const Tensor<const T> doutput = split_.through_drop(be, a, embedding_layer, detail::transformer::hidden_site,
+                                                        config_.hidden_dropout, w.dropped, s);
+    layernorm_backward<T>(be, w.dsum, norm_grad(g, lne_weight_, w.norm_grads, 0),
+                          norm_grad(g, lne_bias_, w.norm_grads, 1), doutput, e.sum, param(p, lne_weight_, {C()}),
+                          e.mean, e.rstd);
+    if (split_.split())
+      split_.sum_norm_grads(be, w.norm_grads, {grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()})});
+    // Every rank accumulates its wte rows and the whole wpe gradient from the whole sum's gradient.
+    const Tensor<const T> dsum = split_.gather(w.dsum, w.gathered);
     vocab_parallel_embedding_backward<T>(be, grad(g, wte_, {vocab_rows_, C()}), vocab_begin_,
-                                         grad(g, wpe_, {config_.max_seq_len, C()}), dsum, a.tokens);
+                                         grad(g, wpe_, {config_.max_seq_len, C()}),
+                                         dsum.reshape({s.batch, s.seq, C()}), a.tokens);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -317,22 +365,24 @@ class Model {
     Tensor<A> ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse;
     Tensor<T> qkv, att, atty, r1, h, fch, fch_gelu, r2;
   };
+  //! r1, h, r2 and the layernorms' statistics are this rank's rows.
   BlockSaved block_saved(Carver& c, MicroBatchShape s) const {
-    const std::int64_t Bn = s.batch, Tn = s.seq, Ca = attention_channels_, F = mlp_channels_;
+    const std::int64_t Bn = s.batch, Tn = s.seq, Ca = attention_channels_, F = mlp_channels_,
+                       n = split_.rows(s).local;
     BlockSaved b;
-    b.ln1_mean = c.template take<A>({Bn * Tn});
-    b.ln1_rstd = c.template take<A>({Bn * Tn});
-    b.ln2_mean = c.template take<A>({Bn * Tn});
-    b.ln2_rstd = c.template take<A>({Bn * Tn});
+    b.ln1_mean = c.template take<A>({n});
+    b.ln1_rstd = c.template take<A>({n});
+    b.ln2_mean = c.template take<A>({n});
+    b.ln2_rstd = c.template take<A>({n});
     if (attention_ == Attention::recompute) b.lse = c.template take<A>({Bn, heads_, Tn});
     b.qkv = c.take({Bn, Tn, 3 * Ca});
     if (attention_ == Attention::stored) b.att = c.take({Bn, heads_, Tn, Tn});
     b.atty = c.take({Bn, Tn, Ca});
-    b.r1 = c.take({Bn, Tn, C()});
-    b.h = c.take({Bn, Tn, C()});
+    b.r1 = c.take({n, C()});
+    b.h = c.take({n, C()});
     b.fch = c.take({Bn, Tn, F});
     b.fch_gelu = c.take({Bn, Tn, F});
-    b.r2 = c.take({Bn, Tn, C()});
+    b.r2 = c.take({n, C()});
     return b;
   }
   BlockSaved carve_block(Tensor<T> saved, MicroBatchShape s) const {
@@ -353,66 +403,103 @@ class Model {
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const BlockSaved b = carve_block(a.saved, s);
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
-    // Column-parallel qkv (f: the replicated input goes in as it is): this rank's heads.
-    matmul_forward<T>(be, b.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}), param(p, o.qkv_b, {3 * Ca}));
+    const Tensor<const T> input = split_.local(a.input, s);
+    // Under sequence parallelism the column-parallel layers' inputs (the block's input, h) are
+    // gathered whole into `whole`, and the row-parallel layers' partial sums are computed there
+    // and reduce-scattered back to this rank's rows.
+    Buffer<T, B> own;
+    const Tensor<T> whole = split_.split()
+                                ? tr::forward_scratch(be, a.workspace, own, {split_.rows(s).total, C}, "bert block")
+                                : Tensor<T>{};
+    // Column-parallel qkv (f: the input goes in whole): this rank's heads.
+    matmul_forward<T>(be, b.qkv, split_.gather(input, whole), param(p, o.qkv_w, {3 * Ca, C}),
+                      param(p, o.qkv_b, {3 * Ca}));
     if (attention_ == Attention::stored)
       attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional, drop);
     else
       attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional,
                                drop);
-    // Row-parallel projection (g: all-reduce the partial sums; the bias rides on the first rank).
-    matmul_forward<T>(be, b.r1, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
-    nn::row_parallel_output(tensor_parallel_, b.r1);
-    tr::hidden_dropout<T>(be, b.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
-    add_to<T>(be, b.r1, a.input);
+    // Row-parallel projection (g: sum the partial sums; the bias rides on the first rank).
+    const Tensor<T> attn_sums = split_.split() ? whole : b.r1;
+    matmul_forward<T>(be, attn_sums, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
+    split_.reduce(attn_sums, b.r1);
+    split_.drop(be, b.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
+    add_to<T>(be, b.r1, input);
     layernorm_forward<T>(be, b.h, b.ln1_mean, b.ln1_rstd, b.r1, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}),
                          eps());
     // MLP: column-parallel fc with GELU, then row-parallel proj.
-    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, b.h, param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}));
-    matmul_forward<T>(be, b.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
-    nn::row_parallel_output(tensor_parallel_, b.r2);
-    tr::hidden_dropout<T>(be, b.r2, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
+    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, split_.gather(b.h, whole), param(p, o.fc_w, {F, C}),
+                           param(p, o.fc_b, {F}));
+    const Tensor<T> mlp_sums = split_.split() ? whole : b.r2;
+    matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
+    split_.reduce(mlp_sums, b.r2);
+    split_.drop(be, b.r2, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
     add_to<T>(be, b.r2, b.h);
-    layernorm_forward<T>(be, a.output, b.ln2_mean, b.ln2_rstd, b.r2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}),
-                         eps());
+    layernorm_forward<T>(be, split_.local(a.output, s), b.ln2_mean, b.ln2_rstd, b.r2, param(p, o.ln2_w, {C}),
+                         param(p, o.ln2_b, {C}), eps());
   }
 
   //! A block's backward scratch: the gradients w.r.t. r2, the MLP's hidden units before GELU, h,
   //! r1, the attention output, qkv, and (with hidden dropout) the MLP branch's output gradient
   //! through the mask (`mlp_out`). `h` is reused for the input's attention-branch gradient once
-  //! r1's is known.
+  //! r1's is known. Under sequence parallelism r2, h, r1 and mlp_out are this rank's rows, and
+  //! there are three more pieces: `gathered` [N, C] for what the linear layers need whole (an
+  //! output gradient gathered, the block's input or h gathered again), `partial` [N, C] for the
+  //! column-parallel layers' partial input gradients, and `norm_grads` [4·C] for the layernorms'
+  //! partial weight and bias gradients (ln2 then ln1). The `*_whole` tensors say where the chain
+  //! gathers each (all `gathered`, or the stash under backward_input).
   struct BlockGrads {
-    Tensor<T> r2, fch, h, r1, atty, qkv, mlp_out;
+    Tensor<T> r2, fch, h, r1, atty, qkv, mlp_out, gathered, partial, norm_grads;
+    Tensor<T> mlp_whole, h_whole, r1_whole, input_whole;
   };
-  BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
+  BlockGrads block_workspace(Carver& w, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq;
-    check_numel(workspace, workspace_elements(1, s), kernel, "workspace");
-    Carver w{workspace.data()};
+    const auto r = split_.rows(s);
     BlockGrads d;
-    d.r2 = w.take({Bn, Tn, C()});
+    d.r2 = w.take({r.local, C()});
     d.fch = w.take({Bn, Tn, mlp_channels_});
-    d.h = w.take({Bn, Tn, C()});
-    d.r1 = w.take({Bn, Tn, C()});
+    d.h = w.take({r.local, C()});
+    d.r1 = w.take({r.local, C()});
     d.atty = w.take({Bn, Tn, attention_channels_});
     d.qkv = w.take({Bn, Tn, 3 * attention_channels_});
-    if (config_.hidden_dropout > 0) d.mlp_out = w.take({Bn, Tn, C()});
+    if (config_.hidden_dropout > 0) d.mlp_out = w.take({r.local, C()});
+    if (split_.split()) {
+      d.gathered = w.take({r.total, C()});
+      d.partial = w.take({r.total, C()});
+      d.norm_grads = w.take({4 * C()});
+      d.mlp_whole = d.h_whole = d.r1_whole = d.input_whole = d.gathered;
+    }
     return d;
+  }
+  BlockGrads carve_block_workspace(Tensor<T> workspace, MicroBatchShape s, const char* kernel) const {
+    check_numel(workspace, workspace_elements(1, s), kernel, "workspace");
+    Carver w{workspace.data()};
+    return block_workspace(w, s);
   }
 
   //! What a block's backward_input keeps for its backward_weight: the gradients w.r.t. the outputs
-  //! of its four linear layers (mlp.proj: r2, attn.proj: r1, mlp.fc: fch, attn.qkv: qkv).
+  //! of its four linear layers (mlp.proj: r2, attn.proj: r1, mlp.fc: fch, attn.qkv: qkv); under
+  //! sequence parallelism r2's and r1's gathered whole, and the block's input and h gathered
+  //! whole too.
   struct BlockStash {
-    Tensor<T> r2, r1, fch, qkv;
+    Tensor<T> r2, r1, fch, qkv, h, input;
   };
-  BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
+  BlockStash block_stash(Carver& c, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq;
-    Carver c{stash.data()};
     BlockStash st;
-    st.r2 = c.take({Bn, Tn, C()});
-    st.r1 = c.take({Bn, Tn, C()});
+    st.r2 = c.take({Bn * Tn, C()});
+    st.r1 = c.take({Bn * Tn, C()});
     st.fch = c.take({Bn, Tn, mlp_channels_});
     st.qkv = c.take({Bn, Tn, 3 * attention_channels_});
+    if (split_.split()) {
+      st.h = c.take({Bn * Tn, C()});
+      st.input = c.take({Bn * Tn, C()});
+    }
     return st;
+  }
+  BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
+    Carver c{stash.data()};
+    return block_stash(c, s);
   }
 
   //! The gradients of a block's four linear layers' weights and biases, or all empty (skipped).
@@ -431,7 +518,7 @@ class Model {
     const BlockSaved b = carve_block(a.saved, s);
     const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
     zero<T>(be, a.workspace);
-    block_backward_chain(be, layer, o, p, g, a, b, d, block_linear_grads(g, o));
+    block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
   }
 
   //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
@@ -443,15 +530,23 @@ class Model {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward_input");
     const BlockStash st = carve_block_stash(stash, s);
-    if (detail::transformer::dropping(a.dropout, config_.hidden_dropout)) d.mlp_out = st.r2;
-    else d.r2 = st.r2;
-    d.r1 = st.r1;
+    if (split_.split()) {
+      // The chain gathers the weight GEMMs' whole operands into the stash.
+      d.mlp_whole = st.r2;
+      d.r1_whole = st.r1;
+      d.h_whole = st.h;
+      d.input_whole = st.input;
+    } else {
+      if (detail::transformer::dropping(a.dropout, config_.hidden_dropout)) d.mlp_out = st.r2;
+      else d.r2 = st.r2;
+      d.r1 = st.r1;
+    }
     d.fch = st.fch;
     d.qkv = st.qkv;
     // Everything the chain accumulates into starts at zero (fch is written).
     const Tensor<T> accumulated[] = {d.r2, d.h, d.r1, d.atty, d.qkv};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
-    block_backward_chain(be, layer, o, p, g, a, b, d, BlockLinearGrads{});
+    block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
   }
 
   void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -461,45 +556,58 @@ class Model {
     const BlockStash st = carve_block_stash(stash, s);
     const BlockLinearGrads w = block_linear_grads(g, o);
     const Tensor<T> no_input_grad{};
+    // h and the input whole: kept (replicated), or gathered into the stash by the I pass.
+    const Tensor<const T> h = split_.split() ? st.h : b.h, input = split_.split() ? st.input : a.input;
     matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}));
-    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, b.h, param(p, o.fc_w, {F, C}));
+    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, h, param(p, o.fc_w, {F, C}));
     matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.r1, b.atty, param(p, o.proj_w, {C, Ca}));
-    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}));
+    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, input, param(p, o.qkv_w, {3 * Ca, C}));
   }
 
   //! A block's backward from the output gradient to the input gradient, into the zeroed
   //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
   //! skipped when `w` is empty (backward_input).
   void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
-                            const BackwardArgs<T>& a, const BlockSaved& b, const BlockGrads& d,
+                            const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
                             const BlockLinearGrads& w) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
-    // out = LN2(r2): the output gradient is whole on every rank, so the layernorm's are too.
-    layernorm_backward<T>(be, d.r2, grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), a.output_grad, b.r2,
-                          param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
-    // r2 = h + dropout(mlp(h)): the MLP branch gets r2's gradient through the mask. g backward is
-    // the identity, so each rank's row-parallel bias gradient is already the whole one.
+    const bool split = split_.split();
+    const Tensor<T> input_grad = split_.local(a.input_grad, s);
+    const Tensor<const T> input = split_.local(a.input, s);
+    if (split) zero<T>(be, d.norm_grads);
+    // out = LN2(r2): the output gradient is whole on every rank (or this rank's rows: then the
+    // layernorms' gradients are partial sums, summed over the group at the end).
+    layernorm_backward<T>(be, d.r2, norm_grad(g, o.ln2_w, d.norm_grads, 0), norm_grad(g, o.ln2_b, d.norm_grads, 1),
+                          split_.local(a.output_grad, s), b.r2, param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
+    // r2 = h + dropout(mlp(h)): the MLP branch gets r2's gradient through the mask. g backward:
+    // whole on every rank (gathered under sequence parallelism), so each rank's row-parallel
+    // bias gradient is already the whole one.
     Tensor<const T> mlp_out = d.r2;
     if (tr::dropping(a.dropout, config_.hidden_dropout)) {
       copy<T>(be, d.mlp_out, d.r2);
-      tr::hidden_dropout<T>(be, d.mlp_out, a.dropout, layer, tr::mlp_site, config_.hidden_dropout);
+      split_.drop(be, d.mlp_out, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
       mlp_out = d.mlp_out;
     }
-    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, mlp_out, b.fch_gelu, param(p, o.fcproj_w, {C, F}), b.fch);
-    matmul_backward<T>(be, d.h, w.fc_w, w.fc_b, d.fch, b.h, param(p, o.fc_w, {F, C}));
-    // f backward: the ranks' shares of the MLP branch sum to its whole gradient; then the
-    // residual's.
-    nn::column_parallel_input_grad(tensor_parallel_, d.h);
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, split_.gather(mlp_out, d.mlp_whole), b.fch_gelu,
+                            param(p, o.fcproj_w, {C, F}), b.fch);
+    // f backward: the ranks' shares of the MLP branch sum to its whole gradient (this rank's rows
+    // of it under sequence parallelism); then the residual's.
+    const Tensor<T> dh = split ? d.partial : d.h;
+    if (split) zero<T>(be, dh);
+    matmul_backward<T>(be, dh, w.fc_w, w.fc_b, d.fch, split_.gather(b.h, d.h_whole), param(p, o.fc_w, {F, C}));
+    split_.reduce(dh, d.h);
     add_to<T>(be, d.h, d.r2);
     // h = LN1(r1); r1 = x + attn(x).
-    layernorm_backward<T>(be, d.r1, grad(g, o.ln1_w, {C}), grad(g, o.ln1_b, {C}), d.h, b.r1, param(p, o.ln1_w, {C}),
-                          b.ln1_mean, b.ln1_rstd);
-    add_to<T>(be, a.input_grad, d.r1);
+    layernorm_backward<T>(be, d.r1, norm_grad(g, o.ln1_w, d.norm_grads, 2), norm_grad(g, o.ln1_b, d.norm_grads, 3),
+                          d.h, b.r1, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
+    add_to<T>(be, input_grad, d.r1);
     // r1 = x + dropout(attn(x)): the branch's gradient through the mask, in place once the
-    // residual has it (under backward_input d.r1 is the stash attn.proj's weight GEMM reads).
-    tr::hidden_dropout<T>(be, d.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout);
-    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, d.r1, b.atty, param(p, o.proj_w, {C, Ca}));
+    // residual has it (under backward_input without sequence parallelism d.r1 is the stash
+    // attn.proj's weight GEMM reads).
+    split_.drop(be, d.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
+    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.r1, d.r1_whole), b.atty,
+                       param(p, o.proj_w, {C, Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
       attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::bidirectional,
@@ -508,11 +616,15 @@ class Model {
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
                                 AttentionMask::bidirectional, drop);
     // The input's attention-branch gradient, summed over the group, lands in d.h (no longer read).
-    const Tensor<T> dx_attention = d.h;
+    const Tensor<T> dx_attention = split ? d.partial : d.h;
     zero<T>(be, dx_attention);
-    matmul_backward<T>(be, dx_attention, w.qkv_w, w.qkv_b, d.qkv, a.input, param(p, o.qkv_w, {3 * Ca, C}));
-    nn::column_parallel_input_grad(tensor_parallel_, dx_attention);
-    add_to<T>(be, a.input_grad, dx_attention);
+    matmul_backward<T>(be, dx_attention, w.qkv_w, w.qkv_b, d.qkv, split_.gather(input, d.input_whole),
+                       param(p, o.qkv_w, {3 * Ca, C}));
+    split_.reduce(dx_attention, d.h);
+    add_to<T>(be, input_grad, d.h);
+    if (split)
+      split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+                                               grad(g, o.ln1_b, {C})});
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -548,9 +660,10 @@ class Model {
     return std::min(config_.logits_chunk_rows, s.batch * s.seq);
   }
   //! The head's backward scratch: dt and dact, and one chunk's logits and statistics when
-  //! chunked.
+  //! chunked; under sequence parallelism also the head's input gathered whole and the whole input
+  //! gradient (the transform is replicated: every rank computes it on all rows).
   struct HeadWorkspace {
-    Tensor<T> dt, dact;
+    Tensor<T> dt, dact, input, input_grad;
     detail::transformer::LogitScratch<T> chunk;
   };
   HeadWorkspace head_workspace(Carver& c, MicroBatchShape s) const {
@@ -558,7 +671,28 @@ class Model {
     if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
     w.dt = c.take({s.batch * s.seq, C()});
     w.dact = c.take({s.batch * s.seq, C()});
+    if (split_.split()) {
+      w.input = c.take({s.batch * s.seq, C()});
+      w.input_grad = c.take({s.batch * s.seq, C()});
+    }
     return w;
+  }
+  //! The head's input whole [N, C]: the hidden state as it is, or under sequence parallelism every
+  //! rank's rows gathered into `workspace`'s (or, without one, `own`).
+  Tensor<const T> head_input(B& be, Tensor<T> workspace, Buffer<T, B>& own, const Tensor<const T>& hidden,
+                             MicroBatchShape s) const {
+    const std::int64_t N = s.batch * s.seq;
+    if (!split_.split()) return hidden.reshape({N, C()});
+    Tensor<T> whole;
+    if (workspace.empty()) {
+      own = Buffer<T, B>(be, N * C(), MemoryCategory::workspace);
+      whole = Tensor<T>(own.data(), {N, C()});
+    } else {
+      check_numel(workspace, workspace_elements(head_layer(config_), s), "bert head", "workspace");
+      Carver c{workspace.data()};
+      whole = head_workspace(c, s).input;
+    }
+    return split_.gather(split_.local(hidden, s), whole);
   }
   HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
     check_numel(saved, activation_elements(head_layer(config_), s), "bert head", "saved");
@@ -569,9 +703,11 @@ class Model {
   double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     const HeadSaved h = carve_head(a.saved, s);
-    // The transform is replicated: every rank computes it whole.
-    matmul_gelu_forward<T>(be, h.act, h.pre, a.input.reshape({N, C}), param(p, dense_weight_, {C, C}),
-                           param(p, dense_bias_, {C}));
+    // The transform is replicated: every rank computes it whole (on the gathered rows under
+    // sequence parallelism).
+    Buffer<T, B> own_input;
+    matmul_gelu_forward<T>(be, h.act, h.pre, head_input(be, a.workspace, own_input, a.input, s),
+                           param(p, dense_weight_, {C, C}), param(p, dense_bias_, {C}));
     layernorm_forward<T>(be, h.t, h.mean, h.rstd, h.act, param(p, lnm_weight_, {C}), param(p, lnm_bias_, {C}),
                          eps());
     if (chunked_logits()) {
@@ -630,8 +766,17 @@ class Model {
     const Tensor<T> dpre = dt;
     zero<T>(be, dpre);
     gelu_backward<T>(be, dpre, h.pre, dact);
-    matmul_backward<T>(be, a.input_grad.reshape({N, C}), grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}),
-                       dpre, a.input.reshape({N, C}), param(p, dense_weight_, {C, C}));
+    // Under sequence parallelism the whole input gradient, the same on every rank, lands in
+    // scratch, and this rank adds its rows of it.
+    Buffer<T, B> unused;
+    const Tensor<T> dinput = split_.split() ? w.input_grad : a.input_grad.reshape({N, C});
+    if (split_.split()) zero<T>(be, dinput);
+    matmul_backward<T>(be, dinput, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre,
+                       head_input(be, a.workspace, unused, a.input, s), param(p, dense_weight_, {C, C}));
+    if (split_.split()) {
+      const auto r = split_.rows(s);
+      add_to<T>(be, split_.local(a.input_grad, s), Tensor<const T>{dinput.data() + r.first * C, Shape{r.local, C}});
+    }
   }
 
   Config config_;
@@ -645,6 +790,8 @@ class Model {
   std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
   std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
   std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
+  //! Whether the rows between layers are split over the group (Config::sequence_parallel).
+  detail::transformer::RowSplit split_;
   std::int64_t wte_ = 0, wpe_ = 0, lne_weight_ = 0, lne_bias_ = 0;
   std::int64_t dense_weight_ = 0, dense_bias_ = 0, lnm_weight_ = 0, lnm_bias_ = 0, output_bias_ = 0;
   std::vector<BlockOffsets> blocks_;

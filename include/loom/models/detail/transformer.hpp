@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
@@ -264,6 +265,95 @@ LogitScratch<T> carve_logit_scratch(Carver<T>& c, std::int64_t chunk, std::int64
   s.logits = c.take({chunk, vocab_rows});
   return s;
 }
+
+//! How a tensor-parallel model holds the rows of a micro-batch's hidden state [B·T, C] between its
+//! layers: whole on every rank, or split over the group (sequence parallelism: rank r holds rows
+//! [r·N/tp, (r+1)·N/tp)), and the collectives between the two forms (Megatron's f and g, as
+//! all-reduces or as all-gathers and reduce-scatters). A group of one never splits.
+class RowSplit {
+ public:
+  //! The rows this rank holds: all `total`, or `local` = total / tp from row `first`.
+  struct Rows {
+    std::int64_t total = 0, local = 0, first = 0;
+  };
+
+  RowSplit() = default;
+  //! Rows of `channels` elements, split over `group` when `split` and the group has several ranks.
+  RowSplit(CommunicatorRef group, bool split, std::int64_t channels)
+      : group_(group), split_(split && group.size() > 1), channels_(channels) {}
+
+  //! Whether the rows are split.
+  bool split() const noexcept { return split_; }
+  Rows rows(MicroBatchShape s) const noexcept {
+    const std::int64_t N = s.batch * s.seq;
+    if (!split_) return {N, N, 0};
+    const std::int64_t n = N / group_.size();
+    return {N, n, group_.rank() * n};
+  }
+  //! Throws loom::Error unless the micro-batch's tokens split into equal shares (`model` names
+  //! the model).
+  void check(MicroBatchShape s, std::string_view model) const {
+    LOOM_CHECK(!split_ || s.batch * s.seq % group_.size() == 0,
+               std::string(model) + " sequence parallelism: tokens of the micro-batch", s.batch * s.seq,
+               "must be a multiple of the tensor-parallel size (" + detail::to_text(group_.size()) +
+                   "): each rank holds an equal share of the rows");
+  }
+  //! A hidden state as the Trainer passes it (its shape is the Trainer's) as this rank's rows [n, C].
+  template <class U>
+  Tensor<U> local(Tensor<U> hidden, MicroBatchShape s) const {
+    return hidden.reshape({rows(s).local, channels_});
+  }
+  //! f forward (and g backward): `local` itself when the rows are whole, else every rank's rows
+  //! gathered into `whole` [N, C].
+  template <class T>
+  Tensor<const T> gather(std::type_identity_t<Tensor<const T>> local, Tensor<T> whole) const {
+    if (!split_) return local;
+    nn::gather_sequence(group_, local, whole);
+    return whole;
+  }
+  //! g forward (and f backward): partial sums over the group become this rank's rows of the sum:
+  //! all-reduced in place when the rows are whole (`local` is `partial`), else reduce-scattered
+  //! from `partial` [N, C] into `local` [n, C] (which may be its slice of `partial`).
+  template <class T>
+  void reduce(Tensor<T> partial, Tensor<T> local) const {
+    if (!split_) return nn::sum_over_tensor_parallel(group_, partial);
+    nn::reduce_scatter_sequence(group_, Tensor<const T>(partial), local);
+  }
+  //! Hidden dropout of `layer`'s `site` at `rate` on this rank's rows `x` (the whole state's mask,
+  //! so that every split drops the same elements).
+  template <class T, Backend B>
+  void drop(B& be, Tensor<T> x, const DropoutKey& key, int layer, DropoutSite site, double rate,
+            MicroBatchShape s) const {
+    hidden_dropout<T>(be, x, key, layer, site, rate, s.seq * channels_, rows(s).first * channels_);
+  }
+  //! The output gradient of `layer`'s hidden dropout `site`, this rank's rows, through the mask
+  //! (in `scratch` when the pass drops).
+  template <class T, Backend B>
+  Tensor<const T> through_drop(B& be, const BackwardArgs<T>& a, int layer, DropoutSite site, double rate,
+                               Tensor<T> scratch, MicroBatchShape s) const {
+    return local(through_hidden_dropout<T>(be, a, layer, site, rate, scratch, s.seq * channels_,
+                                           rows(s).first * channels_),
+                 s);
+  }
+  //! Split rows give each rank a partial sum of a layernorm's weight and bias gradients: the
+  //! backward accumulates them in `scratch` (zeroed), and this sums it over the group and adds it
+  //! to the gradients `into`, in the order of `scratch`'s pieces.
+  template <class T, Backend B>
+  void sum_norm_grads(B& be, Tensor<T> scratch, std::initializer_list<Tensor<T>> into) const {
+    nn::sum_over_tensor_parallel(group_, scratch);
+    std::int64_t at = 0;
+    for (const Tensor<T>& g : into) {
+      add_to<T>(be, g, Tensor<const T>{scratch.data() + at, g.shape()});
+      at += g.numel();
+    }
+  }
+
+ private:
+  // Collectives are not const; the models' forward and backward are.
+  mutable CommunicatorRef group_;
+  bool split_ = false;
+  std::int64_t channels_ = 0;
+};
 
 //! Scratch of `shape` for a layer's forward: the start of `workspace` (the layer's) when the
 //! caller gave one, else `own`, allocated here. `what` names the layer for the error.

@@ -70,7 +70,7 @@ class Model {
         mlp_channels_(4 * config.channels / tensor_parallel_size_),
         vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
         vocab_begin_(tensor_parallel_rank_ * vocab_rows_),
-        sequence_parallel_(config.sequence_parallel && tensor_parallel_size_ > 1) {
+        split_(tensor_parallel, config.sequence_parallel, config.channels) {
     detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "gpt2");
     const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
     wte_ = offset("wte");
@@ -100,7 +100,7 @@ class Model {
   std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
   //! Whether the hidden state between layers is split by rows over the tensor-parallel group
   //! (Config::sequence_parallel with more than one rank).
-  bool sequence_parallel() const noexcept { return sequence_parallel_; }
+  bool sequence_parallel() const noexcept { return split_.split(); }
   //! Embedding, L blocks, head.
   int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
 
@@ -129,7 +129,7 @@ class Model {
 
   //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
   //! sequence parallelism this rank's B·T/tp rows of it (rows r·B·T/tp onwards of [B·T, C]).
-  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return rows(s).local * config_.channels; }
+  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return split_.rows(s).local * config_.channels; }
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
@@ -178,16 +178,16 @@ class Model {
       // first rank adds the positions, and the sum over the group is the embedding (this rank's
       // rows of it under sequence parallelism: the sum is computed whole in scratch first).
       Buffer<T, B> own;
-      const Tensor<T> output = local_rows(a.output, s);
-      const Tensor<T> sums = sequence_parallel_ ? detail::transformer::forward_scratch(
+      const Tensor<T> output = split_.local(a.output, s);
+      const Tensor<T> sums = split_.split() ? detail::transformer::forward_scratch(
                                                       be, a.workspace, own, {s.batch, s.seq, C()}, "gpt2 embedding")
                                                 : output;
       vocab_parallel_embedding_forward<T>(be, sums.reshape({s.batch, s.seq, C()}), a.tokens,
                                           param(params, wte_, {vocab_rows_, C()}), vocab_begin_,
                                           first_rank() ? param(params, wpe_, {config_.max_seq_len, C()})
                                                        : Tensor<const T>{});
-      reduce_rows(sums, output);
-      drop_rows(be, output, a.dropout, layer, detail::transformer::hidden_site, s);
+      split_.reduce(sums, output);
+      split_.drop(be, output, a.dropout, layer, detail::transformer::hidden_site, config_.hidden_dropout, s);
       return 0.0;
     }
     if (layer == head_layer(config_)) return head_forward(be, params, a, s);
@@ -203,8 +203,9 @@ class Model {
       // The output gradient is whole on every rank (gathered under sequence parallelism): each
       // accumulates its own wte rows, and every rank the whole (replicated) wpe gradient.
       const EmbeddingWorkspace w = carve_embedding_workspace(a.workspace, s);
-      const Tensor<const T> dout =
-          gather_rows(through_hidden_dropout(be, layer, a, detail::transformer::hidden_site, w.dropped, s), w.gathered);
+      const Tensor<const T> dropped =
+          through_hidden_dropout(be, layer, a, detail::transformer::hidden_site, w.dropped, s);
+      const Tensor<const T> dout = split_.gather(dropped, w.gathered);
       vocab_parallel_embedding_backward<T>(be, grad(grads, wte_, {vocab_rows_, C()}), vocab_begin_,
                                            grad(grads, wpe_, {config_.max_seq_len, C()}),
                                            dout.reshape({s.batch, s.seq, C()}), a.tokens);
@@ -281,65 +282,13 @@ class Model {
 
   std::int64_t C() const noexcept { return config_.channels; }
 
-  //! The rows of a micro-batch's hidden state [B·T, C] this rank holds between layers: all
-  //! `total`, or under sequence parallelism `local` = total / tp of them from row `first`.
-  struct Rows {
-    std::int64_t total = 0, local = 0, first = 0;
-  };
-  Rows rows(MicroBatchShape s) const noexcept {
-    const std::int64_t N = s.batch * s.seq;
-    if (!sequence_parallel_) return {N, N, 0};
-    const std::int64_t n = N / tensor_parallel_size_;
-    return {N, n, tensor_parallel_rank_ * n};
-  }
-  //! A hidden state passed between layers (the Trainer's shape) as this rank's rows [n, C].
-  template <class U>
-  Tensor<U> local_rows(Tensor<U> hidden, MicroBatchShape s) const {
-    return hidden.reshape({rows(s).local, config_.channels});
-  }
-  //! f forward (and g backward): a column-parallel layer's input, or a row-parallel layer's
-  //! output gradient, whole on every rank: `local` itself, or under sequence parallelism every
-  //! rank's rows gathered into `whole` [N, C].
-  Tensor<const T> gather_rows(Tensor<const T> local, Tensor<T> whole) const {
-    if (!sequence_parallel_) return local;
-    nn::gather_sequence(tensor_parallel_, local, whole);
-    return whole;
-  }
-  //! g forward (and f backward): partial sums over the group become this rank's rows of the sum:
-  //! all-reduced in place (`local` is `partial`), or under sequence parallelism reduce-scattered
-  //! from `partial` [N, C] into `local` [n, C].
-  void reduce_rows(Tensor<T> partial, Tensor<T> local) const {
-    if (!sequence_parallel_) return nn::sum_over_tensor_parallel(tensor_parallel_, partial);
-    nn::reduce_scatter_sequence(tensor_parallel_, Tensor<const T>(partial), local);
-  }
-  //! Hidden dropout of `layer`'s `site` on this rank's rows `x` of the micro-batch (the mask of
-  //! the whole hidden state, so that every split drops the same elements).
-  void drop_rows(B& be, Tensor<T> x, const DropoutKey& key, int layer, detail::transformer::DropoutSite site,
-                 MicroBatchShape s) const {
-    detail::transformer::hidden_dropout<T>(be, x, key, layer, site, config_.hidden_dropout, s.seq * C(),
-                                           rows(s).first * C());
-  }
-  //! Under sequence parallelism each rank's rows give a partial sum of a layernorm's weight and
-  //! bias gradients: the backward accumulates them in `scratch` (zeroed), and this sums it over
-  //! the group and adds it to the gradients `into` (in the order of `scratch`'s C-sized pieces).
-  void sum_norm_grads(B& be, Tensor<T> scratch, std::initializer_list<Tensor<T>> into) const {
-    nn::sum_over_tensor_parallel(tensor_parallel_, scratch);
-    std::int64_t at = 0;
-    for (const Tensor<T>& g : into) {
-      add_to<T>(be, g, Tensor<const T>{scratch.data() + at, g.shape()});
-      at += g.numel();
-    }
-  }
   //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
-  //! that the all-reduce counts them once.
+  //! that the sum over the group counts them once.
   bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
 
   MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
     const MicroBatchShape s = detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "gpt2");
-    LOOM_CHECK(!sequence_parallel_ || s.batch * s.seq % tensor_parallel_size_ == 0,
-               "gpt2 sequence parallelism: tokens of the micro-batch", s.batch * s.seq,
-               "must be a multiple of the tensor-parallel size (" + detail::to_text(tensor_parallel_size_) +
-                   "): each rank holds an equal share of the rows");
+    split_.check(s, "gpt2");
     return s;
   }
   void check_tokens(Tensor<const std::int32_t> tokens) const {
@@ -363,7 +312,7 @@ class Model {
   //! parallelism).
   BlockSaved block_saved(Carver& c, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
-                       F = mlp_channels_, n = rows(s).local;
+                       F = mlp_channels_, n = split_.rows(s).local;
     BlockSaved b;
     b.ln1_mean = c.template take<A>({n});
     b.ln1_rstd = c.template take<A>({n});
@@ -391,9 +340,7 @@ class Model {
   Tensor<const T> through_hidden_dropout(B& be, int layer, const BackwardArgs<T>& a,
                                          detail::transformer::DropoutSite site, Tensor<T> scratch,
                                          MicroBatchShape s) const {
-    return local_rows(detail::transformer::through_hidden_dropout<T>(be, a, layer, site, config_.hidden_dropout,
-                                                                     scratch, s.seq * C(), rows(s).first * C()),
-                      s);
+    return split_.through_drop(be, a, layer, site, config_.hidden_dropout, scratch, s);
   }
 
   //! The embedding's backward scratch: its output gradient gathered whole (sequence parallelism;
@@ -402,9 +349,9 @@ class Model {
     Tensor<T> gathered, dropped;
   };
   EmbeddingWorkspace embedding_workspace(Carver& c, MicroBatchShape s) const {
-    const Rows r = rows(s);
+    const auto r = split_.rows(s);
     EmbeddingWorkspace w;
-    if (sequence_parallel_) w.gathered = c.take({r.total, C()});
+    if (split_.split()) w.gathered = c.take({r.total, C()});
     if (config_.hidden_dropout > 0) w.dropped = c.take({r.local, C()});
     return w;
   }
@@ -425,18 +372,18 @@ class Model {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     BlockSaved b = carve_block(a.saved, s);
-    const Tensor<const T> input = local_rows(a.input, s);
-    const Tensor<T> output = local_rows(a.output, s);
+    const Tensor<const T> input = split_.local(a.input, s);
+    const Tensor<T> output = split_.local(a.output, s);
     // Under sequence parallelism the layernorms see this rank's rows only: their outputs are
     // gathered whole into `whole` before the column-parallel layers, and the row-parallel layers'
     // partial sums are computed there and reduce-scattered back to this rank's rows.
     Buffer<T, B> own;
-    const Tensor<T> whole = sequence_parallel_
-                                ? tr::forward_scratch(be, a.workspace, own, {rows(s).total, C}, "gpt2 block")
+    const Tensor<T> whole = split_.split()
+                                ? tr::forward_scratch(be, a.workspace, own, {split_.rows(s).total, C}, "gpt2 block")
                                 : Tensor<T>{};
     layernorm_forward<T>(be, b.ln1, b.ln1_mean, b.ln1_rstd, input, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}));
     // Column-parallel qkv (f: ln1 goes in whole, replicated or gathered): this rank's heads' q, k, v.
-    matmul_forward<T>(be, b.qkv, gather_rows(b.ln1, whole), param(p, o.qkv_w, {3 * Ca, C}),
+    matmul_forward<T>(be, b.qkv, split_.gather(b.ln1, whole), param(p, o.qkv_w, {3 * Ca, C}),
                       param(p, o.qkv_b, {3 * Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
@@ -446,19 +393,19 @@ class Model {
     // Row-parallel projection (g: sum the partial sums over the group). The replicated bias
     // rides on the first rank's partial sum, so the sum adds it once at no extra pass. Dropout
     // acts on the whole branch: each rank drops its rows of the one mask.
-    const Tensor<T> attn_sums = sequence_parallel_ ? whole : b.res2;
+    const Tensor<T> attn_sums = split_.split() ? whole : b.res2;
     matmul_forward<T>(be, attn_sums, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
-    reduce_rows(attn_sums, b.res2);
-    drop_rows(be, b.res2, a.dropout, layer, tr::hidden_site, s);
+    split_.reduce(attn_sums, b.res2);
+    split_.drop(be, b.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
     add_to<T>(be, b.res2, input);
     layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
     // MLP: column-parallel fc, then row-parallel proj.
-    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, gather_rows(b.ln2, whole), param(p, o.fc_w, {F, C}),
+    matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, split_.gather(b.ln2, whole), param(p, o.fc_w, {F, C}),
                            param(p, o.fc_b, {F}));
-    const Tensor<T> mlp_sums = sequence_parallel_ ? whole : output;
+    const Tensor<T> mlp_sums = split_.split() ? whole : output;
     matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
-    reduce_rows(mlp_sums, output);
-    drop_rows(be, output, a.dropout, layer, tr::mlp_site, s);
+    split_.reduce(mlp_sums, output);
+    split_.drop(be, output, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
     add_to<T>(be, output, b.res2);
   }
 
@@ -488,7 +435,7 @@ class Model {
   BlockGrads block_workspace(Carver& w, MicroBatchShape s) const {
     const std::int64_t Bn = s.batch, Tn = s.seq, C = config_.channels, Ca = attention_channels_,
                        F = mlp_channels_;
-    const Rows r = rows(s);
+    const auto r = split_.rows(s);
     BlockGrads d;
     d.res2 = w.take({r.local, C});
     d.fch = w.take({Bn, Tn, F});
@@ -497,7 +444,7 @@ class Model {
     d.qkv = w.take({Bn, Tn, 3 * Ca});
     d.ln1 = w.take({r.local, C});
     if (config_.hidden_dropout > 0) d.dropped = w.take({r.local, C});
-    if (sequence_parallel_) {
+    if (split_.split()) {
       d.gathered = w.take({r.total, C});
       d.partial = w.take({r.total, C});
       d.norm_grads = w.take({4 * C});
@@ -526,7 +473,7 @@ class Model {
     st.res2 = c.take({Bn * Tn, C});
     st.fch = c.take({Bn, Tn, mlp_channels_});
     st.qkv = c.take({Bn, Tn, 3 * attention_channels_});
-    if (sequence_parallel_) {
+    if (split_.split()) {
       st.ln2 = c.take({Bn * Tn, C});
       st.ln1 = c.take({Bn * Tn, C});
     }
@@ -570,7 +517,7 @@ class Model {
     // Everything the chain accumulates into starts at zero (res2 is copied into, fch written).
     const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
-    if (sequence_parallel_) {
+    if (split_.split()) {
       // The chain gathers the four whole operands of the weight GEMMs into the stash.
       d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
       d.mlp_whole = st.output;
@@ -582,7 +529,7 @@ class Model {
       // projections' weight GEMMs read.
       d.res2 = st.res2;
       copy<T>(be, st.output, a.output_grad);
-      drop_rows(be, st.output, a.dropout, layer, detail::transformer::mlp_site, s);
+      split_.drop(be, st.output, a.dropout, layer, detail::transformer::mlp_site, config_.hidden_dropout, s);
       d.mlp_out = st.output;
     }
     block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
@@ -596,7 +543,7 @@ class Model {
     const BlockLinearGrads w = block_linear_grads(g, o);
     const Tensor<T> no_input_grad{};
     // The layernorms' outputs whole: kept (replicated), or gathered into the stash by the I pass.
-    const Tensor<const T> ln2 = sequence_parallel_ ? st.ln2 : b.ln2, ln1 = sequence_parallel_ ? st.ln1 : b.ln1;
+    const Tensor<const T> ln2 = split_.split() ? st.ln2 : b.ln2, ln1 = split_.split() ? st.ln1 : b.ln1;
     matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.output, b.fch_gelu,
                        param(p, o.fcproj_w, {C, F}));
     matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, ln2, param(p, o.fc_w, {F, C}));
@@ -612,34 +559,34 @@ class Model {
                             const BlockLinearGrads& w) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
-    const Tensor<T> input_grad = local_rows(a.input_grad, s);
+    const Tensor<T> input_grad = split_.local(a.input_grad, s);
     // The layernorms' weight and bias gradients: straight into `g`, or under sequence parallelism
     // (partial sums over this rank's rows) into d.norm_grads, summed over the group at the end.
     const auto norm_grad = [&](std::int64_t offset, int piece) {
-      return sequence_parallel_ ? Tensor<T>{d.norm_grads.data() + piece * C, Shape{C}} : grad(g, offset, {C});
+      return split_.split() ? Tensor<T>{d.norm_grads.data() + piece * C, Shape{C}} : grad(g, offset, {C});
     };
-    if (sequence_parallel_) zero<T>(be, d.norm_grads);
+    if (split_.split()) zero<T>(be, d.norm_grads);
     // The column-parallel layers' input gradients are partial sums (f backward): summed in place,
     // or under sequence parallelism in d.partial and reduce-scattered into this rank's rows.
-    const Tensor<T> dln2 = sequence_parallel_ ? d.partial : d.ln2, dln1 = sequence_parallel_ ? d.partial : d.ln1;
+    const Tensor<T> dln2 = split_.split() ? d.partial : d.ln2, dln1 = split_.split() ? d.partial : d.ln1;
     // output = res2 + dropout(mlp(ln2(res2))): the residual passes the gradient straight
     // through, the MLP branch gets it through the mask (d.mlp_out). g backward: the output
     // gradient whole on every rank (gathered under sequence parallelism), so each rank's
     // (replicated) row-parallel bias gradient is already the whole one.
     copy<T>(be, d.res2, a.output_grad);
-    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, gather_rows(d.mlp_out, d.mlp_whole), b.fch_gelu,
+    gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, split_.gather(d.mlp_out, d.mlp_whole), b.fch_gelu,
                             param(p, o.fcproj_w, {C, F}), b.fch);
-    if (sequence_parallel_) zero<T>(be, dln2);
-    matmul_backward<T>(be, dln2, w.fc_w, w.fc_b, d.fch, gather_rows(b.ln2, d.ln2_whole), param(p, o.fc_w, {F, C}));
-    reduce_rows(dln2, d.ln2);
+    if (split_.split()) zero<T>(be, dln2);
+    matmul_backward<T>(be, dln2, w.fc_w, w.fc_b, d.fch, split_.gather(b.ln2, d.ln2_whole), param(p, o.fc_w, {F, C}));
+    split_.reduce(dln2, d.ln2);
     layernorm_backward<T>(be, d.res2, norm_grad(o.ln2_w, 0), norm_grad(o.ln2_b, 1), d.ln2, b.res2,
                           param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
     // res2 = input + dropout(attn(ln1(input))): the branch's gradient through the mask, in place
     // once the residual has it (under backward_input without sequence parallelism d.res2 is the
     // stash attn.proj's weight GEMM reads).
     add_to<T>(be, input_grad, d.res2);
-    drop_rows(be, d.res2, a.dropout, layer, tr::hidden_site, s);
-    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, gather_rows(d.res2, d.res2_whole), b.atty,
+    split_.drop(be, d.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
+    matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.res2, d.res2_whole), b.atty,
                        param(p, o.proj_w, {C, Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
@@ -647,14 +594,14 @@ class Model {
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
                                 AttentionMask::causal, drop);
-    if (sequence_parallel_) zero<T>(be, dln1);
-    matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, gather_rows(b.ln1, d.ln1_whole),
+    if (split_.split()) zero<T>(be, dln1);
+    matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, split_.gather(b.ln1, d.ln1_whole),
                        param(p, o.qkv_w, {3 * Ca, C}));
-    reduce_rows(dln1, d.ln1);
-    layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, local_rows(a.input, s),
+    split_.reduce(dln1, d.ln1);
+    layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, split_.local(a.input, s),
                           param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
-    if (sequence_parallel_)
-      sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+    if (split_.split())
+      split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
                                         grad(g, o.ln1_b, {C})});
   }
 
@@ -675,7 +622,7 @@ class Model {
     Tensor<T> lnf, probs;
   };
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
-    const std::int64_t N = s.batch * s.seq, n = rows(s).local;
+    const std::int64_t N = s.batch * s.seq, n = split_.rows(s).local;
     HeadSaved h;
     h.mean = c.template take<A>({n});
     h.rstd = c.template take<A>({n});
@@ -705,7 +652,7 @@ class Model {
     HeadWorkspace w;
     if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
     w.dlnf = c.take({s.batch * s.seq, config_.channels});
-    if (sequence_parallel_) w.norm_grads = c.take({2 * config_.channels});
+    if (split_.split()) w.norm_grads = c.take({2 * config_.channels});
     return w;
   }
   HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
@@ -719,11 +666,11 @@ class Model {
     HeadSaved h = carve_head(a.saved, s);
     // Under sequence parallelism this rank normalizes its rows into their place in lnf and
     // gathers the others' in place.
-    const Rows r = rows(s);
+    const auto r = split_.rows(s);
     const Tensor<T> lnf_rows{h.lnf.data() + r.first * C, Shape{r.local, C}};
-    layernorm_forward<T>(be, lnf_rows, h.mean, h.rstd, local_rows(a.input, s), param(p, lnf_weight_, {C}),
+    layernorm_forward<T>(be, lnf_rows, h.mean, h.rstd, split_.local(a.input, s), param(p, lnf_weight_, {C}),
                          param(p, lnf_bias_, {C}));
-    if (sequence_parallel_) nn::gather_sequence(tensor_parallel_, Tensor<const T>(lnf_rows), h.lnf);
+    if (split_.split()) split_.gather(Tensor<const T>(lnf_rows), h.lnf);
     if (chunked_logits()) {
       Buffer<T, B> own;
       const Tensor<T> logits = detail::transformer::forward_logits_scratch(be, a.workspace, own, logits_chunk(s),
@@ -763,19 +710,19 @@ class Model {
     }
     // f backward of the column-parallel logits: sum the slices' shares of dlnf (this rank's rows
     // of the sum under sequence parallelism, reduce-scattered in place).
-    const Rows r = rows(s);
+    const auto r = split_.rows(s);
     const Tensor<T> dlnf_rows{dlnf.data() + r.first * C, Shape{r.local, C}};
-    reduce_rows(dlnf, dlnf_rows);
-    if (!sequence_parallel_) {
-      layernorm_backward<T>(be, local_rows(a.input_grad, s), grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C}),
-                            dlnf_rows, local_rows(a.input, s), param(p, lnf_weight_, {C}), h.mean, h.rstd);
+    split_.reduce(dlnf, dlnf_rows);
+    if (!split_.split()) {
+      layernorm_backward<T>(be, split_.local(a.input_grad, s), grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C}),
+                            dlnf_rows, split_.local(a.input, s), param(p, lnf_weight_, {C}), h.mean, h.rstd);
       return;
     }
     zero<T>(be, w.norm_grads);
-    layernorm_backward<T>(be, local_rows(a.input_grad, s), Tensor<T>{w.norm_grads.data(), Shape{C}},
-                          Tensor<T>{w.norm_grads.data() + C, Shape{C}}, dlnf_rows, local_rows(a.input, s),
+    layernorm_backward<T>(be, split_.local(a.input_grad, s), Tensor<T>{w.norm_grads.data(), Shape{C}},
+                          Tensor<T>{w.norm_grads.data() + C, Shape{C}}, dlnf_rows, split_.local(a.input, s),
                           param(p, lnf_weight_, {C}), h.mean, h.rstd);
-    sum_norm_grads(be, w.norm_grads, {grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C})});
+    split_.sum_norm_grads(be, w.norm_grads, {grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C})});
   }
 
   Config config_;
@@ -789,7 +736,8 @@ class Model {
   std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
   std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
   std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
-  bool sequence_parallel_ = false;       //!< Config::sequence_parallel with more than one rank
+  //! Whether the rows between layers are split over the group (Config::sequence_parallel).
+  detail::transformer::RowSplit split_;
   std::int64_t wte_ = 0, wpe_ = 0, lnf_weight_ = 0, lnf_bias_ = 0;
   std::vector<BlockOffsets> blocks_;
 };
