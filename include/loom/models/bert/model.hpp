@@ -247,12 +247,10 @@ class Model {
     split_.check(s, "bert");
     return s;
   }
-  //! Where a layernorm's weight or bias gradient goes in this pass: straight into the gradients,
-  //! or under sequence parallelism (a partial sum over this rank's rows) into piece `piece` of
-  //! `norm_grads`, which split_.sum_norm_grads sums over the group.
+  //! Where a layernorm's weight or bias gradient at `offset` accumulates in this pass: in `g`, or
+  //! under sequence parallelism in piece `piece` of `norm_grads` (RowSplit::norm_grad).
   Tensor<T> norm_grad(ParameterView<T> g, std::int64_t offset, Tensor<T> norm_grads, int piece) const {
-    if (!split_.split()) return grad(g, offset, {C()});
-    return {norm_grads.data() + piece * C(), Shape{C()}};
+    return split_.norm_grad(grad(g, offset, {C()}), norm_grads, piece);
   }
   static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
     return detail::transformer::param(params, offset, shape);
@@ -347,8 +345,7 @@ class Model {
     layernorm_backward<T>(be, w.dsum, norm_grad(g, lne_weight_, w.norm_grads, 0),
                           norm_grad(g, lne_bias_, w.norm_grads, 1), doutput, e.sum, param(p, lne_weight_, {C()}),
                           e.mean, e.rstd);
-    if (split_.split())
-      split_.sum_norm_grads(be, w.norm_grads, {grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()})});
+    split_.sum_norm_grads(be, w.norm_grads, {grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()})});
     // Every rank accumulates its wte rows and the whole wpe gradient from the whole sum's gradient.
     const Tensor<const T> dsum = split_.gather(w.dsum, w.gathered);
     vocab_parallel_embedding_backward<T>(be, grad(g, wte_, {vocab_rows_, C()}), vocab_begin_,
@@ -575,7 +572,7 @@ class Model {
     const bool split = split_.split();
     const Tensor<T> input_grad = split_.local(a.input_grad, s);
     const Tensor<const T> input = split_.local(a.input, s);
-    if (split) zero<T>(be, d.norm_grads);
+    if (split_.split()) zero<T>(be, d.norm_grads);
     // out = LN2(r2): the output gradient is whole on every rank (or this rank's rows: then the
     // layernorms' gradients are partial sums, summed over the group at the end).
     layernorm_backward<T>(be, d.r2, norm_grad(g, o.ln2_w, d.norm_grads, 0), norm_grad(g, o.ln2_b, d.norm_grads, 1),
@@ -622,9 +619,8 @@ class Model {
                        param(p, o.qkv_w, {3 * Ca, C}));
     split_.reduce(dx_attention, d.h);
     add_to<T>(be, input_grad, d.h);
-    if (split)
-      split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
-                                               grad(g, o.ln1_b, {C})});
+    split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+                                             grad(g, o.ln1_b, {C})});
   }
 
   // ---------------------------------------------------------------------------------------------

@@ -133,19 +133,12 @@ enum DropoutSite : int {
 //! Whether a pass with `key` drops anything at `rate`.
 inline bool dropping(const DropoutKey& key, double rate) noexcept { return key.active() && rate > 0.0; }
 
-//! Dropout on a replicated hidden state `x` [B, T, C] of `layer` at `site`: its elements are the
-//! global tensor's from key.first_sequence · T · C on (every tensor-parallel rank draws the same
-//! mask for its copy). The forward applies it to the branch, the backward to the branch's
-//! gradient. Nothing happens unless dropping(key, rate).
-template <class T, Backend B>
-void hidden_dropout(B& be, Tensor<T> x, const DropoutKey& key, int layer, DropoutSite site, double rate) {
-  if (!dropping(key, rate)) return;
-  hidden_dropout<T>(be, x, key, layer, site, rate, x.numel() / x.extent(0), 0);
-}
-
-//! Dropout on a slice of a micro-batch's hidden state: `x` holds its elements [first_element,
-//! + x.numel()), each sequence `sequence_elements` long (a sequence-parallel rank's rows; the
-//! mask is the whole state's, so the ranks' slices drop what one rank would).
+//! Dropout of `layer`'s `site` on a hidden state or its slice: `x` holds the micro-batch's
+//! elements [first_element, + x.numel()), each sequence `sequence_elements` long, and draws those
+//! elements of the global mask, which starts at key.first_sequence · sequence_elements (every
+//! tensor-parallel rank draws the same mask for its copy, and a sequence-parallel rank its rows of
+//! it). The forward applies it to the branch, the backward to the branch's gradient. Nothing
+//! happens unless dropping(key, rate). Models reach it through RowSplit::drop.
 template <class T, Backend B>
 void hidden_dropout(B& be, Tensor<T> x, const DropoutKey& key, int layer, DropoutSite site, double rate,
                     std::int64_t sequence_elements, std::int64_t first_element) {
@@ -153,19 +146,9 @@ void hidden_dropout(B& be, Tensor<T> x, const DropoutKey& key, int layer, Dropou
   dropout<T>(be, x, DropoutMask(key, layer, site, rate), key.first_sequence * sequence_elements + first_element);
 }
 
-//! The output gradient `a.output_grad` of `layer`'s hidden dropout `site`, through the mask:
-//! copied into `scratch` (as large) and dropped there when the pass drops anything at `rate`,
-//! else a.output_grad itself.
-template <class T, Backend B>
-Tensor<const T> through_hidden_dropout(B& be, const BackwardArgs<T>& a, int layer, DropoutSite site, double rate,
-                                       Tensor<T> scratch) {
-  if (!dropping(a.dropout, rate)) return a.output_grad;
-  return through_hidden_dropout<T>(be, a, layer, site, rate, scratch, a.output_grad.numel() / a.output_grad.extent(0),
-                                   0);
-}
-
-//! through_hidden_dropout of a slice of the micro-batch's hidden state (see the slice form of
-//! hidden_dropout).
+//! The output gradient `a.output_grad` of `layer`'s hidden dropout `site` (elements as in
+//! hidden_dropout), through the mask: copied into `scratch` (as large) and dropped there when the
+//! pass drops anything at `rate`, else a.output_grad itself.
 template <class T, Backend B>
 Tensor<const T> through_hidden_dropout(B& be, const BackwardArgs<T>& a, int layer, DropoutSite site, double rate,
                                        Tensor<T> scratch, std::int64_t sequence_elements,
@@ -335,11 +318,20 @@ class RowSplit {
                                            rows(s).first * channels_),
                  s);
   }
-  //! Split rows give each rank a partial sum of a layernorm's weight and bias gradients: the
-  //! backward accumulates them in `scratch` (zeroed), and this sums it over the group and adds it
-  //! to the gradients `into`, in the order of `scratch`'s pieces.
+  //! Split rows give each rank a partial sum of a layernorm's weight and bias gradients, so the
+  //! backward accumulates them in `scratch` (zeroed; empty when the rows are whole) and
+  //! sum_norm_grads finishes them. Where the backward accumulates gradient `grad`: `grad` itself,
+  //! or piece `piece` (of grad's size) of `scratch`.
+  template <class T>
+  Tensor<T> norm_grad(Tensor<T> grad, Tensor<T> scratch, int piece) const {
+    if (!split_) return grad;
+    return {scratch.data() + piece * grad.numel(), grad.shape()};
+  }
+  //! Sums `scratch` (see norm_grad) over the group and adds its pieces to the gradients `into`, in
+  //! order; nothing when the rows are whole.
   template <class T, Backend B>
   void sum_norm_grads(B& be, Tensor<T> scratch, std::initializer_list<Tensor<T>> into) const {
+    if (!split_) return;
     nn::sum_over_tensor_parallel(group_, scratch);
     std::int64_t at = 0;
     for (const Tensor<T>& g : into) {
@@ -374,10 +366,7 @@ Tensor<T> forward_scratch(B& be, Tensor<T> workspace, Buffer<T, B>& own, Shape s
 template <class T, Backend B>
 Tensor<T> forward_logits_scratch(B& be, Tensor<T> workspace, Buffer<T, B>& own, std::int64_t chunk,
                                  std::int64_t vocab_rows) {
-  if (workspace.empty()) {
-    own = Buffer<T, B>(be, chunk * vocab_rows, MemoryCategory::workspace);
-    return {own.data(), {chunk, vocab_rows}};
-  }
+  if (workspace.empty()) return forward_scratch(be, workspace, own, {chunk, vocab_rows}, "chunked head");
   Carver<T> counter{};
   carve_logit_scratch(counter, chunk, vocab_rows);
   LOOM_CHECK(workspace.numel() >= counter.elements(), "chunked head forward: workspace elements", workspace.numel(),

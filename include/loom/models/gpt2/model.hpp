@@ -563,7 +563,7 @@ class Model {
     // The layernorms' weight and bias gradients: straight into `g`, or under sequence parallelism
     // (partial sums over this rank's rows) into d.norm_grads, summed over the group at the end.
     const auto norm_grad = [&](std::int64_t offset, int piece) {
-      return split_.split() ? Tensor<T>{d.norm_grads.data() + piece * C, Shape{C}} : grad(g, offset, {C});
+      return split_.norm_grad(grad(g, offset, {C}), d.norm_grads, piece);
     };
     if (split_.split()) zero<T>(be, d.norm_grads);
     // The column-parallel layers' input gradients are partial sums (f backward): summed in place,
@@ -600,9 +600,8 @@ class Model {
     split_.reduce(dln1, d.ln1);
     layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, split_.local(a.input, s),
                           param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
-    if (split_.split())
-      split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
-                                        grad(g, o.ln1_b, {C})});
+    split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+                                             grad(g, o.ln1_b, {C})});
   }
 
   //! A stash must hold stash_elements(layer, shape) elements; one of 0 may be an empty tensor.
@@ -713,16 +712,12 @@ class Model {
     const auto r = split_.rows(s);
     const Tensor<T> dlnf_rows{dlnf.data() + r.first * C, Shape{r.local, C}};
     split_.reduce(dlnf, dlnf_rows);
-    if (!split_.split()) {
-      layernorm_backward<T>(be, split_.local(a.input_grad, s), grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C}),
-                            dlnf_rows, split_.local(a.input, s), param(p, lnf_weight_, {C}), h.mean, h.rstd);
-      return;
-    }
-    zero<T>(be, w.norm_grads);
-    layernorm_backward<T>(be, split_.local(a.input_grad, s), Tensor<T>{w.norm_grads.data(), Shape{C}},
-                          Tensor<T>{w.norm_grads.data() + C, Shape{C}}, dlnf_rows, split_.local(a.input, s),
+    const Tensor<T> dweight = grad(g, lnf_weight_, {C}), dbias = grad(g, lnf_bias_, {C});
+    if (split_.split()) zero<T>(be, w.norm_grads);
+    layernorm_backward<T>(be, split_.local(a.input_grad, s), split_.norm_grad(dweight, w.norm_grads, 0),
+                          split_.norm_grad(dbias, w.norm_grads, 1), dlnf_rows, split_.local(a.input, s),
                           param(p, lnf_weight_, {C}), h.mean, h.rstd);
-    split_.sum_norm_grads(be, w.norm_grads, {grad(g, lnf_weight_, {C}), grad(g, lnf_bias_, {C})});
+    split_.sum_norm_grads(be, w.norm_grads, {dweight, dbias});
   }
 
   Config config_;
