@@ -138,6 +138,12 @@ int main(int argc, char** argv) {
                  "instead of its probabilities (vocabulary/tp values a row); its backward computes each chunk again "
                  "(one more unembedding GEMM). 0 = keep the probabilities")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+#if LOOM_EXAMPLE_BERT
+  app.add_flag("--logits-at-every-position", o.logits_at_every_position,
+               "Run the masked-LM head (transform, logits, loss) on every position, as Megatron-LM and Hugging "
+               "Face do, instead of only on the ~15% that carry a target (the default, as BERT's reference code): "
+               "the same model, about 6x the head's work; for comparisons");
+#endif
   app.add_flag("--flash-attention,!--no-flash-attention", o.flash_attention,
                "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels, "
                "or with --no-flash-attention (the default; faster so far) the cuBLAS batched-GEMM ones");

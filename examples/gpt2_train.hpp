@@ -91,6 +91,7 @@ struct Options {
   std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
   bool sequence_parallel = false;      // the config's sequence_parallel (rows split over --tp)
+  bool logits_at_every_position = false;  // bert_train: the head on every position, not only the targeted ones
   bool flash_attention = false;      // --device cuda, bf16, recompute: the SRAM-tiled kernels
   bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
   std::uint64_t seed = 1337;
@@ -194,6 +195,9 @@ inline family::Config model_config(const Options& o) {
   c.attention_dropout = o.attention_dropout;
   c.logits_chunk_rows = o.logits_chunk_rows;
   c.sequence_parallel = o.sequence_parallel;
+#if LOOM_EXAMPLE_BERT
+  c.logits_at_every_position = o.logits_at_every_position;
+#endif
   c.validate();
   return c;
 }

@@ -579,6 +579,38 @@ TEST_CASE("vocab_parallel_embedding: empty batches and slices of no rows do noth
   be.synchronize();
 }
 
+TEST_CASE("select_target_rows: the kept rows in order and their count, across the block's 1024-row tiles") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  for (const std::int64_t N : {0, 1, 5, 1023, 1024, 1025, 2049, 5000}) {
+    CAPTURE(N);
+    for (const int pattern : {0, 1, 2}) {  // none kept, all kept, about 15% kept
+      CAPTURE(pattern);
+      std::vector<std::int32_t> targets(static_cast<std::size_t>(N));
+      std::uint32_t state = 12345u + static_cast<std::uint32_t>(N);
+      for (auto& t : targets) {
+        state = state * 1664525u + 1013904223u;
+        const bool kept = pattern == 1 || (pattern == 2 && (state >> 8) % 100 < 15);
+        t = kept ? static_cast<std::int32_t>((state >> 12) % 30522) : -1;
+      }
+      // The CPU kernel's contract: the kept rows in order, then the initial values untouched.
+      std::vector<std::int32_t> want_rows(static_cast<std::size_t>(N), -7), want_targets = want_rows;
+      std::int64_t want = 0;
+      for (std::int64_t n = 0; n < N; ++n)
+        if (targets[n] >= 0) {
+          want_rows[want] = static_cast<std::int32_t>(n);
+          want_targets[want++] = targets[n];
+        }
+      const DeviceIds device_targets(be, targets, Shape{N}), rows(be, std::vector<std::int32_t>(N, -7), Shape{N}),
+          row_targets(be, std::vector<std::int32_t>(N, -7), Shape{N});
+      const std::int64_t M = select_target_rows(be, rows.view(), row_targets.view(), device_targets.cview());
+      CHECK(M == want);
+      CHECK(rows.to_host(be) == want_rows);  // and past M untouched, as on the CPU
+      CHECK(row_targets.to_host(be) == want_targets);
+    }
+  }
+}
+
 TEST_CASE("vocab_parallel_cross_entropy over 1, 2, 3 slices matches the double reference, in place or not") {
   if (!have_gpu()) return;
   loom::cuda be(0);

@@ -5,11 +5,13 @@
 // then that it learns the synthetic masked-LM task, in float and in bf16.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "loom/comm/threads.hpp"
@@ -38,9 +40,9 @@ bert::Config test_config() { return bert_test_config(); }
 
 //! The gradient of the whole model in double against central differences, at a few elements of
 //! every parameter tensor.
-void check_gradient(bert::Attention attention) {
+void check_gradient(bert::Attention attention, bool logits_at_every_position = false) {
   const bert::Config c{.max_seq_len = 6, .vocab_size = 11, .padded_vocab_size = 12, .num_layers = 2,
-                       .num_heads = 2, .channels = 8};
+                       .num_heads = 2, .channels = 8, .logits_at_every_position = logits_at_every_position};
   const bert::Model<cpu, double> model(c, attention);
   const auto source = io::MaskedLm(io::SyntheticMarkov({.vocab_size = 10, .seed = 3}), {.select_probability = 0.4});
   check_model_gradient(model, noisy_parameters<double>(model.layout()), source.batch_at(0, 2, 5));
@@ -134,15 +136,60 @@ TEST_CASE("BERT's gradient matches central differences in double (recomputed att
   check_gradient(bert::Attention::recompute);
 }
 
+TEST_CASE("BERT's gradient matches central differences in double (logits at every position)") {
+  check_gradient(bert::Attention::stored, true);
+}
+
 TEST_CASE_TEMPLATE("BERT's split backward accumulates the same bits as its combined backward", T, float, double) {
-  const bert::Model<cpu, T> model(test_config());
-  cpu be(2);
-  const std::vector<T> params = noisy_parameters<T>(model.layout());
-  const io::Batch batch = test_source().batch_at(1, 2, seq);
-  std::vector<T> combined, split;
-  const double loss = loss_and_gradient(model, be, params, batch, &combined, Pass::combined);
-  CHECK(loss_and_gradient(model, be, params, batch, &split, Pass::split) == loss);
-  CHECK(std::memcmp(combined.data(), split.data(), combined.size() * sizeof(T)) == 0);
+  for (const bool every_position : {false, true}) {
+    CAPTURE(every_position);
+    bert::Config config = test_config();
+    config.logits_at_every_position = every_position;
+    const bert::Model<cpu, T> model(config);
+    cpu be(2);
+    const std::vector<T> params = noisy_parameters<T>(model.layout());
+    const io::Batch batch = test_source().batch_at(1, 2, seq);
+    std::vector<T> combined, split;
+    const double loss = loss_and_gradient(model, be, params, batch, &combined, Pass::combined);
+    CHECK(loss_and_gradient(model, be, params, batch, &split, Pass::split) == loss);
+    CHECK(std::memcmp(combined.data(), split.data(), combined.size() * sizeof(T)) == 0);
+  }
+}
+
+TEST_CASE_TEMPLATE("BERT's head on the predicted rows alone gives the loss and gradient of the head at every position",
+                   T, float, double) {
+  const double tolerance = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+  for (const std::int64_t chunk : {0, 5}) {  // the probabilities kept; logits in chunks of 5 rows
+    CAPTURE(chunk);
+    bert::Config predicted = test_config(), every = test_config();
+    predicted.logits_chunk_rows = every.logits_chunk_rows = chunk;
+    every.logits_at_every_position = true;
+    const bert::Model<cpu, T> model(predicted), reference(every);
+    REQUIRE(model.layout().total() == reference.layout().total());
+    cpu be(2);
+    const std::vector<T> params = noisy_parameters<T>(model.layout());
+    // 2 x 16 positions, about 15% of them with a target; every row has at least one.
+    const io::Batch batch = test_source().batch_at(3, 2, seq);
+    std::vector<T> got, want;
+    const double loss = loss_and_gradient(reference, be, params, batch, &want);
+    CHECK(std::abs(loss_and_gradient(model, be, params, batch, &got) - loss) <= tolerance * loss);
+    CHECK(relative_difference(got.data(), want.data(), static_cast<std::int64_t>(got.size())) < tolerance);
+  }
+}
+
+TEST_CASE("BERT's head with no target in the micro-batch adds nothing to any gradient, whichever rows it runs on") {
+  io::Batch batch = test_source().batch_at(0, 2, seq);
+  std::fill(batch.targets.begin(), batch.targets.end(), -1);
+  for (const bool every_position : {false, true}) {
+    CAPTURE(every_position);
+    bert::Config config = test_config();
+    config.logits_at_every_position = every_position;
+    const bert::Model<cpu, float> model(config);
+    cpu be(1);
+    std::vector<float> grads;
+    loss_and_gradient(model, be, noisy_parameters<float>(model.layout()), batch, &grads);
+    CHECK(std::all_of(grads.begin(), grads.end(), [](float g) { return g == 0.0f; }));
+  }
 }
 
 TEST_CASE("BERT with DDP, ZeRO-1/2/3, TP and DP x TP trains as one rank does") {
@@ -167,6 +214,16 @@ TEST_CASE("BERT in 1F1B, zero-bubble and interleaved pipelines, with TP and DP, 
   CHECK(mesh_failures<GPipe>({.dp = 2, .tp = 1, .pp = 2}, reference, Zero<1>{}) == none);
   CHECK(mesh_failures<Interleaved1F1B, DataParallel>({.dp = 1, .tp = 1, .pp = 2}, reference, {},
                                                      Interleaved1F1B{.virtual_stages = 2}) == none);
+}
+
+TEST_CASE("BERT trains as the same model whether its head runs on the predicted rows or on every position") {
+  using Bert = bert::Model<cpu, float>;
+  bert::Config every = test_config();
+  every.logits_at_every_position = true;
+  cpu be(1);
+  Trainer<Bert, AdamW> trainer(be, Bert(every), AdamW({.weight_decay = 0.1}), parity_lr(),
+                               {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
+  check_parity(masked_lm_steps(trainer, global_batch, seq), one_rank_run());
 }
 
 TEST_CASE("BERT with recomputed attention trains as with stored attention, and so do its layouts") {

@@ -284,6 +284,47 @@ TEST_CASE("vocab-parallel embedding gradient check in double; tokens outside the
   CHECK(loom::test::max_relative_error(dwpe, loom::test::finite_difference(loss, std::span<double>(wpe)), 1e-4) <= 1e-6);
 }
 
+TEST_CASE("select_target_rows keeps the rows whose target is >= 0, in order, at every length 0..40") {
+  cpu be(1);
+  const auto kept_every = [](std::int64_t period) {
+    return [period](std::int64_t n) { return period > 0 && n % period == 0; };
+  };
+  for (std::int64_t N = 0; N <= 40; ++N) {
+    CAPTURE(N);
+    for (const std::int64_t period : {0, 1, 3, 7}) {  // none kept, all kept, every 3rd, every 7th
+      CAPTURE(period);
+      std::vector<std::int32_t> targets(static_cast<std::size_t>(N));
+      std::vector<std::int32_t> want_rows, want_targets;
+      for (std::int64_t n = 0; n < N; ++n) {
+        const bool kept = kept_every(period)(n);
+        targets[n] = kept ? static_cast<std::int32_t>((7 * n) % 11) : static_cast<std::int32_t>(-1 - n % 3);
+        if (kept) {
+          want_rows.push_back(static_cast<std::int32_t>(n));
+          want_targets.push_back(targets[n]);
+        }
+      }
+      std::vector<std::int32_t> rows(static_cast<std::size_t>(N), 99), row_targets(static_cast<std::size_t>(N), 99);
+      const std::int64_t M = loom::select_target_rows(be, Tensor<std::int32_t>(rows.data(), {N}),
+                                                      Tensor<std::int32_t>(row_targets.data(), {N}),
+                                                      Tensor<const std::int32_t>(targets.data(), {N}));
+      REQUIRE(M == static_cast<std::int64_t>(want_rows.size()));
+      CHECK(std::vector<std::int32_t>(rows.begin(), rows.begin() + M) == want_rows);
+      CHECK(std::vector<std::int32_t>(row_targets.begin(), row_targets.begin() + M) == want_targets);
+      // Past M nothing is written.
+      CHECK(std::all_of(rows.begin() + M, rows.end(), [](std::int32_t r) { return r == 99; }));
+      CHECK(std::all_of(row_targets.begin() + M, row_targets.end(), [](std::int32_t r) { return r == 99; }));
+    }
+  }
+  std::vector<std::int32_t> targets(4, 0), rows(3), row_targets(4);
+  expect_error(
+      [&] {
+        loom::select_target_rows(be, Tensor<std::int32_t>(rows.data(), {3}),
+                                 Tensor<std::int32_t>(row_targets.data(), {4}),
+                                 Tensor<const std::int32_t>(targets.data(), {4}));
+      },
+      "rows");
+}
+
 TEST_CASE("vocab-parallel kernels give the same bits on 1 and 2 threads") {
   const Case c{64, 1000, 1024, 2};
   const auto logits = make_logits<float>(c, 8);

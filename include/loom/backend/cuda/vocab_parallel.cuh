@@ -15,6 +15,7 @@
 //! each stored result is rounded once; the losses are float (accumulate_t).
 
 #include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda/functional>
 #include <cuda/std/limits>
@@ -221,6 +222,31 @@ __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* 
   }
 }
 
+//! One block: rows[0, M) = the indices of the targets >= 0 among `n`, in order, row_targets their
+//! targets, *count = M. Each tile of Threads targets is one block-wide exclusive scan of the
+//! flags; `base` carries the tiles before it. A template so that the header defines it in every
+//! translation unit.
+template <int Threads>
+__global__ void select_target_rows_kernel(std::int32_t* rows, std::int32_t* row_targets, std::int32_t* count,
+                                          const std::int32_t* targets, std::int64_t n) {
+  using Scan = cub::BlockScan<int, Threads>;
+  __shared__ typename Scan::TempStorage scratch;
+  int base = 0;
+  for (std::int64_t first = 0; first < n; first += Threads) {
+    const std::int64_t i = first + threadIdx.x;
+    const std::int32_t target = i < n ? targets[i] : -1;
+    int offset = 0, tile_count = 0;
+    Scan(scratch).ExclusiveSum(target >= 0 ? 1 : 0, offset, tile_count);
+    if (target >= 0) {
+      rows[base + offset] = static_cast<std::int32_t>(i);
+      row_targets[base + offset] = target;
+    }
+    base += tile_count;
+    __syncthreads();  // the next tile's scan reuses the scratch
+  }
+  if (threadIdx.x == 0) *count = base;
+}
+
 }  // namespace loom::detail::cuda_vocab_parallel
 
 namespace loom::inline kernels {
@@ -389,6 +415,31 @@ void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Te
       dlogits.data(), probs.data(), targets.data(), dims.rows, dims.slice_columns, dims.real_columns, vocab_begin,
       scale);
   detail::cuda_check_launch(kernel);
+}
+
+//! The rows a loss predicts (the CPU kernel's contract): rows[0, M) = the indices of `targets` [N]
+//! that are >= 0, in increasing order, row_targets[0, M) their targets; returns M. One block
+//! scans the targets on the stream, then the count comes to the host: this waits for the stream.
+inline std::int64_t select_target_rows(cuda& be, Tensor<std::int32_t> rows, Tensor<std::int32_t> row_targets,
+                                       Tensor<const std::int32_t> targets) {
+  namespace k = detail::cuda_kernels;
+  constexpr const char* kernel = "select_target_rows";
+  const std::int64_t n = targets.numel();
+  check_numel(rows, n, kernel, "rows");
+  check_numel(row_targets, n, kernel, "row_targets");
+  if (n == 0) return 0;
+  check_data(targets, kernel, "targets");
+  check_data(rows, kernel, "rows");
+  check_data(row_targets, kernel, "row_targets");
+  k::activate(be);
+  Buffer<std::int32_t, cuda> count(be, 1, MemoryCategory::workspace);
+  constexpr int threads = 1024;
+  detail::cuda_vocab_parallel::select_target_rows_kernel<threads><<<1, threads, 0, be.stream()>>>(
+      rows.data(), row_targets.data(), count.data(), targets.data(), n);
+  detail::cuda_check_launch(kernel);
+  std::int32_t selected = 0;
+  be.copy_to_host(&selected, count.data(), sizeof selected);
+  return selected;
 }
 
 }  // namespace loom::inline kernels

@@ -32,6 +32,11 @@ struct Config {
   //! doubles), and its backward computes each chunk's logits again (one more unembedding GEMM;
   //! docs/recompute.md). The same model to rounding.
   std::int64_t logits_chunk_rows = 0;
+  //! false (the default): the head gathers the rows whose target is >= 0 (the ~15% that masked-LM
+  //! predicts) and runs its transform, logits and loss on those alone, as BERT's reference code
+  //! does; true: on every position, as Megatron-LM and Hugging Face do, and the positions without
+  //! a target add nothing. The same model to rounding; true costs about 6x the head's GEMMs.
+  bool logits_at_every_position = false;
   //! Under tensor parallelism, split the rows (tokens) of the hidden state between the layers over
   //! the tensor-parallel group as well (Megatron's --sequence-parallel): each rank keeps and
   //! normalizes 1/tp of the rows, and the all-reduces become reduce-scatters and all-gathers of
@@ -46,6 +51,7 @@ struct Config {
                << ", num_heads=" << c.num_heads << ", channels=" << c.channels
                << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout
                << ", logits_chunk_rows=" << c.logits_chunk_rows
+               << ", logits_at_every_position=" << (c.logits_at_every_position ? "true" : "false")
                << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << "}";
   }
 

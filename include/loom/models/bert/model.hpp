@@ -3,9 +3,9 @@
 //! embeddings) as a loom Model: layer 0 embeds (token and position embeddings, then a
 //! layernorm), layers 1..L are encoder blocks, layer L+1 is the masked-LM head (dense, GELU,
 //! layernorm, unembedding through wte plus an output bias, cross-entropy over the positions whose
-//! target is >= 0). Like gpt2::Model it splits over a tensor-parallel group (Megatron's split:
-//! heads, MLP column-then-row, vocabulary rows) and its backward splits into an input-gradient
-//! and a weight-gradient pass (SplitBackwardModel).
+//! target is >= 0, computed at those positions alone). Like gpt2::Model it splits over a
+//! tensor-parallel group (Megatron's split: heads, MLP column-then-row, vocabulary rows) and its
+//! backward splits into an input-gradient and a weight-gradient pass (SplitBackwardModel).
 //!
 //! The block, after Devlin et al. 2019 (and Vaswani et al. 2017):
 //!   r1 = x + Attention(x);  h = LN1(r1);  r2 = h + MLP(h);  out = LN2(r2).
@@ -108,7 +108,8 @@ class Model {
   double layer_cost(int layer) const noexcept {
     const double C = static_cast<double>(config_.channels);
     if (layer == embedding_layer) return C;
-    if (layer == head_layer(config_)) return 2.0 * static_cast<double>(vocab_rows_) * C + 2.0 * C * C;
+    if (layer == head_layer(config_))
+      return head_share() * (2.0 * static_cast<double>(vocab_rows_) * C + 2.0 * C * C);
     return (24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C) /
            static_cast<double>(tensor_parallel_size_);
   }
@@ -119,11 +120,20 @@ class Model {
   }
 
   //! Training FLOPs per token of the whole model, 6·N + 12·l·h·s (the attention term counts
-  //! every key, which a bidirectional mask does compute).
+  //! every key, which a bidirectional mask does compute), less the head's GEMMs (the transform,
+  //! h² + h, and the unembedding, v·h + v) at the positions it skips: it computes them at
+  //! head_share() of the positions.
   double flops_per_token(std::int64_t seq) const noexcept {
+    const double h = static_cast<double>(config_.channels), v = static_cast<double>(config_.vocab_size);
     return 6.0 * static_cast<double>(config_.parameter_count()) +
-           12.0 * static_cast<double>(config_.num_layers * config_.channels * seq);
+           12.0 * static_cast<double>(config_.num_layers * config_.channels * seq) -
+           6.0 * (1.0 - head_share()) * (h * h + h + v * h + v);
   }
+  //! The share of positions at which the head runs: 1 with Config::logits_at_every_position, else
+  //! 0.15, the share of positions masked-LM predicts (io::MaskedLmConfig::select_probability's
+  //! default, from Devlin et al.). An expectation, for FLOP counts and pipeline balancing: the
+  //! head runs on the rows whose target is >= 0, however many they are.
+  double head_share() const noexcept { return config_.logits_at_every_position ? 1.0 : 0.15; }
 
   //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
   //! sequence parallelism this rank's B·T/tp rows of it.
@@ -134,7 +144,9 @@ class Model {
   //! for a block N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (r1, h, r2, this rank's qkv, attention
   //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
   //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) for the
-  //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows. Under sequence
+  //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows, and 2·N int32 for
+  //! the rows it predicts (unless Config::logits_at_every_position; room for every row, whatever
+  //! the targets). Under sequence
   //! parallelism the embedding's and the blocks' row-wise tensors (sum; r1, h, r2) and their
   //! statistics are this rank's N/tp rows. For bf16 each float statistic takes two elements (as in
   //! gpt2::Model).
@@ -220,8 +232,7 @@ class Model {
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
-      const HeadSaved h = carve_head(a.saved, s);
-      unembedding_weight_grads(be, params, grads, h);
+      unembedding_weight_grads(be, params, grads, carve_head(a.saved, s), a.targets, s);
       return;
     }
     block_backward_weight(be, blocks_[layer - 1], params, grads, a, s, stash);
@@ -628,11 +639,33 @@ class Model {
   // cross-entropy over the positions whose target is >= 0.
 
   //! What the head keeps; the statistics and losses in the accumulate type, first; then the
-  //! probabilities, or with Config::logits_chunk_rows each row's statistics in double.
+  //! probabilities, or with Config::logits_chunk_rows each row's statistics in double; then, unless
+  //! Config::logits_at_every_position, the predicted rows' indices and targets. Every per-row
+  //! tensor has room for all N rows; the head uses the first M, the rows it predicts.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
     detail::transformer::LogitStatistics stats;
     Tensor<T> pre, act, t, probs;
+    Tensor<std::int32_t> row_ids, row_targets;  //!< the predicted rows and their targets
+
+    //! The first `M` rows of each.
+    HeadSaved first(std::int64_t M) const {
+      using detail::transformer::rows;
+      HeadSaved v = *this;
+      v.mean = rows(mean, 0, M);
+      v.rstd = rows(rstd, 0, M);
+      v.losses = rows(losses, 0, M);
+      if (!stats.row_max.empty()) v.stats = {rows(stats.row_max, 0, M), rows(stats.partials, 0, 2 * M)};
+      v.pre = rows(pre, 0, M);
+      v.act = rows(act, 0, M);
+      v.t = rows(t, 0, M);
+      if (!probs.empty()) v.probs = rows(probs, 0, M);
+      if (!row_ids.empty()) {
+        v.row_ids = rows(row_ids, 0, M);
+        v.row_targets = rows(row_targets, 0, M);
+      }
+      return v;
+    }
   };
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
     const std::int64_t N = s.batch * s.seq;
@@ -648,7 +681,24 @@ class Model {
     h.act = c.take({N, C()});
     h.t = c.take({N, C()});
     if (!chunked_logits()) h.probs = c.take({N, vocab_rows_});
+    if (!config_.logits_at_every_position) {
+      h.row_ids = c.template take<std::int32_t>({N});
+      h.row_targets = c.template take<std::int32_t>({N});
+    }
     return h;
+  }
+  //! The rows the head predicts: M and their targets [M]. Every row, its targets as they are, with
+  //! Config::logits_at_every_position; otherwise those whose target is >= 0, selected into
+  //! `h.row_ids` and `h.row_targets` (on a GPU the count comes to the host: one wait for the stream).
+  struct PredictedRows {
+    std::int64_t count = 0;
+    Tensor<const std::int32_t> targets;
+  };
+  PredictedRows predicted_rows(B& be, const HeadSaved& h, Tensor<const std::int32_t> targets, MicroBatchShape s) const {
+    const std::int64_t N = s.batch * s.seq;
+    if (config_.logits_at_every_position) return {N, targets.reshape({N})};
+    const std::int64_t M = select_target_rows(be, h.row_ids, h.row_targets, targets.reshape({N}));
+    return {M, Tensor<const std::int32_t>(h.row_targets.data(), {M})};
   }
   //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
   bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
@@ -697,13 +747,23 @@ class Model {
   }
 
   double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
-    const std::int64_t C = config_.channels, N = s.batch * s.seq;
-    const HeadSaved h = carve_head(a.saved, s);
-    // The transform is replicated: every rank computes it whole (on the gathered rows under
-    // sequence parallelism).
+    const std::int64_t C = config_.channels;
+    const HeadSaved whole = carve_head(a.saved, s);
+    // The transform is replicated: every rank computes it (on the gathered rows under sequence
+    // parallelism), and every rank of the group selects the same rows (its targets are the same).
     Buffer<T, B> own_input;
-    matmul_gelu_forward<T>(be, h.act, h.pre, head_input(be, a.workspace, own_input, a.input, s),
-                           param(p, dense_weight_, {C, C}), param(p, dense_bias_, {C}));
+    const Tensor<const T> input = head_input(be, a.workspace, own_input, a.input, s);
+    const PredictedRows predicted = predicted_rows(be, whole, a.targets, s);
+    if (predicted.count == 0) return 0.0;
+    const HeadSaved h = whole.first(predicted.count);
+    // The predicted rows of the input wait in t, which the layernorm overwrites after the dense
+    // GEMM has read them.
+    Tensor<const T> x = input;
+    if (!config_.logits_at_every_position) {
+      detail::transformer::gather_rows<T>(be, h.t, input, h.row_ids);
+      x = h.t;
+    }
+    matmul_gelu_forward<T>(be, h.act, h.pre, x, param(p, dense_weight_, {C, C}), param(p, dense_bias_, {C}));
     layernorm_forward<T>(be, h.t, h.mean, h.rstd, h.act, param(p, lnm_weight_, {C}), param(p, lnm_bias_, {C}),
                          eps());
     if (chunked_logits()) {
@@ -712,19 +772,23 @@ class Model {
                                                                             vocab_rows_);
       return detail::transformer::chunked_unembedding_loss<T>(
           be, tensor_parallel_, h.losses, h.stats, logits, h.t, param(p, wte_, {vocab_rows_, C}),
-          param(p, output_bias_, {vocab_rows_}), a.targets.reshape({N}), vocab_begin_, config_.vocab_size, logits_chunk(s));
+          param(p, output_bias_, {vocab_rows_}), predicted.targets, vocab_begin_, config_.vocab_size, logits_chunk(s));
     }
     // This rank's slice of the logits (column-parallel over wte's rows and the output bias) lands
     // in the probs buffer; the vocab-parallel cross-entropy exchanges only per-row statistics.
     matmul_forward<T>(be, h.probs, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
-    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, a.targets.reshape({N}),
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, predicted.targets,
                                                        vocab_begin_, config_.vocab_size);
   }
 
   //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of
-  //! the probabilities.
-  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& h) const {
+  //! the probabilities (of the predicted rows of `whole`).
+  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& whole,
+                                Tensor<const std::int32_t> targets, MicroBatchShape s) const {
     const std::int64_t C = config_.channels;
+    const PredictedRows predicted = predicted_rows(be, whole, targets, s);
+    if (predicted.count == 0) return;
+    const HeadSaved h = whole.first(predicted.count);
     matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.probs,
                        h.t, param(p, wte_, {vocab_rows_, C}));
   }
@@ -733,25 +797,32 @@ class Model {
   //! gradients to backward_weight.
   void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
                      MicroBatchShape s, bool unembedding_grads) const {
+    using detail::transformer::rows;
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
-    const HeadSaved h = carve_head(a.saved, s);
+    const HeadSaved whole = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head backward", "workspace");
     Carver c{a.workspace.data()};
     const HeadWorkspace w = head_workspace(c, s);
-    const Tensor<T> dt = w.dt, dact = w.dact;
+    const PredictedRows predicted = predicted_rows(be, whole, a.targets, s);
+    const std::int64_t M = predicted.count;
+    if (M == 0) return;
+    const HeadSaved h = whole.first(M);
+    const Tensor<T> dt = rows(w.dt, 0, M), dact = rows(w.dact, 0, M);
     zero<T>(be, dt);
     zero<T>(be, dact);
     if (chunked_logits()) {
       detail::transformer::chunked_unembedding_loss_backward<T>(
           be, dt, unembedding_grads ? grad(g, wte_, {vocab_rows_, C}) : Tensor<T>{},
           unembedding_grads ? grad(g, output_bias_, {vocab_rows_}) : Tensor<T>{}, w.chunk, h.stats, h.t,
-          param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), a.targets.reshape({N}), vocab_begin_,
+          param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), predicted.targets, vocab_begin_,
           config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
       // dlogits overwrite the probabilities they are computed from (this rank's slice).
-      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
+      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, predicted.targets, vocab_begin_,
                                                config_.vocab_size, a.loss_scale);
-      if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
+      if (unembedding_grads)
+        matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}),
+                           h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
       matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
     }
     // f backward of the column-parallel logits: sum the slices' shares of dt.
@@ -765,10 +836,21 @@ class Model {
     // Under sequence parallelism the whole input gradient, the same on every rank, lands in
     // scratch, and this rank adds its rows of it.
     Buffer<T, B> unused;
+    const Tensor<const T> input = head_input(be, a.workspace, unused, a.input, s);
     const Tensor<T> dinput = split_.split() ? w.input_grad : a.input_grad.reshape({N, C});
     if (split_.split()) zero<T>(be, dinput);
-    matmul_backward<T>(be, dinput, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre,
-                       head_input(be, a.workspace, unused, a.input, s), param(p, dense_weight_, {C, C}));
+    if (config_.logits_at_every_position) {
+      matmul_backward<T>(be, dinput, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre, input,
+                         param(p, dense_weight_, {C, C}));
+    } else {
+      // dact is spent too: it takes the predicted rows of the input again, and act (which only
+      // the layernorm's backward read) their gradient, which goes back to those rows.
+      detail::transformer::gather_rows<T>(be, dact, input, h.row_ids);
+      zero<T>(be, h.act);
+      matmul_backward<T>(be, h.act, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre, dact,
+                         param(p, dense_weight_, {C, C}));
+      detail::transformer::scatter_add_rows<T>(be, dinput, h.act, h.row_ids);
+    }
     if (split_.split()) {
       const auto r = split_.rows(s);
       add_to<T>(be, split_.local(a.input_grad, s), Tensor<const T>{dinput.data() + r.first * C, Shape{r.local, C}});

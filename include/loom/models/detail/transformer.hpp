@@ -37,10 +37,14 @@ struct Carver {
   std::int64_t used = 0;   //!< elements of T taken so far, padding included
   std::int64_t align = 1;  //!< the largest alignment taken, in elements of T
 
+  //! A tensor of `shape` with elements of U. An element of U narrower than T (int32 indices in a
+  //! double model) shares T's elements: the range takes numel·sizeof(U) bytes rounded up to whole
+  //! elements of T.
   template <class U = T>
   Tensor<U> take(Shape shape) {
-    static_assert(sizeof(U) % sizeof(T) == 0 && std::is_trivially_copyable_v<U>,
-                  "loom: a carved tensor's elements must be a whole number of T elements");
+    static_assert(std::is_trivially_copyable_v<U>, "loom: a carved tensor's elements must be trivially copyable");
+    static_assert(sizeof(U) % sizeof(T) == 0 || sizeof(T) % sizeof(U) == 0,
+                  "loom: a carved tensor's element must be a multiple or a divisor of T's size");
     constexpr auto u_align = static_cast<std::int64_t>(alignof(U) > sizeof(T) ? alignof(U) / sizeof(T) : 1);
     align = std::max(align, u_align);
     used = (used + u_align - 1) / u_align * u_align;
@@ -52,7 +56,8 @@ struct Carver {
                  "must be aligned to " + detail::to_text(alignof(U)) +
                      " bytes (ranges of activation_elements laid end to end from an aligned buffer are)");
     }
-    used += shape.numel() * static_cast<std::int64_t>(sizeof(U) / sizeof(T));
+    const auto bytes = shape.numel() * static_cast<std::int64_t>(sizeof(U));
+    used += (bytes + static_cast<std::int64_t>(sizeof(T)) - 1) / static_cast<std::int64_t>(sizeof(T));
     return {at, shape};
   }
   std::int64_t elements() const noexcept { return (used + align - 1) / align * align; }
@@ -222,6 +227,21 @@ Tensor<U> rows(Tensor<U> t, std::int64_t first, std::int64_t count) {
   const std::int64_t width = t.numel() / t.extent(0);
   return t.shape().rank() == 1 ? Tensor<U>(t.data() + first, {count})
                                : Tensor<U>(t.data() + first * width, {count, width});
+}
+
+//! out [M, C] = the rows `rows` [M] of `whole` [N, C], in order. The vocabulary-parallel embedding
+//! lookup is this gather (the row indices are its ids, `whole` its one slice), on every backend.
+template <class T, Backend B>
+void gather_rows(B& be, Tensor<T> out, Tensor<const T> whole, Tensor<const std::int32_t> rows) {
+  const std::int64_t M = rows.numel(), C = whole.extent(1);
+  vocab_parallel_embedding_forward<T>(be, out.reshape({1, M, C}), rows.reshape({1, M}), whole, 0, Tensor<const T>{});
+}
+//! whole [N, C] row rows[i] += part [M, C] row i: the backward of gather_rows (the embedding
+//! backward; distinct rows, so each row of `whole` gets at most one add, in a fixed order).
+template <class T, Backend B>
+void scatter_add_rows(B& be, Tensor<T> whole, Tensor<const T> part, Tensor<const std::int32_t> rows) {
+  const std::int64_t M = rows.numel(), C = whole.extent(1);
+  vocab_parallel_embedding_backward<T>(be, whole, 0, Tensor<T>{}, part.reshape({1, M, C}), rows.reshape({1, M}));
 }
 
 //! What a head that computes its logits in chunks of rows (Config::logits_chunk_rows) keeps of
