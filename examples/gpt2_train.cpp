@@ -143,6 +143,11 @@ int main(int argc, char** argv) {
                "Run the masked-LM head (transform, logits, loss) on every position, as Megatron-LM and Hugging "
                "Face do, instead of only on the ~15% that carry a target (the default, as BERT's reference code): "
                "the same model, about 6x the head's work; for comparisons");
+  app.add_option("--max-predictions", o.max_predictions,
+                 "At most this many predicted positions a sequence, in the masked-LM data and in the model's "
+                 "head, which then keeps room for batch x this many rows of logits instead of batch x seq "
+                 "(BERT's max_predictions_per_seq: 20 at seq 128, 80 at 512). 0 = no cap")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
 #endif
   app.add_flag("--flash-attention,!--no-flash-attention", o.flash_attention,
                "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels, "

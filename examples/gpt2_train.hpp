@@ -92,6 +92,7 @@ struct Options {
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
   bool sequence_parallel = false;      // the config's sequence_parallel (rows split over --tp)
   bool logits_at_every_position = false;  // bert_train: the head on every position, not only the targeted ones
+  std::int64_t max_predictions = 0;       // bert_train: targets per sequence, in the data and the model (0: no cap)
   bool flash_attention = false;      // --device cuda, bf16, recompute: the SRAM-tiled kernels
   bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
   std::uint64_t seed = 1337;
@@ -130,7 +131,9 @@ using Source = std::variant<Data<loom::io::SyntheticMarkov>, Data<loom::io::Toke
 inline Source open_data(const Options& o, std::int64_t model_vocab) {
   const auto wrap = [&](auto tokens) -> Source {
 #if LOOM_EXAMPLE_BERT
-    return Data<decltype(tokens)>(std::move(tokens), {.mask_token = o.mask_token, .seed = o.seed + 2});
+    return Data<decltype(tokens)>(std::move(tokens), {.mask_token = o.mask_token,
+                                                      .max_predictions = o.max_predictions,
+                                                      .seed = o.seed + 2});
 #else
     return tokens;
 #endif
@@ -197,6 +200,7 @@ inline family::Config model_config(const Options& o) {
   c.sequence_parallel = o.sequence_parallel;
 #if LOOM_EXAMPLE_BERT
   c.logits_at_every_position = o.logits_at_every_position;
+  c.max_predictions_per_seq = o.max_predictions;
 #endif
   c.validate();
   return c;

@@ -579,7 +579,7 @@ TEST_CASE("vocab_parallel_embedding: empty batches and slices of no rows do noth
   be.synchronize();
 }
 
-TEST_CASE("select_target_rows: the kept rows in order and their count, across the block's 1024-row tiles") {
+TEST_CASE("select_target_rows: the kept rows in order and their count, across 1024-row tiles, within its room") {
   if (!have_gpu()) return;
   loom::cuda be(0);
   for (const std::int64_t N : {0, 1, 5, 1023, 1024, 1025, 2049, 5000}) {
@@ -607,6 +607,13 @@ TEST_CASE("select_target_rows: the kept rows in order and their count, across th
       CHECK(M == want);
       CHECK(rows.to_host(be) == want_rows);  // and past M untouched, as on the CPU
       CHECK(row_targets.to_host(be) == want_targets);
+      // Room for half the rows: the first half written, the whole count returned.
+      const std::int64_t room = N / 2;
+      const DeviceIds few_rows(be, std::vector<std::int32_t>(room, -7), Shape{room}),
+          few_targets(be, std::vector<std::int32_t>(room, -7), Shape{room});
+      CHECK(select_target_rows(be, few_rows.view(), few_targets.view(), device_targets.cview()) == want);
+      CHECK(few_rows.to_host(be) == std::vector<std::int32_t>(want_rows.begin(), want_rows.begin() + room));
+      CHECK(few_targets.to_host(be) == std::vector<std::int32_t>(want_targets.begin(), want_targets.begin() + room));
     }
   }
 }

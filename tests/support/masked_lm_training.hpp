@@ -12,8 +12,9 @@
 namespace loom::test {
 
 //! The synthetic chain over 49 tokens, masked: a vocabulary of 50 with the mask token last.
-inline io::MaskedLm<io::SyntheticMarkov> masked_test_source() {
-  return io::MaskedLm(io::SyntheticMarkov({.vocab_size = 49, .jump_probability = 0.1, .seed = 7}));
+inline io::MaskedLm<io::SyntheticMarkov> masked_test_source(std::int64_t max_predictions = 0) {
+  return io::MaskedLm(io::SyntheticMarkov({.vocab_size = 49, .jump_probability = 0.1, .seed = 7}),
+                      {.max_predictions = max_predictions});
 }
 
 //! 2 layers, 4 heads of 4 channels, a vocabulary of 50 padded to 64 (4 tensor-parallel ranks
@@ -23,12 +24,15 @@ inline bert::Config bert_test_config() {
           .channels = 16};
 }
 
-//! Trains `trainer` for parity_steps steps on masked_test_source()'s [global_batch, seq] batches.
+//! Trains `trainer` for parity_steps steps on masked_test_source(max_predictions)'s
+//! [global_batch, seq] batches.
 template <class Trainer>
-ParityRun masked_lm_steps(Trainer& trainer, std::int64_t global_batch, std::int64_t seq) {
+ParityRun masked_lm_steps(Trainer& trainer, std::int64_t global_batch, std::int64_t seq,
+                          std::int64_t max_predictions = 0) {
+  const auto source = masked_test_source(max_predictions);
   ParityRun run;
   for (int s = 0; s < parity_steps; ++s) {
-    const StepMetrics m = trainer.step(masked_test_source().batch_at(s, global_batch, seq));
+    const StepMetrics m = trainer.step(source.batch_at(s, global_batch, seq));
     run.losses.push_back(m.loss);
     run.grad_norms.push_back(m.grad_norm);
   }

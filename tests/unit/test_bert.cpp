@@ -61,18 +61,19 @@ ParityRun one_rank_run(bert::Attention attention = bert::Attention::stored) {
 //! the failures of every rank against `reference` (empty when all match).
 template <class S, class St>
 std::vector<std::string> mesh_failures(MeshShape shape, const ParityRun& reference, St strategy = {}, S schedule = {},
-                                       bert::Attention attention = bert::Attention::stored) {
+                                       bert::Attention attention = bert::Attention::stored,
+                                       const bert::Config& config = test_config(), std::int64_t max_predictions = 0) {
   using Bert = bert::Model<cpu, float>;
-  const Bert global_model(test_config());
+  const Bert global_model(config);
   std::mutex mutex;
   std::vector<std::string> failures;
   threads::run(shape.size(), [&](threads::Communicator& world) {
     Mesh<threads::Communicator> mesh(world, shape);
     cpu be(1);
-    Trainer<Bert, AdamW, S, St> trainer(be, mesh, Bert(test_config(), mesh.tensor_parallel(), attention),
+    Trainer<Bert, AdamW, S, St> trainer(be, mesh, Bert(config, mesh.tensor_parallel(), attention),
                                         AdamW({.weight_decay = 0.1}), parity_lr(),
                                         {.micro_batch_size = 1, .clip_grad_norm = 1.0, .seed = 5}, strategy, schedule);
-    const ParityRun run = masked_lm_steps(trainer, global_batch, seq);
+    const ParityRun run = masked_lm_steps(trainer, global_batch, seq, max_predictions);
     const std::string failure = parity_failures(trainer, run, reference, global_model.layout());
     std::lock_guard lock(mutex);
     if (!failure.empty()) failures.push_back("rank " + std::to_string(world.rank()) + ":" + failure);
@@ -224,6 +225,102 @@ TEST_CASE("BERT trains as the same model whether its head runs on the predicted 
   Trainer<Bert, AdamW> trainer(be, Bert(every), AdamW({.weight_decay = 0.1}), parity_lr(),
                                {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
   check_parity(masked_lm_steps(trainer, global_batch, seq), one_rank_run());
+}
+
+TEST_CASE("masked-LM batches with max_predictions: at most that many targets a sequence, the smallest draws") {
+  const auto source = [](std::int64_t cap) {
+    return io::MaskedLm(io::SyntheticMarkov({.vocab_size = 49, .seed = 7}),
+                        {.select_probability = 0.5, .max_predictions = cap});
+  };
+  const io::Batch free = source(0).batch_at(2, 16, 24), capped = source(3).batch_at(2, 16, 24);
+  const io::Batch plain = source(0).source().batch_at(2, 16, 24);
+  std::int64_t capped_rows = 0;
+  for (std::int64_t r = 0; r < 16; ++r) {
+    const std::int64_t n = capped.rows(r, 1).target_count();
+    CHECK(n == std::min<std::int64_t>(3, free.rows(r, 1).target_count()));
+    capped_rows += free.rows(r, 1).target_count() > 3 ? 1 : 0;
+    for (std::int64_t t = 0; t < 24; ++t) {
+      const auto k = static_cast<std::size_t>(r * 24 + t);
+      if (capped.targets[k] >= 0) {  // a position the free batch predicts too, masked alike
+        CHECK(capped.targets[k] == free.targets[k]);
+        CHECK(capped.tokens[k] == free.tokens[k]);
+      } else {
+        CHECK(capped.tokens[k] == plain.tokens[k]);  // dropped by the cap: its input is the source's
+      }
+    }
+  }
+  CHECK(capped_rows > 8);  // at p = 0.5 most of the 24-position rows draw more than 3
+  // The kept ones are the smallest draws, not the first positions: spread over the sequence.
+  double position_sum = 0, kept = 0;
+  for (std::size_t k = 0; k < capped.targets.size(); ++k)
+    if (capped.targets[k] >= 0) {
+      position_sum += static_cast<double>(k % 24);
+      ++kept;
+    }
+  CHECK(position_sum / kept == doctest::Approx(11.5).epsilon(0.25));
+  CHECK(source(24).batch_at(2, 16, 24) == free);  // a cap no row reaches changes nothing
+  CHECK_THROWS_WITH_AS(source(-1), doctest::Contains("max_predictions: got -1"), Error);
+}
+
+TEST_CASE_TEMPLATE("BERT with max_predictions_per_seq keeps room for fewer head rows and computes the same bits", T,
+                   float, double) {
+  for (const std::int64_t chunk : {0, 5}) {
+    CAPTURE(chunk);
+    bert::Config free = test_config(), capped = test_config();
+    free.logits_chunk_rows = capped.logits_chunk_rows = chunk;
+    capped.max_predictions_per_seq = 4;
+    const bert::Model<cpu, T> model(capped), reference(free);
+    const MicroBatchShape s{2, seq};
+    const int head = bert::head_layer(capped);
+    CHECK(model.activation_elements(head, s) < reference.activation_elements(head, s));
+    CHECK(model.workspace_elements(head, s) < reference.workspace_elements(head, s));
+    cpu be(2);
+    const std::vector<T> params = noisy_parameters<T>(model.layout());
+    const io::Batch batch = masked_test_source(4).batch_at(1, 2, seq);
+    std::vector<T> got, want;
+    CHECK(loss_and_gradient(model, be, params, batch, &got) == loss_and_gradient(reference, be, params, batch, &want));
+    CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(T)) == 0);
+  }
+}
+
+TEST_CASE("BERT with max_predictions_per_seq refuses a batch with more targets in a sequence, naming it") {
+  bert::Config config = test_config();
+  config.max_predictions_per_seq = 2;
+  const bert::Model<cpu, float> model(config);
+  io::Batch batch = masked_test_source(2).batch_at(0, 2, seq);
+  model.check_batch(batch.tokens_view(), batch.targets_view());
+  for (std::int64_t t = 0; t < 3; ++t) batch.targets[static_cast<std::size_t>(seq + t)] = 7;  // sequence 1
+  for (std::int64_t t = 3; t < seq; ++t) batch.targets[static_cast<std::size_t>(seq + t)] = -1;
+  expect_error([&] { model.check_batch(batch.tokens_view(), batch.targets_view()); },
+               "bert batch: targets in sequence 1: got 3; must be <= max_predictions_per_seq (2)");
+  // The head itself refuses more targets than its room (a caller that skipped check_batch).
+  for (std::int64_t t = 0; t < seq; ++t) batch.targets[static_cast<std::size_t>(t)] = 7;
+  cpu be(1);
+  std::vector<float> grads;
+  expect_error([&] { loss_and_gradient(model, be, noisy_parameters<float>(model.layout()), batch, &grads); },
+               "bert head: targets in the micro-batch: got 19; must be <= batch x max_predictions_per_seq (4)");
+  config.logits_at_every_position = true;
+  CHECK_THROWS_WITH_AS(config.validate(), doctest::Contains("must be 0 with logits_at_every_position"), Error);
+}
+
+TEST_CASE("BERT with max_predictions_per_seq trains as one rank without the cap does, on meshes too") {
+  using Bert = bert::Model<cpu, float>;
+  bert::Config capped = test_config();
+  capped.max_predictions_per_seq = 4;
+  const auto one_rank = [](const bert::Config& config) {
+    cpu be(1);
+    Trainer<Bert, AdamW> trainer(be, Bert(config), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                 {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
+    return masked_lm_steps(trainer, global_batch, seq, 4);
+  };
+  const ParityRun reference = one_rank(test_config());
+  check_parity(one_rank(capped), reference);
+  capped.sequence_parallel = true;
+  const std::vector<std::string> none;
+  CHECK(mesh_failures<GradientAccumulation>({.dp = 2, .tp = 2, .pp = 1}, reference, Zero<1>{}, {},
+                                            bert::Attention::stored, capped, 4) == none);
+  CHECK(mesh_failures<ZeroBubbleH1, DataParallel>({.dp = 1, .tp = 2, .pp = 2}, reference, {}, {},
+                                                  bert::Attention::stored, capped, 4) == none);
 }
 
 TEST_CASE("BERT with recomputed attention trains as with stored attention, and so do its layouts") {

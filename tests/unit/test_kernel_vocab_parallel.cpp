@@ -284,7 +284,7 @@ TEST_CASE("vocab-parallel embedding gradient check in double; tokens outside the
   CHECK(loom::test::max_relative_error(dwpe, loom::test::finite_difference(loss, std::span<double>(wpe)), 1e-4) <= 1e-6);
 }
 
-TEST_CASE("select_target_rows keeps the rows whose target is >= 0, in order, at every length 0..40") {
+TEST_CASE("select_target_rows keeps the rows with a target >= 0, in order, at lengths 0..40, within its room") {
   cpu be(1);
   const auto kept_every = [](std::int64_t period) {
     return [period](std::int64_t n) { return period > 0 && n % period == 0; };
@@ -315,14 +315,21 @@ TEST_CASE("select_target_rows keeps the rows whose target is >= 0, in order, at 
       CHECK(std::all_of(row_targets.begin() + M, row_targets.end(), [](std::int32_t r) { return r == 99; }));
     }
   }
-  std::vector<std::int32_t> targets(4, 0), rows(3), row_targets(4);
+  // Room for fewer rows than are kept: the first ones written, the whole count returned.
+  const std::vector<std::int32_t> targets{-1, 4, 5, -1, 6, 7, -1};
+  std::vector<std::int32_t> rows(2, 99), row_targets(2, 99);
+  CHECK(loom::select_target_rows(be, Tensor<std::int32_t>(rows.data(), {2}),
+                                 Tensor<std::int32_t>(row_targets.data(), {2}),
+                                 Tensor<const std::int32_t>(targets.data(), {7})) == 4);
+  CHECK(rows == std::vector<std::int32_t>{1, 2});
+  CHECK(row_targets == std::vector<std::int32_t>{4, 5});
+  std::vector<std::int32_t> three(3);
   expect_error(
       [&] {
-        loom::select_target_rows(be, Tensor<std::int32_t>(rows.data(), {3}),
-                                 Tensor<std::int32_t>(row_targets.data(), {4}),
-                                 Tensor<const std::int32_t>(targets.data(), {4}));
+        loom::select_target_rows(be, Tensor<std::int32_t>(rows.data(), {2}), Tensor<std::int32_t>(three.data(), {3}),
+                                 Tensor<const std::int32_t>(targets.data(), {7}));
       },
-      "rows");
+      "row_targets");
 }
 
 TEST_CASE("vocab-parallel kernels give the same bits on 1 and 2 threads") {

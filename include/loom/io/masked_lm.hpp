@@ -3,9 +3,12 @@
 //! a share of the positions is selected for prediction, most of them replaced by a mask token in
 //! the input, and only the selected positions carry a target.
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <ostream>
 #include <utility>
+#include <vector>
 
 #include "loom/core/error.hpp"
 #include "loom/core/rng.hpp"
@@ -24,6 +27,11 @@ struct MaskedLmConfig {
   //! that MaskedLm's vocabulary is one larger. A tokenizer's own [MASK] (103 in BERT's uncased
   //! WordPiece) must be below the source's vocab_size().
   std::int64_t mask_token = -1;
+  //! At most this many predicted positions a sequence (BERT's max_predictions_per_seq: 20 at
+  //! sequence 128, 80 at 512); 0 = no cap. Where more are drawn, the ones with the smallest
+  //! selection draws stay. A model told the same cap (bert::Config::max_predictions_per_seq) keeps
+  //! room for that many rows of logits a sequence instead of all of them.
+  std::int64_t max_predictions = 0;
   std::uint64_t seed = 4321;  //!< keys every draw
 
   //! Throws loom::Error naming the first value that breaks a rule.
@@ -34,11 +42,13 @@ struct MaskedLmConfig {
                "masked lm config: mask_share + random_share", mask_share + random_share,
                "each must be >= 0 and their sum <= 1");
     LOOM_CHECK(mask_token >= -1, "masked lm config: mask_token", mask_token, "must be >= 0, or -1 for a new id");
+    LOOM_CHECK(max_predictions >= 0, "masked lm config: max_predictions", max_predictions, "must be >= 0 (0: no cap)");
   }
   friend bool operator==(const MaskedLmConfig&, const MaskedLmConfig&) = default;
   friend std::ostream& operator<<(std::ostream& out, const MaskedLmConfig& c) {
     return out << "{select_probability=" << c.select_probability << ", mask_share=" << c.mask_share
-               << ", random_share=" << c.random_share << ", mask_token=" << c.mask_token << ", seed=" << c.seed << "}";
+               << ", random_share=" << c.random_share << ", mask_token=" << c.mask_token
+               << ", max_predictions=" << c.max_predictions << ", seed=" << c.seed << "}";
   }
 };
 
@@ -48,8 +58,10 @@ struct MaskedLmConfig {
 //! from CounterRng(seed, "masked_lm") at index j: lane 0 selects it, lane 1 chooses mask / random
 //! / keep, lane 2 draws the random token (in [0, source vocabulary), never the new mask id). A
 //! row in which no position was selected gets its position below(seq, row index, lane 3)
-//! selected, so that every sequence carries at least one target. Like its source, a batch is a
-//! pure function of (config, source, step, batch, seq) (DESIGN.md invariant 2).
+//! selected, so that every sequence carries at least one target. With a cap
+//! (MaskedLmConfig::max_predictions) a row keeps the selected positions with the smallest lane-0
+//! draws (the earlier position on a tie). Like its source, a batch is a pure function of (config,
+//! source, step, batch, seq) (DESIGN.md invariant 2).
 template <TokenSource Source>
 class MaskedLm {
  public:
@@ -73,36 +85,41 @@ class MaskedLm {
     Batch out = source_.batch_at(step, batch, seq);
     const auto source_vocab = static_cast<std::uint64_t>(source_.vocab_size());
     const auto mask = static_cast<std::int32_t>(mask_token());
+    const auto cap = static_cast<std::size_t>(config_.max_predictions);
+    std::vector<std::pair<double, std::int64_t>> drawn;  // (lane-0 draw, position) of a row's selected positions
     for (std::int64_t i = 0; i < batch; ++i) {
       const auto row = static_cast<std::uint64_t>(step * batch + i);
-      bool any = false;
-      for (std::int64_t t = 0; t < seq; ++t) any |= select(out, row, seq, i, t, source_vocab, mask, false);
-      if (!any) {
-        const auto t = static_cast<std::int64_t>(draws_.below(static_cast<std::uint64_t>(seq), row, 3));
-        select(out, row, seq, i, t, source_vocab, mask, true);
+      drawn.clear();
+      for (std::int64_t t = 0; t < seq; ++t) {
+        const double u = draws_.uniform(position(row, seq, t), 0);
+        if (u < config_.select_probability) drawn.emplace_back(u, t);
       }
+      if (drawn.empty())  // every sequence carries a target
+        drawn.emplace_back(0.0, static_cast<std::int64_t>(draws_.below(static_cast<std::uint64_t>(seq), row, 3)));
+      if (cap > 0 && drawn.size() > cap) {
+        std::nth_element(drawn.begin(), drawn.begin() + static_cast<std::ptrdiff_t>(cap) - 1, drawn.end());
+        drawn.resize(cap);
+      }
+      for (std::int64_t t = 0; t < seq; ++t) out.targets[static_cast<std::size_t>(i * seq + t)] = -1;
+      for (const auto& d : drawn) predict(out, position(row, seq, d.second), i * seq + d.second, source_vocab, mask);
     }
     return out;
   }
 
  private:
-  //! Decides position t of row i (global row `row`): selects it when its draw says so or when
-  //! `force`, and then masks its input and sets its target; else clears its target. Returns
-  //! whether it was selected.
-  bool select(Batch& b, std::uint64_t row, std::int64_t seq, std::int64_t i, std::int64_t t, std::uint64_t vocab,
-              std::int32_t mask, bool force) const {
-    const auto at = static_cast<std::size_t>(i * seq + t);
-    const std::uint64_t j = row * static_cast<std::uint64_t>(seq) + static_cast<std::uint64_t>(t);
-    if (!force && draws_.uniform(j, 0) >= config_.select_probability) {
-      b.targets[at] = -1;
-      return false;
-    }
-    b.targets[at] = b.tokens[at];
+  //! The global index of position t of global row `row`: it keys the position's draws.
+  static std::uint64_t position(std::uint64_t row, std::int64_t seq, std::int64_t t) {
+    return row * static_cast<std::uint64_t>(seq) + static_cast<std::uint64_t>(t);
+  }
+  //! Predicts the position at flat index `at` of the batch (global position `j`): its target is
+  //! its token, and its input becomes the mask token, a random token or stays (lanes 1 and 2).
+  void predict(Batch& b, std::uint64_t j, std::int64_t at, std::uint64_t vocab, std::int32_t mask) const {
+    const auto k = static_cast<std::size_t>(at);
+    b.targets[k] = b.tokens[k];
     const double how = draws_.uniform(j, 1);
-    if (how < config_.mask_share) b.tokens[at] = mask;
+    if (how < config_.mask_share) b.tokens[k] = mask;
     else if (how < config_.mask_share + config_.random_share)
-      b.tokens[at] = static_cast<std::int32_t>(draws_.below(vocab, j, 2));
-    return true;
+      b.tokens[k] = static_cast<std::int32_t>(draws_.below(vocab, j, 2));
   }
 
   Source source_;

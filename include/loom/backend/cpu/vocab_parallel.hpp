@@ -258,17 +258,20 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
 //! The rows a loss predicts, for a head that computes only those (bert::Config::
 //! logits_at_every_position false): rows[0, M) = the indices n of `targets` [N] with
 //! targets[n] >= 0, in increasing order, and row_targets[0, M) = their targets. Returns M, on the
-//! host. `rows` and `row_targets` hold N elements each; those from M on are left as they were.
+//! host. `rows` and `row_targets` have room for R rows each (R = rows.numel()); where M > R only
+//! the first R are written (the caller compares the count with its room); those from M on are
+//! left as they were.
 inline std::int64_t select_target_rows(const cpu& be, Tensor<std::int32_t> rows, Tensor<std::int32_t> row_targets,
                                        Tensor<const std::int32_t> targets) {
-  const std::int64_t N = targets.numel();
-  check_numel(rows, N, "select_target_rows", "rows");
-  check_numel(row_targets, N, "select_target_rows", "row_targets");
+  const std::int64_t N = targets.numel(), room = rows.numel();
+  check_numel(row_targets, room, "select_target_rows", "row_targets");
   std::int64_t count = 0;
   for (std::int64_t n = 0; n < N; ++n) {
     if (targets.data()[n] < 0) continue;
-    rows.data()[count] = static_cast<std::int32_t>(n);
-    row_targets.data()[count] = targets.data()[n];
+    if (count < room) {
+      rows.data()[count] = static_cast<std::int32_t>(n);
+      row_targets.data()[count] = targets.data()[n];
+    }
     ++count;
   }
   return count;

@@ -222,13 +222,13 @@ __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* 
   }
 }
 
-//! One block: rows[0, M) = the indices of the targets >= 0 among `n`, in order, row_targets their
-//! targets, *count = M. Each tile of Threads targets is one block-wide exclusive scan of the
-//! flags; `base` carries the tiles before it. A template so that the header defines it in every
-//! translation unit.
+//! One block: rows[0, M) = the indices of the targets >= 0 among `n`, in order (the first `room`
+//! of them), row_targets their targets, *count = M. Each tile of Threads targets is one block-wide
+//! exclusive scan of the flags; `base` carries the tiles before it. A template so that the header
+//! defines it in every translation unit.
 template <int Threads>
 __global__ void select_target_rows_kernel(std::int32_t* rows, std::int32_t* row_targets, std::int32_t* count,
-                                          const std::int32_t* targets, std::int64_t n) {
+                                          const std::int32_t* targets, std::int64_t n, std::int64_t room) {
   using Scan = cub::BlockScan<int, Threads>;
   __shared__ typename Scan::TempStorage scratch;
   int base = 0;
@@ -237,7 +237,7 @@ __global__ void select_target_rows_kernel(std::int32_t* rows, std::int32_t* row_
     const std::int32_t target = i < n ? targets[i] : -1;
     int offset = 0, tile_count = 0;
     Scan(scratch).ExclusiveSum(target >= 0 ? 1 : 0, offset, tile_count);
-    if (target >= 0) {
+    if (target >= 0 && base + offset < room) {
       rows[base + offset] = static_cast<std::int32_t>(i);
       row_targets[base + offset] = target;
     }
@@ -418,24 +418,26 @@ void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Te
 }
 
 //! The rows a loss predicts (the CPU kernel's contract): rows[0, M) = the indices of `targets` [N]
-//! that are >= 0, in increasing order, row_targets[0, M) their targets; returns M. One block
-//! scans the targets on the stream, then the count comes to the host: this waits for the stream.
+//! that are >= 0, in increasing order, row_targets[0, M) their targets, at most rows.numel() of
+//! them written; returns M. One block scans the targets on the stream, then the count comes to
+//! the host: this waits for the stream.
 inline std::int64_t select_target_rows(cuda& be, Tensor<std::int32_t> rows, Tensor<std::int32_t> row_targets,
                                        Tensor<const std::int32_t> targets) {
   namespace k = detail::cuda_kernels;
   constexpr const char* kernel = "select_target_rows";
-  const std::int64_t n = targets.numel();
-  check_numel(rows, n, kernel, "rows");
-  check_numel(row_targets, n, kernel, "row_targets");
+  const std::int64_t n = targets.numel(), room = rows.numel();
+  check_numel(row_targets, room, kernel, "row_targets");
   if (n == 0) return 0;
   check_data(targets, kernel, "targets");
-  check_data(rows, kernel, "rows");
-  check_data(row_targets, kernel, "row_targets");
+  if (room > 0) {
+    check_data(rows, kernel, "rows");
+    check_data(row_targets, kernel, "row_targets");
+  }
   k::activate(be);
   Buffer<std::int32_t, cuda> count(be, 1, MemoryCategory::workspace);
   constexpr int threads = 1024;
   detail::cuda_vocab_parallel::select_target_rows_kernel<threads><<<1, threads, 0, be.stream()>>>(
-      rows.data(), row_targets.data(), count.data(), targets.data(), n);
+      rows.data(), row_targets.data(), count.data(), targets.data(), n, room);
   detail::cuda_check_launch(kernel);
   std::int32_t selected = 0;
   be.copy_to_host(&selected, count.data(), sizeof selected);

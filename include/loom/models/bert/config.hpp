@@ -37,6 +37,11 @@ struct Config {
   //! does; true: on every position, as Megatron-LM and Hugging Face do, and the positions without
   //! a target add nothing. The same model to rounding; true costs about 6x the head's GEMMs.
   bool logits_at_every_position = false;
+  //! n > 0: a sequence carries at most n targets (BERT's max_predictions_per_seq: 20 at sequence
+  //! 128, 80 at 512; give the data source the same cap, io::MaskedLmConfig::max_predictions), so
+  //! the head keeps room for B·min(n, T) rows instead of B·T, its probabilities included. A batch
+  //! with a sequence of more targets is refused before its step. 0: no cap.
+  std::int64_t max_predictions_per_seq = 0;
   //! Under tensor parallelism, split the rows (tokens) of the hidden state between the layers over
   //! the tensor-parallel group as well (Megatron's --sequence-parallel): each rank keeps and
   //! normalizes 1/tp of the rows, and the all-reduces become reduce-scatters and all-gathers of
@@ -52,6 +57,7 @@ struct Config {
                << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout
                << ", logits_chunk_rows=" << c.logits_chunk_rows
                << ", logits_at_every_position=" << (c.logits_at_every_position ? "true" : "false")
+               << ", max_predictions_per_seq=" << c.max_predictions_per_seq
                << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << "}";
   }
 
@@ -81,6 +87,10 @@ struct Config {
     check_dropout_rate(attention_dropout, "bert config: attention_dropout");
     LOOM_CHECK(logits_chunk_rows >= 0, "bert config: logits_chunk_rows", logits_chunk_rows,
                "must be >= 0 (0: the head keeps its probabilities)");
+    LOOM_CHECK(max_predictions_per_seq >= 0, "bert config: max_predictions_per_seq", max_predictions_per_seq,
+               "must be >= 0 (0: no cap)");
+    LOOM_CHECK(max_predictions_per_seq == 0 || !logits_at_every_position, "bert config: max_predictions_per_seq",
+               max_predictions_per_seq, "must be 0 with logits_at_every_position: the head then runs on every row");
     LOOM_CHECK(layernorm_eps > 0, "bert config: layernorm_eps", layernorm_eps, "must be > 0");
   }
 

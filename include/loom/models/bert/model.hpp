@@ -13,6 +13,7 @@
 //! sequences; there is no next-sentence head, no token-type embedding and no padding mask (see
 //! docs/bert.md).
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -145,9 +146,9 @@ class Model {
   //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
   //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) for the
   //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows, and 2·N int32 for
-  //! the rows it predicts (unless Config::logits_at_every_position; room for every row, whatever
-  //! the targets). Under sequence
-  //! parallelism the embedding's and the blocks' row-wise tensors (sum; r1, h, r2) and their
+  //! the rows it predicts (unless Config::logits_at_every_position); with
+  //! Config::max_predictions_per_seq = P the head's N is B·min(P, T), whatever the targets. Under
+  //! sequence parallelism the embedding's and the blocks' row-wise tensors (sum; r1, h, r2) and their
   //! statistics are this rank's N/tp rows. For bf16 each float statistic takes two elements (as in
   //! gpt2::Model).
   std::int64_t activation_elements(int layer, MicroBatchShape s) const noexcept {
@@ -173,9 +174,21 @@ class Model {
 
   //! Checks a batch on the host (the Trainer calls this before it copies the batch to a device):
   //! tokens [B, T] in [0, vocab_size), targets of the same shape below vocab_size; a negative
-  //! target is not predicted (masked-LM: only the masked positions carry a target).
+  //! target is not predicted (masked-LM: only the masked positions carry a target); with
+  //! Config::max_predictions_per_seq, at most that many targets a sequence.
   void check_batch(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) const {
     detail::transformer::check_batch(tokens, targets, config_.vocab_size, "bert");
+    const std::int64_t cap = config_.max_predictions_per_seq;
+    if (cap == 0) return;
+    const std::int64_t rows = targets.extent(0), seq = targets.extent(1);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::int64_t count = 0;
+      for (std::int64_t t = 0; t < seq; ++t) count += targets[r * seq + t] >= 0 ? 1 : 0;
+      LOOM_CHECK(count <= cap, "bert batch: targets in sequence " + detail::to_text(r), count,
+                 "must be <= max_predictions_per_seq (" + detail::to_text(cap) +
+                     "); cap the data's selection to match (io::MaskedLmConfig::max_predictions, bert_train "
+                     "--max-predictions)");
+    }
   }
 
   //! Runs `layer` forward; returns the sum of per-token losses for the head, 0 otherwise.
@@ -641,7 +654,8 @@ class Model {
   //! What the head keeps; the statistics and losses in the accumulate type, first; then the
   //! probabilities, or with Config::logits_chunk_rows each row's statistics in double; then, unless
   //! Config::logits_at_every_position, the predicted rows' indices and targets. Every per-row
-  //! tensor has room for all N rows; the head uses the first M, the rows it predicts.
+  //! tensor has room for head_rows() rows (N, or B·max_predictions_per_seq); the head uses the
+  //! first M, the rows it predicts.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
     detail::transformer::LogitStatistics stats;
@@ -667,8 +681,13 @@ class Model {
       return v;
     }
   };
+  //! The rows the head keeps room for: B·min(max_predictions_per_seq, T) with a cap, else N.
+  std::int64_t head_rows(MicroBatchShape s) const noexcept {
+    const std::int64_t cap = config_.max_predictions_per_seq;
+    return s.batch * (cap > 0 ? std::min(cap, s.seq) : s.seq);
+  }
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
-    const std::int64_t N = s.batch * s.seq;
+    const std::int64_t N = head_rows(s);
     HeadSaved h;
     h.mean = c.template take<A>({N});
     h.rstd = c.template take<A>({N});
@@ -698,12 +717,15 @@ class Model {
     const std::int64_t N = s.batch * s.seq;
     if (config_.logits_at_every_position) return {N, targets.reshape({N})};
     const std::int64_t M = select_target_rows(be, h.row_ids, h.row_targets, targets.reshape({N}));
+    LOOM_CHECK(M <= h.row_ids.numel(), "bert head: targets in the micro-batch", M,
+               "must be <= batch x max_predictions_per_seq (" + detail::to_text(h.row_ids.numel()) +
+                   "), the rows the head keeps room for");
     return {M, Tensor<const std::int32_t>(h.row_targets.data(), {M})};
   }
   //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
   bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
   std::int64_t logits_chunk(MicroBatchShape s) const noexcept {
-    return std::min(config_.logits_chunk_rows, s.batch * s.seq);
+    return std::min(config_.logits_chunk_rows, head_rows(s));
   }
   //! The head's backward scratch: dt and dact, and one chunk's logits and statistics when
   //! chunked; under sequence parallelism also the head's input gathered whole and the whole input
@@ -715,8 +737,8 @@ class Model {
   HeadWorkspace head_workspace(Carver& c, MicroBatchShape s) const {
     HeadWorkspace w;
     if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
-    w.dt = c.take({s.batch * s.seq, C()});
-    w.dact = c.take({s.batch * s.seq, C()});
+    w.dt = c.take({head_rows(s), C()});
+    w.dact = c.take({head_rows(s), C()});
     if (split_.split()) {
       w.input = c.take({s.batch * s.seq, C()});
       w.input_grad = c.take({s.batch * s.seq, C()});
