@@ -169,7 +169,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();
   app.add_option("--data", o.data,
-                 "synthetic, an llm.c token file (uint16, magic 20240520), or bytes:FILE (any file, vocab 256)")
+                 "synthetic (a Markov chain over the model's own vocabulary), an llm.c token file (uint16, magic "
+                 "20240520), or bytes:FILE (any file, vocab 256)")
       ->capture_default_str();
   app.add_option("--jump-probability", o.jump_probability, "Synthetic task: chance a token breaks the chain")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
