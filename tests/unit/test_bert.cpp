@@ -48,13 +48,22 @@ void check_gradient(bert::Attention attention, bool logits_at_every_position = f
   check_model_gradient(model, noisy_parameters<double>(model.layout()), source.batch_at(0, 2, 5));
 }
 
-//! One-rank training of test_config() on the whole global batch.
-ParityRun one_rank_run(bert::Attention attention = bert::Attention::stored) {
+//! test_config() with its head on every position or on the predicted rows only.
+bert::Config head_config(bool logits_at_every_position) {
+  bert::Config config = test_config();
+  config.logits_at_every_position = logits_at_every_position;
+  return config;
+}
+
+//! One-rank training of `config` on the whole global batch, the data capped at `max_predictions`
+//! targets a sequence (0: no cap).
+ParityRun one_rank_run(const bert::Config& config = test_config(), bert::Attention attention = bert::Attention::stored,
+                       std::int64_t max_predictions = 0) {
   using Bert = bert::Model<cpu, float>;
   cpu be(1);
-  Trainer<Bert, AdamW> trainer(be, Bert(test_config(), attention), AdamW({.weight_decay = 0.1}), parity_lr(),
+  Trainer<Bert, AdamW> trainer(be, Bert(config, attention), AdamW({.weight_decay = 0.1}), parity_lr(),
                                {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-  return masked_lm_steps(trainer, global_batch, seq);
+  return masked_lm_steps(trainer, global_batch, seq, max_predictions);
 }
 
 //! One run of `St` with schedule `S` on `shape` (thread ranks, micro-batches of one sequence);
@@ -144,9 +153,7 @@ TEST_CASE("BERT's gradient matches central differences in double (logits at ever
 TEST_CASE_TEMPLATE("BERT's split backward accumulates the same bits as its combined backward", T, float, double) {
   for (const bool every_position : {false, true}) {
     CAPTURE(every_position);
-    bert::Config config = test_config();
-    config.logits_at_every_position = every_position;
-    const bert::Model<cpu, T> model(config);
+    const bert::Model<cpu, T> model(head_config(every_position));
     cpu be(2);
     const std::vector<T> params = noisy_parameters<T>(model.layout());
     const io::Batch batch = test_source().batch_at(1, 2, seq);
@@ -183,9 +190,7 @@ TEST_CASE("BERT's head with no target in the micro-batch adds nothing to any gra
   std::fill(batch.targets.begin(), batch.targets.end(), -1);
   for (const bool every_position : {false, true}) {
     CAPTURE(every_position);
-    bert::Config config = test_config();
-    config.logits_at_every_position = every_position;
-    const bert::Model<cpu, float> model(config);
+    const bert::Model<cpu, float> model(head_config(every_position));
     cpu be(1);
     std::vector<float> grads;
     loss_and_gradient(model, be, noisy_parameters<float>(model.layout()), batch, &grads);
@@ -218,13 +223,7 @@ TEST_CASE("BERT in 1F1B, zero-bubble and interleaved pipelines, with TP and DP, 
 }
 
 TEST_CASE("BERT trains as the same model whether its head runs on the predicted rows or on every position") {
-  using Bert = bert::Model<cpu, float>;
-  bert::Config every = test_config();
-  every.logits_at_every_position = true;
-  cpu be(1);
-  Trainer<Bert, AdamW> trainer(be, Bert(every), AdamW({.weight_decay = 0.1}), parity_lr(),
-                               {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-  check_parity(masked_lm_steps(trainer, global_batch, seq), one_rank_run());
+  check_parity(one_rank_run(head_config(true)), one_rank_run());
 }
 
 TEST_CASE("masked-LM batches with max_predictions: at most that many targets a sequence, the smallest draws") {
@@ -304,17 +303,10 @@ TEST_CASE("BERT with max_predictions_per_seq refuses a batch with more targets i
 }
 
 TEST_CASE("BERT with max_predictions_per_seq trains as one rank without the cap does, on meshes too") {
-  using Bert = bert::Model<cpu, float>;
   bert::Config capped = test_config();
   capped.max_predictions_per_seq = 4;
-  const auto one_rank = [](const bert::Config& config) {
-    cpu be(1);
-    Trainer<Bert, AdamW> trainer(be, Bert(config), AdamW({.weight_decay = 0.1}), parity_lr(),
-                                 {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-    return masked_lm_steps(trainer, global_batch, seq, 4);
-  };
-  const ParityRun reference = one_rank(test_config());
-  check_parity(one_rank(capped), reference);
+  const ParityRun reference = one_rank_run(test_config(), bert::Attention::stored, 4);
+  check_parity(one_rank_run(capped, bert::Attention::stored, 4), reference);
   capped.sequence_parallel = true;
   const std::vector<std::string> none;
   CHECK(mesh_failures<GradientAccumulation>({.dp = 2, .tp = 2, .pp = 1}, reference, Zero<1>{}, {},
@@ -324,7 +316,7 @@ TEST_CASE("BERT with max_predictions_per_seq trains as one rank without the cap 
 }
 
 TEST_CASE("BERT with recomputed attention trains as with stored attention, and so do its layouts") {
-  const ParityRun stored = one_rank_run(), recompute = one_rank_run(bert::Attention::recompute);
+  const ParityRun stored = one_rank_run(), recompute = one_rank_run(test_config(), bert::Attention::recompute);
   check_parity(recompute, stored);
   const std::vector<std::string> none;
   CHECK(mesh_failures<OneFOneB, DataParallel>({.dp = 1, .tp = 2, .pp = 2}, recompute, {}, {},

@@ -245,7 +245,8 @@ class Model {
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
-      unembedding_weight_grads(be, params, grads, carve_head(a.saved, s), a.targets, s);
+      const PredictedRows predicted = predicted_rows(be, a.saved, a.targets, s);
+      if (predicted.count > 0) unembedding_weight_grads(be, params, grads, predicted.saved);
       return;
     }
     block_backward_weight(be, blocks_[layer - 1], params, grads, a, s, stash);
@@ -706,21 +707,24 @@ class Model {
     }
     return h;
   }
-  //! The rows the head predicts: M and their targets [M]. Every row, its targets as they are, with
-  //! Config::logits_at_every_position; otherwise those whose target is >= 0, selected into
-  //! `h.row_ids` and `h.row_targets` (on a GPU the count comes to the host: one wait for the stream).
+  //! The rows the head predicts, M of them: every row, its targets as they are, with
+  //! Config::logits_at_every_position; otherwise those whose target is >= 0, selected into the
+  //! saved `row_ids` and `row_targets` (on a GPU the count comes to the host: one wait for the
+  //! stream). `saved` is the head's saved tensors cut to those M rows.
   struct PredictedRows {
     std::int64_t count = 0;
-    Tensor<const std::int32_t> targets;
+    HeadSaved saved;
+    Tensor<const std::int32_t> targets;  //!< [M]
   };
-  PredictedRows predicted_rows(B& be, const HeadSaved& h, Tensor<const std::int32_t> targets, MicroBatchShape s) const {
+  PredictedRows predicted_rows(B& be, Tensor<T> saved, Tensor<const std::int32_t> targets, MicroBatchShape s) const {
+    const HeadSaved whole = carve_head(saved, s);
     const std::int64_t N = s.batch * s.seq;
-    if (config_.logits_at_every_position) return {N, targets.reshape({N})};
-    const std::int64_t M = select_target_rows(be, h.row_ids, h.row_targets, targets.reshape({N}));
-    LOOM_CHECK(M <= h.row_ids.numel(), "bert head: targets in the micro-batch", M,
-               "must be <= batch x max_predictions_per_seq (" + detail::to_text(h.row_ids.numel()) +
+    if (config_.logits_at_every_position) return {N, whole.first(N), targets.reshape({N})};
+    const std::int64_t M = select_target_rows(be, whole.row_ids, whole.row_targets, targets.reshape({N}));
+    LOOM_CHECK(M <= whole.row_ids.numel(), "bert head: targets in the micro-batch", M,
+               "must be <= batch x max_predictions_per_seq (" + detail::to_text(whole.row_ids.numel()) +
                    "), the rows the head keeps room for");
-    return {M, Tensor<const std::int32_t>(h.row_targets.data(), {M})};
+    return {M, whole.first(M), Tensor<const std::int32_t>(whole.row_targets.data(), {M})};
   }
   //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
   bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
@@ -770,14 +774,13 @@ class Model {
 
   double head_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
     const std::int64_t C = config_.channels;
-    const HeadSaved whole = carve_head(a.saved, s);
     // The transform is replicated: every rank computes it (on the gathered rows under sequence
     // parallelism), and every rank of the group selects the same rows (its targets are the same).
     Buffer<T, B> own_input;
     const Tensor<const T> input = head_input(be, a.workspace, own_input, a.input, s);
-    const PredictedRows predicted = predicted_rows(be, whole, a.targets, s);
+    const PredictedRows predicted = predicted_rows(be, a.saved, a.targets, s);
     if (predicted.count == 0) return 0.0;
-    const HeadSaved h = whole.first(predicted.count);
+    const HeadSaved& h = predicted.saved;
     // The predicted rows of the input wait in t, which the layernorm overwrites after the dense
     // GEMM has read them.
     Tensor<const T> x = input;
@@ -804,13 +807,9 @@ class Model {
   }
 
   //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of
-  //! the probabilities (of the predicted rows of `whole`).
-  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& whole,
-                                Tensor<const std::int32_t> targets, MicroBatchShape s) const {
+  //! the probabilities (`h`: the saved tensors of the predicted rows).
+  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& h) const {
     const std::int64_t C = config_.channels;
-    const PredictedRows predicted = predicted_rows(be, whole, targets, s);
-    if (predicted.count == 0) return;
-    const HeadSaved h = whole.first(predicted.count);
     matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.probs,
                        h.t, param(p, wte_, {vocab_rows_, C}));
   }
@@ -821,14 +820,13 @@ class Model {
                      MicroBatchShape s, bool unembedding_grads) const {
     using detail::transformer::rows;
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
-    const HeadSaved whole = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head backward", "workspace");
     Carver c{a.workspace.data()};
     const HeadWorkspace w = head_workspace(c, s);
-    const PredictedRows predicted = predicted_rows(be, whole, a.targets, s);
+    const PredictedRows predicted = predicted_rows(be, a.saved, a.targets, s);
     const std::int64_t M = predicted.count;
     if (M == 0) return;
-    const HeadSaved h = whole.first(M);
+    const HeadSaved& h = predicted.saved;
     const Tensor<T> dt = rows(w.dt, 0, M), dact = rows(w.dact, 0, M);
     zero<T>(be, dt);
     zero<T>(be, dact);
@@ -842,9 +840,7 @@ class Model {
       // dlogits overwrite the probabilities they are computed from (this rank's slice).
       vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, predicted.targets, vocab_begin_,
                                                config_.vocab_size, a.loss_scale);
-      if (unembedding_grads)
-        matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}),
-                           h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
+      if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
       matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
     }
     // f backward of the column-parallel logits: sum the slices' shares of dt.
