@@ -4,6 +4,7 @@
 // not the right one fails with a message before anything is loaded from it.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -50,16 +51,11 @@ auto run_steps(Trainer& trainer, std::int64_t first, std::int64_t last) {
   return leg;
 }
 
-//! Trains steps [first, last) on thread ranks of `shape` with schedule `Sc` and strategy `St`,
-//! after loading `load` (if any) and before saving `save` (if any); rank 0's leg. Every rank must
-//! gather the same state.
-template <class Sc, class St, class T = float>
-Leg<accumulate_t<T>> train_leg(MeshShape shape, std::int64_t first, std::int64_t last, const std::string& load,
-                               const std::string& save, St strategy = {}, Sc schedule = {}, std::uint64_t seed = 5) {
+//! Calls f(trainer, world rank) on every thread rank of `shape`, each with a trainer of strategy
+//! `St` and schedule `Sc` on this file's model.
+template <class Sc, class St, class T = float, class F>
+void on_mesh(MeshShape shape, St strategy, Sc schedule, std::uint64_t seed, F&& f) {
   using Gpt = gpt2::Model<cpu, T>;
-  Leg<accumulate_t<T>> out;
-  std::mutex mutex;
-  std::vector<std::string> mismatched;
   threads::run(shape.size(), [&](threads::Communicator& world) {
     Mesh<threads::Communicator> mesh(world, shape);
     cpu be(1);
@@ -67,6 +63,20 @@ Leg<accumulate_t<T>> train_leg(MeshShape shape, std::int64_t first, std::int64_t
                                         AdamW({.weight_decay = 0.1}), state_lr(),
                                         {.micro_batch_size = 1, .clip_grad_norm = 0.05, .seed = seed}, strategy,
                                         schedule);
+    f(trainer, world.rank());
+  });
+}
+
+//! Trains steps [first, last) on thread ranks of `shape` with schedule `Sc` and strategy `St`,
+//! after loading `load` (if any) and before saving `save` (if any); rank 0's leg. Every rank must
+//! gather the same state.
+template <class Sc, class St, class T = float>
+Leg<accumulate_t<T>> train_leg(MeshShape shape, std::int64_t first, std::int64_t last, const std::string& load,
+                               const std::string& save, St strategy = {}, Sc schedule = {}, std::uint64_t seed = 5) {
+  Leg<accumulate_t<T>> out;
+  std::mutex mutex;
+  std::vector<std::string> mismatched;
+  on_mesh<Sc, St, T>(shape, strategy, schedule, seed, [&](auto& trainer, int rank) {
     if (!load.empty()) {
       const io::TrainingStateInfo info = io::load_training_state(trainer, load);
       CHECK(info.steps == first);
@@ -75,10 +85,10 @@ Leg<accumulate_t<T>> train_leg(MeshShape shape, std::int64_t first, std::int64_t
     auto leg = run_steps(trainer, first, last);
     if (!save.empty()) io::save_training_state(trainer, save, "{\"test\": true}");
     std::lock_guard lock(mutex);
-    if (world.rank() == 0)
+    if (rank == 0)
       out = leg;
-    else if (world.rank() > 0 && out.state.size() == leg.state.size() && out.state != leg.state)
-      mismatched.push_back(std::to_string(world.rank()));
+    else if (out.state.size() == leg.state.size() && out.state != leg.state)
+      mismatched.push_back(std::to_string(rank));
   });
   CHECK(mismatched == std::vector<std::string>{});
   return out;
@@ -160,6 +170,85 @@ TEST_CASE("whole_layout and scatter_to_whole: the tensor-parallel slices assembl
     });
     CHECK(assembled == expected);
   }
+}
+
+//! Checks what checkpoints rely on to write and read in parallel: the ranks' owned_state_runs
+//! cover the whole layout once, each within its copy_owned_state; each rank's needed_state_runs
+//! fill its needed values once, and loading them back changes nothing.
+template <class Sc, class St>
+void check_state_runs(MeshShape shape, St strategy = {}, Sc schedule = {}) {
+  const std::int64_t total = gpt2::Model<cpu, float>(state_config()).layout().total();
+  std::vector<int> owners(static_cast<std::size_t>(total), 0);
+  std::vector<std::int64_t> owned_counts;
+  std::mutex mutex;
+  on_mesh<Sc, St>(shape, strategy, schedule, 5, [&](auto& trainer, int rank) {
+    CAPTURE(rank);
+    trainer.step(make_batch(0, global_batch, seq, state_config().vocab_size));
+    const std::vector<WholeRun> owned = trainer.owned_state_runs();
+    const auto owned_values = static_cast<std::int64_t>(trainer.copy_owned_state(0).size());
+    std::int64_t claimed = 0;
+    for (const WholeRun& r : owned) {
+      CHECK(r.local + r.count <= owned_values);
+      CHECK(r.whole + r.count <= total);
+      claimed += r.count;
+    }
+    {
+      std::lock_guard lock(mutex);
+      owned_counts.push_back(claimed);
+      for (const WholeRun& r : owned)
+        for (std::int64_t i = 0; i < r.count; ++i) ++owners[static_cast<std::size_t>(r.whole + i)];
+    }
+    for (int a = 0; a < 3; ++a) {
+      CAPTURE(a);
+      const std::vector<float> before = trainer.gather_state(a);
+      const std::vector<WholeRun> needed = trainer.needed_state_runs(a);
+      std::int64_t elements = 0;
+      for (const WholeRun& r : needed) elements = std::max(elements, r.local + r.count);
+      std::vector<int> filled(static_cast<std::size_t>(elements), 0);
+      std::vector<float> mine(static_cast<std::size_t>(elements));
+      for (const WholeRun& r : needed)
+        for (std::int64_t i = 0; i < r.count; ++i) {
+          ++filled[static_cast<std::size_t>(r.local + i)];
+          mine[static_cast<std::size_t>(r.local + i)] = before[static_cast<std::size_t>(r.whole + i)];
+        }
+      CHECK(std::count(filled.begin(), filled.end(), 1) == elements);
+      trainer.load_needed_state(a, mine);
+      CHECK(trainer.gather_state(a) == before);
+    }
+  });
+  CHECK(std::count(owners.begin(), owners.end(), 1) == total);
+  // Each rank writes only its own part: under sharding a fraction of the model, not all of it.
+  if (shape.size() > 1) {
+    for (std::int64_t n : owned_counts) CHECK(n < total);
+  }
+}
+
+TEST_CASE("every element of the training state has one owner, and each rank reads what it holds") {
+  const MeshShape dp2_tp2{.dp = 2, .tp = 2, .pp = 1}, tp2_pp2{.dp = 1, .tp = 2, .pp = 2},
+      dp2_pp2{.dp = 2, .tp = 1, .pp = 2};
+  SUBCASE("one rank") { check_state_runs<GradientAccumulation, SingleRank>(one_rank); }
+  SUBCASE("Zero<1> on DP2 x TP2") { check_state_runs<GradientAccumulation, Zero<1>>(dp2_tp2); }
+  SUBCASE("Zero<3> on DP2 x TP2") { check_state_runs<GradientAccumulation, Zero<3>>(dp2_tp2); }
+  SUBCASE("1F1B and DDP on TP2 x PP2: the tied embedding's copy on the last stage is not its") {
+    check_state_runs<OneFOneB, DataParallel>(tp2_pp2);
+  }
+  SUBCASE("interleaved 1F1B with Zero<1> on DP2 x PP2") {
+    check_state_runs<Interleaved1F1B, Zero<1>>(dp2_pp2, {.bucket_bytes = 4096}, {.virtual_stages = 2});
+  }
+}
+
+TEST_CASE("Zero<3> ranks write and read only their shard") {
+  const std::int64_t total = gpt2::Model<cpu, float>(state_config()).layout().total();
+  on_mesh<GradientAccumulation, Zero<3>>({.dp = 4, .tp = 1, .pp = 1}, {}, {}, 5, [&](auto& trainer, int) {
+    const std::int64_t shard = trainer.engine().plan().owned_elements();
+    CHECK(static_cast<std::int64_t>(trainer.copy_owned_state(0).size()) == shard);
+    for (int a = 0; a < 3; ++a) {
+      std::int64_t needed = 0;
+      for (const WholeRun& r : trainer.needed_state_runs(a)) needed += r.count;
+      CHECK(needed == shard);
+    }
+    CHECK(shard <= total / 4 + 64);
+  });
 }
 
 TEST_CASE("a run saved after step 3 and resumed on one rank is bit-identical to one that never stopped") {

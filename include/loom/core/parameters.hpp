@@ -273,6 +273,48 @@ inline ParameterLayout whole_layout(const ParameterLayout& layout) {
   return ParameterLayout(std::move(specs));
 }
 
+//! Elements [local, local + count) of a rank's buffer that are elements [whole, whole + count)
+//! of the whole layout.
+struct WholeRun {
+  std::int64_t local = 0, whole = 0, count = 0;
+  friend bool operator==(const WholeRun&, const WholeRun&) = default;
+};
+
+//! Appends to `runs` where elements [begin, begin + count) of `layout` (a tensor-parallel rank's
+//! slices), stored from position `local` of a buffer, lie in `whole` (whole_layout(layout)):
+//! each element at its parameter's global_index. Parameters every rank holds whole
+//! (Partition::replicated) are left out unless `with_replicated`, so that the ranks of a group
+//! can claim disjoint elements. Elements adjacent on both sides share a run: an unsliced layout
+//! is one run.
+inline void append_whole_runs(const ParameterLayout& layout, const ParameterLayout& whole, std::int64_t begin,
+                              std::int64_t count, std::int64_t local, bool with_replicated,
+                              std::vector<WholeRun>& runs) {
+  const auto add = [&runs](std::int64_t at, std::int64_t to, std::int64_t n) {
+    if (!runs.empty() && runs.back().local + runs.back().count == at && runs.back().whole + runs.back().count == to)
+      runs.back().count += n;
+    else
+      runs.push_back({at, to, n});
+  };
+  const auto entries = layout.entries();
+  const std::int64_t end = begin + count;
+  auto it = std::upper_bound(entries.begin(), entries.end(), begin, [](std::int64_t x, const ParameterLayout::Entry& e) {
+    return x < e.offset + e.numel();
+  });
+  for (; it != entries.end() && it->offset < end; ++it) {
+    const ParameterSpec& spec = it->spec;
+    if (spec.replicated_over_tensor_parallel() && !with_replicated) continue;
+    const std::int64_t first = std::max(begin, it->offset) - it->offset;
+    const std::int64_t last = std::min(end, it->offset + it->numel()) - it->offset;
+    const std::int64_t to = whole.entries()[static_cast<std::size_t>(it - entries.begin())].offset;
+    const std::int64_t at = local + (it->offset + first - begin);
+    if (spec.replicated_over_tensor_parallel() || spec.shard.ranks == 1) {
+      add(at, to + first, last - first);
+      continue;
+    }
+    for (std::int64_t i = first; i < last; ++i) add(at + (i - first), to + spec.global_index(i), 1);
+  }
+}
+
 //! Writes each element of `local` (laid out by `layout`, a tensor-parallel rank's slices) to its
 //! place in `out` (laid out by `whole`, which is whole_layout(layout)); parameters every rank
 //! holds whole (Partition::replicated) only when `with_replicated`, so that the ranks of a group
@@ -280,25 +322,18 @@ inline ParameterLayout whole_layout(const ParameterLayout& layout) {
 template <class T>
 void scatter_to_whole(const ParameterLayout& layout, const T* local, const ParameterLayout& whole, T* out,
                       bool with_replicated) {
-  for (std::size_t p = 0; p < layout.entries().size(); ++p) {
-    const ParameterLayout::Entry& e = layout.entries()[p];
-    if (e.spec.replicated_over_tensor_parallel() && !with_replicated) continue;
-    T* to = out + whole.entries()[p].offset;
-    const T* from = local + e.offset;
-    for (std::int64_t i = 0; i < e.numel(); ++i) to[e.spec.global_index(i)] = from[i];
-  }
+  std::vector<WholeRun> runs;
+  append_whole_runs(layout, whole, 0, layout.total(), 0, with_replicated, runs);
+  for (const WholeRun& r : runs) std::copy_n(local + r.local, r.count, out + r.whole);
 }
 
 //! The inverse of scatter_to_whole: fills `local` (laid out by `layout`) with its elements of
 //! `values` (laid out by `whole`, which is whole_layout(layout)).
 template <class T>
 void gather_from_whole(const ParameterLayout& layout, const T* values, const ParameterLayout& whole, T* local) {
-  for (std::size_t p = 0; p < layout.entries().size(); ++p) {
-    const ParameterLayout::Entry& e = layout.entries()[p];
-    const T* from = values + whole.entries()[p].offset;
-    T* to = local + e.offset;
-    for (std::int64_t i = 0; i < e.numel(); ++i) to[i] = from[e.spec.global_index(i)];
-  }
+  std::vector<WholeRun> runs;
+  append_whole_runs(layout, whole, 0, layout.total(), 0, true, runs);
+  for (const WholeRun& r : runs) std::copy_n(values + r.whole, r.count, local + r.local);
 }
 
 }  // namespace loom

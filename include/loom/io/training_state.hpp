@@ -14,17 +14,25 @@
 //!
 //! where a string is a u64 byte count and the bytes. The checksums are 64-bit FNV-1a over
 //! 8-byte words, so that a flipped or truncated byte is found before anything is loaded from it.
+//!
+//! Every rank writes the elements it owns into their places in the file, and reads the elements
+//! it holds (Trainer::owned_state_runs, needed_state_runs): no rank gathers the whole model.
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "loom/core/error.hpp"
@@ -239,6 +247,139 @@ inline TrainingStateInfo read_training_state_header(BinaryFile& file, std::vecto
   return info;
 }
 
+//! A file read and written at byte offsets (POSIX pread and pwrite), so that every rank of a mesh
+//! can write and read its own pieces of one checkpoint at the same time; every failure is a
+//! loom::Error naming the file, what was being done and the reason.
+class PositionalFile {
+ public:
+  enum class Mode { read, write, create };
+  //! Opens `path` to read, to write (it must exist), or creates it (truncating what was there).
+  PositionalFile(std::filesystem::path path, Mode mode, std::string kind) : path_(std::move(path)), kind_(std::move(kind)) {
+    const int flags = mode == Mode::read ? O_RDONLY : mode == Mode::write ? O_RDWR : O_RDWR | O_CREAT | O_TRUNC;
+    fd_ = ::open(path_.c_str(), flags | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      throw Error(kind_ + ": cannot open " + quoted(path_) + (mode == Mode::read ? "" : " for writing"),
+                  errno_text(errno),
+                  mode == Mode::create ? "the directory must exist and be writable"
+                  : mode == Mode::write
+                      ? "the file must exist and be writable (every rank writes its part of one file, so all of them "
+                        "must see the same directory: a shared filesystem across machines)"
+                      : "the file must exist and be readable");
+  }
+  PositionalFile(const PositionalFile&) = delete;
+  PositionalFile& operator=(const PositionalFile&) = delete;
+  ~PositionalFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  std::string name() const { return kind_ + " " + quoted(path_); }
+
+  //! Reads exactly `bytes` bytes of `what` from byte `offset`.
+  void read_at(std::uint64_t offset, void* data, std::size_t bytes, std::string_view what) const {
+    auto* p = static_cast<char*>(data);
+    for (std::size_t done = 0; done < bytes;) {
+      const ::ssize_t got = ::pread(fd_, p + done, bytes - done, static_cast<::off_t>(offset + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        throw Error(name() + ": reading " + std::string(what) + " at byte " + loom::detail::to_text(offset + done),
+                    got == 0 ? std::string("end of file") : errno_text(errno),
+                    got == 0 ? "the file ended early" : "read failed");
+      done += static_cast<std::size_t>(got);
+    }
+  }
+  //! Writes `bytes` bytes of `what` at byte `offset`.
+  void write_at(std::uint64_t offset, const void* data, std::size_t bytes, std::string_view what) const {
+    const auto* p = static_cast<const char*>(data);
+    for (std::size_t done = 0; done < bytes;) {
+      const ::ssize_t put = ::pwrite(fd_, p + done, bytes - done, static_cast<::off_t>(offset + done));
+      if (put < 0 && errno == EINTR) continue;
+      if (put <= 0)
+        throw Error(name() + ": writing " + std::string(what) + " at byte " + loom::detail::to_text(offset + done),
+                    errno_text(errno), "write failed (disk full?)");
+      done += static_cast<std::size_t>(put);
+    }
+  }
+  //! Gives the file `bytes` bytes of disk space, so that a full disk shows here, before any rank
+  //! writes its part.
+  void reserve(std::uint64_t bytes) const {
+    const int code = ::posix_fallocate(fd_, 0, static_cast<::off_t>(bytes));
+    if (code != 0)
+      throw Error(name() + ": reserving " + loom::detail::to_text(bytes) + " bytes", errno_text(code),
+                  "the file's whole size must fit on the disk");
+  }
+  //! Waits until the file's contents are on the disk (every rank's writes, not only this one's).
+  void sync() const {
+    if (::fsync(fd_) != 0) throw Error(name() + ": fsync", errno_text(errno), "flushing the file failed (disk full?)");
+  }
+  //! Closes the file, reporting errors a destructor would swallow (on a network filesystem, the
+  //! last of this rank's writes).
+  void close() {
+    if (::close(std::exchange(fd_, -1)) != 0)
+      throw Error(name() + ": close", errno_text(errno), "writing the file failed (disk full?)");
+  }
+
+ private:
+  std::filesystem::path path_;
+  std::string kind_;
+  int fd_ = -1;
+};
+
+//! checksum() of bytes [offset, offset + bytes) of `file`, read a few MiB at a time.
+inline std::uint64_t checksum_of(const PositionalFile& file, std::uint64_t offset, std::uint64_t bytes,
+                                 std::string_view what) {
+  std::vector<char> buffer(std::size_t{8} << 20);  // a multiple of 8: the words do not straddle reads
+  std::uint64_t hash = 0xcbf29ce484222325ull;
+  for (std::uint64_t done = 0; done < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), bytes - done));
+    file.read_at(offset + done, buffer.data(), n, what);
+    hash = checksum(buffer.data(), n, hash);
+    done += n;
+  }
+  return hash;
+}
+
+//! "array 1 (optimizer state slot 0)": how messages name training-state array `array`.
+inline std::string array_name(int array) {
+  return "array " + loom::detail::to_text(array) +
+         (array == 0 ? " (parameters)" : " (optimizer state slot " + loom::detail::to_text(array - 1) + ")");
+}
+
+//! Throws unless `sum` is the checksum the trailer records for `array` (in `sums`).
+inline void check_array_sum(const std::string& file, int array, const std::vector<std::uint64_t>& sums,
+                            std::uint64_t sum) {
+  const std::uint64_t recorded = sums[static_cast<std::size_t>(array)];
+  LOOM_CHECK(sum == recorded, file + ": checksum of " + array_name(array), sum,
+             "the trailer records " + loom::detail::to_text(recorded) + ": the file is corrupt");
+}
+
+//! Whether `runs` are the whole of an array of `elements`, in order.
+inline bool whole_array(const std::vector<WholeRun>& runs, std::int64_t elements) {
+  return runs.size() == 1 && runs[0].local == 0 && runs[0].whole == 0 && runs[0].count == elements;
+}
+
+//! The header of `trainer`'s training state, with `meta`.
+template <class Trainer>
+HeaderBytes training_state_header(const Trainer& trainer, std::string_view meta) {
+  using O = typename Trainer::optimizer_type;
+  HeaderBytes h;
+  h.put(training_state_magic);
+  h.put(training_state_version);
+  h.put(static_cast<std::uint32_t>(sizeof(typename Trainer::state_type)));
+  h.put(static_cast<std::int64_t>(trainer.steps()));
+  h.put(static_cast<std::int32_t>(O::state_slots));
+  h.put(std::int32_t{0});
+  h.put_string(optimizer_name<O>());
+  h.put_string(meta);
+  const ParameterLayout& layout = trainer.whole_layout();
+  h.put(static_cast<std::uint64_t>(layout.entries().size()));
+  for (const ParameterLayout::Entry& e : layout.entries()) {
+    h.put_string(e.spec.name);
+    h.put(static_cast<std::uint32_t>(e.spec.shape.rank()));
+    for (int d = 0; d < e.spec.shape.rank(); ++d) h.put(static_cast<std::int64_t>(e.spec.shape[d]));
+  }
+  h.put(static_cast<std::int64_t>(layout.total()));
+  return h;
+}
+
 }  // namespace detail
 
 //! Reads the header of the training-state file at `path` (and checks its size and trailer)
@@ -249,125 +390,162 @@ inline TrainingStateInfo read_training_state_info(const std::filesystem::path& p
   return detail::read_training_state_header(file, sums);
 }
 
-//! Saves `trainer`'s training state to `path`: collective over the trainer's mesh (every rank
-//! calls it; each array is gathered from the ranks that own its pieces), written by the rank at
-//! data-parallel, tensor-parallel and pipeline position 0 through `path + ".tmp"` and a rename,
-//! so that a failure never leaves a partial file where a good one was. A failure to write
-//! throws on every rank (the writer's own error there, a pointer to it elsewhere). `meta` is
-//! free text kept in the file (e.g. the model config as JSON). Holds one array of the whole
-//! model (4 bytes per parameter in fp32) on each rank at a time.
+//! Saves `trainer`'s training state to `path`: collective over the trainer's mesh. The rank at
+//! data-parallel, tensor-parallel and pipeline position 0 creates `path + ".tmp"` at its whole
+//! size; every rank writes the elements it owns (Trainer::owned_state_runs) into it at once; the
+//! creating rank reads it back for the checksums, writes the trailer and renames it over `path`.
+//! So no rank holds more than its own part, and a failure never leaves a partial file where a
+//! good one was. The ranks must see one filesystem. A failure on any rank throws on every rank
+//! (the failing rank's own error there, a pointer to it elsewhere). `meta` is free text kept in
+//! the file (e.g. the model config as JSON).
 template <class Trainer>
 void save_training_state(Trainer& trainer, const std::filesystem::path& path, std::string_view meta = {}) {
   using V = typename Trainer::state_type;
-  using O = typename Trainer::optimizer_type;
-  const bool writer =
+  const bool creator =
       trainer.data_parallel_rank() == 0 && trainer.tensor_parallel_rank() == 0 && trainer.pipeline_rank() == 0;
   std::filesystem::path tmp = path;
   tmp += ".tmp";
-  std::optional<detail::BinaryFile> file;
-  std::exception_ptr failure;
-  auto attempt = [&](auto&& write) {
-    if (!writer || failure) return;
-    try {
-      write();
-    } catch (...) {
-      failure = std::current_exception();
+  const detail::HeaderBytes header = detail::training_state_header(trainer, meta);
+  const std::uint64_t header_bytes = header.bytes().size();
+  const std::uint64_t array_bytes = static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V);
+  const std::uint64_t file_bytes = header_bytes + Trainer::state_arrays * array_bytes +
+                                   detail::trailer_bytes(Trainer::optimizer_type::state_slots);
+  // Each phase ends with the ranks agreeing that none failed, so that none goes on alone.
+  auto phase = [&](bool mine, auto&& work) {
+    std::exception_ptr failure;
+    if (mine) {
+      try {
+        work();
+      } catch (...) {
+        failure = std::current_exception();
+      }
     }
+    if (!trainer.any_of_ranks(failure != nullptr)) return;
+    if (creator) {
+      std::error_code ignored;
+      std::filesystem::remove(tmp, ignored);
+    }
+    if (failure) std::rethrow_exception(failure);
+    throw Error("training state " + detail::quoted(path), "not saved",
+                "another rank failed to write its part; its error says why");
   };
-  std::vector<std::uint64_t> sums;
-  attempt([&] {
-    detail::HeaderBytes h;
-    h.put(detail::training_state_magic);
-    h.put(detail::training_state_version);
-    h.put(static_cast<std::uint32_t>(sizeof(V)));
-    h.put(static_cast<std::int64_t>(trainer.steps()));
-    h.put(static_cast<std::int32_t>(O::state_slots));
-    h.put(std::int32_t{0});
-    h.put_string(detail::optimizer_name<O>());
-    h.put_string(meta);
-    const ParameterLayout& layout = trainer.whole_layout();
-    h.put(static_cast<std::uint64_t>(layout.entries().size()));
-    for (const ParameterLayout::Entry& e : layout.entries()) {
-      h.put_string(e.spec.name);
-      h.put(static_cast<std::uint32_t>(e.spec.shape.rank()));
-      for (int d = 0; d < e.spec.shape.rank(); ++d) h.put(static_cast<std::int64_t>(e.spec.shape[d]));
-    }
-    h.put(static_cast<std::int64_t>(layout.total()));
-    sums.push_back(detail::checksum(h.bytes().data(), h.bytes().size()));
-    file.emplace(tmp, "wb", "training state");
-    file->write(h.bytes().data(), h.bytes().size());
+  phase(creator, [&] {
+    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::create, "training state");
+    file.reserve(file_bytes);
+    file.write_at(0, header.bytes().data(), header_bytes, "header");
+    file.close();
   });
-  for (int array = 0; array < Trainer::state_arrays; ++array) {
-    const std::vector<V> values = trainer.gather_state(array);
-    attempt([&] {
-      sums.push_back(detail::checksum(values.data(), values.size() * sizeof(V)));
-      file->write(values.data(), values.size() * sizeof(V));
-    });
-  }
-  attempt([&] {
-    file->write(sums.data(), sums.size() * sizeof(std::uint64_t));
-    file->write(detail::training_state_magic.data(), detail::training_state_magic.size());
-    file->close();
-    file.reset();
+  phase(true, [&] {
+    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
+    const std::vector<WholeRun> runs = trainer.owned_state_runs();
+    for (int array = 0; array < Trainer::state_arrays; ++array) {
+      const std::vector<V> values = trainer.copy_owned_state(array);
+      const std::uint64_t begin = header_bytes + static_cast<std::uint64_t>(array) * array_bytes;
+      for (const WholeRun& r : runs)
+        file.write_at(begin + static_cast<std::uint64_t>(r.whole) * sizeof(V), values.data() + r.local,
+                      static_cast<std::size_t>(r.count) * sizeof(V), detail::array_name(array));
+    }
+    file.close();
+  });
+  phase(creator, [&] {
+    // The checksums are of what reached the file: every rank's part, read back.
+    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
+    std::vector<std::uint64_t> sums{detail::checksum(header.bytes().data(), header_bytes)};
+    for (int array = 0; array < Trainer::state_arrays; ++array)
+      sums.push_back(detail::checksum_of(file, header_bytes + static_cast<std::uint64_t>(array) * array_bytes,
+                                         array_bytes, detail::array_name(array)));
+    const std::uint64_t trailer = header_bytes + Trainer::state_arrays * array_bytes;
+    file.write_at(trailer, sums.data(), sums.size() * sizeof(std::uint64_t), "checksums");
+    file.write_at(trailer + sums.size() * sizeof(std::uint64_t), detail::training_state_magic.data(),
+                  detail::training_state_magic.size(), "closing magic");
+    file.sync();  // before the rename: a crash must not leave a renamed file without its contents
+    file.close();
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
     if (ec)
       throw Error("training state: renaming " + detail::quoted(tmp) + " to " + detail::quoted(path), ec.message(),
                   "the directory must be writable");
   });
-  if (writer && failure) {
-    file.reset();
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-  }
-  const bool failed = trainer.any_of_ranks(failure != nullptr);
-  if (failure) std::rethrow_exception(failure);
-  if (failed)
-    throw Error("training state " + detail::quoted(path), "not saved",
-                "the writing rank (data-parallel, tensor-parallel and pipeline rank 0) failed; its error says why");
 }
 
-//! Loads the training state at `path` into `trainer` (every rank reads the file and keeps its
-//! part; collective only to agree that all succeeded): the parameters, the optimizer state and
-//! the steps done, so that the next step is the one after the saved run's last. The file must
-//! be of the same model (names and whole shapes) and optimizer; mesh, strategy and schedule may
-//! differ, and so may the precision (an fp32 state loads into a double model and back). Each
-//! array is checked against its checksum before any of it is loaded. Returns the file's info.
+//! Loads the training state at `path` into `trainer`: collective over the trainer's mesh. Every
+//! rank reads the header and then only the elements it holds (Trainer::needed_state_runs), so no
+//! rank holds more than its own part: the parameters, the optimizer state and the steps done, so
+//! that the next step is the one after the saved run's last. The file must be of the same model
+//! (names and whole shapes) and optimizer; mesh, strategy and schedule may differ, and so may the
+//! precision (an fp32 state loads into a double model and back). Every array's checksum is
+//! checked before any of it is loaded: by each rank that reads all of it, and by the rank at
+//! position 0 for those some rank reads only in part. A failure on any rank throws on every
+//! rank. Returns the file's info.
 template <class Trainer>
 TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::path& path) {
   using V = typename Trainer::state_type;
   using O = typename Trainer::optimizer_type;
+  const bool checker =
+      trainer.data_parallel_rank() == 0 && trainer.tensor_parallel_rank() == 0 && trainer.pipeline_rank() == 0;
+  auto phase = [&](auto&& work) {
+    std::exception_ptr failure;
+    try {
+      work();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (!trainer.any_of_ranks(failure != nullptr)) return;
+    if (failure) std::rethrow_exception(failure);
+    throw Error("training state " + detail::quoted(path), "not loaded",
+                "another rank failed to load it (a missing or different file there?); its error says why");
+  };
   TrainingStateInfo info;
-  std::exception_ptr failure;
-  try {
-    detail::BinaryFile file(path, "rb", "training state");
-    std::vector<std::uint64_t> sums;
-    info = detail::read_training_state_header(file, sums);
-    detail::check_parameters(file.name(), info, trainer.whole_layout());
+  std::vector<std::uint64_t> sums;
+  std::uint64_t arrays_begin = 0;
+  std::vector<std::vector<WholeRun>> runs(Trainer::state_arrays);
+  phase([&] {
+    detail::BinaryFile header(path, "rb", "training state");
+    info = detail::read_training_state_header(header, sums);
+    detail::check_parameters(header.name(), info, trainer.whole_layout());
     const std::string optimizer = detail::optimizer_name<O>();
-    LOOM_CHECK(info.optimizer == optimizer && info.state_slots == O::state_slots, file.name() + ": optimizer",
+    LOOM_CHECK(info.optimizer == optimizer && info.state_slots == O::state_slots, header.name() + ": optimizer",
                info.optimizer + " (" + loom::detail::to_text(info.state_slots) + " state slots)",
                "the trainer's is " + optimizer + " (" + loom::detail::to_text(O::state_slots) +
                    "); an optimizer's state means nothing to another");
-    const auto n = static_cast<std::size_t>(info.elements);
-    std::vector<V> values(n);
-    // The file's bytes land in `values` when its scalars are V; otherwise in `raw`, then widened
-    // or narrowed into `values`.
-    const bool same_width = info.scalar_bytes == static_cast<int>(sizeof(V));
-    std::vector<char> raw(same_width ? 0 : n * static_cast<std::size_t>(info.scalar_bytes));
-    void* const bytes = same_width ? static_cast<void*>(values.data()) : raw.data();
-    const std::size_t byte_count = n * static_cast<std::size_t>(info.scalar_bytes);
+    const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * info.scalar_bytes;
+    arrays_begin = header.size() - detail::trailer_bytes(info.state_slots) - Trainer::state_arrays * array_bytes;
+    for (int array = 0; array < Trainer::state_arrays; ++array)
+      runs[static_cast<std::size_t>(array)] = trainer.needed_state_runs(array);
+    if (!checker) return;
+    const detail::PositionalFile file(path, detail::PositionalFile::Mode::read, "training state");
     for (int array = 0; array < Trainer::state_arrays; ++array) {
-      file.read(bytes, byte_count, array == 0 ? "parameters" : "optimizer state");
-      const std::uint64_t sum = detail::checksum(bytes, byte_count);
-      LOOM_CHECK(sum == sums[static_cast<std::size_t>(array)],
-                 file.name() + ": checksum of array " + loom::detail::to_text(array) +
-                     (array == 0 ? " (parameters)" : " (optimizer state slot " + loom::detail::to_text(array - 1) + ")"),
-                 sum, "the trailer records " + loom::detail::to_text(sums[static_cast<std::size_t>(array)]) +
-                          ": the file is corrupt");
+      if (detail::whole_array(runs[static_cast<std::size_t>(array)], info.elements)) continue;  // checked as read
+      detail::check_array_sum(file.name(), array, sums,
+                              detail::checksum_of(file, arrays_begin + static_cast<std::uint64_t>(array) * array_bytes,
+                                                  array_bytes, detail::array_name(array)));
+    }
+  });
+  phase([&] {
+    const detail::PositionalFile file(path, detail::PositionalFile::Mode::read, "training state");
+    const auto width = static_cast<std::size_t>(info.scalar_bytes);
+    const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * width;
+    std::vector<char> raw;
+    std::vector<V> values;  // reused: each array's pages are touched once, not once per array
+    for (int array = 0; array < Trainer::state_arrays; ++array) {
+      const std::vector<WholeRun>& mine = runs[static_cast<std::size_t>(array)];
+      std::int64_t elements = 0;
+      for (const WholeRun& r : mine) elements = std::max(elements, r.local + r.count);
+      values.resize(static_cast<std::size_t>(elements));
+      // The file's bytes land in `values` when its scalars are V; otherwise in `raw`, then
+      // widened or narrowed.
+      const bool same_width = width == sizeof(V);
+      raw.resize(same_width ? 0 : static_cast<std::size_t>(elements) * width);
+      char* const bytes = same_width ? reinterpret_cast<char*>(values.data()) : raw.data();
+      const std::uint64_t begin = arrays_begin + static_cast<std::uint64_t>(array) * array_bytes;
+      for (const WholeRun& r : mine)
+        file.read_at(begin + static_cast<std::uint64_t>(r.whole) * width, bytes + static_cast<std::size_t>(r.local) * width,
+                     static_cast<std::size_t>(r.count) * width, detail::array_name(array));
+      if (detail::whole_array(mine, info.elements))
+        detail::check_array_sum(file.name(), array, sums, detail::checksum(bytes, array_bytes));
       if (!same_width) {
-        for (std::size_t i = 0; i < n; ++i) {
-          if (info.scalar_bytes == 4) {
+        for (std::size_t i = 0; i < values.size(); ++i) {
+          if (width == 4) {
             float x;
             std::memcpy(&x, raw.data() + 4 * i, 4);
             values[i] = static_cast<V>(x);
@@ -378,17 +556,10 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
           }
         }
       }
-      trainer.load_state(array, values);
+      trainer.load_needed_state(array, values);
     }
     trainer.set_steps(info.steps);
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  const bool failed = trainer.any_of_ranks(failure != nullptr);
-  if (failure) std::rethrow_exception(failure);
-  if (failed)
-    throw Error("training state " + detail::quoted(path), "not loaded",
-                "another rank failed to load it (a missing or different file there?); its error says why");
+  });
   return info;
 }
 

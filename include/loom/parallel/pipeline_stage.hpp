@@ -129,6 +129,15 @@ class PipelineStage {
     model_.backward_weight(be, global_layer(layer), to_model(layer, params), to_model(layer, grads), a, stash);
   }
 
+  //! Stage-layout elements [stage_offset, +numel) are model-layout [model_offset, +numel): one
+  //! parameter, a copy of a parameter another pipeline rank owns when `tied_copy`.
+  struct Segment {
+    std::int64_t stage_offset = 0, model_offset = 0, numel = 0;
+    bool tied_copy = false;
+  };
+  //! Where each of this rank's parameters is in the model's layout, in stage-layout order.
+  const std::vector<Segment>& segments() const noexcept { return segments_; }
+
   //! Writes the parameters this rank owns from `stage` (stage layout) into `full` (the model's
   //! layout); tied copies and other ranks' parameters are left as they are.
   template <class T>
@@ -147,11 +156,6 @@ class PipelineStage {
   struct Chunk {
     int first_local = 0;
     StageLayers layers;
-  };
-  //! Stage-layout elements [stage_offset, +numel) are model-layout [model_offset, +numel).
-  struct Segment {
-    std::int64_t stage_offset = 0, model_offset = 0, numel = 0;
-    bool tied_copy = false;
   };
   //! A stage-layout range a layer reads and where it is in the model's layout.
   struct Piece {

@@ -87,10 +87,17 @@ class ReplicatedEngine {
     master_.load(0, in, layout_->total());
   }
 
-  //! Writes training-state array `array` to host `out` (layout order) if this rank reports it:
-  //! array 0 is the parameters at the optimizer's precision (the fp32 master weights of bf16
-  //! parameters), array k >= 1 the optimizer's state slot k - 1. Every replica holds the same
-  //! values, so data-parallel rank 0 reports them and the others leave `out` as it is.
+  //! The layout ranges of the training state this rank reports: all of it on data-parallel
+  //! rank 0 (every replica holds the same values), none elsewhere.
+  std::vector<ElementRange> owned_state_ranges() const {
+    if (!reports_state_) return {};
+    return {ElementRange{0, layout_->total()}};
+  }
+  //! The layout ranges load_state takes: all of it (every replica holds everything).
+  std::vector<ElementRange> needed_state_ranges(int /*array*/) const { return {ElementRange{0, layout_->total()}}; }
+  //! Writes training-state array `array` to host `out` (owned_state_ranges() one after another)
+  //! if this rank reports it: array 0 is the parameters at the optimizer's precision (the fp32
+  //! master weights of bf16 parameters), array k >= 1 the optimizer's state slot k - 1.
   void copy_owned_state_to(int array, accumulate_t<T>* out) {
     check_state_array(array, state_slots_);
     if (!reports_state_) return;
@@ -104,7 +111,8 @@ class ReplicatedEngine {
       backend_->copy_to_host(out, params_.data(), bytes);
   }
   //! Replaces training-state array `array` (as in copy_owned_state_to) with host `in`, every
-  //! element of the layout; the parameters of bf16 models become the master weights rounded.
+  //! element of the layout (needed_state_ranges); the parameters of bf16 models become the master
+  //! weights rounded.
   void load_state(int array, const accumulate_t<T>* in) {
     check_state_array(array, state_slots_);
     if (array == 0) return load_parameters(in);

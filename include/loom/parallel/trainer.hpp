@@ -273,25 +273,49 @@ class Trainer {
   //! model().layout() unsharded: every parameter at its global shape, in the same order, as a
   //! 1-rank run lays it out. Checkpoints are written in it, so any mesh can read them.
   const ParameterLayout& whole_layout() const noexcept { return whole_layout_; }
-  //! Training-state array `array` (0: parameters, k: optimizer state slot k - 1) of the whole
-  //! model, in whole_layout() order, in host memory on every rank. Collective over the
-  //! data-parallel, tensor-parallel and pipeline groups: each element comes from the one rank
-  //! that owns it (its ZeRO shard, its tensor-parallel slice, its stage) and the others add
-  //! zeros, so the sums are exact.
-  std::vector<state_type> gather_state(int array) {
+  //! Where the training-state elements this rank owns go in whole_layout(): copy_owned_state()
+  //! returns them in run order, `local` counting from its first. The ranks of the mesh own
+  //! disjoint elements that together cover the whole layout once (its ZeRO shard, its
+  //! tensor-parallel slice, its stage; replicated parameters on data-parallel, tensor-parallel
+  //! rank 0; tied copies on the owning stage only). How checkpoints are written in parallel.
+  std::vector<WholeRun> owned_state_runs() const {
+    return state_runs(engine_.owned_state_ranges(), tensor_parallel_.rank() == 0, false);
+  }
+  //! Training-state array `array` (0: parameters at the optimizer's precision, k: optimizer
+  //! state slot k - 1): this rank's owned elements (owned_state_runs), in host memory. Not
+  //! collective.
+  std::vector<state_type> copy_owned_state(int array) {
     detail::check_state_array(array, O::state_slots);
+    std::vector<state_type> values(static_cast<std::size_t>(elements_of(engine_.owned_state_ranges())));
+    engine_.copy_owned_state_to(array, values.data());
+    return values;
+  }
+  //! Where the elements load_needed_state(array, ...) takes are in whole_layout(): everything
+  //! this rank holds of the array (its slice and stage, and its ZeRO shard where the array is
+  //! sharded), tied copies included. Ranks may need the same elements.
+  std::vector<WholeRun> needed_state_runs(int array) const {
+    detail::check_state_array(array, O::state_slots);
+    return state_runs(engine_.needed_state_ranges(array), true, true);
+  }
+  //! Replaces this rank's part of training-state array `array` with `values`: the elements
+  //! needed_state_runs(array) lists, in its order. Not collective.
+  void load_needed_state(int array, std::span<const state_type> values) {
+    detail::check_state_array(array, O::state_slots);
+    const std::int64_t expected = elements_of(engine_.needed_state_ranges(array));
+    LOOM_CHECK(static_cast<std::int64_t>(values.size()) == expected, "load_needed_state: elements", values.size(),
+               "must equal this rank's needed_state_runs' " + detail::to_text(expected));
+    forget_unfinished_step();
+    engine_.load_state(array, values.data());
+    backend_->synchronize();
+  }
+  //! Training-state array `array` of the whole model, in whole_layout() order, in host memory
+  //! on every rank. Collective over the data-parallel, tensor-parallel and pipeline groups: each
+  //! element comes from the one rank that owns it (owned_state_runs) and the others add zeros,
+  //! so the sums are exact.
+  std::vector<state_type> gather_state(int array) {
+    const std::vector<state_type> mine = copy_owned_state(array);
     std::vector<state_type> whole(static_cast<std::size_t>(whole_layout_.total()), state_type(0));
-    if (holds_whole_layout()) {
-      engine_.copy_owned_state_to(array, whole.data());
-    } else {
-      std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()), state_type(0));
-      engine_.copy_owned_state_to(array, stage_values.data());
-      std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()), state_type(0));
-      stage_.scatter_owned(stage_values.data(), model_values.data());
-      stage_values = {};
-      scatter_to_whole(model().layout(), model_values.data(), whole_layout_, whole.data(),
-                       tensor_parallel_.rank() == 0);
-    }
+    for (const WholeRun& r : owned_state_runs()) std::copy_n(mine.data() + r.local, r.count, whole.data() + r.whole);
     for (CommunicatorRef* g : {&group_, &tensor_parallel_, &pipeline_})
       if (g->size() > 1) g->all_reduce(std::span<state_type>(whole), ReduceOp::sum);
     return whole;
@@ -303,18 +327,10 @@ class Trainer {
     detail::check_state_array(array, O::state_slots);
     LOOM_CHECK(static_cast<std::int64_t>(values.size()) == whole_layout_.total(), "load_state: elements",
                values.size(), "must equal the whole layout's " + detail::to_text(whole_layout_.total()));
-    forget_unfinished_step();
-    if (holds_whole_layout()) {
-      engine_.load_state(array, values.data());
-    } else {
-      std::vector<state_type> model_values(static_cast<std::size_t>(model().layout().total()));
-      gather_from_whole(model().layout(), values.data(), whole_layout_, model_values.data());
-      std::vector<state_type> stage_values(static_cast<std::size_t>(stage_.layout().total()));
-      stage_.gather_from(model_values.data(), stage_values.data());
-      model_values = {};
-      engine_.load_state(array, stage_values.data());
-    }
-    backend_->synchronize();
+    const std::vector<WholeRun> runs = needed_state_runs(array);
+    std::vector<state_type> mine(static_cast<std::size_t>(elements_of(engine_.needed_state_ranges(array))));
+    for (const WholeRun& r : runs) std::copy_n(values.data() + r.whole, r.count, mine.data() + r.local);
+    load_needed_state(array, mine);
   }
   //! True on every rank when `flag` is true on any rank of the mesh (collective over the
   //! data-parallel, tensor-parallel and pipeline groups): how ranks agree that one of them failed,
@@ -434,10 +450,28 @@ class Trainer {
                                          .micro_batches = pipeline.size(), .virtual_stages = chunks});
   }
 
-  //! Whether this rank's stage layout is the whole layout: one stage, one chunk, no tensor
-  //! parallelism (then the training state needs no rearranging).
-  bool holds_whole_layout() const noexcept {
-    return tensor_parallel_.size() == 1 && pipeline_.size() == 1 && stage_.chunks() == 1;
+  static std::int64_t elements_of(const std::vector<ElementRange>& ranges) {
+    std::int64_t n = 0;
+    for (const ElementRange& r : ranges) n += r.size();
+    return n;
+  }
+  //! Where the stage-layout `ranges`, stored one after another, are in whole_layout(): tied
+  //! copies only `with_tied_copies`, parameters replicated over tensor parallelism only
+  //! `with_replicated`.
+  std::vector<WholeRun> state_runs(const std::vector<ElementRange>& ranges, bool with_replicated,
+                                   bool with_tied_copies) const {
+    std::vector<WholeRun> runs;
+    std::int64_t local = 0;
+    for (const ElementRange& r : ranges) {
+      for (const auto& s : stage_.segments()) {
+        const std::int64_t first = std::max(r.begin, s.stage_offset), last = std::min(r.end, s.stage_offset + s.numel);
+        if (first >= last || (s.tied_copy && !with_tied_copies)) continue;
+        append_whole_runs(model().layout(), whole_layout_, s.model_offset + (first - s.stage_offset), last - first,
+                          local + (first - r.begin), with_replicated, runs);
+      }
+      local += r.size();
+    }
+    return runs;
   }
 
   template <class U>

@@ -18,6 +18,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "loom/backend/concepts.hpp"
@@ -63,6 +64,7 @@ struct ShardContext {
 template <class B, class T>
 class FullParameters {
  public:
+  static constexpr bool sharded = false;
   FullParameters(ShardContext<B>& c, const ParameterLayout& layout, std::uint64_t seed)
       : c_(&c), full_(*c.backend, c.plan->padded_total(), MemoryCategory::parameters) {
     full_.zero();
@@ -111,6 +113,7 @@ class FullParameters {
 template <class B, class T>
 class ShardedParameters {
  public:
+  static constexpr bool sharded = true;
   ShardedParameters(ShardContext<B>& c, const ParameterLayout& layout, std::uint64_t seed, int prefetch)
       : c_(&c),
         shard_(*c.backend, c.plan->shard_size(), MemoryCategory::parameters),
@@ -428,17 +431,33 @@ class ZeroEngine {
     params_.after_update();
   }
 
-  //! Writes the elements of training-state array `array` this rank owns (its pieces of every
-  //! unit) to host `out` (layout order) and leaves the others: array 0 is the parameters at the
-  //! optimizer's precision (the fp32 master weights of bf16 parameters), array k >= 1 the
-  //! optimizer's state slot k - 1. The ranks of the group write disjoint elements.
+  //! The layout ranges of the training state this rank owns: its piece of every unit, in unit
+  //! order. The ranks of the group own disjoint ranges that cover the layout.
+  std::vector<ElementRange> owned_state_ranges() const {
+    std::vector<ElementRange> ranges;
+    for (const ShardUnit& u : plan_.units())
+      if (const std::int64_t n = plan_.owned_count(u); n > 0) ranges.push_back({plan_.owned_begin(u), plan_.owned_begin(u) + n});
+    return ranges;
+  }
+  //! The layout ranges load_state(array, ...) takes: the owned ones, except that the
+  //! parameters of stages 1 and 2 are held whole and so taken whole.
+  std::vector<ElementRange> needed_state_ranges(int array) const {
+    check_state_array(array, state_slots_);
+    if (array == 0 && !P::sharded) return {ElementRange{0, layout_->total()}};
+    return owned_state_ranges();
+  }
+  //! Writes the elements of training-state array `array` this rank owns to host `out`
+  //! (owned_state_ranges() one after another): array 0 is the parameters at the optimizer's
+  //! precision (the fp32 master weights of bf16 parameters), array k >= 1 the optimizer's state
+  //! slot k - 1.
   void copy_owned_state_to(int array, accumulate_t<T>* out) {
     check_state_array(array, state_slots_);
     for (const ShardUnit& u : plan_.units()) {
       const std::int64_t n = plan_.owned_count(u);
       if (n == 0) continue;
       const std::size_t bytes = sizeof(accumulate_t<T>) * static_cast<std::size_t>(n);
-      accumulate_t<T>* to = out + plan_.owned_begin(u);
+      accumulate_t<T>* to = out;
+      out += n;
       if (array > 0)
         context_.backend->copy_to_host(to, state_.data() + (array - 1) * plan_.shard_size() + u.shard_offset, bytes);
       else if constexpr (MasterWeights<B, T>::held)
@@ -447,15 +466,27 @@ class ZeroEngine {
         context_.backend->copy_to_host(to, params_.owned(u), bytes);
     }
   }
-  //! Keeps this rank's part of training-state array `array` (as in copy_owned_state_to) from
-  //! host `in`, every element of the layout.
+  //! Replaces this rank's part of training-state array `array` (as in copy_owned_state_to) with
+  //! host `in`, which holds needed_state_ranges(array) one after another.
   void load_state(int array, const accumulate_t<T>* in) {
     check_state_array(array, state_slots_);
-    if (array == 0) return load_parameters(in);
-    for (const ShardUnit& u : plan_.units())
-      context_.backend->copy_from_host(state_.data() + (array - 1) * plan_.shard_size() + u.shard_offset,
-                                       in + plan_.owned_begin(u),
-                                       sizeof(accumulate_t<T>) * static_cast<std::size_t>(plan_.owned_count(u)));
+    if (array == 0 && !P::sharded) return load_parameters(in);
+    if (array == 0) params_.invalidate();
+    for (const ShardUnit& u : plan_.units()) {
+      const std::int64_t n = plan_.owned_count(u);
+      if (n == 0) continue;
+      const std::size_t bytes = sizeof(accumulate_t<T>) * static_cast<std::size_t>(n);
+      if (array > 0) {
+        context_.backend->copy_from_host(state_.data() + (array - 1) * plan_.shard_size() + u.shard_offset, in, bytes);
+      } else {
+        if constexpr (std::is_same_v<accumulate_t<T>, T>)
+          context_.backend->copy_from_host(params_.owned(u), in, bytes);
+        else
+          context_.backend->copy_from_host(params_.owned(u), stored_as<T>(in, n).data(), sizeof(T) * static_cast<std::size_t>(n));
+        master_.load(u.shard_offset, in, n);
+      }
+      in += n;
+    }
   }
 
   //! Every parameter in layout order (collective when parameters are sharded).
