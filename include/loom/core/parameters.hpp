@@ -297,9 +297,8 @@ inline void append_whole_runs(const ParameterLayout& layout, const ParameterLayo
   };
   const auto entries = layout.entries();
   const std::int64_t end = begin + count;
-  auto it = std::upper_bound(entries.begin(), entries.end(), begin, [](std::int64_t x, const ParameterLayout::Entry& e) {
-    return x < e.offset + e.numel();
-  });
+  const auto ends_after = [](std::int64_t x, const ParameterLayout::Entry& e) { return x < e.offset + e.numel(); };
+  auto it = std::upper_bound(entries.begin(), entries.end(), begin, ends_after);
   for (; it != entries.end() && it->offset < end; ++it) {
     const ParameterSpec& spec = it->spec;
     if (spec.replicated_over_tensor_parallel() && !with_replicated) continue;

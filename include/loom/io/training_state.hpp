@@ -254,7 +254,8 @@ class PositionalFile {
  public:
   enum class Mode { read, write, create };
   //! Opens `path` to read, to write (it must exist), or creates it (truncating what was there).
-  PositionalFile(std::filesystem::path path, Mode mode, std::string kind) : path_(std::move(path)), kind_(std::move(kind)) {
+  PositionalFile(std::filesystem::path path, Mode mode, std::string kind)
+      : path_(std::move(path)), kind_(std::move(kind)) {
     const int flags = mode == Mode::read ? O_RDONLY : mode == Mode::write ? O_RDWR : O_RDWR | O_CREAT | O_TRUNC;
     fd_ = ::open(path_.c_str(), flags | O_CLOEXEC, 0644);
     if (fd_ < 0)
@@ -539,8 +540,9 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
       char* const bytes = same_width ? reinterpret_cast<char*>(values.data()) : raw.data();
       const std::uint64_t begin = arrays_begin + static_cast<std::uint64_t>(array) * array_bytes;
       for (const WholeRun& r : mine)
-        file.read_at(begin + static_cast<std::uint64_t>(r.whole) * width, bytes + static_cast<std::size_t>(r.local) * width,
-                     static_cast<std::size_t>(r.count) * width, detail::array_name(array));
+        file.read_at(begin + static_cast<std::uint64_t>(r.whole) * width,
+                     bytes + static_cast<std::size_t>(r.local) * width, static_cast<std::size_t>(r.count) * width,
+                     detail::array_name(array));
       if (detail::whole_array(mine, info.elements))
         detail::check_array_sum(file.name(), array, sums, detail::checksum(bytes, array_bytes));
       if (!same_width) {

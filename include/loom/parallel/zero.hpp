@@ -436,7 +436,8 @@ class ZeroEngine {
   std::vector<ElementRange> owned_state_ranges() const {
     std::vector<ElementRange> ranges;
     for (const ShardUnit& u : plan_.units())
-      if (const std::int64_t n = plan_.owned_count(u); n > 0) ranges.push_back({plan_.owned_begin(u), plan_.owned_begin(u) + n});
+      if (const std::int64_t n = plan_.owned_count(u); n > 0)
+        ranges.push_back({plan_.owned_begin(u), plan_.owned_begin(u) + n});
     return ranges;
   }
   //! The layout ranges load_state(array, ...) takes: the owned ones, except that the
@@ -482,7 +483,8 @@ class ZeroEngine {
         if constexpr (std::is_same_v<accumulate_t<T>, T>)
           context_.backend->copy_from_host(params_.owned(u), in, bytes);
         else
-          context_.backend->copy_from_host(params_.owned(u), stored_as<T>(in, n).data(), sizeof(T) * static_cast<std::size_t>(n));
+          context_.backend->copy_from_host(params_.owned(u), stored_as<T>(in, n).data(),
+                                           sizeof(T) * static_cast<std::size_t>(n));
         master_.load(u.shard_offset, in, n);
       }
       in += n;
