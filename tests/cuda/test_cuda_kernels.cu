@@ -654,6 +654,37 @@ TEST_CASE("residual_forward and residual_backward are the exact float sums") {
                        doctest::Contains("residual_backward: argument db element count: got 5; expected 4"), Error);
 }
 
+TEST_CASE("gelu_forward and gelu_backward give the same bits at any alignment (vectors, tail, elements)") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  // Views at offsets of 1 to 3 floats into the buffers run element by element; the same inputs
+  // in buffers of their own run as 16-byte vectors and a tail. Each element is one formula.
+  const std::int64_t n = 1003;
+  const std::vector<float> x = random_floats(n + 3, 510, -5.0f, 5.0f), g = random_floats(n + 3, 511),
+                           din0 = random_floats(n + 3, 512);
+  auto part = [n](const std::vector<float>& v, std::int64_t offset) {
+    return std::vector<float>(v.begin() + offset, v.begin() + offset + n);
+  };
+  for (const std::int64_t offset : {1, 2, 3}) {
+    CAPTURE(offset);
+    const DeviceTensor in(be, x, Shape{n + 3}), dout(be, g, Shape{n + 3}), din(be, din0, Shape{n + 3});
+    const DeviceTensor out(be, std::vector<float>(x.size(), 99.0f), Shape{n + 3});
+    auto at = [&](const DeviceTensor& t) { return Tensor<float>(t.view().data() + offset, Shape{n}); };
+    gelu_forward<float>(be, at(out), Tensor<const float>(at(in)));
+    gelu_backward<float>(be, at(din), Tensor<const float>(at(in)), Tensor<const float>(at(dout)));
+    const DeviceTensor in_own(be, part(x, offset), Shape{n}), dout_own(be, part(g, offset), Shape{n}),
+        din_own(be, part(din0, offset), Shape{n}), out_own(be, std::vector<float>(n, 0.0f), Shape{n});
+    gelu_forward<float>(be, out_own.view(), in_own.cview());
+    gelu_backward<float>(be, din_own.view(), in_own.cview(), dout_own.cview());
+    const std::vector<float> got_out = out.to_host(be), got_din = din.to_host(be);
+    CHECK(part(got_out, offset) == out_own.to_host(be));
+    CHECK(part(got_din, offset) == din_own.to_host(be));
+    // Nothing outside the view is written.
+    CHECK(got_out[offset - 1] == 99.0f);
+    CHECK(got_din[offset - 1] == din0[offset - 1]);
+  }
+}
+
 TEST_CASE("copy, add_to and zero") {
   if (!have_gpu()) return;
   loom::cuda be(0);

@@ -622,10 +622,13 @@ TEST_CASE("vocab_parallel_cross_entropy over 1, 2, 3 slices matches the double r
   if (!have_gpu()) return;
   loom::cuda be(0);
   // One slice; padding in the last slice; a slice that is all padding (10 of 21 over 3; 1 of
-  // 3 over 3); rows wider than a block (600 columns).
-  for (const CrossEntropyCase c : {CrossEntropyCase{5, 7, 8, 1}, CrossEntropyCase{5, 50, 52, 2},
-                                   CrossEntropyCase{7, 10, 21, 3}, CrossEntropyCase{4, 1, 3, 3},
-                                   CrossEntropyCase{6, 1000, 1200, 2}, CrossEntropyCase{3, 1000, 1002, 3}}) {
+  // 3 over 3); rows wider than a block (600 columns); GPT-2's vocabulary, whole and over 2
+  // slices. Slices of a multiple of 4 columns run the 16-byte kernels, the others element by
+  // element.
+  for (const CrossEntropyCase c :
+       {CrossEntropyCase{5, 7, 8, 1}, CrossEntropyCase{5, 50, 52, 2}, CrossEntropyCase{7, 10, 21, 3},
+        CrossEntropyCase{4, 1, 3, 3}, CrossEntropyCase{6, 1000, 1200, 2}, CrossEntropyCase{3, 1000, 1002, 3},
+        CrossEntropyCase{3, 50257, 50304, 1}, CrossEntropyCase{2, 50257, 50304, 2}}) {
     CAPTURE(c.N);
     CAPTURE(c.vocab);
     CAPTURE(c.padded);

@@ -384,13 +384,6 @@ __global__ void softmax_backward_vector_kernel(T* grad, const T* att, std::int64
   }
 }
 
-//! Whether rows of `tokens` elements of T at these pointers can be moved as Vector16s.
-template <class T>
-bool vector_rows(std::int64_t tokens, const void* a, const void* b = nullptr) {
-  return tokens % cuda_kernels::Vector16<T>::elements == 0 && cuda_kernels::aligned16(a) &&
-         cuda_kernels::aligned16(b);
-}
-
 // The launchers: one warp per row of [rows, tokens] (rows, tokens > 0); `kernel` names the
 // public kernel in a launch error.
 
@@ -400,7 +393,7 @@ void softmax_forward(const cuda& be, T* att, float* lse, std::int64_t rows, std:
                      AttentionMask mask, const char* kernel) {
   namespace k = cuda_kernels;
   const auto kernel_function =
-      vector_rows<T>(tokens, att) ? softmax_forward_vector_kernel<T> : softmax_forward_kernel<T>;
+      cuda_kernels::vector_rows<T>(tokens, att) ? softmax_forward_vector_kernel<T> : softmax_forward_kernel<T>;
   kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens, scale,
                                                                                     mask);
   cuda_check_launch((std::string(kernel) + " softmax_forward_kernel").c_str());
@@ -422,7 +415,7 @@ void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, 
                       AttentionMask mask, const char* kernel) {
   namespace k = cuda_kernels;
   const auto kernel_function =
-      vector_rows<T>(tokens, grad, att) ? softmax_backward_vector_kernel<T> : softmax_backward_kernel<T>;
+      cuda_kernels::vector_rows<T>(tokens, grad, att) ? softmax_backward_vector_kernel<T> : softmax_backward_kernel<T>;
   kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows, tokens, scale,
                                                                                     mask);
   cuda_check_launch((std::string(kernel) + " softmax_backward_kernel").c_str());

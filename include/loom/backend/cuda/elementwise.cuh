@@ -7,6 +7,7 @@
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/detail/map.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/dropout.hpp"
@@ -14,31 +15,11 @@
 
 namespace loom::detail::cuda_elementwise {
 
-template <class T>
-__device__ inline T add(T a, T b) {
-  return static_cast<T>(to_accumulate(a) + to_accumulate(b));
-}
-
-template <class T>
-__global__ void add_to_kernel(T* dst, const T* src, std::int64_t n) {
-  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) dst[i] = add(dst[i], src[i]);
-}
-
-//! add_to_kernel over `vectors` 16-byte vectors: one load of each operand and one store per
-//! 4 floats or 8 bf16, the same per-element sums.
-template <class T>
-__global__ void add_to_vector_kernel(T* dst, const T* src, std::int64_t vectors) {
-  using V = cuda_kernels::Vector16<T>;
-  V* d = reinterpret_cast<V*>(dst);
-  const V* s = reinterpret_cast<const V*>(src);
-  for (std::int64_t i = cuda_kernels::grid_first(); i < vectors; i += cuda_kernels::grid_stride()) {
-    V a = d[i];
-    const V b = s[i];
-#pragma unroll
-    for (int e = 0; e < V::elements; ++e) a.value[e] = add(a.value[e], b.value[e]);
-    d[i] = a;
-  }
-}
+//! dst += src as a map op (bf16 adds in float and rounds once).
+struct Add {
+  static constexpr bool reads_out = true;
+  __device__ float operator()(float out, float a, float) const { return out + a; }
+};
 
 //! One thread per Philox block of four global elements: x[i] through `mask` for the elements
 //! [first, first + n) of the site's global tensor that the block covers (x[0] is element first).
@@ -86,24 +67,7 @@ void add_to(const cuda& be, Tensor<T> dst, Tensor<const T> src) {
   const std::int64_t n = dst.numel();
   if (n == 0) return;
   k::activate(be);
-  namespace e = detail::cuda_elementwise;
-  // Both 16-byte aligned (any buffer start, and the model's [B, T, C] activations): vectors,
-  // then the few elements past the last whole vector one by one.
-  std::int64_t done = 0;
-  if (k::aligned16(dst.data()) && k::aligned16(src.data())) {
-    const std::int64_t vectors = n / k::Vector16<T>::elements;
-    if (vectors > 0) {
-      e::add_to_vector_kernel<<<k::elementwise_blocks(vectors), k::elementwise_threads, 0, be.stream()>>>(
-          dst.data(), src.data(), vectors);
-      detail::cuda_check_launch("add_to");
-    }
-    done = vectors * k::Vector16<T>::elements;
-  }
-  if (done < n) {
-    e::add_to_kernel<<<k::elementwise_blocks(n - done), k::elementwise_threads, 0, be.stream()>>>(
-        dst.data() + done, src.data() + done, n - done);
-    detail::cuda_check_launch("add_to");
-  }
+  k::map(be, dst.data(), src.data(), static_cast<const T*>(nullptr), n, detail::cuda_elementwise::Add{}, "add_to");
 }
 
 //! x[i] = mask keeps element first_element + i ? x[i] · scale : 0 (the CPU kernel's contract and

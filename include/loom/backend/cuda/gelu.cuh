@@ -1,13 +1,15 @@
 #pragma once
-//! \file GELU (the tanh approximation GPT-2 uses) on the CUDA backend, element-wise. The
-//! per-element formulas are host/device functions, so the host tests check them directly. bf16
-//! elements are loaded as float and each result rounded once.
+//! \file GELU (the tanh approximation GPT-2 uses) on the CUDA backend, element-wise, 16 bytes
+//! per load where the buffers are aligned (detail/map.cuh). The per-element formulas are
+//! host/device functions, so the host tests check them directly. bf16 elements are loaded as
+//! float and each result rounded once.
 
 #include <cmath>
 #include <cstdint>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
+#include "loom/backend/cuda/detail/map.cuh"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/hd.hpp"
@@ -30,32 +32,31 @@ LOOM_HD inline float gelu_derivative(float x) {
   return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * scaling * (1.0f + 3.0f * cubic * x * x);
 }
 
-template <class T>
-__global__ void forward_kernel(T* out, const T* in, std::int64_t n) {
-  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
-    out[i] = static_cast<T>(gelu(to_accumulate(in[i])));
-}
+// The three element-wise forms, as ops of cuda_kernels::map (16 bytes per load where aligned).
 
-template <class T>
-__global__ void backward_kernel(T* din, const T* in, const T* dout, std::int64_t n) {
-  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
-    din[i] = static_cast<T>(to_accumulate(din[i]) + to_accumulate(dout[i]) * gelu_derivative(to_accumulate(in[i])));
-}
+//! out = GELU(a).
+struct Forward {
+  static constexpr bool reads_out = false;
+  __device__ float operator()(float, float a, float) const { return gelu(a); }
+};
 
-//! d = d * GELU'(pre), in place: the unfused half of gelu_matmul_backward.
-template <class T>
-__global__ void scale_by_derivative_kernel(T* d, const T* pre, std::int64_t n) {
-  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
-    d[i] = static_cast<T>(to_accumulate(d[i]) * gelu_derivative(to_accumulate(pre[i])));
-}
+//! out += b * GELU'(a): the input gradient, accumulated (a = the input, b = dout).
+struct Backward {
+  static constexpr bool reads_out = true;
+  __device__ float operator()(float out, float a, float b) const { return out + b * gelu_derivative(a); }
+};
 
-//! Launches scale_by_derivative_kernel over n elements.
+//! out *= GELU'(a), in place: the unfused half of gelu_matmul_backward (a = the pre-activation).
+struct ScaleByDerivative {
+  static constexpr bool reads_out = true;
+  __device__ float operator()(float out, float a, float) const { return out * gelu_derivative(a); }
+};
+
+//! d = d * GELU'(pre) over n elements, in place.
 template <class T>
 void scale_by_derivative(const cuda& be, T* d, const T* pre, std::int64_t n) {
-  namespace k = cuda_kernels;
-  if (n == 0) return;
-  scale_by_derivative_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(d, pre, n);
-  cuda_check_launch("gelu_matmul_backward scale_by_derivative_kernel");
+  cuda_kernels::map(be, d, pre, static_cast<const T*>(nullptr), n, ScaleByDerivative{},
+                    "gelu_matmul_backward scale_by_derivative");
 }
 
 }  // namespace loom::detail::cuda_gelu
@@ -72,9 +73,7 @@ void gelu_forward(const cuda& be, Tensor<T> out, Tensor<const T> in) {
   const std::int64_t n = in.numel();
   if (n == 0) return;
   k::activate(be);
-  detail::cuda_gelu::forward_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      out.data(), in.data(), n);
-  detail::cuda_check_launch("gelu_forward");
+  k::map(be, out.data(), in.data(), static_cast<const T*>(nullptr), n, detail::cuda_gelu::Forward{}, "gelu_forward");
 }
 
 //! din += dout * GELU'(in) element-wise (equal element counts).
@@ -88,9 +87,7 @@ void gelu_backward(const cuda& be, Tensor<T> din, Tensor<const T> in, Tensor<con
   const std::int64_t n = in.numel();
   if (n == 0) return;
   k::activate(be);
-  detail::cuda_gelu::backward_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      din.data(), in.data(), dout.data(), n);
-  detail::cuda_check_launch("gelu_backward");
+  k::map(be, din.data(), in.data(), dout.data(), n, detail::cuda_gelu::Backward{}, "gelu_backward");
 }
 
 }  // namespace loom::inline kernels

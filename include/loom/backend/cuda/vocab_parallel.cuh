@@ -131,19 +131,32 @@ __global__ void position_grad_kernel(T* dwpe, const T* dout, std::int64_t batch,
   }
 }
 
+// The cross-entropy row kernels move W elements per load (cuda_kernels::Pack): W = 1, or 16
+// bytes where the rows are aligned (the launchers choose). With 50304 columns a row is 100 KB of
+// bf16, and these four passes over [N, V] are most of the head's memory traffic; element loads
+// keep few bytes in flight (the layernorm and softmax kernels reached 6% of the bandwidth that
+// way, docs/cuda.md). Thread t takes packs t, t + blockDim, ..., so with W = 1 each thread sums
+// the elements it always did.
+
 //! One block per row: row_max[n] = the largest of the row's `real` first logits (as double), or
 //! the lowest double where there are none.
-template <class T>
+template <class T, int W>
 __global__ void max_kernel(double* row_max, const T* logits, std::int64_t rows, std::int64_t columns,
                            std::int64_t real) {
   using A = accumulate_t<T>;
+  using P = cuda_kernels::Pack<T, W>;
   using Reduce = cub::BlockReduce<A, row_threads>;
   __shared__ typename Reduce::TempStorage scratch;
+  const std::int64_t used = (real + W - 1) / W;  // packs holding real columns
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const T* x = logits + n * columns;
+    const P* x = reinterpret_cast<const P*>(logits + n * columns);
     A largest = -::cuda::std::numeric_limits<A>::infinity();
-    for (std::int64_t j = threadIdx.x; j < real; j += blockDim.x)
-      largest = ::cuda::maximum<>{}(largest, to_accumulate(x[j]));
+    for (std::int64_t v = threadIdx.x; v < used; v += blockDim.x) {
+      const P p = x[v];
+#pragma unroll
+      for (int k = 0; k < W; ++k)
+        if (v * W + k < real) largest = ::cuda::maximum<>{}(largest, to_accumulate(p.value[k]));
+    }
     largest = Reduce(scratch).Reduce(largest, ::cuda::maximum<>{});  // valid in thread 0
     if (threadIdx.x == 0)
       row_max[n] = real > 0 ? static_cast<double>(largest) : ::cuda::std::numeric_limits<double>::lowest();
@@ -153,17 +166,19 @@ __global__ void max_kernel(double* row_max, const T* logits, std::int64_t rows, 
 
 //! One block per row: exps = exp(logits - max) on the real columns, 0 on padding; partials[n] =
 //! their sum in double; partials[rows + n] = the target's logit - max in double where this slice
-//! holds the target, else 0. `exps` may be `logits`: each element is read, then written, by
-//! the same thread, and the target's logit is read by that thread before it writes its exp.
-template <class T>
+//! holds the target, else 0. `exps` may be `logits`: each pack is read, then written, by the
+//! same thread, and the target's logit is read by that thread before it writes its exp.
+template <class T, int W>
 __global__ void partials_kernel(T* exps, double* partials, const T* logits, const double* row_max,
                                 const std::int32_t* targets, std::int64_t rows, std::int64_t columns,
                                 std::int64_t real, std::int64_t vocab_begin) {
+  using P = cuda_kernels::Pack<T, W>;
   using Reduce = cub::BlockReduce<double, row_threads>;
   __shared__ typename Reduce::TempStorage scratch;
+  const std::int64_t used = (real + W - 1) / W, packs = columns / W;
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const T* x = logits + n * columns;
-    T* e = exps + n * columns;
+    const P* x = reinterpret_cast<const P*>(logits + n * columns);
+    P* e = reinterpret_cast<P*>(exps + n * columns);
     const double m = row_max[n];
     const float shift = static_cast<float>(m);  // exact: the global max is one of the logits
     const std::int32_t target = targets[n];
@@ -171,14 +186,23 @@ __global__ void partials_kernel(T* exps, double* partials, const T* logits, cons
     const bool owns_target = target >= 0 && local_target >= 0 && local_target < real;
     if (!owns_target && threadIdx.x == 0) partials[rows + n] = 0.0;
     double sum = 0;
-    for (std::int64_t j = threadIdx.x; j < real; j += blockDim.x) {
-      const float value = to_accumulate(x[j]);
-      if (owns_target && j == local_target) partials[rows + n] = static_cast<double>(value) - m;
-      const float exp_value = ::expf(value - shift);
-      e[j] = static_cast<T>(exp_value);
-      sum += static_cast<double>(exp_value);  // the float exp, before a bf16 rounding
+    for (std::int64_t v = threadIdx.x; v < packs; v += blockDim.x) {
+      P out = cuda_kernels::zero_pack<T, W>();  // padding stays 0
+      if (v < used) {
+        const P in = x[v];
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+          const std::int64_t j = v * W + k;
+          if (j >= real) continue;
+          const float value = to_accumulate(in.value[k]);
+          if (owns_target && j == local_target) partials[rows + n] = static_cast<double>(value) - m;
+          const float exp_value = ::expf(value - shift);
+          out.value[k] = static_cast<T>(exp_value);
+          sum += static_cast<double>(exp_value);  // the float exp, before a bf16 rounding
+        }
+      }
+      e[v] = out;
     }
-    for (std::int64_t j = real + threadIdx.x; j < columns; j += blockDim.x) e[j] = static_cast<T>(0.0f);
     sum = Reduce(scratch).Sum(sum);  // valid in thread 0
     if (threadIdx.x == 0) partials[n] = sum;
     __syncthreads();  // before the next row reuses `scratch`
@@ -187,40 +211,63 @@ __global__ void partials_kernel(T* exps, double* partials, const T* logits, cons
 
 //! One block per row: probs *= 1 / sum (the factor rounded to float once, as the CPU kernel), and
 //! losses[n] (float) = log(sum) - shifted target, 0 where the target is negative.
-template <class T>
+template <class T, int W>
 __global__ void finish_kernel(float* losses, T* probs, const double* partials, const std::int32_t* targets,
                               std::int64_t rows, std::int64_t columns) {
+  using P = cuda_kernels::Pack<T, W>;
+  const std::int64_t packs = columns / W;
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
     const double sum = partials[n];
     const float factor = static_cast<float>(1.0 / sum);
-    T* p = probs + n * columns;
-    for (std::int64_t j = threadIdx.x; j < columns; j += blockDim.x)
-      p[j] = static_cast<T>(to_accumulate(p[j]) * factor);
+    P* row = reinterpret_cast<P*>(probs + n * columns);
+    for (std::int64_t v = threadIdx.x; v < packs; v += blockDim.x) {
+      P p = row[v];
+#pragma unroll
+      for (int k = 0; k < W; ++k) p.value[k] = static_cast<T>(to_accumulate(p.value[k]) * factor);
+      row[v] = p;
+    }
     if (threadIdx.x == 0)
       losses[n] = targets[n] >= 0 ? static_cast<float>(::log(sum) - partials[rows + n]) : 0.0f;
   }
 }
 
 //! One block per row: dlogits = scale * (probs - onehot(target)) on the real columns, 0 on
-//! padding and on rows whose target is negative. `dlogits` may be `probs`: each element is
-//! read, then written, by the same thread (the target's one-hot included).
-template <class T>
+//! padding and on rows whose target is negative. `dlogits` may be `probs`: each pack is read,
+//! then written, by the same thread (the target's one-hot included).
+template <class T, int W>
 __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* targets, std::int64_t rows,
                                 std::int64_t columns, std::int64_t real, std::int64_t vocab_begin, float scale) {
+  using P = cuda_kernels::Pack<T, W>;
+  const std::int64_t packs = columns / W;
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const T* p = probs + n * columns;
-    T* g = dlogits + n * columns;
+    const P* p = reinterpret_cast<const P*>(probs + n * columns);
+    P* g = reinterpret_cast<P*>(dlogits + n * columns);
     const std::int32_t target = targets[n];
     // A negative target ignores the row: no column is active, all are written 0 below.
     const std::int64_t local_target = target >= 0 ? static_cast<std::int64_t>(target) - vocab_begin : -1;
     const std::int64_t active = target >= 0 ? real : 0;
-    for (std::int64_t j = threadIdx.x; j < active; j += blockDim.x) {
-      const float prob = to_accumulate(p[j]);
-      g[j] = static_cast<T>(j == local_target ? scale * (prob - 1.0f) : scale * prob);
+    const std::int64_t used = (active + W - 1) / W;
+    for (std::int64_t v = threadIdx.x; v < packs; v += blockDim.x) {
+      P out = cuda_kernels::zero_pack<T, W>();  // padding and ignored rows stay 0
+      if (v < used) {
+        const P in = p[v];
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+          const std::int64_t j = v * W + k;
+          if (j >= active) continue;
+          const float prob = to_accumulate(in.value[k]);
+          out.value[k] = static_cast<T>(j == local_target ? scale * (prob - 1.0f) : scale * prob);
+        }
+      }
+      g[v] = out;
     }
-    for (std::int64_t j = active + threadIdx.x; j < columns; j += blockDim.x) g[j] = static_cast<T>(0.0f);
   }
 }
+
+// The launchers run the kernels at W = vector_width where vector_rows allows, else at W = 1.
+using cuda_kernels::vector_rows;
+template <class T>
+inline constexpr int vector_width = cuda_kernels::Vector16<T>::elements;
 
 //! One block: rows[0, M) = the indices of the targets >= 0 among `n`, in order (the first `room`
 //! of them), row_targets their targets, *count = M. Each tile of Threads targets is one block-wide
@@ -344,7 +391,9 @@ void vocab_parallel_cross_entropy_max(const cuda& be, Tensor<double> row_max, Te
   check_data(logits, kernel, "logits");
 
   detail::cuda_kernels::activate(be);
-  v::max_kernel<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
+  const auto launch = v::vector_rows<T>(dims.slice_columns, logits.data()) ? v::max_kernel<T, v::vector_width<T>>
+                                                                             : v::max_kernel<T, 1>;
+  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
       row_max.data(), logits.data(), dims.rows, dims.slice_columns, dims.real_columns);
   detail::cuda_check_launch(kernel);
 }
@@ -368,7 +417,10 @@ void vocab_parallel_cross_entropy_partials(const cuda& be, Tensor<T> exps, Tenso
   check_data(logits, kernel, "logits");
 
   detail::cuda_kernels::activate(be);
-  v::partials_kernel<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
+  const auto launch = v::vector_rows<T>(dims.slice_columns, exps.data(), logits.data())
+                           ? v::partials_kernel<T, v::vector_width<T>>
+                           : v::partials_kernel<T, 1>;
+  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
       exps.data(), partials.data(), logits.data(), row_max.data(), targets.data(), dims.rows, dims.slice_columns,
       dims.real_columns, vocab_begin);
   detail::cuda_check_launch(kernel);
@@ -390,7 +442,9 @@ void vocab_parallel_cross_entropy_finish(const cuda& be, Tensor<accumulate_t<T>>
   check_data(probs, kernel, "probs");
 
   detail::cuda_kernels::activate(be);
-  v::finish_kernel<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
+  const auto launch = v::vector_rows<T>(dims.columns, probs.data()) ? v::finish_kernel<T, v::vector_width<T>>
+                                                                    : v::finish_kernel<T, 1>;
+  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
       losses.data(), probs.data(), partials.data(), targets.data(), dims.rows, dims.columns);
   detail::cuda_check_launch(kernel);
 }
@@ -411,7 +465,10 @@ void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Te
   check_data(probs, kernel, "probs");
 
   detail::cuda_kernels::activate(be);
-  v::backward_kernel<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
+  const auto launch = v::vector_rows<T>(dims.slice_columns, dlogits.data(), probs.data())
+                           ? v::backward_kernel<T, v::vector_width<T>>
+                           : v::backward_kernel<T, 1>;
+  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
       dlogits.data(), probs.data(), targets.data(), dims.rows, dims.slice_columns, dims.real_columns, vocab_begin,
       scale);
   detail::cuda_check_launch(kernel);

@@ -52,16 +52,37 @@ inline unsigned column_blocks(std::int64_t cols) noexcept {
   return static_cast<unsigned>((cols + column_tile - 1) / column_tile);
 }
 
-//! `elements` T in 16 bytes, moved as one load or store by the kernels that read rows a vector
-//! at a time (layernorm's input gradient, the attention softmax).
-template <class T>
-struct alignas(16) Vector16 {
-  static constexpr int elements = static_cast<int>(16 / sizeof(T));
-  T value[elements];
+//! `W` elements of T moved as one load or store: W = 1 is one element, Vector16 is 16 bytes. The
+//! row kernels that take a width as a template argument run as either, with the same results.
+template <class T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  static constexpr int elements = W;
+  T value[W];
 };
+
+//! A Pack of zeros.
+template <class T, int W>
+__device__ inline Pack<T, W> zero_pack() {
+  Pack<T, W> p;
+#pragma unroll
+  for (int k = 0; k < W; ++k) p.value[k] = static_cast<T>(0.0f);
+  return p;
+}
+
+//! `elements` T in 16 bytes, moved as one load or store by the kernels that read rows a vector
+//! at a time (layernorm's input gradient, the attention softmax, cross-entropy, map.cuh).
+template <class T>
+using Vector16 = Pack<T, static_cast<int>(16 / sizeof(T))>;
 
 //! Whether `p` may be read as Vector16s.
 inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+//! Whether rows of `columns` elements of T stored from these pointers (null is no pointer) can
+//! be moved as Vector16s: every row starts 16-byte aligned.
+template <class T>
+bool vector_rows(std::int64_t columns, const void* a, const void* b = nullptr) noexcept {
+  return columns % Vector16<T>::elements == 0 && aligned16(a) && aligned16(b);
+}
 
 //! Makes the calling thread work on the backend's device (ranks as threads may use several
 //! GPUs; a launch on another device's stream fails).
