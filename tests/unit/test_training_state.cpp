@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -340,6 +342,93 @@ TEST_CASE("an fp32 state loads into a double model, and the values are the file'
   for (int a = 0; a < 3; ++a) {
     const std::vector<double> values = trainer.gather_state(a);
     CHECK(std::vector<double>(saved.state[a].begin(), saved.state[a].end()) == values);
+  }
+}
+
+//! Rewrites the version-2 state file at `path` as version 1 wrote it: the version field, and
+//! FNV-1a checksums of the header and of each array (3 arrays of `scalar_bytes`-byte scalars).
+void make_version_1(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  const io::TrainingStateInfo info = io::read_training_state_info(path);
+  const std::size_t array_bytes = static_cast<std::size_t>(info.elements) * static_cast<std::size_t>(info.scalar_bytes);
+  const std::size_t trailer = bytes.size() - (8 * (2 + info.state_slots) + 8);
+  const std::size_t header = trailer - 3 * array_bytes;
+  const std::uint32_t version = 1;
+  std::memcpy(bytes.data() + 8, &version, 4);
+  std::vector<std::uint64_t> sums{io::detail::checksum(bytes.data(), header)};
+  for (std::size_t a = 0; a < 3; ++a)
+    sums.push_back(io::detail::checksum(bytes.data() + header + a * array_bytes, array_bytes));
+  std::memcpy(bytes.data() + trailer, sums.data(), 8 * sums.size());
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+//! The errors of the ranks of `shape` (Zero<3>) that failed to load `path`.
+std::vector<std::string> zero3_load_errors(MeshShape shape, const std::filesystem::path& path) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  on_mesh<GradientAccumulation, Zero<3>>(shape, {}, {}, 5, [&](auto& trainer, int) {
+    try {
+      io::load_training_state(trainer, path);
+    } catch (const Error& e) {
+      std::lock_guard lock(mutex);
+      errors.emplace_back(e.what());
+    }
+  });
+  return errors;
+}
+
+TEST_CASE("a version 1 file (FNV-1a array checksums) still loads on one rank and on a mesh, and a flip is found") {
+  const auto reference = uninterrupted();
+  TempPath file("state_v1");
+  train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
+  make_version_1(file.path);
+  CHECK(io::read_training_state_info(file.path).version == 1);
+  const auto resumed =
+      train_leg<GradientAccumulation, SingleRank>(one_rank, saved_at, total_steps, file.str(), "", {}, {}, 99);
+  CHECK(resumed.state == reference.state);
+  // ZeRO-3 ranks read only their shards: the first rank reads the arrays through for their sums.
+  check_close(train_leg<GradientAccumulation, Zero<3>>({.dp = 2, .tp = 2, .pp = 1}, saved_at, total_steps, file.str(),
+                                                       ""),
+              reference, 1e-5);
+  flip_byte(file.path, std::filesystem::file_size(file.path) - 200);
+  const std::vector<std::string> errors = zero3_load_errors({.dp = 2, .tp = 1, .pp = 1}, file.path);
+  REQUIRE(errors.size() == 2);
+  const bool named = errors[0].find("checksum of array 2") != std::string::npos ||
+                     errors[1].find("checksum of array 2") != std::string::npos;
+  CHECK(named);
+}
+
+TEST_CASE("a flipped byte is found by the ranks together, each adding up the elements it owns") {
+  TempPath file("state_flip");
+  train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
+  const auto bytes = std::filesystem::file_size(file.path);
+  flip_byte(file.path, bytes - 200);
+  const std::vector<std::string> errors = zero3_load_errors({.dp = 2, .tp = 2, .pp = 1}, file.path);
+  // Every rank names the array: the sums are compared on every rank.
+  REQUIRE(errors.size() == 4);
+  for (const std::string& e : errors)
+    CHECK(e.find("checksum of array 2 (optimizer state slot 1)") != std::string::npos);
+}
+
+TEST_CASE("an array checksum term changes with an element's bits and with its place") {
+  const std::vector<float> values{1.0f, 2.0f, 3.0f, -0.0f};
+  const std::uint64_t sum = io::detail::elements_checksum(values.data(), 4, 0, 4);
+  // Split at any point, the parts add up to the whole: ranks can sum their own elements.
+  for (std::int64_t cut = 0; cut <= 4; ++cut)
+    CHECK(io::detail::elements_checksum(values.data(), 4, 0, cut) +
+              io::detail::elements_checksum(values.data() + cut, 4, cut, 4 - cut) ==
+          sum);
+  std::vector<float> swapped{2.0f, 1.0f, 3.0f, -0.0f}, zero{1.0f, 2.0f, 3.0f, 0.0f};
+  CHECK(io::detail::elements_checksum(swapped.data(), 4, 0, 4) != sum);
+  CHECK(io::detail::elements_checksum(zero.data(), 4, 0, 4) != sum);
+  CHECK(io::detail::elements_checksum(values.data(), 4, 1, 4) != sum);
+  // The limbs carry any 64-bit sum exactly.
+  double limbs[io::detail::limbs];
+  for (const std::uint64_t v : {std::uint64_t{0}, sum, ~std::uint64_t{0}}) {
+    io::detail::put_limbs(v, limbs);
+    CHECK(io::detail::get_limbs(limbs) == v);
   }
 }
 

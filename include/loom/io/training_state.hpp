@@ -6,17 +6,21 @@
 //!
 //! The file (little-endian):
 //!
-//!     "LOOMSTAT" u32 version=1 u32 scalar_bytes (4: fp32, 8: double) i64 steps i32 state_slots
+//!     "LOOMSTAT" u32 version=2 u32 scalar_bytes (4: fp32, 8: double) i64 steps i32 state_slots
 //!     i32 0  string optimizer  string meta  u64 parameters, each: string name, u32 rank,
 //!     i64 extents[rank]  i64 elements
 //!     then 1 + state_slots arrays of `elements` scalars (the parameters, then each state slot)
 //!     then the trailer: u64 checksum of the header, u64 checksum of each array, "LOOMSTAT"
 //!
-//! where a string is a u64 byte count and the bytes. The checksums are 64-bit FNV-1a over
-//! 8-byte words, so that a flipped or truncated byte is found before anything is loaded from it.
+//! where a string is a u64 byte count and the bytes. The header's checksum is 64-bit FNV-1a over
+//! 8-byte words. An array's checksum is the sum, mod 2^64, of one term per element that mixes
+//! the element's bits with its index (element_term), so that a flipped, moved or truncated byte
+//! is found before anything is loaded from it, and so that ranks can each add up their own
+//! elements. Version 1 files, whose array checksums were FNV-1a too, are still read.
 //!
 //! Every rank writes the elements it owns into their places in the file, and reads the elements
-//! it holds (Trainer::owned_state_runs, needed_state_runs): no rank gathers the whole model.
+//! it holds (Trainer::owned_state_runs, needed_state_runs): no rank gathers the whole model, and
+//! no rank reads more of the file than it holds.
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -28,6 +32,8 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <iterator>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -50,12 +56,14 @@ struct TrainingStateInfo {
   std::string meta;        //!< the saving program's text about the run (gpt2_train: JSON of the model config)
   std::vector<std::pair<std::string, Shape>> parameters;  //!< names and whole shapes, in layout order
   std::int64_t elements = 0;  //!< of each array
+  int version = 2;            //!< of the format: 1 (FNV-1a array checksums) or 2
 };
 
 namespace detail {
 
 inline constexpr std::array<char, 8> training_state_magic{'L', 'O', 'O', 'M', 'S', 'T', 'A', 'T'};
-inline constexpr std::uint32_t training_state_version = 1;
+//! The version this loom writes; it reads 1 as well.
+inline constexpr std::uint32_t training_state_version = 2;
 
 //! 64-bit FNV-1a over 8-byte words (a final partial word zero-padded), continuing from `hash`.
 inline std::uint64_t checksum(const void* data, std::size_t bytes,
@@ -74,6 +82,50 @@ inline std::uint64_t checksum(const void* data, std::size_t bytes,
     hash = (hash ^ word) * prime;
   }
   return hash;
+}
+
+//! One element's term of a version-2 array checksum: its bits (a 4- or 8-byte scalar, zero-extended)
+//! mixed with its index in the array by splitmix64's finaliser, so that a changed element, or two
+//! swapped ones, change the sum.
+inline std::uint64_t element_term(std::uint64_t index, std::uint64_t bits) noexcept {
+  std::uint64_t z = bits ^ (index * 0x9e3779b97f4a7c15ull) ^ 0x632be59bd9b4e019ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+//! The sum of element_term over `count` scalars of type Bits (the bits of a 4- or 8-byte scalar)
+//! at `bytes`, the first of which is element `first` of its array. A sum mod 2^64 is the same in
+//! any order, so the threads may split it.
+template <class Bits>
+std::uint64_t elements_checksum_of(const unsigned char* bytes, std::int64_t first, std::int64_t count) {
+  std::uint64_t sum = 0;
+#pragma omp parallel for reduction(+ : sum) schedule(static) if (count > (1 << 16))
+  for (std::int64_t i = 0; i < count; ++i) {
+    Bits bits;
+    std::memcpy(&bits, bytes + static_cast<std::size_t>(i) * sizeof(Bits), sizeof(Bits));
+    sum += element_term(static_cast<std::uint64_t>(first + i), bits);
+  }
+  return sum;
+}
+//! elements_checksum_of for scalars of `width` bytes (4 or 8).
+inline std::uint64_t elements_checksum(const void* bytes, std::size_t width, std::int64_t first, std::int64_t count) {
+  const auto* p = static_cast<const unsigned char*>(bytes);
+  return width == 4 ? elements_checksum_of<std::uint32_t>(p, first, count)
+                    : elements_checksum_of<std::uint64_t>(p, first, count);
+}
+
+//! 64-bit sums exactly over the ranks of a mesh, through Trainer::sum_over_ranks, whose doubles
+//! hold integers exactly below 2^53: a value travels as four 16-bit limbs (their sums stay below
+//! 2^53 for up to 2^37 ranks), and the limbs' sums are put back together mod 2^64.
+inline constexpr int limbs = 4;
+inline void put_limbs(std::uint64_t value, double* out) noexcept {
+  for (int k = 0; k < limbs; ++k) out[k] = static_cast<double>((value >> (16 * k)) & 0xffffu);
+}
+inline std::uint64_t get_limbs(const double* in) noexcept {
+  std::uint64_t value = 0;
+  for (int k = 0; k < limbs; ++k) value += static_cast<std::uint64_t>(in[k]) << (16 * k);
+  return value;
 }
 
 //! The header's bytes, built in memory so that its checksum is taken before it is written.
@@ -189,9 +241,10 @@ inline TrainingStateInfo read_training_state_header(BinaryFile& file, std::vecto
     throw Error(file.name() + ": magic", printable(magic),
                 "expected LOOMSTAT (a loom training-state checkpoint; llm.c weight files are read by --init)");
   const auto version = in.get<std::uint32_t>("version");
-  LOOM_CHECK(version == training_state_version, file.name() + ": version", version,
-             "this loom reads version " + loom::detail::to_text(training_state_version));
+  LOOM_CHECK(version == 1 || version == training_state_version, file.name() + ": version", version,
+             "this loom reads versions 1 to " + loom::detail::to_text(training_state_version));
   TrainingStateInfo info;
+  info.version = static_cast<int>(version);
   info.scalar_bytes = static_cast<int>(in.get<std::uint32_t>("scalar bytes"));
   LOOM_CHECK(info.scalar_bytes == 4 || info.scalar_bytes == 8, file.name() + ": scalar bytes", info.scalar_bytes,
              "must be 4 (fp32) or 8 (double)");
@@ -324,7 +377,8 @@ class PositionalFile {
   int fd_ = -1;
 };
 
-//! checksum() of bytes [offset, offset + bytes) of `file`, read a few MiB at a time.
+//! checksum() of bytes [offset, offset + bytes) of `file`, read a few MiB at a time (the array
+//! checksums of version 1 files).
 inline std::uint64_t checksum_of(const PositionalFile& file, std::uint64_t offset, std::uint64_t bytes,
                                  std::string_view what) {
   std::vector<char> buffer(std::size_t{8} << 20);  // a multiple of 8: the words do not straddle reads
@@ -355,6 +409,26 @@ inline void check_array_sum(const std::string& file, int array, const std::vecto
 //! Whether `runs` are the whole of an array of `elements`, in order.
 inline bool whole_array(const std::vector<WholeRun>& runs, std::int64_t elements) {
   return runs.size() == 1 && runs[0].local == 0 && runs[0].whole == 0 && runs[0].count == elements;
+}
+
+//! Calls f(local, whole, count) for the pieces of the `owned` runs' whole ranges as they lie in
+//! the `held` runs (whose local positions are a buffer's): where to find each owned element
+//! among the held ones. Every owned element must be held.
+template <class F>
+void for_each_held(const std::vector<WholeRun>& owned, std::vector<WholeRun> held, F&& f) {
+  std::sort(held.begin(), held.end(), [](const WholeRun& a, const WholeRun& b) { return a.whole < b.whole; });
+  for (const WholeRun& o : owned) {
+    for (std::int64_t at = o.whole, end = o.whole + o.count; at < end;) {
+      auto it = std::upper_bound(held.begin(), held.end(), at,
+                                 [](std::int64_t x, const WholeRun& r) { return x < r.whole; });
+      LOOM_CHECK(it != held.begin() && at < std::prev(it)->whole + std::prev(it)->count,
+                 "training state: owned element", at, "is not among the elements this rank holds");
+      const WholeRun& h = *std::prev(it);
+      const std::int64_t n = std::min(end, h.whole + h.count) - at;
+      f(h.local + (at - h.whole), at, n);
+      at += n;
+    }
+  }
 }
 
 //! The header of `trainer`'s training state, with `meta`.
@@ -393,15 +467,16 @@ inline TrainingStateInfo read_training_state_info(const std::filesystem::path& p
 
 //! Saves `trainer`'s training state to `path`: collective over the trainer's mesh. The rank at
 //! data-parallel, tensor-parallel and pipeline position 0 creates `path + ".tmp"` at its whole
-//! size; every rank writes the elements it owns (Trainer::owned_state_runs) into it at once; the
-//! creating rank reads it back for the checksums, writes the trailer and renames it over `path`.
-//! So no rank holds more than its own part, and a failure never leaves a partial file where a
-//! good one was. The ranks must see one filesystem. A failure on any rank throws on every rank
-//! (the failing rank's own error there, a pointer to it elsewhere). `meta` is free text kept in
-//! the file (e.g. the model config as JSON).
+//! size; every rank writes the elements it owns (Trainer::owned_state_runs) into it at once and
+//! adds up their checksum terms; the creating rank writes the summed checksums, flushes the file
+//! to the disk and renames it over `path`. So no rank holds more than its own part, and a failure
+//! never leaves a partial file where a good one was. The ranks must see one filesystem. A
+//! failure on any rank throws on every rank (the failing rank's own error there, a pointer to it
+//! elsewhere). `meta` is free text kept in the file (e.g. the model config as JSON).
 template <class Trainer>
 void save_training_state(Trainer& trainer, const std::filesystem::path& path, std::string_view meta = {}) {
   using V = typename Trainer::state_type;
+  constexpr int arrays = Trainer::state_arrays;
   const bool creator =
       trainer.data_parallel_rank() == 0 && trainer.tensor_parallel_rank() == 0 && trainer.pipeline_rank() == 0;
   std::filesystem::path tmp = path;
@@ -409,57 +484,67 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
   const detail::HeaderBytes header = detail::training_state_header(trainer, meta);
   const std::uint64_t header_bytes = header.bytes().size();
   const std::uint64_t array_bytes = static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V);
-  const std::uint64_t file_bytes = header_bytes + Trainer::state_arrays * array_bytes +
-                                   detail::trailer_bytes(Trainer::optimizer_type::state_slots);
-  // Each phase ends with the ranks agreeing that none failed, so that none goes on alone.
+  const std::uint64_t trailer = header_bytes + arrays * array_bytes;
+  // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
+  // failed, so that none goes on alone; the others carry the checksums' limbs.
+  std::vector<double> shared(1 + arrays * detail::limbs);
   auto phase = [&](bool mine, auto&& work) {
-    std::exception_ptr failure;
+    std::fill(shared.begin(), shared.end(), 0.0);
     if (mine) {
       try {
         work();
       } catch (...) {
-        failure = std::current_exception();
+        shared.assign(shared.size(), 0.0);
+        shared[0] = 1;
+        trainer.sum_over_ranks(shared);
+        if (creator) {
+          std::error_code ignored;
+          std::filesystem::remove(tmp, ignored);
+        }
+        throw;
       }
     }
-    if (!trainer.any_of_ranks(failure != nullptr)) return;
+    trainer.sum_over_ranks(shared);
+    if (shared[0] == 0) return;
     if (creator) {
       std::error_code ignored;
       std::filesystem::remove(tmp, ignored);
     }
-    if (failure) std::rethrow_exception(failure);
     throw Error("training state " + detail::quoted(path), "not saved",
                 "another rank failed to write its part; its error says why");
   };
   phase(creator, [&] {
     detail::PositionalFile file(tmp, detail::PositionalFile::Mode::create, "training state");
-    file.reserve(file_bytes);
+    file.reserve(trailer + detail::trailer_bytes(Trainer::optimizer_type::state_slots));
     file.write_at(0, header.bytes().data(), header_bytes, "header");
     file.close();
   });
   phase(true, [&] {
-    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
     const std::vector<WholeRun> runs = trainer.owned_state_runs();
-    for (int array = 0; array < Trainer::state_arrays; ++array) {
+    if (runs.empty()) return;  // a DDP replica other than the first: it need not see the file
+    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
+    for (int array = 0; array < arrays; ++array) {
       const std::vector<V> values = trainer.copy_owned_state(array);
       const std::uint64_t begin = header_bytes + static_cast<std::uint64_t>(array) * array_bytes;
-      for (const WholeRun& r : runs)
+      std::uint64_t sum = 0;
+      for (const WholeRun& r : runs) {
         file.write_at(begin + static_cast<std::uint64_t>(r.whole) * sizeof(V), values.data() + r.local,
                       static_cast<std::size_t>(r.count) * sizeof(V), detail::array_name(array));
+        sum += detail::elements_checksum(values.data() + r.local, sizeof(V), r.whole, r.count);
+      }
+      detail::put_limbs(sum, shared.data() + 1 + array * detail::limbs);
     }
     file.close();
   });
+  std::vector<std::uint64_t> sums{detail::checksum(header.bytes().data(), header_bytes)};
+  for (int array = 0; array < arrays; ++array)
+    sums.push_back(detail::get_limbs(shared.data() + 1 + array * detail::limbs));
   phase(creator, [&] {
-    // The checksums are of what reached the file: every rank's part, read back.
     detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
-    std::vector<std::uint64_t> sums{detail::checksum(header.bytes().data(), header_bytes)};
-    for (int array = 0; array < Trainer::state_arrays; ++array)
-      sums.push_back(detail::checksum_of(file, header_bytes + static_cast<std::uint64_t>(array) * array_bytes,
-                                         array_bytes, detail::array_name(array)));
-    const std::uint64_t trailer = header_bytes + Trainer::state_arrays * array_bytes;
     file.write_at(trailer, sums.data(), sums.size() * sizeof(std::uint64_t), "checksums");
     file.write_at(trailer + sums.size() * sizeof(std::uint64_t), detail::training_state_magic.data(),
                   detail::training_state_magic.size(), "closing magic");
-    file.sync();  // before the rename: a crash must not leave a renamed file without its contents
+    file.sync();  // every rank's part, before the rename: a crash must not leave a renamed empty file
     file.close();
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
@@ -475,31 +560,39 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
 //! that the next step is the one after the saved run's last. The file must be of the same model
 //! (names and whole shapes) and optimizer; mesh, strategy and schedule may differ, and so may the
 //! precision (an fp32 state loads into a double model and back). Every array's checksum is
-//! checked before any of it is loaded: by each rank that reads all of it, and by the rank at
-//! position 0 for those some rank reads only in part. A failure on any rank throws on every
-//! rank. Returns the file's info.
+//! checked before any rank loads any of it: each rank adds up the terms of the elements it owns,
+//! and the ranks compare the sum with the file's (version 1 files: the rank at position 0 reads
+//! through the arrays ranks read only in part). A failure on any rank throws on every rank.
+//! Returns the file's info.
 template <class Trainer>
 TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::path& path) {
   using V = typename Trainer::state_type;
   using O = typename Trainer::optimizer_type;
-  const bool checker =
+  constexpr int arrays = Trainer::state_arrays;
+  const bool first_rank =
       trainer.data_parallel_rank() == 0 && trainer.tensor_parallel_rank() == 0 && trainer.pipeline_rank() == 0;
+  // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
+  // failed; slots 1 to 4 carry an array's checksum limbs.
+  std::vector<double> shared(1 + detail::limbs);
   auto phase = [&](auto&& work) {
-    std::exception_ptr failure;
+    std::fill(shared.begin(), shared.end(), 0.0);
     try {
       work();
     } catch (...) {
-      failure = std::current_exception();
+      shared.assign(shared.size(), 0.0);
+      shared[0] = 1;
+      trainer.sum_over_ranks(shared);
+      throw;
     }
-    if (!trainer.any_of_ranks(failure != nullptr)) return;
-    if (failure) std::rethrow_exception(failure);
-    throw Error("training state " + detail::quoted(path), "not loaded",
-                "another rank failed to load it (a missing or different file there?); its error says why");
+    trainer.sum_over_ranks(shared);
+    if (shared[0] != 0)
+      throw Error("training state " + detail::quoted(path), "not loaded",
+                  "another rank failed to load it (a missing or different file there?); its error says why");
   };
   TrainingStateInfo info;
   std::vector<std::uint64_t> sums;
   std::uint64_t arrays_begin = 0;
-  std::vector<std::vector<WholeRun>> runs(Trainer::state_arrays);
+  std::vector<std::vector<WholeRun>> runs(arrays);
   phase([&] {
     detail::BinaryFile header(path, "rb", "training state");
     info = detail::read_training_state_header(header, sums);
@@ -510,58 +603,76 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
                "the trainer's is " + optimizer + " (" + loom::detail::to_text(O::state_slots) +
                    "); an optimizer's state means nothing to another");
     const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * info.scalar_bytes;
-    arrays_begin = header.size() - detail::trailer_bytes(info.state_slots) - Trainer::state_arrays * array_bytes;
-    for (int array = 0; array < Trainer::state_arrays; ++array)
+    arrays_begin = header.size() - detail::trailer_bytes(info.state_slots) - arrays * array_bytes;
+    for (int array = 0; array < arrays; ++array)
       runs[static_cast<std::size_t>(array)] = trainer.needed_state_runs(array);
-    if (!checker) return;
+    if (info.version != 1 || !first_rank) return;
+    // Version 1: FNV-1a sums need every byte of an array in order. A rank that reads all of an
+    // array checks it as it goes (below); the first rank reads through those ranks read in part.
     const detail::PositionalFile file(path, detail::PositionalFile::Mode::read, "training state");
-    for (int array = 0; array < Trainer::state_arrays; ++array) {
-      if (detail::whole_array(runs[static_cast<std::size_t>(array)], info.elements)) continue;  // checked as read
-      detail::check_array_sum(file.name(), array, sums,
-                              detail::checksum_of(file, arrays_begin + static_cast<std::uint64_t>(array) * array_bytes,
-                                                  array_bytes, detail::array_name(array)));
-    }
+    for (int array = 0; array < arrays; ++array)
+      if (!detail::whole_array(runs[static_cast<std::size_t>(array)], info.elements))
+        detail::check_array_sum(
+            file.name(), array, sums,
+            detail::checksum_of(file, arrays_begin + static_cast<std::uint64_t>(array) * array_bytes, array_bytes,
+                                detail::array_name(array)));
   });
-  phase([&] {
-    const detail::PositionalFile file(path, detail::PositionalFile::Mode::read, "training state");
-    const auto width = static_cast<std::size_t>(info.scalar_bytes);
-    const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * width;
-    std::vector<char> raw;
-    std::vector<V> values;  // reused: each array's pages are touched once, not once per array
-    for (int array = 0; array < Trainer::state_arrays; ++array) {
-      const std::vector<WholeRun>& mine = runs[static_cast<std::size_t>(array)];
+  const auto width = static_cast<std::size_t>(info.scalar_bytes);
+  const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * width;
+  const bool same_width = width == sizeof(V);
+  // The file's bytes land in `values` when its scalars are V; otherwise in `raw`, then widened or
+  // narrowed. Both are reused: each array's pages are touched once, not once per array.
+  std::vector<V> values;
+  std::vector<char> raw;
+  // The runs this rank owns, and each one's place among the needed runs it reads: the elements
+  // whose checksum terms it adds up (owned elements are held, and every element has one owner).
+  const std::vector<WholeRun> owned = info.version == 1 ? std::vector<WholeRun>{} : trainer.owned_state_runs();
+  std::unique_ptr<detail::PositionalFile> file;
+  for (int array = 0; array < arrays; ++array) {
+    const std::vector<WholeRun>& mine = runs[static_cast<std::size_t>(array)];
+    phase([&] {
+      if (!file)
+        file = std::make_unique<detail::PositionalFile>(path, detail::PositionalFile::Mode::read, "training state");
       std::int64_t elements = 0;
       for (const WholeRun& r : mine) elements = std::max(elements, r.local + r.count);
       values.resize(static_cast<std::size_t>(elements));
-      // The file's bytes land in `values` when its scalars are V; otherwise in `raw`, then
-      // widened or narrowed.
-      const bool same_width = width == sizeof(V);
       raw.resize(same_width ? 0 : static_cast<std::size_t>(elements) * width);
       char* const bytes = same_width ? reinterpret_cast<char*>(values.data()) : raw.data();
       const std::uint64_t begin = arrays_begin + static_cast<std::uint64_t>(array) * array_bytes;
       for (const WholeRun& r : mine)
-        file.read_at(begin + static_cast<std::uint64_t>(r.whole) * width,
-                     bytes + static_cast<std::size_t>(r.local) * width, static_cast<std::size_t>(r.count) * width,
-                     detail::array_name(array));
-      if (detail::whole_array(mine, info.elements))
-        detail::check_array_sum(file.name(), array, sums, detail::checksum(bytes, array_bytes));
-      if (!same_width) {
-        for (std::size_t i = 0; i < values.size(); ++i) {
-          if (width == 4) {
-            float x;
-            std::memcpy(&x, raw.data() + 4 * i, 4);
-            values[i] = static_cast<V>(x);
-          } else {
-            double x;
-            std::memcpy(&x, raw.data() + 8 * i, 8);
-            values[i] = static_cast<V>(x);
-          }
+        file->read_at(begin + static_cast<std::uint64_t>(r.whole) * width,
+                      bytes + static_cast<std::size_t>(r.local) * width, static_cast<std::size_t>(r.count) * width,
+                      detail::array_name(array));
+      if (info.version == 1) {
+        if (detail::whole_array(mine, info.elements))
+          detail::check_array_sum(file->name(), array, sums, detail::checksum(bytes, array_bytes));
+        return;
+      }
+      std::uint64_t sum = 0;
+      detail::for_each_held(owned, mine, [&](std::int64_t local, std::int64_t whole, std::int64_t count) {
+        sum += detail::elements_checksum(bytes + static_cast<std::size_t>(local) * width, width, whole, count);
+      });
+      detail::put_limbs(sum, shared.data() + 1);
+    });
+    if (info.version != 1)
+      detail::check_array_sum("training state " + detail::quoted(path), array, sums,
+                              detail::get_limbs(shared.data() + 1));
+    if (!same_width) {
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        if (width == 4) {
+          float x;
+          std::memcpy(&x, raw.data() + 4 * i, 4);
+          values[i] = static_cast<V>(x);
+        } else {
+          double x;
+          std::memcpy(&x, raw.data() + 8 * i, 8);
+          values[i] = static_cast<V>(x);
         }
       }
-      trainer.load_needed_state(array, values);
     }
-    trainer.set_steps(info.steps);
-  });
+    trainer.load_needed_state(array, values);
+  }
+  trainer.set_steps(info.steps);
   return info;
 }
 

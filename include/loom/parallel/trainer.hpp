@@ -341,6 +341,12 @@ class Trainer {
       if (g->size() > 1) g->all_reduce(std::span<double>(&any, 1), ReduceOp::max);
     return any > 0;
   }
+  //! Sums `values` in place over every rank of the mesh (collective over the data-parallel,
+  //! tensor-parallel and pipeline groups).
+  void sum_over_ranks(std::span<double> values) {
+    for (CommunicatorRef* g : {&group_, &tensor_parallel_, &pipeline_})
+      if (g->size() > 1) g->all_reduce(values, ReduceOp::sum);
+  }
   //! Sets the steps done, which the learning-rate schedule and the optimizer's bias correction
   //! count from: a run resumed from a checkpoint taken after step n continues at n + 1.
   void set_steps(std::int64_t steps) {
