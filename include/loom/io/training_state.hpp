@@ -431,6 +431,30 @@ void for_each_held(const std::vector<WholeRun>& owned, std::vector<WholeRun> hel
   }
 }
 
+//! One phase of a collective save or load: runs `work` where `mine`, then sums `shared` (zeroed
+//! first; slot 0 counts the ranks that failed) over the trainer's mesh, so that no rank goes on
+//! alone. A rank whose work throws still takes part in the sum, calls `cleanup` and rethrows.
+//! Returns whether another rank failed (after calling `cleanup`).
+template <class Trainer, class Work, class Cleanup>
+bool agreed_phase(Trainer& trainer, std::vector<double>& shared, bool mine, Work&& work, Cleanup&& cleanup) {
+  std::fill(shared.begin(), shared.end(), 0.0);
+  if (mine) {
+    try {
+      work();
+    } catch (...) {
+      shared.assign(shared.size(), 0.0);
+      shared[0] = 1;
+      trainer.sum_over_ranks(shared);
+      cleanup();
+      throw;
+    }
+  }
+  trainer.sum_over_ranks(shared);
+  if (shared[0] == 0) return false;
+  cleanup();
+  return true;
+}
+
 //! The header of `trainer`'s training state, with `meta`.
 template <class Trainer>
 HeaderBytes training_state_header(const Trainer& trainer, std::string_view meta) {
@@ -488,28 +512,13 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
   // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
   // failed, so that none goes on alone; the others carry the checksums' limbs.
   std::vector<double> shared(1 + arrays * detail::limbs);
+  const auto remove_tmp = [&] {
+    if (!creator) return;
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+  };
   auto phase = [&](bool mine, auto&& work) {
-    std::fill(shared.begin(), shared.end(), 0.0);
-    if (mine) {
-      try {
-        work();
-      } catch (...) {
-        shared.assign(shared.size(), 0.0);
-        shared[0] = 1;
-        trainer.sum_over_ranks(shared);
-        if (creator) {
-          std::error_code ignored;
-          std::filesystem::remove(tmp, ignored);
-        }
-        throw;
-      }
-    }
-    trainer.sum_over_ranks(shared);
-    if (shared[0] == 0) return;
-    if (creator) {
-      std::error_code ignored;
-      std::filesystem::remove(tmp, ignored);
-    }
+    if (!detail::agreed_phase(trainer, shared, mine, work, remove_tmp)) return;
     throw Error("training state " + detail::quoted(path), "not saved",
                 "another rank failed to write its part; its error says why");
   };
@@ -575,17 +584,7 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
   // failed; slots 1 to 4 carry an array's checksum limbs.
   std::vector<double> shared(1 + detail::limbs);
   auto phase = [&](auto&& work) {
-    std::fill(shared.begin(), shared.end(), 0.0);
-    try {
-      work();
-    } catch (...) {
-      shared.assign(shared.size(), 0.0);
-      shared[0] = 1;
-      trainer.sum_over_ranks(shared);
-      throw;
-    }
-    trainer.sum_over_ranks(shared);
-    if (shared[0] != 0)
+    if (detail::agreed_phase(trainer, shared, true, work, [] {}))
       throw Error("training state " + detail::quoted(path), "not loaded",
                   "another rank failed to load it (a missing or different file there?); its error says why");
   };
