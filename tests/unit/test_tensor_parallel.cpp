@@ -278,6 +278,40 @@ TEST_CASE("a fused qkv shard holds its heads' rows of q, of k and of v") {
   expect_error([&] { ParameterLayout(std::vector<ParameterSpec>{lying}); }, "must be the slice [6, 2]");
 }
 
+TEST_CASE("global_run: from every element, the longest run that is contiguous both locally and globally") {
+  // Brute force against global_index: rows and columns split, 1 and 3 blocks, 2 and 4 ranks,
+  // a vector and matrices, every rank and every starting element.
+  struct Case {
+    Shape shape;
+    Partition partition;
+    std::int64_t groups;
+  };
+  const Case cases[] = {{{24, 5}, Partition::split_rows, 1}, {{24, 5}, Partition::split_rows, 3},
+                        {{24}, Partition::split_rows, 3},    {{5, 24}, Partition::split_cols, 1},
+                        {{3, 24}, Partition::split_cols, 3}, {{7, 5}, Partition::replicated, 1}};
+  for (const Case& c : cases) {
+    for (const std::int64_t ranks : {2, 4}) {
+      for (std::int64_t rank = 0; rank < ranks; ++rank) {
+        ParameterSpec whole{"p", c.shape, 0, true, c.partition};
+        whole.shard.groups = c.groups;
+        const ParameterSpec spec = tensor_parallel_slice(whole, ranks, rank);
+        CAPTURE(spec.shape);
+        CAPTURE(spec.shard);
+        const std::int64_t n = spec.shape.numel();
+        bool exact = true;
+        for (std::int64_t i = 0; i < n; ++i) {
+          const ParameterSpec::GlobalRun run = spec.global_run(i);
+          exact = exact && run.count >= 1 && i + run.count <= n;
+          for (std::int64_t k = 0; exact && k < run.count; ++k) exact = spec.global_index(i + k) == run.global + k;
+          // Longest: the next element is not the next global position.
+          exact = exact && (i + run.count == n || spec.global_index(i + run.count) != run.global + run.count);
+        }
+        CHECK(exact);
+      }
+    }
+  }
+}
+
 TEST_CASE_TEMPLATE("each GPT-2 layer with tp = 2 and 4 matches one rank, forward and backward, and with sequence "
                    "parallelism on its rows", T, double, float) {
   const double tol = tolerance<T>();

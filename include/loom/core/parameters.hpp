@@ -96,6 +96,29 @@ struct ParameterSpec {
     return index / local_cols * global[1] + split_axis_index(index % local_cols, global[1]);
   }
 
+  //! A run of this rank's slice that is also a run of the global tensor: element `index` is at
+  //! global_index(index), and so are the `count` - 1 elements after it at the global positions
+  //! after that one. The run ends where the slice's piece of the split axis ends (or at the
+  //! tensor's end when the parameter is whole), so a slice is copied a piece at a time rather
+  //! than an element at a time.
+  struct GlobalRun {
+    std::int64_t global = 0, count = 0;
+  };
+  GlobalRun global_run(std::int64_t index) const noexcept {
+    if (partition == Partition::replicated || shard.ranks == 1) return {index, shape.numel() - index};
+    const Shape& global = whole_shape();
+    if (partition == Partition::split_rows) {
+      // A piece of axis 0 is `piece` consecutive global rows, each `inner` contiguous elements.
+      const std::int64_t inner = shape[0] == 0 ? 1 : shape.numel() / shape[0];
+      const std::int64_t piece = global[0] / shard.groups / shard.ranks;
+      const std::int64_t row = index / inner;
+      return {global_index(index), (piece - row % piece) * inner - index % inner};
+    }
+    // split_cols: a piece is `piece` consecutive columns of one row.
+    const std::int64_t piece = global[1] / shard.groups / shard.ranks;
+    return {global_index(index), piece - index % shape[1] % piece};
+  }
+
  private:
   //! Global position along the split axis (of length `global_extent`) of local position `local`.
   std::int64_t split_axis_index(std::int64_t local, std::int64_t global_extent) const noexcept {
@@ -310,7 +333,12 @@ inline void append_whole_runs(const ParameterLayout& layout, const ParameterLayo
       add(at, to + first, last - first);
       continue;
     }
-    for (std::int64_t i = first; i < last; ++i) add(at + (i - first), to + spec.global_index(i), 1);
+    for (std::int64_t i = first; i < last;) {
+      const ParameterSpec::GlobalRun run = spec.global_run(i);
+      const std::int64_t n = std::min(run.count, last - i);
+      add(at + (i - first), to + run.global, n);
+      i += n;
+    }
   }
 }
 
