@@ -174,6 +174,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--jump-probability", o.jump_probability, "Synthetic task: chance a token breaks the chain")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--pad-min", o.pad_min,
+                 "Sequences of lengths drawn from [N, seq], padded to seq; no query attends to the padding and it "
+                 "carries no target (0: every sequence full-length)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--pad-token", o.pad_token, "The token id padded positions read (with --pad-min)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--metrics", o.metrics, "Write one JSON object per step to this file (JSON Lines)");
   app.add_option("--mask-token", o.mask_token,
                  "bert_train: the data's [MASK] token id (a token file needs it; synthetic and bytes: data "

@@ -28,6 +28,7 @@
 #include "loom/core/memory.hpp"
 #include "loom/io/llmc_checkpoint.hpp"
 #include "loom/io/masked_lm.hpp"
+#include "loom/io/padded.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/io/token_file.hpp"
 #include "loom/io/training_state.hpp"
@@ -99,6 +100,8 @@ struct Options {
   std::string data = "synthetic";
   std::int64_t mask_token = -1;  // bert_train: the data's [MASK] id (-1: a new id after the data's vocabulary)
   double jump_probability = 0.1;
+  std::int64_t pad_min = 0;     // sequences of drawn lengths in [pad_min, seq], padded (0: all full-length)
+  std::int32_t pad_token = 0;   // the token padded positions read
   std::string metrics;
   std::string init;
   std::string save;
@@ -124,18 +127,24 @@ struct Options {
   bool demo = false;
 };
 
-using Source = std::variant<Data<loom::io::SyntheticMarkov>, Data<loom::io::TokenFile>>;
+//! The data's sequences, cut to drawn lengths and padded where --pad-min asks (else as they are).
+using Source =
+    std::variant<Data<loom::io::Padded<loom::io::SyntheticMarkov>>, Data<loom::io::Padded<loom::io::TokenFile>>>;
 
 //! The data --data names, for a model of `model_vocab` tokens. bert_train's masked-LM batches
 //! take a new mask id after the data's vocabulary unless --mask-token names the data's own.
 inline Source open_data(const Options& o, std::int64_t model_vocab) {
-  const auto wrap = [&](auto tokens) -> Source {
+  const auto wrap = [&](auto sequences) -> Source {
+    // --pad-min 0: min_length seq, nothing padded.
+    loom::io::Padded padded(std::move(sequences), {.min_length = o.pad_min > 0 ? o.pad_min : o.seq,
+                                                   .pad_token = o.pad_token,
+                                                   .seed = o.seed + 3});
 #if LOOM_EXAMPLE_BERT
-    return Data<decltype(tokens)>(std::move(tokens), {.mask_token = o.mask_token,
+    return Data<decltype(padded)>(std::move(padded), {.mask_token = o.mask_token,
                                                       .max_predictions = o.max_predictions,
                                                       .seed = o.seed + 2});
 #else
-    return tokens;
+    return padded;
 #endif
   };
 #if LOOM_EXAMPLE_BERT
@@ -150,10 +159,10 @@ inline Source open_data(const Options& o, std::int64_t model_vocab) {
   return wrap(loom::io::TokenFile::open(o.data, data_vocab));
 }
 
-//! The token source under `s` (itself for GPT-2, the masked source's for BERT).
+//! The token source under `s`: under the padding and (BERT) the masking.
 template <class S>
 const auto& tokens_of(const S& s) {
-  if constexpr (requires { s.source(); }) return s.source();
+  if constexpr (requires { s.source(); }) return tokens_of(s.source());
   else return s;
 }
 
@@ -469,13 +478,13 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
               world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
               describe_schedule(schedule, shape).c_str());
   std::visit([&](const auto& masked_or_not) {
-    if constexpr (requires { masked_or_not.source(); })
+    if constexpr (requires { masked_or_not.mask_token(); })
       std::printf("  data: masked-LM batches %s (mask token %lld)\n", detail::to_text(masked_or_not.config()).c_str(),
                   static_cast<long long>(masked_or_not.mask_token()));
     const auto& src = tokens_of(masked_or_not);
     if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>) {
       // The floor is the next-token task's; a masked position's neighbours on both sides tell more.
-      if constexpr (requires { masked_or_not.source(); })
+      if constexpr (requires { masked_or_not.mask_token(); })
         std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f\n", detail::to_text(src.config()).c_str(),
                     std::log(double(src.vocab_size())));
       else
@@ -485,6 +494,9 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
       std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
                   static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
   }, data);
+  if (o.pad_min > 0 && o.pad_min < o.seq)
+    std::printf("  data: each sequence %lld to %lld tokens (drawn), padded with token %d that no query attends to\n",
+                static_cast<long long>(o.pad_min), static_cast<long long>(o.seq), static_cast<int>(o.pad_token));
   }
   if (stages > 1) {
     if (lead) std::printf("  pipeline: %d layers (embedding, %lld blocks, head) in %d stages x %d chunk(s):\n",

@@ -303,7 +303,7 @@ void emulate_forward(const Case& c, const std::vector<float>& qkv, std::vector<f
                      AttentionMask mask = AttentionMask::causal) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
   ca::forward_steps(dims(c, mask), out.data(), att.data(), qkv.data(), emulate_cublas,
-                    [&](float* scores, std::int64_t rows) {
+                    [&](float* scores, std::int64_t, std::int64_t rows) {
                       for (std::int64_t row = 0; row < rows; ++row)
                         host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale);
                     });
@@ -312,7 +312,7 @@ void emulate_forward(const Case& c, const std::vector<float>& qkv, std::vector<f
 //! softmax_backward_kernel's steps on the host, as the steps' run_softmax_grad.
 auto host_softmax_grad(const Case& c, AttentionMask mask) {
   return [c, mask, scale = 1.0f / std::sqrt(static_cast<float>(c.hs))](float* grad, const float* probabilities,
-                                                                        std::int64_t rows) {
+                                                                        std::int64_t, std::int64_t rows) {
     for (std::int64_t row = 0; row < rows; ++row)
       host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, keys_seen(mask, row % c.T, c.T), c.T,
                             scale);
@@ -339,7 +339,7 @@ void emulate_forward_lse(const Case& c, const std::vector<float>& qkv, std::vect
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
   std::vector<float> att = scratch_block(c);
   ca::forward_lse_steps(dims(c, mask), out.data(), lse.data(), qkv.data(), att.data(), emulate_cublas,
-                        [&](float* scores, float* lse_b, std::int64_t rows) {
+                        [&](float* scores, float* lse_b, std::int64_t, std::int64_t rows) {
                           for (std::int64_t row = 0; row < rows; ++row)
                             host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale,
                                              lse_b + row);
@@ -354,7 +354,7 @@ void emulate_backward_lse(const Case& c, std::vector<float>& dqkv, const std::ve
   std::vector<float> att = scratch_block(c), dpre = scratch_block(c);
   ca::backward_lse_steps(
       dims(c, mask), dqkv.data(), dout.data(), qkv.data(), lse.data(), att.data(), dpre.data(), emulate_cublas,
-      [&](float* scores, const float* lse_b, std::int64_t rows) {
+      [&](float* scores, const float* lse_b, std::int64_t, std::int64_t rows) {
         for (std::int64_t row = 0; row < rows; ++row)
           host_probabilities_row(scores + row * c.T, lse_b[row], keys_seen(mask, row % c.T, c.T), c.T, scale);
       },
@@ -451,9 +451,10 @@ struct HostDropout {
 
 //! out and dqkv (from 0) of attention with dropout on the probabilities, by the definitions, in
 //! double: out = dropout(P)·v; dv = dropout(P)^T dout; dP = mask(dout·v^T); dS = P ∘ (dP - Σ P dP).
-std::pair<std::vector<double>, std::vector<double>> dropout_reference(const Case& c, const std::vector<float>& qkv,
-                                                                      const std::vector<float>& dout,
-                                                                      AttentionMask mask, const AttentionDropout& drop) {
+//! (Also the padded reference: with `lengths`, query t of sequence b sees keys below lengths[b] only.)
+std::pair<std::vector<double>, std::vector<double>> dropout_reference(
+    const Case& c, const std::vector<float>& qkv, const std::vector<float>& dout, AttentionMask mask,
+    const AttentionDropout& drop, const std::vector<std::int32_t>* lengths = nullptr) {
   const QkvIndex at{c};
   const std::int64_t T = c.T, C = c.C();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.hs));
@@ -461,7 +462,8 @@ std::pair<std::vector<double>, std::vector<double>> dropout_reference(const Case
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
-        const std::int64_t keys = keys_seen(mask, t, T);
+        const std::int64_t keys =
+            std::min<std::int64_t>(keys_seen(mask, t, T), lengths != nullptr ? (*lengths)[b] : T);
         std::vector<double> p(static_cast<std::size_t>(keys)), kept(p.size()), dp(p.size());
         double max = -std::numeric_limits<double>::infinity(), sum = 0, shift = 0;
         for (std::int64_t s = 0; s < keys; ++s) {
@@ -520,7 +522,7 @@ TEST_CASE("with dropout the steps multiply V by the dropped probabilities and pa
       const Data data = make_data(c, 13);
       const auto [want_out, want_dqkv] = dropout_reference(c, data.qkv, data.dout, mask, dropout);
       const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
-      const auto softmax = [&](float* scores, std::int64_t rows) {
+      const auto softmax = [&](float* scores, std::int64_t, std::int64_t rows) {
         for (std::int64_t row = 0; row < rows; ++row)
           host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale);
       };
@@ -536,7 +538,7 @@ TEST_CASE("with dropout the steps multiply V by the dropped probabilities and pa
           lse_dqkv(dqkv.size(), 0.0f), probabilities = scratch_block(c), lse_dpre = scratch_block(c);
       ca::forward_lse_steps(
           dims(c, mask), lse_out.data(), lse.data(), data.qkv.data(), probabilities.data(), emulate_cublas,
-          [&](float* scores, float* lse_b, std::int64_t rows) {
+          [&](float* scores, float* lse_b, std::int64_t, std::int64_t rows) {
             for (std::int64_t row = 0; row < rows; ++row)
               host_softmax_row(scores + row * c.T, keys_seen(mask, row % c.T, c.T), c.T, scale, lse_b + row);
           },
@@ -544,7 +546,7 @@ TEST_CASE("with dropout the steps multiply V by the dropped probabilities and pa
       ca::backward_lse_steps(
           dims(c, mask), lse_dqkv.data(), data.dout.data(), data.qkv.data(), lse.data(), probabilities.data(),
           lse_dpre.data(), emulate_cublas,
-          [&](float* scores, const float* lse_b, std::int64_t rows) {
+          [&](float* scores, const float* lse_b, std::int64_t, std::int64_t rows) {
             for (std::int64_t row = 0; row < rows; ++row)
               host_probabilities_row(scores + row * c.T, lse_b[row], keys_seen(mask, row % c.T, c.T), c.T, scale);
           },
@@ -555,6 +557,63 @@ TEST_CASE("with dropout the steps multiply V by the dropped probabilities and pa
       std::vector<float> plain(out.size(), not_a_number);
       ca::forward_steps(dims(c, mask), plain.data(), att.data(), data.qkv.data(), emulate_cublas, softmax);
       CHECK(scaled_error(plain, want_out) > 1e-2);
+    }
+}
+
+TEST_CASE("padded sequences: the steps hand each row kernel its first sequence, whose lengths mask the keys (host "
+          "emulation of cuBLAS)") {
+  for (const AttentionMask mask : both_masks)
+    for (const Case& c : {Case{3, 7, 2, 5}, Case{2, 33, 3, 16}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const std::vector<std::int32_t> lengths =
+          c.B == 3 ? std::vector<std::int32_t>{1, 7, 4} : std::vector<std::int32_t>{20, 33};
+      const Data data = make_data(c, 14);
+      const auto [want_out, want_dqkv] = dropout_reference(c, data.qkv, data.dout, mask, {}, &lengths);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
+      const std::int64_t per_sequence = c.NH * c.T;
+      // The device kernels' rule (RowKeys): row r of a block from sequence `first` is sequence
+      // first + r / (NH T)'s query r % T.
+      const auto keys_of = [&](std::int64_t first, std::int64_t row) {
+        return std::min<std::int64_t>(keys_seen(mask, row % c.T, c.T), lengths[first + row / per_sequence]);
+      };
+      detail::attention::Dims d = dims(c, mask);
+      d.lengths = lengths.data();
+      std::vector<float> att(static_cast<std::size_t>(c.B * c.NH * c.T * c.T), not_a_number),
+          out(want_out.size(), not_a_number), dqkv(data.qkv.size(), 0.0f), dpre = scratch_block(c);
+      const auto softmax_grad = [&](float* grad, const float* probabilities, std::int64_t first, std::int64_t rows) {
+        for (std::int64_t row = 0; row < rows; ++row)
+          host_softmax_grad_row(grad + row * c.T, probabilities + row * c.T, keys_of(first, row), c.T, scale);
+      };
+      ca::forward_steps(d, out.data(), att.data(), data.qkv.data(), emulate_cublas,
+                        [&](float* scores, std::int64_t first, std::int64_t rows) {
+                          for (std::int64_t row = 0; row < rows; ++row)
+                            host_softmax_row(scores + row * c.T, keys_of(first, row), c.T, scale);
+                        });
+      ca::backward_steps(d, dqkv.data(), data.dout.data(), data.qkv.data(), att.data(), dpre.data(), emulate_cublas,
+                         softmax_grad);
+      CHECK(scaled_error(out, want_out) < 1e-5);
+      CHECK(scaled_error(dqkv, want_dqkv) < 1e-5);
+      std::vector<float> lse(static_cast<std::size_t>(c.B * c.NH * c.T), not_a_number),
+          lse_out(out.size(), not_a_number), lse_dqkv(dqkv.size(), 0.0f), probabilities = scratch_block(c),
+          lse_dpre = scratch_block(c);
+      ca::forward_lse_steps(d, lse_out.data(), lse.data(), data.qkv.data(), probabilities.data(), emulate_cublas,
+                            [&](float* scores, float* lse_b, std::int64_t first, std::int64_t rows) {
+                              for (std::int64_t row = 0; row < rows; ++row)
+                                host_softmax_row(scores + row * c.T, keys_of(first, row), c.T, scale, lse_b + row);
+                            });
+      ca::backward_lse_steps(d, lse_dqkv.data(), data.dout.data(), data.qkv.data(), lse.data(), probabilities.data(),
+                             lse_dpre.data(), emulate_cublas,
+                             [&](float* scores, const float* lse_b, std::int64_t first, std::int64_t rows) {
+                               for (std::int64_t row = 0; row < rows; ++row)
+                                 host_probabilities_row(scores + row * c.T, lse_b[row], keys_of(first, row), c.T,
+                                                        scale);
+                             },
+                             softmax_grad);
+      CHECK(scaled_error(lse_out, want_out) < 1e-5);
+      CHECK(scaled_error(lse_dqkv, want_dqkv) < 1e-5);
+      // The lengths matter: the unpadded reference is another out.
+      CHECK(scaled_error(out, dropout_reference(c, data.qkv, data.dout, mask, {}).first) > 1e-2);
     }
 }
 
@@ -633,6 +692,16 @@ TEST_CASE("attention checks name the kernel and the argument, in the CPU kernel'
   CHECK(a::check_forward(out, att, qkv, 2, AttentionMask::bidirectional).mask == AttentionMask::bidirectional);
   CHECK(a::check_backward(dqkv, dout, qkv, att_c, 2, AttentionMask::bidirectional).keys(1) == T);
   CHECK(a::check_backward(dqkv, dout, qkv, att_c, 2).keys(1) == 2);
+  // Padded: the lengths ride in Dims too ([B] or refused), and cap every query's keys.
+  const std::vector<std::int32_t> lengths{3, 5}, three{3, 5, 5};
+  const AttentionKeys keys(AttentionMask::bidirectional, Tensor<const std::int32_t>(lengths.data(), {B}));
+  const a::Dims padded = a::check_backward(dqkv, dout, qkv, att_c, 2, keys);
+  CHECK(padded.lengths == lengths.data());
+  CHECK(padded.keys(0, padded.length(0)) == 3);
+  CHECK(padded.keys(4, padded.length(1)) == T);
+  const AttentionKeys three_keys(AttentionMask::causal, Tensor<const std::int32_t>(three.data(), {3}));
+  CHECK_THROWS_WITH_AS(a::check_forward(out, att, qkv, 2, three_keys),
+                       doctest::Contains("attention_forward: argument lengths shape: got [3]; expected [2]"), Error);
   CHECK_THROWS_WITH_AS(a::check_forward(out, att, qkv, 4, static_cast<AttentionMask>(7)),
                        "loom: attention_forward: argument mask: got 7; expected AttentionMask::causal or "
                        "AttentionMask::bidirectional",
@@ -900,6 +969,45 @@ TEST_CASE("with dropout the four kernels give the by-definition out and gradient
       attention_forward_lse<float>(be, lse_out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH), mask, dropout);
       attention_backward_lse<float>(be, lse_dqkv.view(), dout.cview(), qkv.cview(), lse_out.cview(), lse.cview(),
                                     static_cast<int>(c.NH), mask, dropout);
+      CHECK(scaled_error(lse_out.to_host(be), want_out) < 1e-5);
+      CHECK(scaled_error(lse_dqkv.to_host(be), want_dqkv) < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("padded sequences on the device: the four kernels give the reference (fp32 products, both masks, float "
+          "and the vector row kernels)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  be.set_tf32(false);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : {Case{3, 33, 3, 16}, Case{2, 130, 2, 64}}) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const std::vector<std::int32_t> lengths =
+          c.B == 3 ? std::vector<std::int32_t>{1, 33, 17} : std::vector<std::int32_t>{65, 130};
+      const Data data = make_data(c, 602);
+      const auto [want_out, want_dqkv] = dropout_reference(c, data.qkv, data.dout, mask, {}, &lengths);
+      const DeviceArray<std::int32_t> device_lengths(be, lengths, Shape{c.B});
+      const AttentionKeys keys(mask, device_lengths.cview());
+      const DeviceTensor qkv(be, data.qkv, Shape{c.B, c.T, 3 * c.C()}), dout(be, data.dout, Shape{c.B, c.T, c.C()});
+      const DeviceTensor att = nans(be, {c.B, c.NH, c.T, c.T}), out = nans(be, {c.B, c.T, c.C()});
+      const DeviceTensor dqkv(be, std::vector<float>(data.qkv.size(), 0.0f), Shape{c.B, c.T, 3 * c.C()});
+      attention_forward<float>(be, out.view(), att.view(), qkv.cview(), static_cast<int>(c.NH), keys);
+      attention_backward<float>(be, dqkv.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH), keys);
+      CHECK(scaled_error(out.to_host(be), want_out) < 1e-5);
+      CHECK(scaled_error(dqkv.to_host(be), want_dqkv) < 1e-5);
+      // Padding gets probability exactly 0.
+      const std::vector<float> probabilities = att.to_host(be);
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t r = 0; r < c.NH * c.T; ++r)
+          for (std::int64_t s = lengths[b]; s < c.T; ++s)
+            REQUIRE(probabilities[static_cast<std::size_t>((b * c.NH * c.T + r) * c.T + s)] == 0.0f);
+      const DeviceTensor lse = nans(be, {c.B, c.NH, c.T}), lse_out = nans(be, {c.B, c.T, c.C()});
+      const DeviceTensor lse_dqkv(be, std::vector<float>(data.qkv.size(), 0.0f), Shape{c.B, c.T, 3 * c.C()});
+      attention_forward_lse<float>(be, lse_out.view(), lse.view(), qkv.cview(), static_cast<int>(c.NH), keys);
+      attention_backward_lse<float>(be, lse_dqkv.view(), dout.cview(), qkv.cview(), lse_out.cview(), lse.cview(),
+                                    static_cast<int>(c.NH), keys);
       CHECK(scaled_error(lse_out.to_host(be), want_out) < 1e-5);
       CHECK(scaled_error(lse_dqkv.to_host(be), want_dqkv) < 1e-5);
     }

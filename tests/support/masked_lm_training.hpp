@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "loom/io/masked_lm.hpp"
+#include "loom/io/padded.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/models/bert/config.hpp"
 #include "support/parity_check.hpp"
@@ -24,12 +25,15 @@ inline bert::Config bert_test_config() {
           .channels = 16};
 }
 
-//! Trains `trainer` for parity_steps steps on masked_test_source(max_predictions)'s
-//! [global_batch, seq] batches.
-template <class Trainer>
-ParityRun masked_lm_steps(Trainer& trainer, std::int64_t global_batch, std::int64_t seq,
-                          std::int64_t max_predictions = 0) {
-  const auto source = masked_test_source(max_predictions);
+//! masked_test_source() over sequences of 2 to seq tokens, padded with token 0.
+inline io::MaskedLm<io::Padded<io::SyntheticMarkov>> padded_masked_test_source() {
+  return io::MaskedLm(io::Padded(io::SyntheticMarkov({.vocab_size = 49, .jump_probability = 0.1, .seed = 7}),
+                                 {.min_length = 2, .pad_token = 0}));
+}
+
+//! Trains `trainer` for parity_steps steps on `source`'s [global_batch, seq] batches.
+template <class Trainer, class Source>
+ParityRun masked_lm_steps_on(Trainer& trainer, const Source& source, std::int64_t global_batch, std::int64_t seq) {
   ParityRun run;
   for (int s = 0; s < parity_steps; ++s) {
     const StepMetrics m = trainer.step(source.batch_at(s, global_batch, seq));
@@ -38,6 +42,14 @@ ParityRun masked_lm_steps(Trainer& trainer, std::int64_t global_batch, std::int6
   }
   run.weights = trainer.gather_parameters();
   return run;
+}
+
+//! Trains `trainer` for parity_steps steps on masked_test_source(max_predictions)'s
+//! [global_batch, seq] batches.
+template <class Trainer>
+ParityRun masked_lm_steps(Trainer& trainer, std::int64_t global_batch, std::int64_t seq,
+                          std::int64_t max_predictions = 0) {
+  return masked_lm_steps_on(trainer, masked_test_source(max_predictions), global_batch, seq);
 }
 
 }  // namespace loom::test

@@ -45,6 +45,8 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
                          DropoutKey dropout = {}) {
   using T = typename M::scalar_type;
   const Tensor<const std::int32_t> tokens = batch.tokens_view(), targets = batch.targets_view();
+  Tensor<const std::int32_t> lengths{};  // a padded batch's sequence lengths
+  if constexpr (requires { batch.lengths_view(); }) lengths = batch.lengths_view();
   const MicroBatchShape s{tokens.extent(0), tokens.extent(1)};
   const int layers = model.num_layers();
   const auto hidden = static_cast<std::size_t>(model.hidden_elements(s));
@@ -59,7 +61,8 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
                            .input = l == 0 ? Tensor<const T>{} : Tensor<const T>(outputs[l - 1].data(), hidden_shape),
                            .output = l + 1 < layers ? Tensor<T>(outputs[l].data(), hidden_shape) : Tensor<T>{},
                            .saved = flat(saved[l]),
-                           .dropout = dropout};
+                           .dropout = dropout,
+                           .lengths = lengths};
     loss += model.forward(be, l, p, f);
   }
   double target_count = 0;
@@ -79,7 +82,8 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
                             .saved = flat(saved[l]),
                             .workspace = flat(workspace),
                             .loss_scale = static_cast<accumulate_t<T>>(1.0 / target_count),
-                            .dropout = dropout};
+                            .dropout = dropout,
+                            .lengths = lengths};
     if (pass == Pass::combined) {
       model.backward(be, l, p, g, b);
     } else {

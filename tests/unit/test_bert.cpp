@@ -16,6 +16,7 @@
 
 #include "loom/comm/threads.hpp"
 #include "loom/io/masked_lm.hpp"
+#include "loom/io/padded.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/loom.hpp"
 #include "loom/models/bert/model.hpp"
@@ -55,15 +56,22 @@ bert::Config head_config(bool logits_at_every_position) {
   return config;
 }
 
+//! Trains `trainer` on masked_test_source(max_predictions), or on padded_masked_test_source().
+template <class Trainer>
+ParityRun train(Trainer& trainer, std::int64_t max_predictions, bool padded) {
+  return padded ? masked_lm_steps_on(trainer, padded_masked_test_source(), global_batch, seq)
+                : masked_lm_steps(trainer, global_batch, seq, max_predictions);
+}
+
 //! One-rank training of `config` on the whole global batch, the data capped at `max_predictions`
-//! targets a sequence (0: no cap).
+//! targets a sequence (0: no cap), or padded.
 ParityRun one_rank_run(const bert::Config& config = test_config(), bert::Attention attention = bert::Attention::stored,
-                       std::int64_t max_predictions = 0) {
+                       std::int64_t max_predictions = 0, bool padded = false) {
   using Bert = bert::Model<cpu, float>;
   cpu be(1);
   Trainer<Bert, AdamW> trainer(be, Bert(config, attention), AdamW({.weight_decay = 0.1}), parity_lr(),
                                {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-  return masked_lm_steps(trainer, global_batch, seq, max_predictions);
+  return train(trainer, max_predictions, padded);
 }
 
 //! One run of `St` with schedule `S` on `shape` (thread ranks, micro-batches of one sequence);
@@ -71,7 +79,8 @@ ParityRun one_rank_run(const bert::Config& config = test_config(), bert::Attenti
 template <class S, class St>
 std::vector<std::string> mesh_failures(MeshShape shape, const ParityRun& reference, St strategy = {}, S schedule = {},
                                        bert::Attention attention = bert::Attention::stored,
-                                       const bert::Config& config = test_config(), std::int64_t max_predictions = 0) {
+                                       const bert::Config& config = test_config(), std::int64_t max_predictions = 0,
+                                       bool padded = false) {
   using Bert = bert::Model<cpu, float>;
   const Bert global_model(config);
   std::mutex mutex;
@@ -82,7 +91,7 @@ std::vector<std::string> mesh_failures(MeshShape shape, const ParityRun& referen
     Trainer<Bert, AdamW, S, St> trainer(be, mesh, Bert(config, mesh.tensor_parallel(), attention),
                                         AdamW({.weight_decay = 0.1}), parity_lr(),
                                         {.micro_batch_size = 1, .clip_grad_norm = 1.0, .seed = 5}, strategy, schedule);
-    const ParityRun run = masked_lm_steps(trainer, global_batch, seq, max_predictions);
+    const ParityRun run = train(trainer, max_predictions, padded);
     const std::string failure = parity_failures(trainer, run, reference, global_model.layout());
     std::lock_guard lock(mutex);
     if (!failure.empty()) failures.push_back("rank " + std::to_string(world.rank()) + ":" + failure);
@@ -91,6 +100,132 @@ std::vector<std::string> mesh_failures(MeshShape shape, const ParityRun& referen
 }
 
 }  // namespace
+
+TEST_CASE("padded batches: rows of drawn lengths, padding with no target, masked-LM only on real positions") {
+  const io::Padded padded(io::SyntheticMarkov({.vocab_size = 49, .seed = 7}), {.min_length = 3, .pad_token = 0});
+  const io::Batch b = padded.batch_at(2, 64, 16);
+  REQUIRE(b.lengths.size() == 64);
+  std::vector<int> seen(17, 0);
+  for (std::int64_t i = 0; i < 64; ++i) {
+    const std::int32_t n = b.lengths[static_cast<std::size_t>(i)];
+    REQUIRE(n >= 3);
+    REQUIRE(n <= 16);
+    ++seen[static_cast<std::size_t>(n)];
+    for (std::int64_t t = n; t < 16; ++t) {
+      CHECK(b.tokens[static_cast<std::size_t>(i * 16 + t)] == 0);
+      CHECK(b.targets[static_cast<std::size_t>(i * 16 + t)] == -1);
+    }
+  }
+  CHECK(std::count_if(seen.begin(), seen.end(), [](int k) { return k > 0; }) >= 8);  // lengths spread
+  // A row's length is the row's alone: the same global row in another batch shape keeps it.
+  const io::Batch halves = padded.batch_at(4, 32, 16);
+  CHECK(halves.lengths == std::vector<std::int32_t>(b.lengths.begin(), b.lengths.begin() + 32));
+  CHECK(b.rows(5, 3).lengths == std::vector<std::int32_t>(b.lengths.begin() + 5, b.lengths.begin() + 8));
+  // min_length >= seq pads nothing: the source's batch as it is.
+  const io::SyntheticMarkov markov({.vocab_size = 49});
+  CHECK(io::Padded(markov, {.min_length = 16}).batch_at(0, 4, 16) == markov.batch_at(0, 4, 16));
+  CHECK_THROWS_WITH_AS(io::Padded(io::SyntheticMarkov({.vocab_size = 49}), {.pad_token = 49}),
+                       doctest::Contains("pad_token: got 49"), Error);
+  // Masked-LM over it: targets only below each row's length, at least one a row.
+  const io::Batch m = padded_masked_test_source().batch_at(1, 64, 16);
+  for (std::int64_t i = 0; i < 64; ++i) {
+    int targets = 0;
+    for (std::int64_t t = 0; t < 16; ++t) {
+      const bool target = m.targets[static_cast<std::size_t>(i * 16 + t)] >= 0;
+      targets += target ? 1 : 0;
+      if (t >= m.lengths[static_cast<std::size_t>(i)]) REQUIRE_FALSE(target);
+    }
+    CHECK(targets >= 1);
+  }
+}
+
+TEST_CASE("BERT's gradient on a padded batch matches central differences in double, both attentions") {
+  const bert::Config c{.max_seq_len = 6, .vocab_size = 11, .padded_vocab_size = 12, .num_layers = 2,
+                       .num_heads = 2, .channels = 8};
+  const auto source = io::MaskedLm(io::Padded(io::SyntheticMarkov({.vocab_size = 10, .seed = 3}), {.min_length = 2}),
+                                   {.select_probability = 0.4});
+  const io::Batch batch = source.batch_at(0, 3, 6);
+  CHECK(std::any_of(batch.lengths.begin(), batch.lengths.end(), [](std::int32_t n) { return n < 6; }));
+  for (const bert::Attention attention : {bert::Attention::stored, bert::Attention::recompute}) {
+    const bert::Model<cpu, double> model(c, attention);
+    check_model_gradient(model, noisy_parameters<double>(model.layout()), batch);
+  }
+}
+
+TEST_CASE("BERT on a padded batch gives each sequence's loss and gradient as it has alone at its length") {
+  const bert::Config c{.max_seq_len = 16, .vocab_size = 50, .padded_vocab_size = 64, .num_layers = 2,
+                       .num_heads = 4, .channels = 16};
+  const bert::Model<cpu, double> model(c);
+  const auto params = noisy_parameters<double>(model.layout());
+  cpu be(2);
+  const io::Batch batch = padded_masked_test_source().batch_at(3, 6, 16);
+  std::vector<double> grads;
+  const double loss = loss_and_gradient(model, be, params, batch, &grads);
+  const auto total = static_cast<double>(batch.target_count());
+  // Alone: each row cut to its length, its mean loss and gradient weighted by its targets.
+  double alone_loss = 0;
+  std::vector<double> alone_grads(grads.size(), 0.0);
+  for (std::int64_t i = 0; i < batch.batch; ++i) {
+    const std::int64_t n = batch.lengths[static_cast<std::size_t>(i)];
+    io::Batch row = io::Batch::zeros(1, n);
+    std::copy_n(batch.tokens.begin() + i * 16, n, row.tokens.begin());
+    std::copy_n(batch.targets.begin() + i * 16, n, row.targets.begin());
+    std::vector<double> g;
+    const auto weight = static_cast<double>(row.target_count());
+    alone_loss += weight * loss_and_gradient(model, be, params, row, &g);
+    for (std::size_t k = 0; k < g.size(); ++k) alone_grads[k] += weight * g[k];
+  }
+  CHECK(loss * total == doctest::Approx(alone_loss).epsilon(1e-12));
+  double worst = 0;
+  for (std::size_t k = 0; k < grads.size(); ++k)
+    worst = std::max(worst, std::abs(grads[k] * total - alone_grads[k]) / (1e-6 + std::abs(alone_grads[k])));
+  CHECK(worst <= 1e-9);
+}
+
+TEST_CASE("BERT on padded batches with DDP, ZeRO, TP, pipelines and recomputed attention trains as one rank does") {
+  const ParityRun reference = one_rank_run(test_config(), bert::Attention::stored, 0, true);
+  const std::vector<std::string> none;
+  const bert::Attention stored = bert::Attention::stored, recompute = bert::Attention::recompute;
+  CHECK(mesh_failures<GradientAccumulation>({.dp = 2, .tp = 1, .pp = 1}, reference, Zero<2>{}, {}, stored,
+                                            test_config(), 0, true) == none);
+  CHECK(mesh_failures<GradientAccumulation, DataParallel>({.dp = 1, .tp = 2, .pp = 1}, reference, {}, {}, recompute,
+                                                          test_config(), 0, true) == none);
+  CHECK(mesh_failures<OneFOneB, DataParallel>({.dp = 2, .tp = 2, .pp = 2}, reference, {}, {}, stored, test_config(),
+                                              0, true) == none);
+  CHECK(mesh_failures<ZeroBubbleH1, DataParallel>({.dp = 1, .tp = 1, .pp = 2}, reference, {}, {}, recompute,
+                                                  test_config(), 0, true) == none);
+  // Padding changes the model's data: the unpadded run is another one.
+  CHECK(reference.losses != one_rank_run().losses);
+}
+
+TEST_CASE("the trainer refuses lengths that do not fit the batch, and a target on padding, before any work") {
+  using Bert = bert::Model<cpu, float>;
+  cpu be(1);
+  Trainer<Bert, AdamW> trainer(be, Bert(test_config()), AdamW(), parity_lr(), {.micro_batch_size = 2});
+  const io::Batch good = padded_masked_test_source().batch_at(0, 2, 16);
+  const auto before = trainer.gather_parameters();
+  const auto refused = [&](io::Batch b, const char* says) {
+    CAPTURE(says);
+    expect_error([&] { trainer.step(b); }, says);
+  };
+  io::Batch b = good;
+  b.lengths.push_back(16);
+  refused(b, "lengths shape");
+  b = good;
+  b.lengths[1] = 0;
+  refused(b, "lengths[1]: got 0");
+  b = good;
+  b.lengths[0] = 17;
+  refused(b, "lengths[0]: got 17");
+  b = good;
+  b.lengths[0] = 1;
+  b.targets[1] = 3;
+  b.targets[0] = -1;
+  refused(b, "target of padded position [0, 1]: got 3");
+  CHECK(trainer.gather_parameters() == before);
+  CHECK(trainer.steps() == 0);
+  CHECK(std::isfinite(trainer.step(good).loss));
+}
 
 TEST_CASE("BERT-base and BERT-large have their published sizes") {
   // Embeddings 23,440,896 + 393,216 + 1,536; blocks 12 x 7,087,872; head 592,128 + 30,522.

@@ -33,11 +33,12 @@ struct Case {
 
 //! Plain triple-loop attention in double: returns out [B,T,C] and fills att [B,NH,T,T] and, where
 //! given, lse [B,NH,T] = log Σ_s exp of the scaled scores, over the keys s that t sees: s <= t
-//! (causal) or all s < T (bidirectional).
+//! (causal) or all s < T (bidirectional), and below lengths[b] where `lengths` is given.
 template <class T>
 std::vector<double> reference_forward(const std::vector<T>& qkv, const Case& c,
                                       std::vector<double>& att, std::vector<double>* lse = nullptr,
-                                      AttentionMask mask = AttentionMask::causal) {
+                                      AttentionMask mask = AttentionMask::causal,
+                                      const std::vector<std::int32_t>* lengths = nullptr) {
   const std::int64_t hs = c.C / c.NH;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   std::vector<double> out(c.B * c.T * c.C, 0.0);
@@ -51,7 +52,8 @@ std::vector<double> reference_forward(const std::vector<T>& qkv, const Case& c,
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < c.T; ++t) {
         double* row = &att[((b * c.NH + h) * c.T + t) * c.T];
-        const std::int64_t keys = mask == AttentionMask::causal ? t + 1 : c.T;
+        const std::int64_t length = lengths != nullptr ? (*lengths)[static_cast<std::size_t>(b)] : c.T;
+        const std::int64_t keys = std::min(mask == AttentionMask::causal ? t + 1 : c.T, length);
         double max = -1e300;
         for (std::int64_t s = 0; s < keys; ++s) {
           double dot = 0;
@@ -91,7 +93,7 @@ template <class T>
 struct SavesProbs {
   using type = T;
   static Run<T> forward(const cpu& be, const std::vector<T>& qkv, const Case& c,
-                        AttentionMask mask = AttentionMask::causal) {
+                        loom::AttentionKeys mask = AttentionMask::causal) {
     Run<T> r{std::vector<T>(c.B * c.T * c.C), std::vector<T>(c.B * c.NH * c.T * c.T, T(7))};
     loom::kernels::attention_forward<T>(be, Tensor<T>(r.out.data(), {c.B, c.T, c.C}),
                                         Tensor<T>(r.saved.data(), {c.B, c.NH, c.T, c.T}),
@@ -99,7 +101,7 @@ struct SavesProbs {
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const Run<T>& r, const Case& c, AttentionMask mask = AttentionMask::causal) {
+                       const Run<T>& r, const Case& c, loom::AttentionKeys mask = AttentionMask::causal) {
     loom::kernels::attention_backward<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                          Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                          Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
@@ -113,7 +115,7 @@ template <class T>
 struct SavesLse {
   using type = T;
   static Run<T> forward(const cpu& be, const std::vector<T>& qkv, const Case& c,
-                        AttentionMask mask = AttentionMask::causal) {
+                        loom::AttentionKeys mask = AttentionMask::causal) {
     Run<T> r{std::vector<T>(c.B * c.T * c.C), std::vector<T>(c.B * c.NH * c.T, T(7))};
     loom::kernels::attention_forward_lse<T>(be, Tensor<T>(r.out.data(), {c.B, c.T, c.C}),
                                             Tensor<T>(r.saved.data(), {c.B, c.NH, c.T}),
@@ -121,7 +123,7 @@ struct SavesLse {
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const Run<T>& r, const Case& c, AttentionMask mask = AttentionMask::causal) {
+                       const Run<T>& r, const Case& c, loom::AttentionKeys mask = AttentionMask::causal) {
     loom::kernels::attention_backward_lse<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                              Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                              Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
@@ -129,6 +131,40 @@ struct SavesLse {
                                              Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T}), c.NH, mask);
   }
 };
+
+//! A backward checked against central differences in double: the loss Σ out·w (w random) of
+//! Kernels' forward with `keys`, differentiated over every element of a random qkv.
+template <class Kernels>
+struct CheckedBackward {
+  std::vector<double> qkv, w, numeric, dqkv;
+  Run<double> run;
+};
+
+//! Runs Kernels' backward for case `c` (data from `seed`) and CHECKs it against central
+//! differences (relative error <= 1e-6 over a floor of 1e-3); returns what it used.
+template <class Kernels>
+CheckedBackward<Kernels> check_backward_by_differences(const cpu& be, const Case& c, const loom::AttentionKeys& keys,
+                                                       std::uint64_t seed) {
+  CAPTURE(c.B);
+  CAPTURE(c.T);
+  CAPTURE(c.C);
+  CAPTURE(c.NH);
+  CheckedBackward<Kernels> k;
+  k.qkv = loom::test::random_vector<double>(c.B * c.T * 3 * c.C, seed, -1.5, 1.5);
+  k.w = loom::test::random_vector<double>(c.B * c.T * c.C, seed + 1);
+  auto loss = [&] {
+    const auto r = Kernels::forward(be, k.qkv, c, keys);
+    double total = 0;
+    for (std::size_t i = 0; i < k.w.size(); ++i) total += r.out[i] * k.w[i];
+    return total;
+  };
+  k.numeric = loom::test::finite_difference(loss, std::span<double>(k.qkv), 1e-4);
+  k.run = Kernels::forward(be, k.qkv, c, keys);
+  k.dqkv.assign(k.qkv.size(), 0.0);
+  Kernels::backward(be, k.dqkv, k.w, k.qkv, k.run, c, keys);
+  CHECK(loom::test::max_relative_error(k.dqkv, k.numeric, 1e-3) <= 1e-6);
+  return k;
+}
 
 //! Both kernel pairs in both types, for the tests that hold for each (the saved state is opaque to
 //! them).
@@ -178,25 +214,7 @@ TEST_CASE_TEMPLATE("attention_forward and attention_forward_lse match the plain 
 TEST_CASE_TEMPLATE("attention backward matches central differences (double)", Kernels, SavesProbs<double>,
                    SavesLse<double>) {
   const cpu be(1);
-  for (const Case& c : cases) {
-    CAPTURE(c.B);
-    CAPTURE(c.T);
-    CAPTURE(c.C);
-    CAPTURE(c.NH);
-    auto qkv = loom::test::random_vector<double>(c.B * c.T * 3 * c.C, 21, -1.5, 1.5);
-    const auto w = loom::test::random_vector<double>(c.B * c.T * c.C, 22);
-    auto loss = [&] {
-      const auto r = Kernels::forward(be, qkv, c);
-      double total = 0;
-      for (std::size_t i = 0; i < w.size(); ++i) total += r.out[i] * w[i];
-      return total;
-    };
-    const auto numeric = loom::test::finite_difference(loss, std::span<double>(qkv), 1e-4);
-    const auto r = Kernels::forward(be, qkv, c);
-    std::vector<double> dqkv(qkv.size(), 0.0);
-    Kernels::backward(be, dqkv, w, qkv, r, c);
-    CHECK(loom::test::max_relative_error(dqkv, numeric, 1e-3) <= 1e-6);
-  }
+  for (const Case& c : cases) check_backward_by_differences<Kernels>(be, c, AttentionMask::causal, 21);
 }
 
 TEST_CASE_TEMPLATE("attention backward with T = 1 gives zero dq, dk and dv = dout", Kernels, SavesProbs<double>,
@@ -318,30 +336,13 @@ TEST_CASE_TEMPLATE("bidirectional attention_forward and attention_forward_lse ma
 TEST_CASE_TEMPLATE("bidirectional attention backward matches central differences (double)", Kernels,
                    SavesProbs<double>, SavesLse<double>) {
   const cpu be(1);
-  constexpr AttentionMask mask = AttentionMask::bidirectional;
   for (const Case& c : bidirectional_gradient_cases) {
-    CAPTURE(c.B);
-    CAPTURE(c.T);
-    CAPTURE(c.C);
-    CAPTURE(c.NH);
-    auto qkv = loom::test::random_vector<double>(c.B * c.T * 3 * c.C, 25, -1.5, 1.5);
-    const auto w = loom::test::random_vector<double>(c.B * c.T * c.C, 26);
-    auto loss = [&] {
-      const auto r = Kernels::forward(be, qkv, c, mask);
-      double total = 0;
-      for (std::size_t i = 0; i < w.size(); ++i) total += r.out[i] * w[i];
-      return total;
-    };
-    const auto numeric = loom::test::finite_difference(loss, std::span<double>(qkv), 1e-4);
-    const auto r = Kernels::forward(be, qkv, c, mask);
-    std::vector<double> dqkv(qkv.size(), 0.0);
-    Kernels::backward(be, dqkv, w, qkv, r, c, mask);
-    CHECK(loom::test::max_relative_error(dqkv, numeric, 1e-3) <= 1e-6);
+    const auto k = check_backward_by_differences<Kernels>(be, c, AttentionMask::bidirectional, 25);
     if (c.T > 1) {
       // The causal backward from the same forward is another gradient: the mask reaches it.
-      std::vector<double> causal(qkv.size(), 0.0);
-      Kernels::backward(be, causal, w, qkv, r, c);
-      CHECK(loom::test::max_relative_error(causal, numeric, 1e-3) > 1e-2);
+      std::vector<double> causal(k.qkv.size(), 0.0);
+      Kernels::backward(be, causal, k.w, k.qkv, k.run, c);
+      CHECK(loom::test::max_relative_error(causal, k.numeric, 1e-3) > 1e-2);
     }
   }
 }
@@ -460,6 +461,153 @@ TEST_CASE("bidirectional attention on bf16 (both pairs) runs each head in float"
                                                    mask);
       check_bf16_close(dqkv_b, dqkv_f, 4.0 * static_cast<double>(z.hs + Tn), z.hs + Tn);
     }
+  }
+}
+
+// Padded sequences (AttentionKeys::lengths): no query sees a key at or past its sequence's length.
+
+namespace {
+
+//! A batch of sequences of different lengths: a case and each sequence's length (1 and T
+//! included; 65 and 2 against the 64-row blocks).
+struct PaddedCase {
+  Case c;
+  std::vector<std::int32_t> lengths;
+};
+
+std::vector<PaddedCase> padded_cases() {
+  return {{{3, 5, 6, 2}, {1, 3, 5}}, {{2, 70, 12, 3}, {70, 37}}, {{3, 130, 8, 2}, {130, 65, 2}}};
+}
+
+loom::AttentionKeys padded_keys(AttentionMask mask, const std::vector<std::int32_t>& lengths) {
+  return {mask, Tensor<const std::int32_t>(lengths.data(), {static_cast<std::int64_t>(lengths.size())})};
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("padded attention (both pairs) matches the plain reference; padding gets exactly zero weight", T,
+                   float, double) {
+  const cpu be(2);
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : padded_cases()) {
+      const Case& c = pc.c;
+      INFO(loom::name(mask));
+      CAPTURE(c.T);
+      const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 61, -2.0, 2.0);
+      std::vector<double> att_ref, lse_ref;
+      const auto out_ref = reference_forward(qkv, c, att_ref, &lse_ref, mask, &pc.lengths);
+      const auto keys = padded_keys(mask, pc.lengths);
+      const auto r = SavesProbs<T>::forward(be, qkv, c, keys);
+      CHECK(loom::test::max_relative_error(r.out, out_ref, 1e-1) <= forward_tolerance<T>());
+      CHECK(loom::test::max_relative_error(r.saved, att_ref, 1e-2) <= forward_tolerance<T>());
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t bh = b * c.NH; bh < (b + 1) * c.NH; ++bh)
+          for (std::int64_t t = 0; t < c.T; ++t)
+            for (std::int64_t s = pc.lengths[static_cast<std::size_t>(b)]; s < c.T; ++s)
+              REQUIRE(r.saved[(bh * c.T + t) * c.T + s] == T(0));
+      const auto l = SavesLse<T>::forward(be, qkv, c, keys);
+      CHECK(l.out == r.out);
+      CHECK(loom::test::max_relative_error(l.saved, lse_ref, 1.0) <= forward_tolerance<T>());
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("padded attention backward matches central differences (double); padding gets no gradient",
+                   Kernels, SavesProbs<double>, SavesLse<double>) {
+  const cpu be(1);
+  const PaddedCase gradient_cases[] = {{{2, 5, 6, 2}, {2, 5}}, {{2, 6, 4, 1}, {1, 4}}, {{1, 70, 6, 2}, {66}}};
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : gradient_cases) {
+      const Case& c = pc.c;
+      INFO(loom::name(mask));
+      const auto dqkv = check_backward_by_differences<Kernels>(be, c, padded_keys(mask, pc.lengths), 62).dqkv;
+      // No query sees a padded key: its k and v get exactly no gradient.
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t t = pc.lengths[static_cast<std::size_t>(b)]; t < c.T; ++t)
+          for (std::int64_t i = c.C; i < 3 * c.C; ++i) REQUIRE(dqkv[(b * c.T + t) * 3 * c.C + i] == 0.0);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE_DEFINE("a padded sequence gets what it gets alone at its length; full lengths change no bit",
+                          Kernels, padded_alone) {
+  using T = typename Kernels::type;
+  const cpu be(2);
+  const double tolerance = sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : padded_cases()) {
+      const Case& c = pc.c;
+      INFO(loom::name(mask));
+      CAPTURE(c.T);
+      const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 64);
+      auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 65);
+      // The model's padded rows get no output gradient (their targets are ignored).
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t t = pc.lengths[static_cast<std::size_t>(b)]; t < c.T; ++t)
+          std::fill_n(dout.begin() + (b * c.T + t) * c.C, c.C, T(0));
+      const auto keys = padded_keys(mask, pc.lengths);
+      const auto r = Kernels::forward(be, qkv, c, keys);
+      std::vector<T> dqkv(qkv.size(), T(0));
+      Kernels::backward(be, dqkv, dout, qkv, r, c, keys);
+      for (std::int64_t b = 0; b < c.B; ++b) {
+        const std::int64_t n = pc.lengths[static_cast<std::size_t>(b)];
+        CAPTURE(n);
+        const Case alone{1, n, c.C, c.NH};
+        const std::vector<T> q(qkv.begin() + b * c.T * 3 * c.C, qkv.begin() + (b * c.T + n) * 3 * c.C);
+        const std::vector<T> g(dout.begin() + b * c.T * c.C, dout.begin() + (b * c.T + n) * c.C);
+        const auto ra = Kernels::forward(be, q, alone, mask);
+        std::vector<T> da(q.size(), T(0));
+        Kernels::backward(be, da, g, q, ra, alone, mask);
+        const std::vector<T> out_b(r.out.begin() + b * c.T * c.C, r.out.begin() + (b * c.T + n) * c.C);
+        const std::vector<T> dqkv_b(dqkv.begin() + b * c.T * 3 * c.C, dqkv.begin() + (b * c.T + n) * 3 * c.C);
+        std::vector<double> out_alone(ra.out.begin(), ra.out.end()), d_alone(da.begin(), da.end());
+        CHECK(loom::test::max_relative_error(out_b, out_alone, 1.0) <= tolerance);
+        CHECK(loom::test::max_relative_error(dqkv_b, d_alone, 1.0) <= tolerance);
+      }
+      // Every sequence full: the same bits as no lengths.
+      const std::vector<std::int32_t> full(static_cast<std::size_t>(c.B), static_cast<std::int32_t>(c.T));
+      const auto rf = Kernels::forward(be, qkv, c, padded_keys(mask, full));
+      const auto rn = Kernels::forward(be, qkv, c, mask);
+      CHECK(rf.out == rn.out);
+      CHECK(rf.saved == rn.saved);
+      std::vector<T> df(qkv.size(), T(0)), dn(qkv.size(), T(0));
+      Kernels::backward(be, df, dout, qkv, rf, c, padded_keys(mask, full));
+      Kernels::backward(be, dn, dout, qkv, rn, c, mask);
+      CHECK(df == dn);
+    }
+  }
+}
+TEST_CASE_TEMPLATE_APPLY(padded_alone, KernelPairs);
+
+TEST_CASE("attention kernels reject lengths of the wrong shape or outside [1, T], before any work") {
+  const cpu be(1);
+  const Case c{2, 5, 6, 2};
+  const auto qkv = loom::test::random_vector<float>(c.B * c.T * 3 * c.C, 66);
+  const std::vector<std::int32_t> three{5, 5, 5}, zero{5, 0}, long_one{6, 5};
+  const struct {
+    const std::vector<std::int32_t>* lengths;
+    const char* says;
+  } bad[] = {{&three, "lengths shape"}, {&zero, "lengths[1]: got 0"}, {&long_one, "lengths[0]: got 6"}};
+  for (const auto& x : bad) {
+    CAPTURE(x.says);
+    const auto keys = padded_keys(AttentionMask::bidirectional, *x.lengths);
+    std::vector<float> out(c.B * c.T * c.C, 7.0f), att(c.B * c.NH * c.T * c.T, 7.0f), lse(c.B * c.NH * c.T, 7.0f);
+    loom::test::expect_error(
+        [&] {
+          loom::kernels::attention_forward<float>(be, Tensor<float>(out.data(), {c.B, c.T, c.C}),
+                                                  Tensor<float>(att.data(), {c.B, c.NH, c.T, c.T}),
+                                                  Tensor<const float>(qkv.data(), {c.B, c.T, 3 * c.C}), c.NH, keys);
+        },
+        x.says);
+    loom::test::expect_error(
+        [&] {
+          loom::kernels::attention_forward_lse<float>(be, Tensor<float>(out.data(), {c.B, c.T, c.C}),
+                                                      Tensor<float>(lse.data(), {c.B, c.NH, c.T}),
+                                                      Tensor<const float>(qkv.data(), {c.B, c.T, 3 * c.C}), c.NH, keys);
+        },
+        x.says);
+    for (float v : out) REQUIRE(v == 7.0f);
+    for (float v : att) REQUIRE(v == 7.0f);
   }
 }
 

@@ -2,10 +2,13 @@
 // clipping, the loss definition, memory accounting and rejected inputs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "loom/io/padded.hpp"
+#include "loom/io/synthetic.hpp"
 #include "loom/loom.hpp"
 #include "support/training.hpp"
 
@@ -63,20 +66,16 @@ TEST_CASE("accumulation parity holds with gradient clipping") {
   check_accumulation_parity<float>(1e-5, 0.05);
 }
 
-TEST_CASE("whole-model gradient check in double against finite differences") {
-  cpu be(1);
-  const gpt2::Config c{.max_seq_len = 5, .vocab_size = 11, .padded_vocab_size = 16, .num_layers = 2,
-                       .num_heads = 2, .channels = 8};
-  // lr 0: the step computes gradients and leaves the weights where they are.
-  Trainer<gpt2::Model<cpu, double>, SgdMomentum> trainer(be, gpt2::Model<cpu, double>(c),
-                                                         SgdMomentum({.momentum = 0.0}),
-                                                         ConstantLr{.lr = 0.0}, {.micro_batch_size = 1});
-  TestBatch batch = make_batch(0, 2, 5, c.vocab_size);
-  batch.targets[3] = -1;  // an ignored target takes no part in the loss
+namespace {
+
+//! Scales a double trainer's matrices by 20 (so that attention is far from uniform and every
+//! path carries a gradient well above finite-difference noise), takes a step at lr 0 on `batch`
+//! and checks a few elements of every parameter's gradient (wte's padded rows included) against
+//! central differences of evaluate(); returns the worst relative error.
+template <class Trainer, class Batch>
+double check_gradient_by_differences(Trainer& trainer, const Batch& batch) {
   double* params = trainer.mutable_parameters();
   const ParameterLayout& layout = trainer.model().layout();
-  // Larger weights than GPT-2's init, so that attention is far from uniform and every path
-  // carries a gradient well above finite-difference noise.
   for (const auto& e : layout.entries())
     if (e.spec.shape.rank() == 2)
       for (std::int64_t i = 0; i < e.numel(); ++i) params[e.offset + i] *= 20;
@@ -84,7 +83,6 @@ TEST_CASE("whole-model gradient check in double against finite differences") {
   const double* grads = trainer.gradients();
   double worst = 0;
   for (const auto& e : layout.entries()) {
-    // A few elements of every parameter (wte's padded rows included: their gradient is zero).
     for (std::int64_t i = 0; i < e.numel(); i += std::max<std::int64_t>(1, e.numel() / 7)) {
       double& p = params[e.offset + i];
       const double saved = p, eps = 1e-5;
@@ -104,9 +102,26 @@ TEST_CASE("whole-model gradient check in double against finite differences") {
       worst = std::max(worst, err);
     }
   }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("whole-model gradient check in double against finite differences") {
+  cpu be(1);
+  const gpt2::Config c{.max_seq_len = 5, .vocab_size = 11, .padded_vocab_size = 16, .num_layers = 2,
+                       .num_heads = 2, .channels = 8};
+  // lr 0: the step computes gradients and leaves the weights where they are.
+  Trainer<gpt2::Model<cpu, double>, SgdMomentum> trainer(be, gpt2::Model<cpu, double>(c),
+                                                         SgdMomentum({.momentum = 0.0}),
+                                                         ConstantLr{.lr = 0.0}, {.micro_batch_size = 1});
+  TestBatch batch = make_batch(0, 2, 5, c.vocab_size);
+  batch.targets[3] = -1;  // an ignored target takes no part in the loss
+  const double worst = check_gradient_by_differences(trainer, batch);
   MESSAGE("worst relative gradient error: " << worst);
   // Padded vocabulary rows get no gradient.
-  const auto& wte = layout.find("wte");
+  const auto& wte = trainer.model().layout().find("wte");
+  const double* grads = trainer.gradients();
   for (std::int64_t i = c.vocab_size * c.channels; i < wte.numel(); ++i) CHECK(grads[wte.offset + i] == 0.0);
 }
 
@@ -275,4 +290,39 @@ TEST_CASE("a backend with device memory gets each batch copied in, checked on th
   bad.targets[3] = 50;
   CHECK_THROWS_WITH_AS(on_device.step(bad), doctest::Contains("gpt2 batch: target at position 3: got 50"), Error);
   CHECK(on_device.steps() == 2);
+}
+
+TEST_CASE("GPT-2 on padded batches: the gradient in double against finite differences; lengths copied to a device") {
+  // Causal and padded: query t sees keys s <= t below its row's length.
+  const gpt2::Config c{.max_seq_len = 6, .vocab_size = 11, .padded_vocab_size = 16, .num_layers = 2,
+                       .num_heads = 2, .channels = 8};
+  const io::Padded source(io::SyntheticMarkov({.vocab_size = 11, .seed = 5}), {.min_length = 2, .pad_token = 3});
+  const io::Batch batch = source.batch_at(1, 3, 6);
+  REQUIRE(batch.padded());
+  cpu be(1);
+  Trainer<gpt2::Model<cpu, double>, SgdMomentum> trainer(be, gpt2::Model<cpu, double>(c),
+                                                         SgdMomentum({.momentum = 0.0}), ConstantLr{.lr = 0.0},
+                                                         {.micro_batch_size = 1});
+  check_gradient_by_differences(trainer, batch);
+  // A padded position's token changes nothing: no query sees it and it has no target.
+  io::Batch other = batch;
+  for (std::int64_t i = 0; i < other.batch; ++i)
+    for (std::int64_t t = other.lengths[static_cast<std::size_t>(i)]; t < other.seq; ++t)
+      other.tokens[static_cast<std::size_t>(i * other.seq + t)] = 7;
+  CHECK(trainer.evaluate(other) == trainer.evaluate(batch));
+
+  // On a backend with device memory the lengths travel with the batch: 4 more bytes a row.
+  const gpt2::Config f = small_test_config();
+  const io::Batch padded = io::Padded(io::SyntheticMarkov({.vocab_size = f.vocab_size}), {.min_length = 3})
+                               .batch_at(0, 4, 8);
+  cpu host(1);
+  device_like_cpu device(1);
+  Trainer<gpt2::Model<cpu, float>, AdamW> on_host(host, gpt2::Model<cpu, float>(f), AdamW(), ConstantLr{.lr = 1e-3},
+                                                  {.micro_batch_size = 2});
+  Trainer<gpt2::Model<device_like_cpu, float>, AdamW> on_device(device, gpt2::Model<device_like_cpu, float>(f), AdamW(),
+                                                                ConstantLr{.lr = 1e-3}, {.micro_batch_size = 2});
+  const std::size_t before = device.bytes_from_host;
+  CHECK(on_device.step(padded).loss == on_host.step(padded).loss);
+  CHECK(device.bytes_from_host - before == (2 * 4 * 8 + 4) * sizeof(std::int32_t));
+  CHECK(relative_difference(on_device.parameters(), on_host.parameters(), on_host.model().layout().total()) == 0.0);
 }

@@ -1,5 +1,10 @@
 #pragma once
-//! \file Which keys a query attends to, for the self-attention kernels of every backend.
+//! \file Which keys a query attends to, for the self-attention kernels of every backend: the mask
+//! (causal or bidirectional) and, for a batch of padded sequences, each sequence's length.
+
+#include <cstdint>
+
+#include "loom/core/tensor.hpp"
 
 namespace loom {
 
@@ -11,5 +16,29 @@ enum class AttentionMask {
 
 //! "causal" or "bidirectional".
 inline const char* name(AttentionMask m) noexcept { return m == AttentionMask::causal ? "causal" : "bidirectional"; }
+
+//! The keys each query of an attention call sees: those its `mask` allows, less the padding of
+//! its sequence. Sequence b of a [B, T] batch holds `lengths[b]` real tokens, in [1, T], followed
+//! by padding; no query sees a key at or past its sequence's length (BERT's padded-bidirectional
+//! mask; causal: s <= t and s < length). Queries at padded positions still see the sequence's
+//! keys, so their outputs are finite, and nothing reads them back: the loss ignores those
+//! positions and no real query sees them, so they get zero gradient. Empty `lengths` (the
+//! default, and what an AttentionMask converts to) means every sequence is T tokens. The lengths
+//! live where the kernel runs: host memory on the CPU backend, device memory on CUDA.
+struct AttentionKeys {
+  AttentionMask mask = AttentionMask::causal;
+  Tensor<const std::int32_t> lengths{};  //!< [B], or empty: no padding
+
+  constexpr AttentionKeys() = default;
+  //! Every sequence full-length, under `m` (so that a kernel taking AttentionKeys takes an
+  //! AttentionMask too).
+  constexpr AttentionKeys(AttentionMask m) noexcept : mask(m) {}  // NOLINT(google-explicit-constructor)
+  //! `m`, with sequence b holding `sequence_lengths[b]` tokens (empty: all of them).
+  constexpr AttentionKeys(AttentionMask m, Tensor<const std::int32_t> sequence_lengths) noexcept
+      : mask(m), lengths(sequence_lengths) {}
+
+  //! Whether some sequences may be shorter than T.
+  constexpr bool padded() const noexcept { return !lengths.empty(); }
+};
 
 }  // namespace loom

@@ -8,6 +8,7 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "loom/core/error.hpp"
@@ -20,12 +21,15 @@ using loom::detail::to_text;  // io's detail namespace would otherwise hide it
 }  // namespace detail
 
 //! `batch` sequences of `seq` tokens each, row-major, with their next-token targets.
-//! A target < 0 is ignored by the loss (padding, masked positions).
+//! A target < 0 is ignored by the loss (padding, masked positions). A padded batch says how
+//! long each sequence is: row i is its first lengths[i] tokens, then padding that no query
+//! attends to (loom::AttentionKeys), whose targets are ignored.
 struct Batch {
   std::int64_t batch = 0;               //!< sequences (rows)
   std::int64_t seq = 0;                 //!< tokens per sequence (columns)
   std::vector<std::int32_t> tokens;     //!< [batch, seq] inputs
   std::vector<std::int32_t> targets;    //!< [batch, seq] next tokens; < 0 means "ignored"
+  std::vector<std::int32_t> lengths{};  //!< [batch] real tokens of each row, in [1, seq]; empty: all seq
 
   //! A zero-filled batch of the given shape.
   static Batch zeros(std::int64_t batch, std::int64_t seq) {
@@ -39,6 +43,13 @@ struct Batch {
   Tensor<const std::int32_t> tokens_view() const { return {tokens.data(), Shape{batch, seq}}; }
   //! The targets as a [batch, seq] view.
   Tensor<const std::int32_t> targets_view() const { return {targets.data(), Shape{batch, seq}}; }
+  //! The sequence lengths as a [batch] view, or an empty one where no row is padded.
+  Tensor<const std::int32_t> lengths_view() const {
+    if (lengths.empty()) return {};
+    return {lengths.data(), Shape{static_cast<std::int64_t>(lengths.size())}};
+  }
+  //! Whether the rows carry lengths (some may be shorter than seq).
+  bool padded() const noexcept { return !lengths.empty(); }
 
   //! Sequences [first, first + count) as a batch of their own: how a data-parallel rank takes
   //! its share of the global batch and how a rank's share splits into micro-batches.
@@ -51,8 +62,10 @@ struct Batch {
                    detail::to_text(first) + ", batch = " + detail::to_text(batch) + ")");
     const auto begin = static_cast<std::ptrdiff_t>(first * seq);
     const auto end = static_cast<std::ptrdiff_t>((first + count) * seq);
+    std::vector<std::int32_t> kept_lengths;
+    if (padded()) kept_lengths.assign(lengths.begin() + first, lengths.begin() + first + count);
     return {count, seq, {tokens.begin() + begin, tokens.begin() + end},
-            {targets.begin() + begin, targets.begin() + end}};
+            {targets.begin() + begin, targets.begin() + end}, std::move(kept_lengths)};
   }
 
   //! Targets that count towards the loss (those >= 0): the loss is their mean.

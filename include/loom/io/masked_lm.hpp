@@ -58,7 +58,9 @@ struct MaskedLmConfig {
 //! from CounterRng(seed, "masked_lm") at index j: lane 0 selects it, lane 1 chooses mask / random
 //! / keep, lane 2 draws the random token (in [0, source vocabulary), never the new mask id). A
 //! row in which no position was selected gets its position below(seq, row index, lane 3)
-//! selected, so that every sequence carries at least one target. With a cap
+//! selected, so that every sequence carries at least one target. A padded source's rows
+//! (Batch::lengths, e.g. from Padded) are masked over their real positions only: seq above is
+//! then the row's length, and the padding keeps its tokens and no target. With a cap
 //! (MaskedLmConfig::max_predictions) a row keeps the selected positions with the smallest lane-0
 //! draws (the earlier position on a tie). Like its source, a batch is a pure function of (config,
 //! source, step, batch, seq) (DESIGN.md invariant 2).
@@ -90,12 +92,14 @@ class MaskedLm {
     for (std::int64_t i = 0; i < batch; ++i) {
       const auto row = static_cast<std::uint64_t>(step * batch + i);
       drawn.clear();
-      for (std::int64_t t = 0; t < seq; ++t) {
+      // A padded row (a Padded source) predicts only its real positions.
+      const std::int64_t length = out.padded() ? out.lengths[static_cast<std::size_t>(i)] : seq;
+      for (std::int64_t t = 0; t < length; ++t) {
         const double u = draws_.uniform(position(row, seq, t), 0);
         if (u < config_.select_probability) drawn.emplace_back(u, t);
       }
       if (drawn.empty())  // every sequence carries a target
-        drawn.emplace_back(0.0, static_cast<std::int64_t>(draws_.below(static_cast<std::uint64_t>(seq), row, 3)));
+        drawn.emplace_back(0.0, static_cast<std::int64_t>(draws_.below(static_cast<std::uint64_t>(length), row, 3)));
       if (cap > 0 && drawn.size() > cap) {
         std::nth_element(drawn.begin(), drawn.begin() + static_cast<std::ptrdiff_t>(cap) - 1, drawn.end());
         drawn.resize(cap);

@@ -35,6 +35,9 @@ struct ForwardArgs {
   //! Scratch the forward may use, workspace_elements(layer, shape) elements (the backward's),
   //! or empty: a layer whose forward needs scratch then allocates it.
   Tensor<T> workspace{};
+  //! [B] real tokens of each sequence, the rest padding that no query attends to
+  //! (AttentionKeys), where the kernels read it; empty: every sequence is T tokens.
+  Tensor<const std::int32_t> lengths{};
 };
 
 //! What one layer's backward reads and writes. Gradients accumulate (+=).
@@ -51,6 +54,7 @@ struct BackwardArgs {
   //! float for bf16, where 1 / tokens would lose all but 8 bits.
   accumulate_t<T> loss_scale = accumulate_t<T>(1);
   DropoutKey dropout{};  //!< the forward's key: the backward draws the same masks
+  Tensor<const std::int32_t> lengths{};  //!< the forward's sequence lengths (ForwardArgs::lengths)
 };
 
 //! A Model is an ordered list of layers over named parameters in one flat layout, each layer

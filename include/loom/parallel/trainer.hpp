@@ -13,7 +13,6 @@
 #include <optional>
 #include <ostream>
 #include <span>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -144,21 +143,26 @@ class Trainer {
                 std::move(optimizer), std::move(lr), options, std::move(strategy), std::move(schedule)) {}
 
   //! One optimizer step on `global`, anything with `tokens_view()` and `targets_view()`
-  //! returning [batch, seq] int32 tensors (io::Batch).
+  //! returning [batch, seq] int32 tensors (io::Batch), and `lengths_view()` returning its
+  //! sequences' lengths where it has one (empty: no padding).
   template <class Batch>
   StepMetrics step(const Batch& global) {
-    return step(global.tokens_view(), global.targets_view());
+    return step(global.tokens_view(), global.targets_view(), lengths_of(global));
   }
 
-  //! One optimizer step on the global batch given as [batch, seq] tokens and targets.
-  StepMetrics step(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
+  //! One optimizer step on the global batch given as [batch, seq] tokens and targets, and
+  //! optionally [batch] `lengths`: sequence i is its first lengths[i] tokens, in [1, seq], then
+  //! padding that no query attends to (AttentionKeys) and whose targets must be ignored (< 0).
+  //! Empty: every sequence is seq tokens.
+  StepMetrics step(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
+                   Tensor<const std::int32_t> lengths = {}) {
     const auto start = std::chrono::steady_clock::now();
     forget_unfinished_step();
-    const std::int64_t micro_batches = plan(tokens, targets);
+    const std::int64_t micro_batches = plan(tokens, targets, lengths);
     const std::int64_t target_tokens = count_targets(targets);
     LOOM_CHECK(target_tokens > 0, "trainer step: target tokens", target_tokens,
                "a global batch needs at least one target >= 0");
-    const auto [batch_tokens, batch_targets] = place_batch(tokens, targets);
+    const Inputs batch = place_batch({tokens, targets, lengths});
     // In the accumulate type: 1 / tokens is no bf16 value.
     const auto loss_scale = static_cast<accumulate_t<scalar_type>>(1.0 / static_cast<double>(target_tokens));
 
@@ -168,19 +172,18 @@ class Trainer {
     double loss_sum = 0;
     for (std::size_t i = 0; i < actions_.size(); ++i) {
       const Action& a = actions_[i];
-      const Tensor<const std::int32_t> mb_tokens = micro(batch_tokens, a.micro_batch),
-                                       mb_targets = micro(batch_targets, a.micro_batch);
+      const Inputs mb = micro(batch, a.micro_batch);
       issue(plan_[i]);
       switch (a.kind) {
         case Action::Kind::forward:
-          loss_sum += forward(a.micro_batch, a.chunk, mb_tokens, mb_targets, dropout_key(a.micro_batch));
+          loss_sum += forward(a.micro_batch, a.chunk, mb, dropout_key(a.micro_batch));
           break;
         case Action::Kind::backward:
         case Action::Kind::backward_input:
-          backward(a, mb_tokens, mb_targets, loss_scale, completes_chunk_[i]);
+          backward(a, mb, loss_scale, completes_chunk_[i]);
           break;
         case Action::Kind::backward_weight:
-          backward_weight(a, mb_tokens, mb_targets, loss_scale, completes_chunk_[i]);
+          backward_weight(a, mb, loss_scale, completes_chunk_[i]);
           break;
       }
     }
@@ -218,18 +221,18 @@ class Trainer {
   //! Mean loss on a batch without changing anything (forward only; collective like step()).
   template <class Batch>
   double evaluate(const Batch& global) {
-    Tensor<const std::int32_t> tokens = global.tokens_view(), targets = global.targets_view();
+    const Inputs given{global.tokens_view(), global.targets_view(), lengths_of(global)};
     forget_unfinished_step();
-    plan(tokens, targets);
-    const std::int64_t target_tokens = count_targets(targets);
-    std::tie(tokens, targets) = place_batch(tokens, targets);
+    plan(given.tokens, given.targets, given.lengths);
+    const std::int64_t target_tokens = count_targets(given.targets);
+    const Inputs batch = place_batch(given);
     double loss_sum = 0;
     // Micro-batch by micro-batch through the chunks in order: every receive has its send ahead.
     for (std::size_t i = 0; i < evaluate_actions_.size(); ++i) {
       const Action& a = evaluate_actions_[i];
       issue(evaluate_plan_[i]);
       // No dropout: evaluation measures the model itself.
-      loss_sum += forward(a.micro_batch, a.chunk, micro(tokens, a.micro_batch), micro(targets, a.micro_batch), {});
+      loss_sum += forward(a.micro_batch, a.chunk, micro(batch, a.micro_batch), {});
       release(find(a.micro_batch, a.chunk));
     }
     issue(evaluate_plan_.back());
@@ -540,11 +543,13 @@ class Trainer {
 
   //! Checks the batch and (re)allocates activation storage for its shape; returns the number
   //! of micro-batches.
-  std::int64_t plan(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets) {
+  std::int64_t plan(Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
+                    Tensor<const std::int32_t> lengths) {
     LOOM_CHECK(tokens.shape().rank() == 2, "trainer step: tokens shape", tokens.shape(),
                "expected [batch, seq]");
     LOOM_CHECK(targets.shape() == tokens.shape(), "trainer step: targets shape", targets.shape(),
                "must equal the tokens' shape " + detail::to_text(tokens.shape()));
+    check_lengths(targets, lengths);
     const std::int64_t rows = tokens.extent(0), mbs = options_.micro_batch_size;
     const std::int64_t ranks = group_.size();
     if (ranks == 1)
@@ -705,33 +710,79 @@ class Trainer {
     return false;
   }
 
-  //! Micro-batch `mb` of this rank's slice of a [batch, seq] global tensor: rows
-  //! [first_row + mb·size, first_row + (mb+1)·size).
-  Tensor<const std::int32_t> micro(Tensor<const std::int32_t> t, std::int64_t mb) const {
-    const std::int64_t rows = options_.micro_batch_size, seq = t.extent(1);
-    return {t.data() + (first_row_ + mb * rows) * seq, Shape{rows, seq}};
+  //! A batch's inputs: [batch, seq] tokens and targets, and [batch] sequence lengths (empty: no
+  //! padding).
+  struct Inputs {
+    Tensor<const std::int32_t> tokens, targets, lengths;
+  };
+
+  //! `global.lengths_view()` where a batch type has one, else empty (no padding).
+  template <class Batch>
+  static Tensor<const std::int32_t> lengths_of(const Batch& global) {
+    if constexpr (requires { global.lengths_view(); })
+      return global.lengths_view();
+    else
+      return {};
+  }
+
+  //! Checks `lengths` (host memory) against the batch: empty, or [batch] with each length in
+  //! [1, seq] and every target at or past its sequence's length ignored (< 0), so that padding
+  //! never reaches the loss.
+  static void check_lengths(Tensor<const std::int32_t> targets, Tensor<const std::int32_t> lengths) {
+    if (lengths.empty()) return;
+    const std::int64_t rows = targets.extent(0), seq = targets.extent(1);
+    LOOM_CHECK(lengths.shape() == Shape{rows}, "trainer step: lengths shape", lengths.shape(),
+               "expected [batch] = [" + detail::to_text(rows) + "] (or empty: no padding)");
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const std::int32_t length = lengths.data()[i];
+      LOOM_CHECK(length >= 1 && length <= seq, "trainer step: lengths[" + detail::to_text(i) + "]", length,
+                 "must be in [1, seq = " + detail::to_text(seq) + "]");
+      for (std::int64_t t = length; t < seq; ++t)
+        LOOM_CHECK(targets.data()[i * seq + t] < 0,
+                   "trainer step: target of padded position [" + detail::to_text(i) + ", " + detail::to_text(t) + "]",
+                   targets.data()[i * seq + t],
+                   "must be < 0 (ignored): sequence " + detail::to_text(i) + " is " + detail::to_text(length) +
+                       " tokens long");
+    }
+  }
+
+  //! Micro-batch `mb` of this rank's slice of the global batch: rows [first_row + mb·size,
+  //! first_row + (mb+1)·size).
+  Inputs micro(const Inputs& global, std::int64_t mb) const {
+    const std::int64_t rows = options_.micro_batch_size, seq = global.tokens.extent(1);
+    const std::int64_t first = first_row_ + mb * rows;
+    const auto slice = [&](Tensor<const std::int32_t> t) {
+      return Tensor<const std::int32_t>(t.data() + first * seq, Shape{rows, seq});
+    };
+    return {slice(global.tokens), slice(global.targets),
+            global.lengths.empty() ? Tensor<const std::int32_t>{}
+                                   : Tensor<const std::int32_t>(global.lengths.data() + first, Shape{rows})};
   }
 
   //! The global batch where the kernels read it, after the model's own check of its values
   //! (`check_batch`, where the model has one): as given on a backend with host memory, else
-  //! copied into backend memory (one copy a step; 8 bytes a token).
-  std::pair<Tensor<const std::int32_t>, Tensor<const std::int32_t>> place_batch(Tensor<const std::int32_t> tokens,
-                                                                                Tensor<const std::int32_t> targets) {
-    if constexpr (requires(const M& m) { m.check_batch(tokens, targets); }) stage_.model().check_batch(tokens, targets);
+  //! copied into backend memory (one copy a step; 8 bytes a token and 4 a sequence).
+  Inputs place_batch(const Inputs& given) {
+    if constexpr (requires(const M& m) { m.check_batch(given.tokens, given.targets); })
+      stage_.model().check_batch(given.tokens, given.targets);
     if constexpr (host_addressable<backend_type>) {
-      return {tokens, targets};
+      return given;
     } else {
-      const std::int64_t n = tokens.numel();
-      if (batch_.size() < 2 * n) {
+      const std::int64_t n = given.tokens.numel(), needed = 2 * n + given.lengths.numel();
+      if (batch_.size() < needed) {
         batch_ = Buffer<std::int32_t, backend_type>();
-        batch_ = Buffer<std::int32_t, backend_type>(*backend_, 2 * n, MemoryCategory::activations);
+        batch_ = Buffer<std::int32_t, backend_type>(*backend_, needed, MemoryCategory::activations);
       }
-      backend_->copy_from_host(batch_.data(), tokens.data(), sizeof(std::int32_t) * static_cast<std::size_t>(n));
-      backend_->copy_from_host(batch_.data() + n, targets.data(), sizeof(std::int32_t) * static_cast<std::size_t>(n));
-      return {Tensor<const std::int32_t>(batch_.data(), tokens.shape()),
-              Tensor<const std::int32_t>(batch_.data() + n, targets.shape())};
+      const auto place = [this](std::int64_t at, Tensor<const std::int32_t> from) {
+        if (from.empty()) return Tensor<const std::int32_t>{};
+        backend_->copy_from_host(batch_.data() + at, from.data(),
+                                 sizeof(std::int32_t) * static_cast<std::size_t>(from.numel()));
+        return Tensor<const std::int32_t>(batch_.data() + at, from.shape());
+      };
+      return {place(0, given.tokens), place(n, given.targets), place(2 * n, given.lengths)};
     }
   }
+
 
   static std::int64_t count_targets(Tensor<const std::int32_t> targets) {
     std::int64_t n = 0;
@@ -812,8 +863,7 @@ class Trainer {
     return {.seed = options_.seed, .step = step_, .first_sequence = first_row_ + mb * options_.micro_batch_size};
   }
 
-  double forward(std::int64_t mb, int chunk, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
-                 DropoutKey dropout) {
+  double forward(std::int64_t mb, int chunk, const Inputs& inputs, DropoutKey dropout) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(chunk)];
     Slot* received = held(mb, chunk);  // a receive from another rank took the slot (issue)
     Slot& slot = received != nullptr ? *received : acquire(mb, chunk);
@@ -821,13 +871,14 @@ class Trainer {
     double loss_sum = 0;
     for (int j = 0; j < p.count; ++j) {
       const int l = p.first + j;
-      ForwardArgs<T> a{.tokens = tokens,
-                       .targets = targets,
+      ForwardArgs<T> a{.tokens = inputs.tokens,
+                       .targets = inputs.targets,
                        .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                        .output = j + 1 < p.count || p.sends ? hidden(slot, p, j + 1) : Tensor<T>{},
                        .saved = saved(slot, p, j),
                        .dropout = dropout,
-                       .workspace = workspace(l)};
+                       .workspace = workspace(l),
+                       .lengths = inputs.lengths};
       loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
     }
@@ -836,8 +887,7 @@ class Trainer {
   }
 
   //! A whole backward, or its input-gradient pass (backward_input), of one chunk.
-  void backward(const Action& action, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
-                accumulate_t<T> loss_scale, bool completes) {
+  void backward(const Action& action, const Inputs& inputs, accumulate_t<T> loss_scale, bool completes) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
     Slot& slot = find(action.micro_batch, action.chunk);
     const std::int64_t mb = action.micro_batch;
@@ -856,26 +906,28 @@ class Trainer {
       Tensor<const T> output_grad{};
       if (j + 1 < p.count) output_grad = Tensor<const T>(hidden_grads_.data() + current * n, hidden_shape());
       else if (p.sends) output_grad = Tensor<const T>(received_grad_.data(), hidden_shape());
-      BackwardArgs<T> a{.tokens = tokens,
-                        .targets = targets,
+      BackwardArgs<T> a{.tokens = inputs.tokens,
+                        .targets = inputs.targets,
                         .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                         .output_grad = output_grad,
                         .input_grad = input_grad,
                         .saved = saved(slot, p, j),
                         .workspace = workspace(l),
                         .loss_scale = loss_scale,
-                        .dropout = dropout_key(mb)};
+                        .dropout = dropout_key(mb),
+                        .lengths = inputs.lengths};
       const ParameterView<const T> params = engine_.backward_params(l);
       if (p.recomputed[static_cast<std::size_t>(j)]) {
         // The forward again, from the input the slot kept, with the same parameters and masks:
         // the activations it kept the first time (its output is already the next layer's input).
-        const ForwardArgs<T> again{.tokens = tokens,
-                                   .targets = targets,
+        const ForwardArgs<T> again{.tokens = inputs.tokens,
+                                   .targets = inputs.targets,
                                    .input = a.input,
                                    .output = Tensor<T>(recompute_output_.data(), hidden_shape()),
                                    .saved = a.saved,
                                    .dropout = a.dropout,
-                                   .workspace = a.workspace};
+                                   .workspace = a.workspace,
+                                   .lengths = inputs.lengths};
         (void)stage_.forward(*backend_, l, params, again);
       }
       if (action.kind == Action::Kind::backward) {
@@ -898,29 +950,29 @@ class Trainer {
   }
 
   //! The weight-gradient pass of one chunk (after its backward_input).
-  void backward_weight(const Action& action, Tensor<const std::int32_t> tokens, Tensor<const std::int32_t> targets,
-                       accumulate_t<T> loss_scale, bool completes) {
+  void backward_weight(const Action& action, const Inputs& inputs, accumulate_t<T> loss_scale, bool completes) {
     if constexpr (SplitBackwardModel<M>) {
       const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(action.chunk)];
       Slot& slot = find(action.micro_batch, action.chunk);
       for (int j = p.count - 1; j >= 0; --j) {
         const int l = p.first + j;
-        BackwardArgs<T> a{.tokens = tokens,
-                          .targets = targets,
+        BackwardArgs<T> a{.tokens = inputs.tokens,
+                          .targets = inputs.targets,
                           .input = j > 0 || p.receives ? Tensor<const T>(hidden(slot, p, j)) : Tensor<const T>{},
                           .output_grad = {},  // the weight pass reads the stash instead
                           .input_grad = {},
                           .saved = saved(slot, p, j),
                           .workspace = workspace(l),
                           .loss_scale = loss_scale,
-                          .dropout = dropout_key(action.micro_batch)};
+                          .dropout = dropout_key(action.micro_batch),
+                          .lengths = inputs.lengths};
         stage_.backward_weight(*backend_, l, engine_.backward_params(l), engine_.backward_grads(l), a,
                                range(slot.stash, p.stash_offset, j));
         notify(l, completes);
       }
       release(slot);
     } else {
-      (void)tokens, (void)targets, (void)loss_scale, (void)completes;
+      (void)inputs, (void)loss_scale, (void)completes;
       throw Error("trainer: schedule action", detail::to_text(action),
                   "needs a Model with backward_input and backward_weight");
     }

@@ -1,8 +1,9 @@
 #pragma once
 //! \file Multi-head self-attention on the CPU backend, causal (GPT-2) or bidirectional (BERT;
-//! loom::AttentionMask): Eigen GEMMs per (batch, head) over strided views of the packed qkv
-//! activations, in blocks of query rows, so that with the causal mask only the lower triangle of
-//! the score matrix is computed (the bidirectional one computes all of it). Two pairs of kernels:
+//! loom::AttentionMask), over full-length or padded sequences (loom::AttentionKeys): Eigen GEMMs
+//! per (batch, head) over strided views of the packed qkv activations, in blocks of query rows, so
+//! that with the causal mask only the lower triangle of the score matrix is computed (the
+//! bidirectional one computes all of it) and no key past a sequence's length. Two pairs of kernels:
 //! attention_forward/attention_backward keep the probabilities [B,NH,T,T] for the backward;
 //! attention_forward_lse/attention_backward_lse keep only the row log-sum-exp [B,NH,T] and
 //! recompute the probabilities block by block (FlashAttention's contract). Each takes an optional
@@ -100,14 +101,15 @@ void score_block(const ConstStrided<A>& Q, const ConstStrided<A>& K, std::int64_
 }
 
 //! The keys [0, block_keys) that some query row of the block [i0, i1) sees: [0, i1) with the
-//! causal mask, all of [0, T) without.
-inline std::int64_t block_keys(AttentionMask mask, std::int64_t i1, std::int64_t Tn) noexcept {
-  return mask == AttentionMask::causal ? i1 : Tn;
+//! causal mask, all of [0, T) without; none at or past the sequence's `length`.
+inline std::int64_t block_keys(AttentionMask mask, std::int64_t i1, std::int64_t Tn, std::int64_t length) noexcept {
+  return std::min(mask == AttentionMask::causal ? i1 : Tn, length);
 }
 
-//! The keys [0, row_keys) that query t sees: [0, t] with the causal mask, all of [0, T) without.
-inline std::int64_t row_keys(AttentionMask mask, std::int64_t t, std::int64_t Tn) noexcept {
-  return mask == AttentionMask::causal ? t + 1 : Tn;
+//! The keys [0, row_keys) that query t sees: [0, t] with the causal mask, all of [0, T) without;
+//! none at or past the sequence's `length` (AttentionKeys).
+inline std::int64_t row_keys(AttentionMask mask, std::int64_t t, std::int64_t Tn, std::int64_t length) noexcept {
+  return std::min(mask == AttentionMask::causal ? t + 1 : Tn, length);
 }
 
 //! The dropped probabilities of query rows [i0, i1): row t of `dropped` (rows T apart) is row t
@@ -115,9 +117,10 @@ inline std::int64_t row_keys(AttentionMask mask, std::int64_t t, std::int64_t Tn
 //! row's keys up to `keys`. Returns `dropped`.
 template <class A>
 const A* drop_block(const DropoutMask& drop, std::uint64_t origin, const A* probs, A* dropped, std::int64_t i0,
-                    std::int64_t i1, std::int64_t keys, std::int64_t Tn, AttentionMask mask) {
+                    std::int64_t i1, std::int64_t keys, std::int64_t Tn, AttentionMask mask,
+                    std::int64_t length) {
   for (std::int64_t t = i0; t < i1; ++t) {
-    const std::int64_t seen = row_keys(mask, t, Tn), r = t - i0;
+    const std::int64_t seen = row_keys(mask, t, Tn, length), r = t - i0;
     dropout_row(drop, origin + static_cast<std::uint64_t>(t * Tn), probs + r * Tn, dropped + r * Tn, seen);
     std::fill(dropped + r * Tn + seen, dropped + r * Tn + keys, A(0));
   }
@@ -131,23 +134,24 @@ const A* drop_block(const DropoutMask& drop, std::uint64_t origin, const A* prob
 //! q_t·k_s) over the keys s that t sees is kept instead. Either way out comes from the same
 //! arithmetic. With an active `drop`, out = dropout(P) V (the mask of element (t, s) is that of
 //! global element origin + t·T + s), the dropped block going to `dropped` ([min(T, 64), T]
-//! scratch); att and lse are the softmax's, undropped.
+//! scratch); att and lse are the softmax's, undropped. Keys at or past `length` (the sequence's
+//! real tokens, AttentionKeys) are masked for every query, and never multiplied.
 template <class A>
 void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A* att, A* lse, A* block,
                   A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask,
-                  const DropoutMask& drop, std::uint64_t origin, A* dropped) {
+                  std::int64_t length, const DropoutMask& drop, std::uint64_t origin, A* dropped) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> O(out, Tn, hs, Eigen::OuterStride<>(out_stride));
   // att rows are T wide and zero past the row's keys; a block row only needs its block's keys.
   for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
-    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn);
+    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn, length);
     A* probs = att != nullptr ? att + i0 * Tn : block;
     score_block(Q, K, i0, i1, keys, probs, Tn);
     // Row softmax over the keys t sees, in place; scale > 0, so the raw max is the scaled max.
     for (std::int64_t t = i0; t < i1; ++t) {
       A* row = probs + (t - i0) * Tn;
-      const std::int64_t seen = row_keys(mask, t, Tn);
+      const std::int64_t seen = row_keys(mask, t, Tn, length);
       const A max = ConstArrayMap<A>(row, seen).maxCoeff();
       transform_in_chunks(row, seen, [&](const auto& x) { return ((x - max) * scale).exp(); });
       const double sum = sum_as_double(row, seen);
@@ -155,7 +159,7 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
       if (lse != nullptr) lse[t] = static_cast<A>(static_cast<double>(max) * scale + std::log(sum));
       std::fill(row + seen, row + (att != nullptr ? Tn : keys), A(0));
     }
-    const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask) : probs;
+    const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask, length) : probs;
     O.middleRows(i0, n).noalias() = ConstStrided<A>(weights, n, keys, Eigen::OuterStride<>(Tn)) * V.topRows(keys);
   }
 }
@@ -173,15 +177,15 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
 template <class A>
 void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std::int64_t qkv_stride,
                    const A* dout, const A* out, std::int64_t dout_stride, const A* att, const A* lse, A* block,
-                   A* work, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask, const DropoutMask& drop,
-                   std::uint64_t origin, A* dropped) {
+                   A* work, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask, std::int64_t length,
+                   const DropoutMask& drop, std::uint64_t origin, A* dropped) {
   const Eigen::OuterStride<> qkv_outer(qkv_stride);
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> dQ(dq, Tn, hs, qkv_outer), dK(dk, Tn, hs, qkv_outer), dV(dv, Tn, hs, qkv_outer);
   const ConstStrided<A> dO(dout, Tn, hs, Eigen::OuterStride<>(dout_stride));
   Strided<A> W(work, std::min(Tn, block_rows), Tn, Eigen::OuterStride<>(Tn));
   for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
-    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn);
+    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn, length);
     // P: rows [i0, i1), Tn apart, over the block's keys [0, keys) (0 past each row's own keys).
     const A* probs = att != nullptr ? att + i0 * Tn : block;
     if (att == nullptr) {
@@ -189,12 +193,12 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
       for (std::int64_t t = i0; t < i1; ++t) {
         A* row = block + (t - i0) * Tn;
         const A shift = lse[t];
-        const std::int64_t seen = row_keys(mask, t, Tn);
+        const std::int64_t seen = row_keys(mask, t, Tn, length);
         transform_in_chunks(row, seen, [&](const auto& x) { return (x * scale - shift).exp(); });
         std::fill(row + seen, row + keys, A(0));
       }
     }
-    const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask) : probs;
+    const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask, length) : probs;
     const ConstStrided<A> P(weights, n, keys, Eigen::OuterStride<>(Tn));
     const auto dO_block = dO.middleRows(i0, n);
     // dV += P^T dO (P is 0 past each row's keys, so the block's masked part adds nothing).
@@ -203,7 +207,7 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
     auto dS = W.topLeftCorner(n, keys);
     dS.noalias() = dO_block * V.topRows(keys).transpose();
     for (std::int64_t r = 0; r < n; ++r) {
-      const std::int64_t t = i0 + r, seen = row_keys(mask, t, Tn);
+      const std::int64_t t = i0 + r, seen = row_keys(mask, t, Tn, length);
       const ConstArrayMap<A> p(probs + r * Tn, seen);
       ArrayMap<A> g(work + r * Tn, seen);
       if (drop.active()) dropout_row(drop, origin + static_cast<std::uint64_t>(t * Tn), g.data(), g.data(), seen);
@@ -257,18 +261,19 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
       A* lse_head = lse != nullptr ? lse + bh * Tn : nullptr;
       T* out_head = out + b * Tn * C + h * hs;
       const std::uint64_t origin = drop.head_origin(b, h, Tn);
+      const std::int64_t length = d.length(b);
       if constexpr (is_narrow_storage<T>) {
         // q, k, v: three [T, hs] blocks C apart in qkv; then out and att.
         for (int i = 0; i < 3; ++i) widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, stage + i * Tn * hs);
         A* so = stage + 3 * Tn * hs;
         A* sa = att != nullptr ? so + Tn * hs : nullptr;
         head_forward<A>(stage, stage + Tn * hs, stage + 2 * Tn * hs, hs, sa, lse_head, block, so, hs, Tn, hs, scale,
-                        d.mask, drop.mask, origin, dropped);
+                        d.mask, length, drop.mask, origin, dropped);
         if (att != nullptr) narrow_into(sa, att_head, Tn * Tn);
         narrow_block(so, hs, out_head, C, Tn, hs);
       } else {
         head_forward<A>(q, q + C, q + 2 * C, 3 * C, att_head, lse_head, block, out_head, C, Tn, hs, scale, d.mask,
-                        drop.mask, origin, dropped);
+                        length, drop.mask, origin, dropped);
       }
     }
   }
@@ -313,6 +318,7 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
       const T* a = att != nullptr ? att + bh * Tn * Tn : nullptr;
       const A* l = lse != nullptr ? lse + bh * Tn : nullptr;
       const std::uint64_t origin = drop.head_origin(b, h, Tn);
+      const std::int64_t length = d.length(b);
       if constexpr (is_narrow_storage<T>) {
         // q, k, v, dq, dk, dv: six [T, hs] blocks at C apart in qkv and dqkv; then dout, and att
         // or out.
@@ -328,12 +334,12 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
         if (a != nullptr) widen_into(a, sa, Tn * Tn);
         else widen_block(o, C, 0, Tn, 0, hs, so);
         head_backward<A>(blocks, blocks + Tn * hs, blocks + 2 * Tn * hs, blocks + 3 * Tn * hs, blocks + 4 * Tn * hs,
-                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale, d.mask, drop.mask,
-                         origin, dropped);
+                         blocks + 5 * Tn * hs, hs, sg, so, hs, sa, l, block, work, Tn, hs, scale, d.mask, length,
+                         drop.mask, origin, dropped);
         for (int i = 0; i < 3; ++i) narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
       } else {
         head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, o, C, a, l, block, work, Tn, hs,
-                         scale, d.mask, drop.mask, origin, dropped);
+                         scale, d.mask, length, drop.mask, origin, dropped);
       }
     }
   }
@@ -346,36 +352,40 @@ namespace loom::inline kernels {
 //! Multi-head self-attention forward, causal (GPT-2, the default) or bidirectional (BERT). `qkv`
 //! [B,T,3C] packs per token q, k, v (each C wide; head h owns channels [h*hs, (h+1)*hs),
 //! hs = C/num_heads). Writes `att` [B,NH,T,T], the softmax of q·k/sqrt(hs) over the keys s that
-//! query t sees (`mask`: s <= t, entries s > t exactly 0; or every s < T), and `out` [B,T,C], per
-//! head sum_s att[b,h,t,s] v[b,s], heads concatenated. Throws loom::Error on shapes that do not
-//! match, a num_heads that does not divide C, or a mask that is not an AttentionMask value. On
+//! query t sees (`keys.mask`: s <= t, entries s > t exactly 0; or every s < T; and with
+//! `keys.lengths`, [B] in host memory, only s < lengths[b], entries past it exactly 0), and `out`
+//! [B,T,C], per head sum_s att[b,h,t,s] v[b,s], heads concatenated. Throws loom::Error on shapes
+//! that do not match, a num_heads that does not divide C, a mask that is not an AttentionMask
+//! value, or a length outside [1, T]. On
 //! bf16 each head's q, k, v are widened to float, the head runs in float, and att and out are
 //! rounded once. The causal mask computes about half of each T x T score matrix, the
-//! bidirectional one all of it.
+//! bidirectional one all of it; a padded sequence only its keys' columns.
 template <class T>
 void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
-                       AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
+                       AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_forward(out, att, qkv, num_heads, mask);
+  const ad::Dims d = ad::check_forward(out, att, qkv, num_heads, keys);
   if (d.empty()) return;
+  ad::check_length_values(d, "attention_forward");
   ad::forward_heads<T>(be, d, out.data(), att.data(), nullptr, qkv.data(), dropout);
 }
 
 //! Multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
 //! [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward with the same
-//! `mask`. Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is allocated. On
+//! `keys`. Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is allocated. On
 //! bf16 each head's operands (and its slice of dqkv) are widened to float, and dqkv rounded once.
 template <class T>
 void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal,
+                        Tensor<const T> att, int num_heads, AttentionKeys keys = AttentionMask::causal,
                         const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads, mask);
+  const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads, keys);
   if (d.empty()) return;
+  ad::check_length_values(d, "attention_backward");
   ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr, dropout);
 }
 
-//! Self-attention forward (causal or bidirectional, `mask`) that keeps only the row log-sum-exp
+//! Self-attention forward (causal or bidirectional, padded or not: `keys`) that keeps only the row log-sum-exp
 //! (FlashAttention's saved state): `out` [B,T,C] as attention_forward writes it (the same
 //! arithmetic, the same bits for float and double), and `lse` [B,NH,T], lse[b,h,t] = log Σ_s
 //! exp(q_t·k_s/sqrt(hs)) over the keys s that t sees (natural log, row max subtracted), in the
@@ -383,16 +393,17 @@ void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Ten
 //! allocated.
 template <class T>
 void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
-                           int num_heads, AttentionMask mask = AttentionMask::causal,
+                           int num_heads, AttentionKeys keys = AttentionMask::causal,
                            const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads, mask);
+  const ad::Dims d = ad::check_forward_lse(out, lse, qkv, num_heads, keys);
   if (d.empty()) return;
+  ad::check_length_values(d, "attention_forward_lse");
   ad::forward_heads<T>(be, d, out.data(), nullptr, lse.data(), qkv.data(), dropout);
 }
 
 //! Self-attention backward from the `out` [B,T,C] and `lse` [B,NH,T] that attention_forward_lse
-//! wrote with the same `mask`: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C].
+//! wrote with the same `keys`: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout` [B,T,C].
 //! Per block of 64 query rows it recomputes the probabilities from one extra score GEMM,
 //! P = exp(q_t·k_s/sqrt(hs) - lse), then runs attention_backward's math with each row's softmax
 //! shift sum_s P dP taken as dout_t·out_t (FlashAttention's D; the same on the GPU). Scratch is
@@ -400,10 +411,11 @@ void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>>
 template <class T>
 void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
-                            AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
+                            AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   namespace ad = detail::attention;
-  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, mask);
+  const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, keys);
   if (d.empty()) return;
+  ad::check_length_values(d, "attention_backward_lse");
   ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data(), dropout);
 }
 

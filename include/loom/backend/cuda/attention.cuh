@@ -99,8 +99,9 @@ inline BatchedGemm key_grad_gemm(const attention::Dims& d) {
 
 // The steps below are plain host code taking the GEMM and row kernels as callables, so that the
 // host test runs these very sequences with cuBLAS emulated. `run_gemm(plan, a, b, c, float beta)`
-// runs a BatchedGemm; the row callables take a [rows, T] block of T x T matrices in place (and
-// apply d.mask: the GEMMs are the same for both masks). `drop` is the dropout on the
+// runs a BatchedGemm; the row callables take a [rows, T] block of T x T matrices in place, the
+// index of the block's first sequence and its rows (and apply d.mask and d.lengths: the GEMMs are
+// the same for every mask, and compute a padded sequence's masked scores too). `drop` is the dropout on the
 // probabilities: `drop.probabilities(att_b, b)` gives the dropped probabilities of batch element
 // b (what multiplies V, and what dV is formed from), `drop.gradient(dpre, b)` passes their
 // gradient through the same mask in place; the softmax and its backward see the undropped ones.
@@ -131,7 +132,7 @@ void context_step(const attention::Dims& d, std::int64_t b, T* out, const T* att
 }
 
 //! The backward of batch element b from its probabilities `att_b` ([NH,T,T]): datt into `dpre`
-//! ([NH,T,T] scratch), dv, `run_softmax_grad(dpre, att_b, rows)` turning datt into the score
+//! ([NH,T,T] scratch), dv, `run_softmax_grad(dpre, att_b, b, rows)` turning datt into the score
 //! gradient in place, dq, dk. With dropout, dv comes from the dropped probabilities and datt
 //! passes through the mask before the softmax's backward.
 template <class T, class RunGemm, class RunSoftmaxGrad, class Drop = NoDropout>
@@ -148,19 +149,19 @@ void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T
   run_gemm(att_grad_gemm(d), v, g, dpre, 0.0f);  // datt, the whole T x T of each head
   run_gemm(value_grad_gemm(d), g, drop.probabilities(att_b, b), dv, 1.0f);
   drop.gradient(dpre, b);
-  run_softmax_grad(dpre, att_b, d.heads * Tn);  // datt -> dpre, in place
+  run_softmax_grad(dpre, att_b, b, d.heads * Tn);  // datt -> dpre, in place
   run_gemm(query_grad_gemm(d), k, dpre, dq, 1.0f);
   run_gemm(key_grad_gemm(d), q, dpre, dk, 1.0f);
 }
 
 //! attention_forward's steps in order, over all batch elements: the scores of every batch
-//! element into att, `run_softmax(att, rows)` over all of them at once, then out.
+//! element into att, `run_softmax(att, 0, rows)` over all of them at once, then out.
 template <class T, class RunGemm, class RunSoftmax, class Drop = NoDropout>
 void forward_steps(const attention::Dims& d, T* out, T* att, const T* qkv, RunGemm&& run_gemm,
                    RunSoftmax&& run_softmax, const Drop& drop = {}) {
   const std::int64_t B = d.batch, Tn = d.tokens, NH = d.heads;
   for (std::int64_t b = 0; b < B; ++b) scores_step(d, b, qkv, att + b * NH * Tn * Tn, run_gemm);
-  run_softmax(att, B * NH * Tn);  // every row of every head at once
+  run_softmax(att, std::int64_t{0}, B * NH * Tn);  // every row of every head at once
   for (std::int64_t b = 0; b < B; ++b)
     context_step(d, b, out, drop.probabilities(static_cast<const T*>(att + b * NH * Tn * Tn), b), qkv, run_gemm);
 }
@@ -175,7 +176,7 @@ void backward_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* q
 }
 
 //! attention_forward_lse's steps in order, one batch element at a time through `att_b` ([NH,T,T]
-//! scratch): scores, `run_softmax_lse(att_b, lse_b, rows)` turning them into probabilities and
+//! scratch): scores, `run_softmax_lse(att_b, lse_b, b, rows)` turning them into probabilities and
 //! writing each row's log-sum-exp, out.
 template <class T, class A, class RunGemm, class RunSoftmaxLse, class Drop = NoDropout>
 void forward_lse_steps(const attention::Dims& d, T* out, A* lse, const T* qkv, T* att_b, RunGemm&& run_gemm,
@@ -183,13 +184,13 @@ void forward_lse_steps(const attention::Dims& d, T* out, A* lse, const T* qkv, T
   const std::int64_t rows = d.heads * d.tokens;  // of one batch element
   for (std::int64_t b = 0; b < d.batch; ++b) {
     scores_step(d, b, qkv, att_b, run_gemm);
-    run_softmax_lse(att_b, lse + b * rows, rows);
+    run_softmax_lse(att_b, lse + b * rows, b, rows);
     context_step(d, b, out, drop.probabilities(static_cast<const T*>(att_b), b), qkv, run_gemm);
   }
 }
 
 //! attention_backward_lse's steps in order, one batch element at a time: scores into `att_b`
-//! ([NH,T,T] scratch), `run_probabilities(att_b, lse_b, rows)` recomputing the probabilities in
+//! ([NH,T,T] scratch), `run_probabilities(att_b, lse_b, b, rows)` recomputing the probabilities in
 //! place, then backward_element from them with `dpre` ([NH,T,T] scratch).
 template <class T, class A, class RunGemm, class RunProbabilities, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_lse_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const A* lse, T* att_b,
@@ -198,7 +199,7 @@ void backward_lse_steps(const attention::Dims& d, T* dqkv, const T* dout, const 
   const std::int64_t rows = d.heads * d.tokens;
   for (std::int64_t b = 0; b < d.batch; ++b) {
     scores_step(d, b, qkv, att_b, run_gemm);
-    run_probabilities(att_b, lse + b * rows, rows);
+    run_probabilities(att_b, lse + b * rows, b, rows);
     backward_element(d, b, dqkv, dout, qkv, att_b, dpre, run_gemm, run_softmax_grad, drop);
   }
 }
@@ -227,22 +228,37 @@ __device__ inline T warp_max(T value) {
   return value;
 }
 
+//! Which keys the rows of a row kernel's [rows, tokens] block see: the mask, and for padded
+//! sequences their lengths (device memory, [B]); row r is query r % tokens of sequence
+//! first_sequence + r / rows_per_sequence (rows_per_sequence = NH·T).
+struct RowKeys {
+  AttentionMask mask = AttentionMask::causal;
+  const std::int32_t* lengths = nullptr;  //!< null: every sequence is `tokens` long
+  std::int64_t first_sequence = 0, rows_per_sequence = 1;
+};
+
 //! In a one-warp-per-row kernel over [rows, tokens]: this thread's lane, its warp's row (>= rows
 //! for the warps past the end), the query t = row % tokens of that row and the keys [0, keys) it
-//! sees: t + 1 with the causal mask, all tokens with the bidirectional one.
+//! sees: t + 1 with the causal mask, all tokens with the bidirectional one, none at or past its
+//! sequence's length (the length is read only for rows < rows).
 struct WarpRow {
   int lane;
   std::int64_t row, t, tokens, keys;
-  __device__ WarpRow(std::int64_t tokens_, AttentionMask mask)
+  __device__ WarpRow(std::int64_t rows, std::int64_t tokens_, const RowKeys& k)
       : lane(static_cast<int>(threadIdx.x % 32)),
         row(static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32),
         t(row % tokens_),
         tokens(tokens_),
-        keys(mask == AttentionMask::causal ? t + 1 : tokens_) {}
+        keys(k.mask == AttentionMask::causal ? t + 1 : tokens_) {
+    if (k.lengths != nullptr && row < rows) {
+      const std::int64_t length = k.lengths[k.first_sequence + row / k.rows_per_sequence];
+      keys = keys < length ? keys : length;
+    }
+  }
 };
 
-//! The keys s >= keys of the warp's row `a` become 0 (the causal mask's upper triangle; nothing
-//! with the bidirectional mask).
+//! The keys s >= keys of the warp's row `a` become 0 (the causal mask's upper triangle and a
+//! padded sequence's padding; nothing else with the bidirectional mask).
 template <class T>
 __device__ inline void zero_past_keys(T* a, const WarpRow& w) {
   for (std::int64_t s = w.keys + w.lane; s < w.tokens; s += 32) a[s] = T(0.0f);
@@ -257,8 +273,8 @@ __device__ inline void zero_past_keys(T* a, const WarpRow& w) {
 //! barrier is needed.
 template <class T>
 __global__ void softmax_forward_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale,
-                                       AttentionMask mask) {
-  const WarpRow w(tokens, mask);
+                                       RowKeys keys) {
+  const WarpRow w(rows, tokens, keys);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* a = att + w.row * tokens;
   float max = to_accumulate(a[0]);  // key 0 is visible to every query
@@ -280,8 +296,8 @@ __global__ void softmax_forward_kernel(T* att, float* lse, std::int64_t rows, st
 //! relative accuracy however large the scores are.
 template <class T>
 __global__ void probabilities_kernel(T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale,
-                                     AttentionMask mask) {
-  const WarpRow w(tokens, mask);
+                                     RowKeys keys) {
+  const WarpRow w(rows, tokens, keys);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* a = att + w.row * tokens;
   const float shift = lse[w.row];
@@ -294,8 +310,8 @@ __global__ void probabilities_kernel(T* att, const float* lse, std::int64_t rows
 //! scores, att * (g - sum_s att g) * scale over the keys s that t sees, and 0 elsewhere.
 template <class T>
 __global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale,
-                                        AttentionMask mask) {
-  const WarpRow w(tokens, mask);
+                                        RowKeys keys) {
+  const WarpRow w(rows, tokens, keys);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* g = grad + w.row * tokens;
   const T* a = att + w.row * tokens;
@@ -317,10 +333,10 @@ __global__ void softmax_backward_kernel(T* grad, const T* att, std::int64_t rows
 //! softmax_forward_kernel, a vector at a time.
 template <class T>
 __global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t rows, std::int64_t tokens,
-                                              float scale, AttentionMask mask) {
+                                              float scale, RowKeys keys) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
-  const WarpRow w(tokens, mask);
+  const WarpRow w(rows, tokens, keys);
   if (w.row >= rows) return;  // the whole warp leaves together
   V* a = reinterpret_cast<V*>(att + w.row * tokens);
   // used: the vectors holding keys [0, keys) (t / E + 1 for the causal mask).
@@ -353,10 +369,10 @@ __global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t r
 //! softmax_backward_kernel, a vector at a time.
 template <class T>
 __global__ void softmax_backward_vector_kernel(T* grad, const T* att, std::int64_t rows, std::int64_t tokens,
-                                               float scale, AttentionMask mask) {
+                                               float scale, RowKeys keys) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
-  const WarpRow w(tokens, mask);
+  const WarpRow w(rows, tokens, keys);
   if (w.row >= rows) return;  // the whole warp leaves together
   V* g = reinterpret_cast<V*>(grad + w.row * tokens);
   const V* a = reinterpret_cast<const V*>(att + w.row * tokens);
@@ -390,34 +406,34 @@ __global__ void softmax_backward_vector_kernel(T* grad, const T* att, std::int64
 //! Launches softmax_forward_kernel (writing lse where it is not null).
 template <class T>
 void softmax_forward(const cuda& be, T* att, float* lse, std::int64_t rows, std::int64_t tokens, float scale,
-                     AttentionMask mask, const char* kernel) {
+                     const RowKeys& keys, const char* kernel) {
   namespace k = cuda_kernels;
   const auto kernel_function =
       cuda_kernels::vector_rows<T>(tokens, att) ? softmax_forward_vector_kernel<T> : softmax_forward_kernel<T>;
   kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens, scale,
-                                                                                    mask);
+                                                                                    keys);
   cuda_check_launch((std::string(kernel) + " softmax_forward_kernel").c_str());
 }
 
 //! Launches probabilities_kernel.
 template <class T>
 void probabilities(const cuda& be, T* att, const float* lse, std::int64_t rows, std::int64_t tokens, float scale,
-                   AttentionMask mask, const char* kernel) {
+                   const RowKeys& keys, const char* kernel) {
   namespace k = cuda_kernels;
   probabilities_kernel<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(att, lse, rows, tokens,
-                                                                                        scale, mask);
+                                                                                        scale, keys);
   cuda_check_launch((std::string(kernel) + " probabilities_kernel").c_str());
 }
 
 //! Launches softmax_backward_kernel over grad and att.
 template <class T>
 void softmax_backward(const cuda& be, T* grad, const T* att, std::int64_t rows, std::int64_t tokens, float scale,
-                      AttentionMask mask, const char* kernel) {
+                      const RowKeys& keys, const char* kernel) {
   namespace k = cuda_kernels;
   const auto kernel_function =
       cuda_kernels::vector_rows<T>(tokens, grad, att) ? softmax_backward_vector_kernel<T> : softmax_backward_kernel<T>;
   kernel_function<<<k::row_blocks(rows), 32 * k::warps_per_block, 0, be.stream()>>>(grad, att, rows, tokens, scale,
-                                                                                    mask);
+                                                                                    keys);
   cuda_check_launch((std::string(kernel) + " softmax_backward_kernel").c_str());
 }
 
@@ -477,12 +493,18 @@ auto gemm_runner(const cuda& be, const char* kernel) {
   };
 }
 
-//! The steps' `run_softmax_grad`: softmax_backward_kernel on the backend's stream, with d's mask.
+//! The RowKeys of d's rows from sequence `first_sequence` on: d's mask and (device) lengths.
+inline RowKeys row_keys(const attention::Dims& d, std::int64_t first_sequence) {
+  return {d.mask, d.lengths, first_sequence, d.heads * d.tokens};
+}
+
+//! The steps' `run_softmax_grad`: softmax_backward_kernel on the backend's stream, with d's mask
+//! and lengths.
 template <class T>
 auto softmax_grad_runner(const cuda& be, const attention::Dims& d, const char* kernel) {
-  return [&be, tokens = d.tokens, scale = softmax_scale(d), mask = d.mask, kernel](T* grad, const T* att,
-                                                                                  std::int64_t rows) {
-    softmax_backward(be, grad, att, rows, tokens, scale, mask, kernel);
+  return [&be, d, scale = softmax_scale(d), kernel](T* grad, const T* att, std::int64_t first_sequence,
+                                                    std::int64_t rows) {
+    softmax_backward(be, grad, att, rows, d.tokens, scale, row_keys(d, first_sequence), kernel);
   };
 }
 
@@ -505,13 +527,14 @@ inline bool flash_built_for(const cuda& be) {
   return usable;
 }
 
-//! Whether the lse pair of T on `be` runs the tiled kernels for `d`: bf16, a head size they are
+//! Whether the lse pair of T on `be` runs the tiled kernels for `d`: bf16, full-length sequences
+//! (the tiled kernels know no lengths: padded batches take the cuBLAS steps), a head size they are
 //! built for, the backend's switch on, at most 65535 tiles of 64 tokens (the grid's y), and the
 //! kernels compiled for the device's architecture.
 template <class T>
 bool use_flash(const cuda& be, const attention::Dims& d) {
-  return std::is_same_v<T, bf16> && be.flash_attention() && flash::supported_head_size(d.head_size) &&
-         flash::tiles(d.tokens) <= 65535 && flash_built_for(be);
+  return std::is_same_v<T, bf16> && d.lengths == nullptr && be.flash_attention() &&
+         flash::supported_head_size(d.head_size) && flash::tiles(d.tokens) <= 65535 && flash_built_for(be);
 }
 
 //! Calls `f.template operator()<HS>()` with the compile-time head size HS = d.head_size (one of
@@ -597,21 +620,24 @@ inline bool flash_attention_available(const cuda& be) {
 //! kernels takes one, the CPU kernels' contract and mask) out = dropout(att)·v and att stays the
 //! softmax: per batch element a copy of its probabilities goes through the dropout kernel into
 //! [NH,T,T] of workspace, and the backward passes datt through the same mask; the tiled bf16
-//! kernels are then not used.
+//! kernels are then not used. With `keys.lengths` ([B] in device memory, each in [1, T]; the
+//! values are the caller's to check, as the Trainer does on the host) keys at or past a sequence's
+//! length get probability exactly 0, as on the CPU; the scores GEMMs still compute them.
 template <class T>
 void attention_forward(cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
-                       AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
+                       AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward";
-  const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads, mask);
+  const detail::attention::Dims dims = detail::attention::check_forward(out, att, qkv, num_heads, keys);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   const float scale = d::softmax_scale(dims);
   d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
     d::forward_steps(
         dims, out.data(), att.data(), qkv.data(), d::gemm_runner<T>(be, kernel),
-        [&](T* scores, std::int64_t rows) {
-          d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale, dims.mask, kernel);
+        [&](T* scores, std::int64_t first_sequence, std::int64_t rows) {
+          d::softmax_forward(be, scores, static_cast<float*>(nullptr), rows, dims.tokens, scale,
+                             d::row_keys(dims, first_sequence), kernel);
         },
         drop);
   });
@@ -625,12 +651,12 @@ void attention_forward(cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> q
 //! is the same bits on every run.
 template <class T>
 void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
-                        Tensor<const T> att, int num_heads, AttentionMask mask = AttentionMask::causal,
+                        Tensor<const T> att, int num_heads, AttentionKeys keys = AttentionMask::causal,
                         const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward";
-  const detail::attention::Dims dims = detail::attention::check_backward(dqkv, dout, qkv, att, num_heads, mask);
+  const detail::attention::Dims dims = detail::attention::check_backward(dqkv, dout, qkv, att, num_heads, keys);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   // Freed (into the cache) when this returns, while the stream may still be using it: the
   // allocator hands a block out again only to work on the same stream, which runs after ours.
@@ -650,15 +676,15 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
 //! ends. Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two
 //! cuBLAS calls and one launch. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes
 //! the SRAM-tiled kernel instead, for either mask: one launch, no workspace, lse = m + log l of the
-//! online softmax.
+//! online softmax. A padded batch (`keys.lengths`) takes the cuBLAS steps.
 template <class T>
 void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
-                           int num_heads, AttentionMask mask = AttentionMask::causal,
+                           int num_heads, AttentionKeys keys = AttentionMask::causal,
                            const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_forward_lse";
-  const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads, mask);
+  const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads, keys);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
     // The tiled kernels draw no dropout masks: with dropout the cuBLAS steps run.
@@ -673,8 +699,8 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
   d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
     d::forward_lse_steps(
         dims, out.data(), lse.data(), qkv.data(), scratch.data(), d::gemm_runner<T>(be, kernel),
-        [&](T* scores, float* lse_b, std::int64_t rows) {
-          d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
+        [&](T* scores, float* lse_b, std::int64_t b, std::int64_t rows) {
+          d::softmax_forward(be, scores, lse_b, rows, dims.tokens, scale, d::row_keys(dims, b), kernel);
         },
         drop);
   });
@@ -693,12 +719,12 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
 template <class T>
 void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
-                            AttentionMask mask = AttentionMask::causal, const AttentionDropout& dropout = {}) {
+                            AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward_lse";
   const detail::attention::Dims dims =
-      detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, mask);
+      detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, keys);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (!dropout.mask.active() && d::use_flash<T>(be, dims)) {
@@ -713,8 +739,8 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
     d::backward_lse_steps(
         dims, dqkv.data(), dout.data(), qkv.data(), lse.data(), scratch.data(), scratch.data() + block,
         d::gemm_runner<T>(be, kernel),
-        [&](T* scores, const float* lse_b, std::int64_t rows) {
-          d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, dims.mask, kernel);
+        [&](T* scores, const float* lse_b, std::int64_t b, std::int64_t rows) {
+          d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, d::row_keys(dims, b), kernel);
         },
         d::softmax_grad_runner<T>(be, dims, kernel), drop);
   });

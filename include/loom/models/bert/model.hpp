@@ -9,9 +9,9 @@
 //!
 //! The block, after Devlin et al. 2019 (and Vaswani et al. 2017):
 //!   r1 = x + Attention(x);  h = LN1(r1);  r2 = h + MLP(h);  out = LN2(r2).
-//! The pre-training objective is RoBERTa's (Liu et al. 2019): masked-LM only, on full-length
-//! sequences; there is no next-sentence head, no token-type embedding and no padding mask (see
-//! docs/bert.md).
+//! The pre-training objective is RoBERTa's (Liu et al. 2019): masked-LM only; there is no
+//! next-sentence head and no token-type embedding. Padded sequences (ForwardArgs::lengths) are
+//! masked in attention: no query sees a padded key (see docs/bert.md).
 
 #include <algorithm>
 #include <cstdint>
@@ -418,6 +418,11 @@ class Model {
     return detail::transformer::attention_dropout(key, layer, config_.attention_dropout, config_.num_heads, heads_,
                                                   tensor_parallel_rank_);
   }
+  //! The keys a block's queries see: the bidirectional mask, less each sequence's padding.
+  template <class Args>
+  static AttentionKeys attention_keys(const Args& a) noexcept {
+    return {AttentionMask::bidirectional, a.lengths};
+  }
 
   void block_forward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
                      MicroBatchShape s) const {
@@ -437,9 +442,9 @@ class Model {
     matmul_forward<T>(be, b.qkv, split_.gather(input, whole), param(p, o.qkv_w, {3 * Ca, C}),
                       param(p, o.qkv_b, {3 * Ca}));
     if (attention_ == Attention::stored)
-      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional, drop);
+      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
     else
-      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::bidirectional,
+      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), attention_keys(a),
                                drop);
     // Row-parallel projection (g: sum the partial sums; the bias rides on the first rank).
     const Tensor<T> attn_sums = split_.split() ? whole : b.r1;
@@ -632,11 +637,11 @@ class Model {
                        param(p, o.proj_w, {C, Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::bidirectional,
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a),
                             drop);
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                AttentionMask::bidirectional, drop);
+                                attention_keys(a), drop);
     // The input's attention-branch gradient, summed over the group, lands in d.h (no longer read).
     const Tensor<T> dx_attention = split ? d.partial : d.h;
     zero<T>(be, dx_attention);

@@ -9,6 +9,8 @@
 //! slices happen inside forward and backward, over the model's tensor-parallel group. With
 //! Config::sequence_parallel the hidden state between the layers is split by rows over the group
 //! too (Megatron's sequence parallelism): all-gathers and reduce-scatters replace the all-reduces.
+//! A batch of padded sequences (ForwardArgs::lengths) masks the padding out of attention: query t
+//! sees keys s <= t below its sequence's length.
 
 #include <algorithm>
 #include <cstdint>
@@ -366,6 +368,11 @@ class Model {
     return detail::transformer::attention_dropout(key, layer, config_.attention_dropout, config_.num_heads, heads_,
                                                   tensor_parallel_rank_);
   }
+  //! The keys a block's queries see: the causal mask, less each sequence's padding.
+  template <class Args>
+  static AttentionKeys attention_keys(const Args& a) noexcept {
+    return {AttentionMask::causal, a.lengths};
+  }
 
   void block_forward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, const ForwardArgs<T>& a,
                      MicroBatchShape s) const {
@@ -387,9 +394,9 @@ class Model {
                       param(p, o.qkv_b, {3 * Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), AttentionMask::causal, drop);
+      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
     else
-      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), AttentionMask::causal, drop);
+      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
     // Row-parallel projection (g: sum the partial sums over the group). The replicated bias
     // rides on the first rank's partial sum, so the sum adds it once at no extra pass. Dropout
     // acts on the whole branch: each rank drops its rows of the one mask.
@@ -590,10 +597,10 @@ class Model {
                        param(p, o.proj_w, {C, Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), AttentionMask::causal, drop);
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a), drop);
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                AttentionMask::causal, drop);
+                                attention_keys(a), drop);
     if (split_.split()) zero<T>(be, dln1);
     matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, split_.gather(b.ln1, d.ln1_whole),
                        param(p, o.qkv_w, {3 * Ca, C}));
