@@ -278,8 +278,8 @@ void host_softmax_row(float* a, std::int64_t keys, std::int64_t tokens, float sc
   for (std::int64_t s = 0; s < keys; ++s) max = std::fmax(max, a[s]);
   float sum = 0;
   for (std::int64_t s = 0; s < keys; ++s) sum += a[s] = std::exp((a[s] - max) * scale);
-  if (lse != nullptr) *lse = max * scale + std::log(sum);
-  const float inverse = 1.0f / sum;
+  if (lse != nullptr) *lse = keys > 0 ? max * scale + std::log(sum) : 0.0f;  // a padded query sees no key
+  const float inverse = keys > 0 ? 1.0f / sum : 0.0f;
   for (std::int64_t s = 0; s < keys; ++s) a[s] *= inverse;
   for (std::int64_t s = keys; s < tokens; ++s) a[s] = 0.0f;
 }
@@ -462,8 +462,8 @@ std::pair<std::vector<double>, std::vector<double>> dropout_reference(
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
-        const std::int64_t keys =
-            std::min<std::int64_t>(keys_seen(mask, t, T), lengths != nullptr ? (*lengths)[b] : T);
+        const std::int64_t length = lengths != nullptr ? (*lengths)[b] : T;
+        const std::int64_t keys = t < length ? std::min<std::int64_t>(keys_seen(mask, t, T), length) : 0;
         std::vector<double> p(static_cast<std::size_t>(keys)), kept(p.size()), dp(p.size());
         double max = -std::numeric_limits<double>::infinity(), sum = 0, shift = 0;
         for (std::int64_t s = 0; s < keys; ++s) {
@@ -573,9 +573,10 @@ TEST_CASE("padded sequences: the steps hand each row kernel its first sequence, 
       const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
       const std::int64_t per_sequence = c.NH * c.T;
       // The device kernels' rule (RowKeys): row r of a block from sequence `first` is sequence
-      // first + r / (NH T)'s query r % T.
-      const auto keys_of = [&](std::int64_t first, std::int64_t row) {
-        return std::min<std::int64_t>(keys_seen(mask, row % c.T, c.T), lengths[first + row / per_sequence]);
+      // first + r / (NH T)'s query r % T, which sees no key if it is padding.
+      const auto keys_of = [&](std::int64_t first, std::int64_t row) -> std::int64_t {
+        const std::int64_t t = row % c.T, length = lengths[first + row / per_sequence];
+        return t < length ? std::min<std::int64_t>(keys_seen(mask, t, c.T), length) : 0;
       };
       detail::attention::Dims d = dims(c, mask);
       d.lengths = lengths.data();

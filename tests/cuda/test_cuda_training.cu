@@ -418,6 +418,29 @@ TEST_CASE("BERT on one GPU, stored and recomputed attention, and on meshes shari
   CHECK_MESSAGE(failures.empty(), joined(failures));
 }
 
+TEST_CASE("BERT on padded batches, on one GPU (stored and recomputed attention) and on a DP x TP mesh sharing it, "
+          "trains as one CPU rank") {
+  if (!have_gpu()) return;
+  using Bert = bert::Model<loom::cuda, float>;
+  static const ParityRun reference = bert_cpu_reference_run(global_batch, seq, true);
+  const auto padded_steps = [](auto& trainer) {
+    return masked_lm_steps_on(trainer, padded_masked_test_source(), global_batch, seq);
+  };
+  for (const bert::Attention attention : {bert::Attention::stored, bert::Attention::recompute}) {
+    CAPTURE(bert::name(attention));
+    loom::cuda be(0);
+    be.set_tf32(false);
+    Trainer<Bert, AdamW> trainer(be, Bert(bert_test_config(), attention), AdamW({.weight_decay = 0.1}), parity_lr(),
+                                 {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
+    check_parity(padded_steps(trainer), reference, gpu_tolerance);
+  }
+  const std::vector<std::string> failures = staged_failures<Bert>(
+      {.dp = 2, .tp = 2, .pp = 1}, 1.0, Zero<2>{}, GradientAccumulation{},
+      [](auto& tensor_parallel) { return Bert(bert_test_config(), tensor_parallel); }, padded_steps, reference,
+      Bert(bert_test_config()).layout());
+  CHECK_MESSAGE(failures.empty(), joined(failures));
+}
+
 #if LOOM_TEST_WITH_NCCL
 TEST_CASE("a training state saved on the CPU resumes on ranks sharing the GPU, and one saved on the GPU on the CPU") {
   if (!have_gpu()) return;

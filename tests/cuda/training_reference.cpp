@@ -21,12 +21,13 @@ ParityRun cpu_dropout_reference_run(std::int64_t global_batch, std::int64_t seq,
   return train_steps(trainer, global_batch, seq);
 }
 
-ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq) {
+ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq, bool padded) {
   using Bert = bert::Model<cpu, float>;
   cpu be(1);
   Trainer<Bert, AdamW> trainer(be, Bert(bert_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
                                {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-  return masked_lm_steps(trainer, global_batch, seq);
+  return padded ? masked_lm_steps_on(trainer, padded_masked_test_source(), global_batch, seq)
+                : masked_lm_steps(trainer, global_batch, seq);
 }
 
 ParityRun cpu_training_leg(std::int64_t global_batch, std::int64_t seq, double clip, int first, int last,

@@ -17,9 +17,10 @@ ParityRun cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double 
 //! masks the GPU must draw too.
 ParityRun cpu_dropout_reference_run(std::int64_t global_batch, std::int64_t seq, double rate);
 
-//! parity_steps AdamW steps of bert_test_config() on masked_test_source()'s batches, on one CPU
-//! rank, the whole global batch in one micro-batch, gradients clipped to 1.
-ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq);
+//! parity_steps AdamW steps of bert_test_config() on masked_test_source()'s batches (or, padded,
+//! padded_masked_test_source()'s), on one CPU rank, the whole global batch in one micro-batch,
+//! gradients clipped to 1.
+ParityRun bert_cpu_reference_run(std::int64_t global_batch, std::int64_t seq, bool padded = false);
 
 //! Steps [first, last) of cpu_reference_run's training on one CPU rank: from scratch when
 //! `load` is empty, else after loading the training state `load` (saved after step `first`);

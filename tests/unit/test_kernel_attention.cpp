@@ -33,7 +33,8 @@ struct Case {
 
 //! Plain triple-loop attention in double: returns out [B,T,C] and fills att [B,NH,T,T] and, where
 //! given, lse [B,NH,T] = log Σ_s exp of the scaled scores, over the keys s that t sees: s <= t
-//! (causal) or all s < T (bidirectional), and below lengths[b] where `lengths` is given.
+//! (causal) or all s < T (bidirectional), and below lengths[b] where `lengths` is given (a padded
+//! query t >= lengths[b] sees none: its out, att and lse are 0).
 template <class T>
 std::vector<double> reference_forward(const std::vector<T>& qkv, const Case& c,
                                       std::vector<double>& att, std::vector<double>* lse = nullptr,
@@ -53,6 +54,7 @@ std::vector<double> reference_forward(const std::vector<T>& qkv, const Case& c,
       for (std::int64_t t = 0; t < c.T; ++t) {
         double* row = &att[((b * c.NH + h) * c.T + t) * c.T];
         const std::int64_t length = lengths != nullptr ? (*lengths)[static_cast<std::size_t>(b)] : c.T;
+        if (t >= length) continue;  // a padded query sees nothing: out, att and lse stay 0
         const std::int64_t keys = std::min(mask == AttentionMask::causal ? t + 1 : c.T, length);
         double max = -1e300;
         for (std::int64_t s = 0; s < keys; ++s) {
@@ -521,10 +523,11 @@ TEST_CASE_TEMPLATE("padded attention backward matches central differences (doubl
       const Case& c = pc.c;
       INFO(loom::name(mask));
       const auto dqkv = check_backward_by_differences<Kernels>(be, c, padded_keys(mask, pc.lengths), 62).dqkv;
-      // No query sees a padded key: its k and v get exactly no gradient.
+      // Padding takes no part: no query sees a padded key and a padded query sees nothing, so
+      // its q, k and v get exactly no gradient.
       for (std::int64_t b = 0; b < c.B; ++b)
         for (std::int64_t t = pc.lengths[static_cast<std::size_t>(b)]; t < c.T; ++t)
-          for (std::int64_t i = c.C; i < 3 * c.C; ++i) REQUIRE(dqkv[(b * c.T + t) * 3 * c.C + i] == 0.0);
+          for (std::int64_t i = 0; i < 3 * c.C; ++i) REQUIRE(dqkv[(b * c.T + t) * 3 * c.C + i] == 0.0);
     }
   }
 }
@@ -540,11 +543,8 @@ TEST_CASE_TEMPLATE_DEFINE("a padded sequence gets what it gets alone at its leng
       INFO(loom::name(mask));
       CAPTURE(c.T);
       const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 64);
-      auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 65);
-      // The model's padded rows get no output gradient (their targets are ignored).
-      for (std::int64_t b = 0; b < c.B; ++b)
-        for (std::int64_t t = pc.lengths[static_cast<std::size_t>(b)]; t < c.T; ++t)
-          std::fill_n(dout.begin() + (b * c.T + t) * c.C, c.C, T(0));
+      // Padded rows' output gradient too: a padded query's out is 0 whatever its q, k and v.
+      const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 65);
       const auto keys = padded_keys(mask, pc.lengths);
       const auto r = Kernels::forward(be, qkv, c, keys);
       std::vector<T> dqkv(qkv.size(), T(0));
@@ -563,6 +563,9 @@ TEST_CASE_TEMPLATE_DEFINE("a padded sequence gets what it gets alone at its leng
         std::vector<double> out_alone(ra.out.begin(), ra.out.end()), d_alone(da.begin(), da.end());
         CHECK(loom::test::max_relative_error(out_b, out_alone, 1.0) <= tolerance);
         CHECK(loom::test::max_relative_error(dqkv_b, d_alone, 1.0) <= tolerance);
+        // The padded rows: out 0, and no gradient to their q, k or v.
+        for (std::int64_t i = (b * c.T + n) * c.C; i < (b + 1) * c.T * c.C; ++i) REQUIRE(r.out[i] == T(0));
+        for (std::int64_t i = (b * c.T + n) * 3 * c.C; i < (b + 1) * c.T * 3 * c.C; ++i) REQUIRE(dqkv[i] == T(0));
       }
       // Every sequence full: the same bits as no lengths.
       const std::vector<std::int32_t> full(static_cast<std::size_t>(c.B), static_cast<std::int32_t>(c.T));

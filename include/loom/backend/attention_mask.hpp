@@ -19,12 +19,12 @@ inline const char* name(AttentionMask m) noexcept { return m == AttentionMask::c
 
 //! The keys each query of an attention call sees: those its `mask` allows, less the padding of
 //! its sequence. Sequence b of a [B, T] batch holds `lengths[b]` real tokens, in [1, T], followed
-//! by padding; no query sees a key at or past its sequence's length (BERT's padded-bidirectional
-//! mask; causal: s <= t and s < length). Queries at padded positions still see the sequence's
-//! keys, so their outputs are finite, and nothing reads them back: the loss ignores those
-//! positions and no real query sees them, so they get zero gradient. Empty `lengths` (the
-//! default, and what an AttentionMask converts to) means every sequence is T tokens. The lengths
-//! live where the kernel runs: host memory on the CPU backend, device memory on CUDA.
+//! by padding, which takes no part in attention: no query sees a key at or past its sequence's
+//! length (BERT's padded-bidirectional mask; causal: s <= t and s < length), and a query at a
+//! padded position sees no key at all, so its output is 0 and it passes no gradient (as if the
+//! batch were unpadded, FlashAttention's variable-length form). Empty `lengths` (the default, and
+//! what an AttentionMask converts to) means every sequence is T tokens. The lengths live where the
+//! kernel runs: host memory on the CPU backend, device memory on CUDA.
 struct AttentionKeys {
   AttentionMask mask = AttentionMask::causal;
   Tensor<const std::int32_t> lengths{};  //!< [B], or empty: no padding

@@ -106,8 +106,8 @@ inline std::int64_t block_keys(AttentionMask mask, std::int64_t i1, std::int64_t
   return std::min(mask == AttentionMask::causal ? i1 : Tn, length);
 }
 
-//! The keys [0, row_keys) that query t sees: [0, t] with the causal mask, all of [0, T) without;
-//! none at or past the sequence's `length` (AttentionKeys).
+//! The keys [0, row_keys) that real query t (t < the sequence's `length`) sees: [0, t] with the
+//! causal mask, all of [0, T) without; none at or past `length` (AttentionKeys).
 inline std::int64_t row_keys(AttentionMask mask, std::int64_t t, std::int64_t Tn, std::int64_t length) noexcept {
   return std::min(mask == AttentionMask::causal ? t + 1 : Tn, length);
 }
@@ -134,8 +134,9 @@ const A* drop_block(const DropoutMask& drop, std::uint64_t origin, const A* prob
 //! q_t·k_s) over the keys s that t sees is kept instead. Either way out comes from the same
 //! arithmetic. With an active `drop`, out = dropout(P) V (the mask of element (t, s) is that of
 //! global element origin + t·T + s), the dropped block going to `dropped` ([min(T, 64), T]
-//! scratch); att and lse are the softmax's, undropped. Keys at or past `length` (the sequence's
-//! real tokens, AttentionKeys) are masked for every query, and never multiplied.
+//! scratch); att and lse are the softmax's, undropped. Padding (rows and keys at or past
+//! `length`, the sequence's real tokens: AttentionKeys) takes no part: no real query sees a padded
+//! key, a padded query's out and att rows are 0 and its lse 0, and neither is ever multiplied.
 template <class A>
 void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A* att, A* lse, A* block,
                   A* out, std::int64_t out_stride, std::int64_t Tn, std::int64_t hs, A scale, AttentionMask mask,
@@ -144,8 +145,9 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
   const ConstStrided<A> Q(q, Tn, hs, qkv_outer), K(k, Tn, hs, qkv_outer), V(v, Tn, hs, qkv_outer);
   Strided<A> O(out, Tn, hs, Eigen::OuterStride<>(out_stride));
   // att rows are T wide and zero past the row's keys; a block row only needs its block's keys.
-  for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
-    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn, length);
+  // The blocks cover the real queries [0, length); padded ones attend to nothing.
+  for (std::int64_t i0 = 0; i0 < length; i0 += block_rows) {
+    const std::int64_t i1 = std::min(length, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn, length);
     A* probs = att != nullptr ? att + i0 * Tn : block;
     score_block(Q, K, i0, i1, keys, probs, Tn);
     // Row softmax over the keys t sees, in place; scale > 0, so the raw max is the scaled max.
@@ -161,6 +163,11 @@ void head_forward(const A* q, const A* k, const A* v, std::int64_t qkv_stride, A
     }
     const A* weights = drop.active() ? drop_block(drop, origin, probs, dropped, i0, i1, keys, Tn, mask, length) : probs;
     O.middleRows(i0, n).noalias() = ConstStrided<A>(weights, n, keys, Eigen::OuterStride<>(Tn)) * V.topRows(keys);
+  }
+  if (length < Tn) {
+    O.bottomRows(Tn - length).setZero();
+    if (att != nullptr) std::fill(att + length * Tn, att + Tn * Tn, A(0));
+    if (lse != nullptr) std::fill(lse + length, lse + Tn, A(0));
   }
 }
 
@@ -184,8 +191,9 @@ void head_backward(const A* q, const A* k, const A* v, A* dq, A* dk, A* dv, std:
   Strided<A> dQ(dq, Tn, hs, qkv_outer), dK(dk, Tn, hs, qkv_outer), dV(dv, Tn, hs, qkv_outer);
   const ConstStrided<A> dO(dout, Tn, hs, Eigen::OuterStride<>(dout_stride));
   Strided<A> W(work, std::min(Tn, block_rows), Tn, Eigen::OuterStride<>(Tn));
-  for (std::int64_t i0 = 0; i0 < Tn; i0 += block_rows) {
-    const std::int64_t i1 = std::min(Tn, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn, length);
+  // Padded queries (rows [length, T)) attended to nothing: they pass no gradient.
+  for (std::int64_t i0 = 0; i0 < length; i0 += block_rows) {
+    const std::int64_t i1 = std::min(length, i0 + block_rows), n = i1 - i0, keys = block_keys(mask, i1, Tn, length);
     // P: rows [i0, i1), Tn apart, over the block's keys [0, keys) (0 past each row's own keys).
     const A* probs = att != nullptr ? att + i0 * Tn : block;
     if (att == nullptr) {
@@ -353,13 +361,14 @@ namespace loom::inline kernels {
 //! [B,T,3C] packs per token q, k, v (each C wide; head h owns channels [h*hs, (h+1)*hs),
 //! hs = C/num_heads). Writes `att` [B,NH,T,T], the softmax of q·k/sqrt(hs) over the keys s that
 //! query t sees (`keys.mask`: s <= t, entries s > t exactly 0; or every s < T; and with
-//! `keys.lengths`, [B] in host memory, only s < lengths[b], entries past it exactly 0), and `out`
-//! [B,T,C], per head sum_s att[b,h,t,s] v[b,s], heads concatenated. Throws loom::Error on shapes
+//! `keys.lengths`, [B] in host memory, only s < lengths[b], entries past it exactly 0, and a
+//! padded query t >= lengths[b] sees nothing: its att row and out are 0), and `out` [B,T,C], per
+//! head sum_s att[b,h,t,s] v[b,s], heads concatenated. Throws loom::Error on shapes
 //! that do not match, a num_heads that does not divide C, a mask that is not an AttentionMask
 //! value, or a length outside [1, T]. On
 //! bf16 each head's q, k, v are widened to float, the head runs in float, and att and out are
 //! rounded once. The causal mask computes about half of each T x T score matrix, the
-//! bidirectional one all of it; a padded sequence only its keys' columns.
+//! bidirectional one all of it; a padded sequence only its real queries' rows and keys' columns.
 template <class T>
 void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
                        AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
@@ -388,9 +397,9 @@ void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Ten
 //! Self-attention forward (causal or bidirectional, padded or not: `keys`) that keeps only the row log-sum-exp
 //! (FlashAttention's saved state): `out` [B,T,C] as attention_forward writes it (the same
 //! arithmetic, the same bits for float and double), and `lse` [B,NH,T], lse[b,h,t] = log Σ_s
-//! exp(q_t·k_s/sqrt(hs)) over the keys s that t sees (natural log, row max subtracted), in the
-//! accumulate type. Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is
-//! allocated.
+//! exp(q_t·k_s/sqrt(hs)) over the keys s that t sees (natural log, row max subtracted; 0 for a
+//! padded query, which sees none), in the accumulate type. Scratch is one [64, T] block per
+//! thread; nothing of size [B,NH,T,T] is allocated.
 template <class T>
 void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
                            int num_heads, AttentionKeys keys = AttentionMask::causal,

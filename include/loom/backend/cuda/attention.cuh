@@ -240,7 +240,8 @@ struct RowKeys {
 //! In a one-warp-per-row kernel over [rows, tokens]: this thread's lane, its warp's row (>= rows
 //! for the warps past the end), the query t = row % tokens of that row and the keys [0, keys) it
 //! sees: t + 1 with the causal mask, all tokens with the bidirectional one, none at or past its
-//! sequence's length (the length is read only for rows < rows).
+//! sequence's length, and none at all for a padded query (the length is read only for rows <
+//! rows).
 struct WarpRow {
   int lane;
   std::int64_t row, t, tokens, keys;
@@ -252,7 +253,7 @@ struct WarpRow {
         keys(k.mask == AttentionMask::causal ? t + 1 : tokens_) {
     if (k.lengths != nullptr && row < rows) {
       const std::int64_t length = k.lengths[k.first_sequence + row / k.rows_per_sequence];
-      keys = keys < length ? keys : length;
+      keys = t >= length ? 0 : keys < length ? keys : length;
     }
   }
 };
@@ -277,14 +278,14 @@ __global__ void softmax_forward_kernel(T* att, float* lse, std::int64_t rows, st
   const WarpRow w(rows, tokens, keys);
   if (w.row >= rows) return;  // the whole warp leaves together
   T* a = att + w.row * tokens;
-  float max = to_accumulate(a[0]);  // key 0 is visible to every query
+  float max = to_accumulate(a[0]);  // key 0 is visible to every real query
   for (std::int64_t s = w.lane; s < w.keys; s += 32) max = fmaxf(max, to_accumulate(a[s]));
   max = warp_max(max);
   float sum = 0;
   for (std::int64_t s = w.lane; s < w.keys; s += 32) sum += expf((to_accumulate(a[s]) - max) * scale);
-  sum = cuda_kernels::warp_sum(sum);  // >= 1: the max term is exp(0)
-  if (lse != nullptr && w.lane == 0) lse[w.row] = max * scale + logf(sum);
-  const float inverse = 1.0f / sum;
+  sum = cuda_kernels::warp_sum(sum);  // >= 1 (the max term is exp(0)), or 0 for a padded query
+  if (lse != nullptr && w.lane == 0) lse[w.row] = w.keys > 0 ? max * scale + logf(sum) : 0.0f;
+  const float inverse = w.keys > 0 ? 1.0f / sum : 0.0f;
   for (std::int64_t s = w.lane; s < w.keys; s += 32)
     a[s] = static_cast<T>(expf((to_accumulate(a[s]) - max) * scale) * inverse);
   zero_past_keys(a, w);
@@ -341,7 +342,7 @@ __global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t r
   V* a = reinterpret_cast<V*>(att + w.row * tokens);
   // used: the vectors holding keys [0, keys) (t / E + 1 for the causal mask).
   const std::int64_t used = (w.keys + E - 1) / E, vectors = tokens / E;
-  float max = to_accumulate(a[0].value[0]);  // key 0 is visible to every query
+  float max = to_accumulate(a[0].value[0]);  // key 0 is visible to every real query
   for (std::int64_t v = w.lane; v < used; v += 32) {
     const V x = a[v];
     for (int e = 0; e < E; ++e)
@@ -354,9 +355,9 @@ __global__ void softmax_forward_vector_kernel(T* att, float* lse, std::int64_t r
     for (int e = 0; e < E; ++e)
       if (v * E + e < w.keys) sum += expf((to_accumulate(x.value[e]) - max) * scale);
   }
-  sum = cuda_kernels::warp_sum(sum);  // >= 1: the max term is exp(0)
-  if (lse != nullptr && w.lane == 0) lse[w.row] = max * scale + logf(sum);
-  const float inverse = 1.0f / sum;
+  sum = cuda_kernels::warp_sum(sum);  // >= 1 (the max term is exp(0)), or 0 for a padded query
+  if (lse != nullptr && w.lane == 0) lse[w.row] = w.keys > 0 ? max * scale + logf(sum) : 0.0f;
+  const float inverse = w.keys > 0 ? 1.0f / sum : 0.0f;
   for (std::int64_t v = w.lane; v < vectors; v += 32) {
     V x = v < used ? a[v] : V{};  // every element is written below: keys past the row's become 0
     for (int e = 0; e < E; ++e)
@@ -622,7 +623,8 @@ inline bool flash_attention_available(const cuda& be) {
 //! [NH,T,T] of workspace, and the backward passes datt through the same mask; the tiled bf16
 //! kernels are then not used. With `keys.lengths` ([B] in device memory, each in [1, T]; the
 //! values are the caller's to check, as the Trainer does on the host) keys at or past a sequence's
-//! length get probability exactly 0, as on the CPU; the scores GEMMs still compute them.
+//! length get probability exactly 0 and a padded query's att row and out are 0, as on the CPU;
+//! the GEMMs still compute the padding.
 template <class T>
 void attention_forward(cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
                        AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {

@@ -26,9 +26,9 @@ struct Dims {
   //! Tokens of sequence b, past which keys are padding (host-memory lengths only).
   std::int64_t length(std::int64_t b) const noexcept { return lengths != nullptr ? lengths[b] : tokens; }
   //! The keys [0, keys(t, length)) that query t of a sequence of `length` tokens sees: t + 1
-  //! (causal) or T (bidirectional), at most `length`.
+  //! (causal) or T (bidirectional), at most `length`; none for a padded query (t >= length).
   std::int64_t keys(std::int64_t t, std::int64_t length) const noexcept {
-    return std::min(causal() ? t + 1 : tokens, length);
+    return t < length ? std::min(causal() ? t + 1 : tokens, length) : 0;
   }
   //! The keys [0, keys(t)) that query t of a full-length sequence sees.
   std::int64_t keys(std::int64_t t) const noexcept { return keys(t, tokens); }
