@@ -393,19 +393,27 @@ TEST_CASE("ranks sharing the GPU: pipeline schedules and a 2 x 2 x 2 mesh train 
   check_staged<Zero<1>, OneFOneB>({.dp = 2, .tp = 2, .pp = 2});
 }
 
-TEST_CASE("BERT on one GPU, stored and recomputed attention, and on meshes sharing it, trains as one CPU rank") {
-  if (!have_gpu()) return;
+//! BERT on one GPU (fp32 products), with stored and with recomputed attention, the whole global
+//! batch in one micro-batch: `train(trainer)`'s run against the CPU's `reference`.
+template <class Train>
+void check_bert_on_one_gpu(Train&& train, const ParityRun& reference) {
   using Bert = bert::Model<loom::cuda, float>;
-  static const ParityRun bert_reference = bert_cpu_reference_run(global_batch, seq);
-  const ParameterLayout global_layout = Bert(bert_test_config()).layout();
   for (const bert::Attention attention : {bert::Attention::stored, bert::Attention::recompute}) {
     CAPTURE(bert::name(attention));
     loom::cuda be(0);
     be.set_tf32(false);
     Trainer<Bert, AdamW> trainer(be, Bert(bert_test_config(), attention), AdamW({.weight_decay = 0.1}), parity_lr(),
                                  {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-    check_parity(masked_lm_steps(trainer, global_batch, seq), bert_reference, gpu_tolerance);
+    check_parity(train(trainer), reference, gpu_tolerance);
   }
+}
+
+TEST_CASE("BERT on one GPU, stored and recomputed attention, and on meshes sharing it, trains as one CPU rank") {
+  if (!have_gpu()) return;
+  using Bert = bert::Model<loom::cuda, float>;
+  static const ParityRun bert_reference = bert_cpu_reference_run(global_batch, seq);
+  const ParameterLayout global_layout = Bert(bert_test_config()).layout();
+  check_bert_on_one_gpu([](auto& trainer) { return masked_lm_steps(trainer, global_batch, seq); }, bert_reference);
   const auto mesh_failures = [&](MeshShape shape, auto strategy, auto schedule) {
     return staged_failures<Bert>(
         shape, 1.0, strategy, schedule,
@@ -426,14 +434,7 @@ TEST_CASE("BERT on padded batches, on one GPU (stored and recomputed attention) 
   const auto padded_steps = [](auto& trainer) {
     return masked_lm_steps_on(trainer, padded_masked_test_source(), global_batch, seq);
   };
-  for (const bert::Attention attention : {bert::Attention::stored, bert::Attention::recompute}) {
-    CAPTURE(bert::name(attention));
-    loom::cuda be(0);
-    be.set_tf32(false);
-    Trainer<Bert, AdamW> trainer(be, Bert(bert_test_config(), attention), AdamW({.weight_decay = 0.1}), parity_lr(),
-                                 {.micro_batch_size = global_batch, .clip_grad_norm = 1.0, .seed = 5});
-    check_parity(padded_steps(trainer), reference, gpu_tolerance);
-  }
+  check_bert_on_one_gpu(padded_steps, reference);
   const std::vector<std::string> failures = staged_failures<Bert>(
       {.dp = 2, .tp = 2, .pp = 1}, 1.0, Zero<2>{}, GradientAccumulation{},
       [](auto& tensor_parallel) { return Bert(bert_test_config(), tensor_parallel); }, padded_steps, reference,
