@@ -5,7 +5,7 @@
 #                                       # gpt2_train for sm_ARCH (default 90) into build-gpu/
 #   scripts/gpu_check.sh run [GROUP...] # there (run with carry ["build-gpu"]): run them all, or
 #                                       # only the groups named: tests, demo, train, bench, torch,
-#                                       # profile (not in the default)
+#                                       # best, profile (the last two not in the default)
 #
 # The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest,
 # CLI11 or OpenMPI, so the programs are built here without MPI, for a generic x86-64 (no
@@ -75,7 +75,8 @@ run() {
     tar czf "$out/logs.tgz" -C "$logs" .
   }
   if want tests; then
-    for p in "${programs[@]}"; do run_one "$p" "./$p"; done
+    # GPU_CHECK_TESTS: only these test programs (names, space-separated).
+    for p in ${GPU_CHECK_TESTS:-${programs[*]}}; do run_one "$p" "./$p"; done
   fi
   local small=(./gpt2_train --device cuda --model small --seq 1024 --steps 8 --log-every 1 --lr 6e-4)
   if want train; then
@@ -96,6 +97,8 @@ run() {
     # The linear layers' bias, GELU and GELU gradient fused into the cuBLASLt GEMMs.
     run_one gpt2_train_small_1024_bf16_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
             --gemm-epilogues --peak-tflops 989.4
+    run_one gpt2_train_small_1024_bf16_recompute_16_flash_epilogues "${small[@]}" --batch 16 --micro-batch 16 \
+            --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
     run_one gpt2_train_small_1024_bf16_recompute_32_flash_epilogues "${small[@]}" --batch 32 --micro-batch 32 \
             --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
     # Full recomputation and the chunked loss head (docs/recompute.md): what the head's extra GEMM
@@ -107,6 +110,14 @@ run() {
     # BERT-base at sequence 512 (bidirectional attention, masked-LM head), bf16.
     run_one bert_train_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
             --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
+  fi
+  if want best; then
+    # The fastest bf16 layouts at batch 16, to set beside the torch group's runs of one call.
+    run_one best_bf16_stored "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --peak-tflops 989.4
+    run_one best_bf16_stored_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --gemm-epilogues \
+            --peak-tflops 989.4
+    run_one best_bf16_flash_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --attention recompute \
+            --flash-attention --gemm-epilogues --peak-tflops 989.4
   fi
   if want bench; then
     # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
@@ -134,15 +145,19 @@ run() {
     # metric, clocks and caches left alone; 2 steps, totals halved).
     local ncu
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    # GPU_CHECK_PROFILE_ARGS: more gpt2_train options for the profiled run (say, the fastest layout's).
+    # shellcheck disable=SC2086
     run_one ncu_gpt2_bf16 "$ncu" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
             --log-file "$logs/ncu_gpt2_bf16.csv" ./gpt2_train --device cuda --model small --seq 1024 --steps 2 \
-            --batch 16 --micro-batch 16 --dtype bf16
+            --batch 16 --micro-batch 16 --dtype bf16 ${GPU_CHECK_PROFILE_ARGS:-}
     python3 "$root/scripts/kernel_profile.py" "$logs/ncu_gpt2_bf16.csv" --divide 2 | tee "$logs/kernel_profile.txt"
-    # One launch of each row-wise backward kernel in detail (NCU_DETAIL: a kernel-name regex).
-    run_one ncu_detail "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-            --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-            -k "regex:${NCU_DETAIL:-input_grad_kernel}" --launch-count 2 ./gpt2_train --device cuda --model small \
-            --seq 1024 --steps 1 --batch 16 --micro-batch 16 --dtype bf16
+    # One launch of each kernel NCU_DETAIL (a kernel-name regex) names, in detail.
+    if [[ -n "${NCU_DETAIL:-}" ]]; then
+      run_one ncu_detail "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+              --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+              -k "regex:$NCU_DETAIL" --launch-count 2 ./gpt2_train --device cuda --model small \
+              --seq 1024 --steps 1 --batch 16 --micro-batch 16 --dtype bf16
+    fi
   fi
   if want torch; then
     # PyTorch on the same GPU (the device image has it), at loom's bf16 batch: eager and

@@ -503,7 +503,9 @@ Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask ma
 
 std::vector<Case> device_cases() {
   std::vector<Case> cases = host_cases();
-  cases.push_back({4, 1024, 12, 64});  // GPT-2 small's attention at sequence 1024
+  // GPT-2 small's sequence and head size; two heads, not 4 x 12: the double reference over 48
+  // heads took over two minutes on the H100 machine's CPU.
+  cases.push_back({1, 1024, 2, 64});
   cases.push_back({2, 333, 4, 128});
   return cases;
 }
