@@ -60,6 +60,7 @@ struct HostBlock {
   std::barrier<> block;
   std::deque<std::barrier<>> warp;  // a deque: barriers do not move
   float exchange[fl::threads] = {};
+  const bf16* rows[fl::threads] = {};  // the addresses the lanes give an ldmatrix
   // Two sets, used by turns: a lane writes set s for its next mma only after every lane of its
   // warp has passed the barrier of the mma that read set s last.
   std::uint32_t a[2][fl::threads][4] = {}, b[2][fl::threads][2] = {};
@@ -98,6 +99,32 @@ class HostThread {
     const float other = block_.exchange[thread_ ^ mask];
     sync_warp();
     return other;
+  }
+
+  //! cp.async, done at once: the 16 bytes at `src`, or zeros where not `real`.
+  void copy_async(bf16* dst, const bf16* src, bool real) const {
+    if (real)
+      std::memcpy(static_cast<void*>(dst), src, 16);
+    else
+      std::memset(static_cast<void*>(dst), 0, 16);
+  }
+  void commit_copies() const {}
+  void wait_copies() const {}
+
+  //! ldmatrix.m8n8.x4.trans by its PTX layout: lanes 8 j .. 8 j + 7 give the rows of matrix j,
+  //! and lane l receives, of each matrix, the transposed elements (rows 2 (l % 4) and
+  //! 2 (l % 4) + 1, column l / 4), the lower row in bits 0-15; matrices 0..3 fill b[0][0],
+  //! b[0][1], b[1][0], b[1][1].
+  void load_b_transposed(fl::FragmentB (&b)[2], const bf16* lane_row) const {
+    block_.rows[thread_] = lane_row;
+    sync_warp();
+    const int warp = thread_ / 32 * 32, lane = thread_ % 32;
+    for (int j = 0; j < 4; ++j) {
+      const bf16* lo = block_.rows[warp + 8 * j + 2 * (lane % 4)] + lane / 4;
+      const bf16* hi = block_.rows[warp + 8 * j + 2 * (lane % 4) + 1] + lane / 4;
+      b[j / 2][j % 2] = static_cast<std::uint32_t>(lo->bits) | static_cast<std::uint32_t>(hi->bits) << 16;
+    }
+    sync_warp();
   }
 
   //! d += a b over the warp's fragments, by the m16n8k16 layout (flash_attention.cuh's file
@@ -325,33 +352,50 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
     const fl::BackwardArgs ba{shape, data.qkv.data(), data.dout.data(), r.lse.data(), delta.data(), r.dqkv.data()};
     run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total,
              [&](HostThread& th) { fl::key_value_grad_block<HS>(th, ba); });
-    run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total, [&](HostThread& th) { fl::query_grad_block<HS>(th, ba); });
+    run_grid(grid_x, grid_y, fl::QueryGradSmem<HS>::total, [&](HostThread& th) { fl::query_grad_block<HS>(th, ba); });
   });
   return r;
 }
 
 TEST_CASE("flash attention's shared memory fits a block without opting in above 48 KiB where HS <= 64") {
   constexpr std::size_t default_limit = 48 * 1024, h100 = 227 * 1024;  // sm_90's largest, opted in
-  CHECK(fl::ForwardSmem<64>::total == 64 * 72 * 2 + 64 * 72 * 2);
+  CHECK(fl::ForwardSmem<64>::total == 4 * 64 * 72 * 2);  // two buffers of k and v
   CHECK(fl::KeyValueGradSmem<64>::total <= default_limit);
   CHECK(fl::QueryGradSmem<64>::total <= default_limit);
   CHECK(fl::KeyValueGradSmem<128>::total <= h100);
-  for (const std::size_t offset : {fl::ForwardSmem<32>::vt, fl::KeyValueGradSmem<32>::qt, fl::KeyValueGradSmem<32>::dout,
-                                   fl::KeyValueGradSmem<32>::doutt, fl::KeyValueGradSmem<32>::lse,
-                                   fl::QueryGradSmem<32>::kt, fl::QueryGradSmem<32>::v})
+  // cp.async writes 16 bytes and ldmatrix reads rows of 16: every region and row 16-byte aligned.
+  for (const std::size_t offset : {fl::ForwardSmem<32>::v, fl::KeyValueGradSmem<32>::dout,
+                                   fl::KeyValueGradSmem<32>::lse, fl::KeyValueGradSmem<32>::delta,
+                                   fl::QueryGradSmem<32>::v, fl::tile_bytes<32>})
     CHECK(offset % 16 == 0);
+  for (const int ld : {fl::row_ld<32>, fl::row_ld<64>, fl::row_ld<128>}) CHECK(ld * sizeof(bf16) % 16 == 0);
   CHECK(fl::supported_head_size(64));
   CHECK_FALSE(fl::supported_head_size(48));
 }
 
 TEST_CASE("a B fragment load from a padded shared tile reads 32 different banks") {
   // Lane 4 group + pair reads the word at (n0 + group) ld + k0 + 2 pair (bf16 units).
-  for (const int ld : {fl::row_ld<32>, fl::row_ld<64>, fl::row_ld<128>, fl::col_ld})
+  for (const int ld : {fl::row_ld<32>, fl::row_ld<64>, fl::row_ld<128>})
     for (const int k0 : {0, 16, 8}) {
       CAPTURE(ld);
       CAPTURE(k0);
       std::vector<int> banks;
       for (int lane = 0; lane < 32; ++lane) banks.push_back(((lane / 4) * ld + k0 + 2 * (lane % 4)) / 2 % 32);
+      std::sort(banks.begin(), banks.end());
+      CHECK(std::adjacent_find(banks.begin(), banks.end()) == banks.end());
+    }
+}
+
+TEST_CASE("an ldmatrix from a padded shared tile reads each 8 x 8 matrix from 32 different banks") {
+  // Matrix j's 8 rows of 16 bytes (4 words each), rows r of the tile at column n0.
+  for (const int ld : {fl::row_ld<32>, fl::row_ld<64>, fl::row_ld<128>})
+    for (const int n0 : {0, 8, 16}) {
+      CAPTURE(ld);
+      CAPTURE(n0);
+      std::vector<int> banks;
+      for (int r = 0; r < 8; ++r)
+        for (int w = 0; w < 4; ++w) banks.push_back((r * ld + n0) / 2 % 32 + w);
+      for (int& b : banks) b %= 32;
       std::sort(banks.begin(), banks.end());
       CHECK(std::adjacent_find(banks.begin(), banks.end()) == banks.end());
     }

@@ -33,16 +33,24 @@
 //! those + 8; of a 16 x 8 C block, rows group and group + 8 at columns 2 pair, 2 pair + 1. So
 //! the C fragments of two adjacent 16 x 8 score blocks are, rounded to bf16, the A fragment of
 //! the 16 x 16 probability block that multiplies V: the probabilities never leave registers.
-//! B is read from shared memory as [n][k] rows (K and Q as they are for the scores; V, dO, Q and
-//! K transposed on their way in for the products over keys or queries), rows padded by 8 bf16 so
-//! that the 8 rows x 4 words a fragment load reads fall in 32 different banks.
+//! Every tile sits in shared memory as it is in global memory, [64 tokens, HS], rows padded by 8
+//! bf16 so that the 8 rows x 4 words a fragment load reads fall in 32 different banks. B is read
+//! as [n][k] rows for the scores (K and Q as they are: two 32-bit loads per fragment) and through
+//! ldmatrix.trans for the products over keys or queries (V, dO, Q and K: four fragments per
+//! instruction), so no tile is stored transposed.
+//!
+//! The tiles a block walks are double-buffered: while the warps compute on tile i, the copies of
+//! tile i + 1 (cp.async, 16 bytes each, zero-filled past T) are in flight into the other buffer,
+//! so the global loads overlap the tensor-core work; one barrier per tile.
 //!
 //! The kernel bodies are templates over a `Thread` type that supplies the thread and block
-//! indices, the block barrier, the lane exchange and the mma: on the GPU it is DeviceThread
-//! (threadIdx, __syncthreads, __shfl_xor_sync, mma.sync); the tests run the same bodies on the
-//! host with every thread of a block as a host thread and the mma computed from the lanes'
-//! fragments by the layout above, so the tiling, masking, fragment indexing and barriers are
-//! checked where there is no GPU. Tile rows past T are loaded as zeros and masked, so any T works.
+//! indices, the block barrier, the lane exchange, the asynchronous copies, ldmatrix.trans and
+//! the mma: on the GPU it is DeviceThread (threadIdx, __syncthreads, __shfl_xor_sync, cp.async,
+//! ldmatrix, mma.sync); the tests run the same bodies on the host with every thread of a block
+//! as a host thread, the copies done at once, and ldmatrix and the mma computed from the lanes'
+//! addresses and fragments by their PTX layouts, so the tiling, masking, fragment indexing and
+//! barriers are checked where there is no GPU. Tile rows past T are loaded as zeros and masked,
+//! so any T works.
 
 #include <cmath>
 #include <cstddef>
@@ -140,43 +148,41 @@ LOOM_HD constexpr std::size_t bytes(int rows, int cols) noexcept {
 }
 
 //! bf16 of padding after each shared tile row: a row of HS + 8 (HS = 32, 64, 128: 20, 36 or 68
-//! words) or 64 + 8 (36 words) starts 20 or 4 banks after the previous one, so a fragment load's
-//! 8 rows x 4 consecutive words land in 32 different banks.
+//! words) starts 20 or 4 banks after the previous one, so a fragment load's 8 rows x 4
+//! consecutive words, and an ldmatrix's 8 rows of 16 bytes, land in 32 different banks.
 inline constexpr int pad = 8;
 //! The row stride of a [64, HS] tile (rows are tokens).
 template <int HS>
 inline constexpr int row_ld = HS + pad;
-//! The row stride of a transposed [HS, 64] tile (rows are channels).
-inline constexpr int col_ld = tile + pad;
+//! Bytes of one [64, HS] tile.
+template <int HS>
+inline constexpr std::size_t tile_bytes = bytes<bf16>(tile, row_ld<HS>);
 
-//! The forward's shared memory: the key tile [64, HS] and the value tile transposed [HS, 64].
+//! The forward's shared memory: two buffers of the key and value tiles.
 template <int HS>
 struct ForwardSmem {
-  static constexpr std::size_t k = 0;
-  static constexpr std::size_t vt = k + bytes<bf16>(tile, row_ld<HS>);
-  static constexpr std::size_t total = vt + bytes<bf16>(HS, col_ld);
+  static constexpr std::size_t k = 0;  //!< k[buffer] at k + buffer tile_bytes
+  static constexpr std::size_t v = k + 2 * tile_bytes<HS>;
+  static constexpr std::size_t total = v + 2 * tile_bytes<HS>;
 };
 
-//! key_value_grad's shared memory: the query and dout tiles, each as it is and transposed, and
-//! the tile's lse (times log2 e) and delta.
+//! key_value_grad's shared memory: two buffers of the query and dout tiles and of the tile's lse
+//! (times log2 e) and delta.
 template <int HS>
 struct KeyValueGradSmem {
   static constexpr std::size_t q = 0;
-  static constexpr std::size_t qt = q + bytes<bf16>(tile, row_ld<HS>);
-  static constexpr std::size_t dout = qt + bytes<bf16>(HS, col_ld);
-  static constexpr std::size_t doutt = dout + bytes<bf16>(tile, row_ld<HS>);
-  static constexpr std::size_t lse = doutt + bytes<bf16>(HS, col_ld);
-  static constexpr std::size_t delta = lse + bytes<float>(1, tile);
-  static constexpr std::size_t total = delta + bytes<float>(1, tile);
+  static constexpr std::size_t dout = q + 2 * tile_bytes<HS>;
+  static constexpr std::size_t lse = dout + 2 * tile_bytes<HS>;  //!< lse[buffer] at lse + buffer 64 floats
+  static constexpr std::size_t delta = lse + 2 * bytes<float>(1, tile);
+  static constexpr std::size_t total = delta + 2 * bytes<float>(1, tile);
 };
 
-//! query_grad's shared memory: the key tile as it is and transposed, and the value tile.
+//! query_grad's shared memory: two buffers of the key and value tiles.
 template <int HS>
 struct QueryGradSmem {
   static constexpr std::size_t k = 0;
-  static constexpr std::size_t kt = k + bytes<bf16>(tile, row_ld<HS>);
-  static constexpr std::size_t v = kt + bytes<bf16>(HS, col_ld);
-  static constexpr std::size_t total = v + bytes<bf16>(tile, row_ld<HS>);
+  static constexpr std::size_t v = k + 2 * tile_bytes<HS>;
+  static constexpr std::size_t total = v + 2 * tile_bytes<HS>;
 };
 
 //! The region at byte `offset` of shared memory `base`, as E*.
@@ -195,8 +201,8 @@ struct alignas(16) Pack {
 inline constexpr int pack = 8;
 static_assert(sizeof(Pack) == pack * sizeof(bf16));
 
-//! The bf16 at `p` (aligned for W) as one W-wide load: a Pack (8 bf16) for the tiles, a 32-bit
-//! word (2 bf16) for a fragment register; on the host through memcpy (no aliasing).
+//! The bf16 at `p` (aligned for W) as one W-wide load: a 32-bit word (2 bf16) for a fragment
+//! register; on the host through memcpy (no aliasing).
 template <class W>
 LOOM_HD inline W load_aligned(const bf16* p) noexcept {
 #if defined(__CUDA_ARCH__)
@@ -207,44 +213,30 @@ LOOM_HD inline W load_aligned(const bf16* p) noexcept {
   return value;
 #endif
 }
-LOOM_HD inline void store_pack(bf16* p, const Pack& value) noexcept {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<Pack*>(p) = value;
-#else
-  std::memcpy(static_cast<void*>(p), &value, sizeof value);
-#endif
-}
 
-//! Copies rows [first, first + 64) of a [T, ld]-strided matrix's HS columns at `src` into the
-//! [64, HS] tile `rows` (stride row_ld<HS>) and/or its transpose `cols` ([HS, 64], stride col_ld),
-//! either may be null; zeros for rows >= T. All threads of the block take part, consecutive
-//! threads on consecutive rows, so the transposed stores of a warp fill 32 consecutive elements.
-//! Where `src` is 16-byte aligned and ld a multiple of 8, each thread moves 8 elements at a time.
+//! Starts copying rows [first, first + 64) of a [T, ld]-strided matrix's HS columns at `src` into
+//! the [64, HS] tile `rows` (stride row_ld<HS>); zeros for rows >= T. All threads of the block
+//! take part, consecutive threads along a row. Where `src` is 16-byte aligned and ld a multiple
+//! of 8, each thread starts asynchronous 16-byte copies (they land by the caller's
+//! wait_copies); elsewhere it stores element by element at once.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
-LOOM_HD inline void load_tile(Thread& th, bf16* rows, bf16* cols, const bf16* src, std::int64_t ld,
-                              std::int64_t first, std::int64_t tokens) {
+LOOM_HD inline void start_tile(Thread& th, bf16* rows, const bf16* src, std::int64_t ld, std::int64_t first,
+                               std::int64_t tokens) {
   if (reinterpret_cast<std::uintptr_t>(src) % sizeof(Pack) == 0 && ld % pack == 0) {
-    for (int e = th.thread(); e < tile * (HS / pack); e += threads) {
-      const int r = e % tile, c = e / tile * pack;
+    constexpr int packs = HS / pack;  // per row
+    for (int e = th.thread(); e < tile * packs; e += threads) {
+      const int r = e / packs, c = e % packs * pack;
       const std::int64_t row = first + r;
-      Pack value{};
-      if (row < tokens) value = load_aligned<Pack>(src + row * ld + c);
-      if (rows != nullptr) store_pack(rows + r * row_ld<HS> + c, value);
-      if (cols != nullptr) {
-        bf16 elements[pack];
-        std::memcpy(static_cast<void*>(elements), &value, sizeof value);
-        for (int i = 0; i < pack; ++i) cols[(c + i) * col_ld + r] = elements[i];
-      }
+      const bool real = row < tokens;
+      th.copy_async(rows + r * row_ld<HS> + c, real ? src + row * ld + c : src, real);
     }
     return;
   }
   for (int e = th.thread(); e < tile * HS; e += threads) {
-    const int r = e % tile, c = e / tile;
+    const int r = e / HS, c = e % HS;
     const std::int64_t row = first + r;
-    const bf16 value = row < tokens ? src[row * ld + c] : bf16(0.0f);
-    if (rows != nullptr) rows[r * row_ld<HS> + c] = value;
-    if (cols != nullptr) cols[c * col_ld + r] = value;
+    rows[r * row_ld<HS> + c] = row < tokens ? src[row * ld + c] : bf16(0.0f);
   }
 }
 
@@ -353,20 +345,25 @@ LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[tile_blocks], const
 }
 
 //! acc[n] += (a b)[:, 8 n ..], over the 64 columns of `a` (C fragments of [16, 64], rounded to
-//! bf16 here) and the transposed [HS, 64] tile `bt` (B(k, n) = bt[n col_ld + k]).
+//! bf16 here) and the [64, HS] tile `b` (B(k, n) = b[k row_ld<HS> + n], stride row_ld<HS>), whose
+//! B fragments come two at a time from ldmatrix.trans: lane l gives the address of row
+//! 16 kk + l % 16 at column 16 n2 + 8 (l / 16), the rows of the four 8 x 8 matrices in order.
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[HS / 8], const FragmentC (&a)[tile_blocks],
-                                  const bf16* bt, Lane ln) {
+                                  const bf16* b, Lane ln) {
+  const int lane = 4 * ln.group + ln.pair;
+  const bf16* lane_row = b + (lane % 16) * row_ld<HS> + 8 * (lane / 16);
   LOOM_FLASH_UNROLL
   for (int kk = 0; kk < tile / 16; ++kk) {
     FragmentA fa;
     to_a(fa, a[2 * kk], a[2 * kk + 1]);
     LOOM_FLASH_UNROLL
-    for (int n = 0; n < HS / 8; ++n) {
-      FragmentB fb;
-      load_b(fb, bt, col_ld, 8 * n, 16 * kk, ln);
-      th.mma(acc[n], fa, fb);
+    for (int n2 = 0; n2 < HS / 16; ++n2) {
+      FragmentB fb[2];
+      th.load_b_transposed(fb, lane_row + 16 * kk * row_ld<HS> + 16 * n2);
+      th.mma(acc[2 * n2], fa, fb[0]);
+      th.mma(acc[2 * n2 + 1], fa, fb[1]);
     }
   }
 }
@@ -456,8 +453,8 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t qt = query_tile(sh, th.block_y());
   unsigned char* smem = th.shared();
-  bf16* k = region<bf16>(smem, Smem::k);
-  bf16* vt = region<bf16>(smem, Smem::vt);
+  const auto k = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::k + tile_index % 2 * tile_bytes<HS>); };
+  const auto v = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::v + tile_index % 2 * tile_bytes<HS>); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;  // q of token 0; k at + C, v at + 2C
   const std::int64_t first = qt * tile + warp * warp_rows;  // the warp's first query
@@ -475,15 +472,22 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   LOOM_FLASH_UNROLL
   for (int i = 0; i < 2; ++i) last[i] = last_key(sh, first + ln.group + 8 * i);
   const std::int64_t end = key_tiles(sh, qt);
+  const auto start = [&](std::int64_t kt) {
+    start_tile<HS>(th, k(kt), qkv_bh + C, ld, kt * tile, T);
+    start_tile<HS>(th, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
+    th.commit_copies();
+  };
+  start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
-    th.sync_block();  // the previous tile's k and v are no longer read
-    load_tile<HS>(th, k, nullptr, qkv_bh + C, ld, kt * tile, T);
-    load_tile<HS>(th, nullptr, vt, qkv_bh + 2 * C, ld, kt * tile, T);
+    th.wait_copies();  // this thread's copies of tile kt (the only ones in flight)
+    // Every thread's copies of tile kt have landed, and every warp is done with tile kt - 1, whose
+    // buffer tile kt + 1 takes next, while this one is computed.
     th.sync_block();
+    if (kt + 1 < end) start(kt + 1);
 
     FragmentC s[tile_blocks];
     zero(s);
-    product_abt<HS>(th, s, q, k, ln);
+    product_abt<HS>(th, s, q, k(kt), ln);
     // Online softmax: a key counts where key <= last (t, the causal mask; or T - 1). Every row
     // sees key kt 64 (causal: kt <= qt, so kt 64 <= t; bidirectional: kt 64 < T), so the tile max
     // is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
@@ -522,7 +526,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
         o[n][2 * i + 1] *= alpha;
       }
     }
-    accumulate_ab<HS>(th, o, s, vt, ln);  // o += p v
+    accumulate_ab<HS>(th, o, s, v(kt), ln);  // o += p v
   }
 
   LOOM_FLASH_UNROLL
@@ -572,12 +576,12 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t kt = th.block_y(), tiles_t = tiles(T);
   unsigned char* smem = th.shared();
-  bf16* q = region<bf16>(smem, Smem::q);
-  bf16* qt = region<bf16>(smem, Smem::qt);
-  bf16* g = region<bf16>(smem, Smem::dout);
-  bf16* gt = region<bf16>(smem, Smem::doutt);
-  float* lse = region<float>(smem, Smem::lse);  // times log2 e
-  float* delta = region<float>(smem, Smem::delta);
+  const auto q = [&](std::int64_t i) { return region<bf16>(smem, Smem::q + i % 2 * tile_bytes<HS>); };
+  const auto g = [&](std::int64_t i) { return region<bf16>(smem, Smem::dout + i % 2 * tile_bytes<HS>); };
+  const auto lse = [&](std::int64_t i) {  // times log2 e
+    return region<float>(smem, Smem::lse + i % 2 * bytes<float>(1, tile));
+  };
+  const auto delta = [&](std::int64_t i) { return region<float>(smem, Smem::delta + i % 2 * bytes<float>(1, tile)); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
   const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
@@ -600,27 +604,36 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
     const std::int64_t key = first + ln.group + 8 * i;
     lowest[i] = sh.causal() ? key : key < T ? 0 : T;
   }
+  const auto start = [&](std::int64_t qtile) {
+    start_tile<HS>(th, q(qtile), qkv_bh, ld, qtile * tile, T);
+    start_tile<HS>(th, g(qtile), dout_bh, C, qtile * tile, T);
+    th.commit_copies();
+    load_rows(th, lse(qtile), a.lse + at.bh * T, log2e, qtile * tile, T);
+    load_rows(th, delta(qtile), a.delta + at.bh * T, 1.0f, qtile * tile, T);
+  };
+  start(first_query_tile(sh, kt));
   for (std::int64_t qtile = first_query_tile(sh, kt); qtile < tiles_t; ++qtile) {
-    th.sync_block();  // the previous tile's q, dout, lse and delta are no longer read
-    load_tile<HS>(th, q, qt, qkv_bh, ld, qtile * tile, T);
-    load_tile<HS>(th, g, gt, dout_bh, C, qtile * tile, T);
-    load_rows(th, lse, a.lse + at.bh * T, log2e, qtile * tile, T);
-    load_rows(th, delta, a.delta + at.bh * T, 1.0f, qtile * tile, T);
-    th.sync_block();
+    th.wait_copies();
+    th.sync_block();  // tile qtile is in, tile qtile - 1 no longer read (forward_block's loop)
+    if (qtile + 1 < tiles_t) start(qtile + 1);
 
+    const bf16* const q_tile = q(qtile);
+    const bf16* const g_tile = g(qtile);
+    const float* const lse_tile = lse(qtile);
+    const float* const delta_tile = delta(qtile);
     FragmentC st[tile_blocks], dpt[tile_blocks];  // S^T and dP^T: [16 keys, 64 queries]
     zero(st);
     zero(dpt);
-    product_abt<HS>(th, st, k, q, ln);
-    product_abt<HS>(th, dpt, v, g, ln);  // dP^T = V dO^T
+    product_abt<HS>(th, st, k, q_tile, ln);
+    product_abt<HS>(th, dpt, v, g_tile, ln);  // dP^T = V dO^T
     for_each_element(st, dpt, ln, [&](float& p, float& ds, int i, int col) {
       const std::int64_t query = qtile * tile + col;
       const bool valid = query < T && query >= lowest[i];
-      p = valid ? exp2f(fmaf(p, scale2, -lse[col])) : 0.0f;
-      ds = valid ? p * (ds - delta[col]) * sh.scale : 0.0f;
+      p = valid ? exp2f(fmaf(p, scale2, -lse_tile[col])) : 0.0f;
+      ds = valid ? p * (ds - delta_tile[col]) * sh.scale : 0.0f;
     });
-    accumulate_ab<HS>(th, dv, st, gt, ln);   // dV += P^T dO
-    accumulate_ab<HS>(th, dk, dpt, qt, ln);  // dK += dS^T Q
+    accumulate_ab<HS>(th, dv, st, g_tile, ln);   // dV += P^T dO
+    accumulate_ab<HS>(th, dk, dpt, q_tile, ln);  // dK += dS^T Q
   }
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
   add_rows(dqkv_bh + C, ld, dk, first, T, ln);
@@ -637,9 +650,8 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t qtile = query_tile(sh, th.block_y());
   unsigned char* smem = th.shared();
-  bf16* k = region<bf16>(smem, Smem::k);
-  bf16* kt_cols = region<bf16>(smem, Smem::kt);
-  bf16* v = region<bf16>(smem, Smem::v);
+  const auto k = [&](std::int64_t i) { return region<bf16>(smem, Smem::k + i % 2 * tile_bytes<HS>); };
+  const auto v = [&](std::int64_t i) { return region<bf16>(smem, Smem::v + i % 2 * tile_bytes<HS>); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
   const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
@@ -663,24 +675,29 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   zero(dq);
   const float scale2 = sh.scale * log2e;
   const std::int64_t end = key_tiles(sh, qtile);
+  const auto start = [&](std::int64_t kt) {
+    start_tile<HS>(th, k(kt), qkv_bh + C, ld, kt * tile, T);
+    start_tile<HS>(th, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
+    th.commit_copies();
+  };
+  start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
-    th.sync_block();  // the previous tile's k and v are no longer read
-    load_tile<HS>(th, k, kt_cols, qkv_bh + C, ld, kt * tile, T);
-    load_tile<HS>(th, v, nullptr, qkv_bh + 2 * C, ld, kt * tile, T);
-    th.sync_block();
+    th.wait_copies();
+    th.sync_block();  // tile kt is in, tile kt - 1 no longer read (forward_block's loop)
+    if (kt + 1 < end) start(kt + 1);
 
     FragmentC s[tile_blocks], dp[tile_blocks];
     zero(s);
     zero(dp);
-    product_abt<HS>(th, s, q, k, ln);
-    product_abt<HS>(th, dp, g, v, ln);  // dP = dO V^T
+    product_abt<HS>(th, s, q, k(kt), ln);
+    product_abt<HS>(th, dp, g, v(kt), ln);  // dP = dO V^T
     for_each_element(s, dp, ln, [&](float& score, float& ds, int i, int col) {
       const std::int64_t key = kt * tile + col;
       const bool valid = key <= last[i];
       const float p = valid ? exp2f(fmaf(score, scale2, -lse[i])) : 0.0f;
       ds = valid ? p * (ds - delta[i]) * sh.scale : 0.0f;
     });
-    accumulate_ab<HS>(th, dq, dp, kt_cols, ln);  // dQ += dS K
+    accumulate_ab<HS>(th, dq, dp, k(kt), ln);  // dQ += dS K
   }
   add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, T, ln);
 }
@@ -708,6 +725,27 @@ struct DeviceThread {
   }
   __device__ void sync_block() const { __syncthreads(); }
   __device__ float shuffle_xor(float value, int mask) const { return __shfl_xor_sync(0xffffffffu, value, mask); }
+  //! Starts copying the 16 bytes at `src` (global) to `dst` (shared), or 16 zero bytes where not
+  //! `real` (src then is not read).
+  __device__ void copy_async(bf16* dst, const bf16* src, bool real) const {
+    const auto to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(real ? 16 : 0)
+                 : "memory");
+  }
+  //! Closes the group of copies started since the last call.
+  __device__ void commit_copies() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+  //! Waits for every copy this thread started.
+  __device__ void wait_copies() const { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+  //! Two B fragments of a [k][n] row-major tile in shared memory by ldmatrix.x4.trans: lane l
+  //! gives the address of row l % 16 (of the 16 k) at column 8 (l / 16) (of the 16 n); b[j] is
+  //! the fragment of columns 8 j .. 8 j + 7.
+  __device__ void load_b_transposed(FragmentB (&b)[2], const bf16* lane_row) const {
+    const auto from = static_cast<unsigned>(__cvta_generic_to_shared(lane_row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1])
+                 : "r"(from)
+                 : "memory");
+  }
   //! d += a b: one m16n8k16 tensor-core product, bf16 in, float accumulators, all 32 lanes.
   static __device__ void mma(FragmentC& d, const FragmentA& a, const FragmentB& b) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -731,7 +769,7 @@ static_assert(sizeof(bf16) == sizeof(__nv_bfloat16), "loom::bf16 and __nv_bfloat
 #endif
 
 template <int HS>
-__global__ void __launch_bounds__(threads) forward_kernel(ForwardArgs a) {
+__global__ void __launch_bounds__(threads, 3) forward_kernel(ForwardArgs a) {
   LOOM_FLASH_RUN(forward_block<HS>(th, a))
 }
 template <int HS>
