@@ -111,21 +111,12 @@ class HostThread {
   void commit_copies() const {}
   void wait_copies() const {}
 
-  //! ldmatrix.m8n8.x4.trans by its PTX layout: lanes 8 j .. 8 j + 7 give the rows of matrix j,
-  //! and lane l receives, of each matrix, the transposed elements (rows 2 (l % 4) and
-  //! 2 (l % 4) + 1, column l / 4), the lower row in bits 0-15; matrices 0..3 fill b[0][0],
-  //! b[0][1], b[1][0], b[1][1].
-  void load_b_transposed(fl::FragmentB (&b)[2], const bf16* lane_row) const {
-    block_.rows[thread_] = lane_row;
-    sync_warp();
-    const int warp = thread_ / 32 * 32, lane = thread_ % 32;
-    for (int j = 0; j < 4; ++j) {
-      const bf16* lo = block_.rows[warp + 8 * j + 2 * (lane % 4)] + lane / 4;
-      const bf16* hi = block_.rows[warp + 8 * j + 2 * (lane % 4) + 1] + lane / 4;
-      b[j / 2][j % 2] = static_cast<std::uint32_t>(lo->bits) | static_cast<std::uint32_t>(hi->bits) << 16;
-    }
-    sync_warp();
-  }
+  //! ldmatrix.m8n8.x4 by its PTX layout: lanes 8 j .. 8 j + 7 give the rows of matrix j, and
+  //! lane l receives, of each matrix, row l / 4 at columns 2 (l % 4) and 2 (l % 4) + 1; with
+  //! .trans, the transposed elements (rows 2 (l % 4) and 2 (l % 4) + 1, column l / 4). The lower
+  //! index goes in bits 0-15; matrices 0..3 fill b[0][0], b[0][1], b[1][0], b[1][1].
+  void load_b_rows(fl::FragmentB (&b)[2], const bf16* lane_row) const { ldmatrix(b, lane_row, false); }
+  void load_b_transposed(fl::FragmentB (&b)[2], const bf16* lane_row) const { ldmatrix(b, lane_row, true); }
 
   //! d += a b over the warp's fragments, by the m16n8k16 layout (flash_attention.cuh's file
   //! comment): every lane publishes its a and b, and computes its own 4 elements of d from all 32.
@@ -152,6 +143,19 @@ class HostThread {
 
  private:
   void sync_warp() const { block_.warp[static_cast<std::size_t>(thread_ / 32)].arrive_and_wait(); }
+
+  void ldmatrix(fl::FragmentB (&b)[2], const bf16* lane_row, bool transposed) const {
+    block_.rows[thread_] = lane_row;
+    sync_warp();
+    const int warp = thread_ / 32 * 32, lane = thread_ % 32;
+    for (int j = 0; j < 4; ++j) {
+      const bf16* const* rows = block_.rows + warp + 8 * j;
+      const bf16 lo = transposed ? rows[2 * (lane % 4)][lane / 4] : rows[lane / 4][2 * (lane % 4)];
+      const bf16 hi = transposed ? rows[2 * (lane % 4) + 1][lane / 4] : rows[lane / 4][2 * (lane % 4) + 1];
+      b[j / 2][j % 2] = static_cast<std::uint32_t>(lo.bits) | static_cast<std::uint32_t>(hi.bits) << 16;
+    }
+    sync_warp();
+  }
 
   HostBlock& block_;
   int thread_;

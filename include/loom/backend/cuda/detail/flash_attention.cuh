@@ -35,9 +35,9 @@
 //! the 16 x 16 probability block that multiplies V: the probabilities never leave registers.
 //! Every tile sits in shared memory as it is in global memory, [64 tokens, HS], rows padded by 8
 //! bf16 so that the 8 rows x 4 words a fragment load reads fall in 32 different banks. B is read
-//! as [n][k] rows for the scores (K and Q as they are: two 32-bit loads per fragment) and through
-//! ldmatrix.trans for the products over keys or queries (V, dO, Q and K: four fragments per
-//! instruction), so no tile is stored transposed.
+//! through ldmatrix, two fragments per instruction: as [n][k] rows for the scores (K and Q as
+//! they are) and transposed (ldmatrix.trans) for the products over keys or queries (V, dO, Q and
+//! K), so no tile is stored transposed.
 //!
 //! The tiles a block walks are double-buffered: while the warps compute on tile i, the copies of
 //! tile i + 1 (cp.async, 16 bytes each, zero-filled past T) are in flight into the other buffer,
@@ -328,18 +328,23 @@ LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[
 }
 
 //! acc[j] += the [16, 64] product a b^T: `a` the A fragments of 16 rows over HS columns, `b` a
-//! [64, HS] tile in shared memory (stride row_ld<HS>); acc[j] holds columns 8 j .. 8 j + 7.
+//! [64, HS] tile in shared memory (stride row_ld<HS>); acc[j] holds columns 8 j .. 8 j + 7. The
+//! B fragments (B(k, n) = b[n row_ld + k]) come two at a time from ldmatrix: lane l gives the
+//! address of row l % 8 + 8 (l / 16) (of the 16 n) at column 8 (l / 8 % 2) (of the 16 k).
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[tile_blocks], const FragmentA (&a)[HS / 16],
                                 const bf16* b, Lane ln) {
+  const int lane = 4 * ln.group + ln.pair;
+  const bf16* lane_row = b + (lane % 8 + 8 * (lane / 16)) * row_ld<HS> + 8 * (lane / 8 % 2);
   LOOM_FLASH_UNROLL
-  for (int j = 0; j < tile_blocks; ++j) {
+  for (int j = 0; j < tile_blocks; j += 2) {
     LOOM_FLASH_UNROLL
     for (int kk = 0; kk < HS / 16; ++kk) {
-      FragmentB fb;
-      load_b(fb, b, row_ld<HS>, 8 * j, 16 * kk, ln);
-      th.mma(acc[j], a[kk], fb);
+      FragmentB fb[2];
+      th.load_b_rows(fb, lane_row + 8 * j * row_ld<HS> + 16 * kk);
+      th.mma(acc[j], a[kk], fb[0]);
+      th.mma(acc[j + 1], a[kk], fb[1]);
     }
   }
 }
@@ -736,6 +741,16 @@ struct DeviceThread {
   __device__ void commit_copies() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
   //! Waits for every copy this thread started.
   __device__ void wait_copies() const { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+  //! Two B fragments of an [n][k] row-major tile in shared memory by ldmatrix.x4: lane l gives
+  //! the address of row l % 8 + 8 (l / 16) (of the 16 n) at column 8 (l / 8 % 2) (of the 16 k);
+  //! b[j] is the fragment of rows 8 j .. 8 j + 7.
+  __device__ void load_b_rows(FragmentB (&b)[2], const bf16* lane_row) const {
+    const auto from = static_cast<unsigned>(__cvta_generic_to_shared(lane_row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1])
+                 : "r"(from)
+                 : "memory");
+  }
   //! Two B fragments of a [k][n] row-major tile in shared memory by ldmatrix.x4.trans: lane l
   //! gives the address of row l % 16 (of the 16 k) at column 8 (l / 16) (of the 16 n); b[j] is
   //! the fragment of columns 8 j .. 8 j + 7.
@@ -782,7 +797,7 @@ __global__ void __launch_bounds__(threads) key_value_grad_kernel(BackwardArgs a)
   LOOM_FLASH_RUN(key_value_grad_block<HS>(th, a))
 }
 template <int HS>
-__global__ void __launch_bounds__(threads) query_grad_kernel(BackwardArgs a) {
+__global__ void __launch_bounds__(threads, 3) query_grad_kernel(BackwardArgs a) {
   LOOM_FLASH_RUN(query_grad_block<HS>(th, a))
 }
 
