@@ -125,8 +125,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::IsMember({"float", "bf16"}));
   app.add_option("--attention", o.attention,
                  "stored: keep the attention probabilities (B x heads x seq^2 per block) for the backward; "
-                 "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM)")
-      ->capture_default_str()->check(CLI::IsMember({"stored", "recompute"}));
+                 "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM); "
+                 "auto: recompute where the tiled (flash) kernels run it (--device cuda, --dtype bf16, sm_80 or "
+                 "newer, head size 32, 64 or 128, no --attention-dropout or --pad-min), else stored")
+      ->capture_default_str()->check(CLI::IsMember({"stored", "recompute", "auto"}));
   app.add_option("--recompute-layers", o.recompute_layers,
                  "Full activation recomputation: in each pipeline chunk, the first N layers that keep activations "
                  "(the loss layer excepted) keep only their input and run their forward again in the backward "
@@ -150,12 +152,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
 #endif
   app.add_flag("--flash-attention,!--no-flash-attention", o.flash_attention,
-               "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels, "
-               "or with --no-flash-attention (the default; faster so far) the cuBLAS batched-GEMM ones");
-  app.add_flag("--gemm-epilogues,!--no-gemm-epilogues", o.gemm_epilogues,
+               "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels (the "
+               "default; the fastest on an H100), or with --no-flash-attention the cuBLAS batched-GEMM ones");
+  // Unset by default (on for bf16, off for float): the flag goes through a plain bool, since CLI11
+  // would give an optional its default, false, and the option's count says whether it was given.
+  bool gemm_epilogues = false;
+  CLI::Option* gemm_epilogues_flag = app.add_flag("--gemm-epilogues,!--no-gemm-epilogues", gemm_epilogues,
                "--device cuda: fuse the linear layers' bias and bias gradient, the MLP's GELU and its "
-               "gradient into the cuBLASLt GEMMs, or with --no-gemm-epilogues (the default until timed) "
-               "run them as separate kernels");
+               "gradient into the cuBLASLt GEMMs (the default with --dtype bf16), or run them as separate "
+               "kernels (the default with --dtype float: cuBLASLt's GELU is an approximation to about 2^-9)");
   app.add_option("--dropout", o.hidden_dropout,
                  "Dropout on the embedding's output and on each block's attention and MLP branches (the "
                  "config's hidden_dropout; masks keyed by seed, step, layer and global position, so every mesh "
@@ -262,6 +267,7 @@ int main(int argc, char** argv) {
       o.log_every = 10;
     }
   CLI11_PARSE(app, argc, argv);
+  if (gemm_epilogues_flag->count() > 0) o.gemm_epilogues = gemm_epilogues;
   if (o.accumulation > 0 && o.micro_batch > 0 && !app.count("--batch"))
     o.batch = o.micro_batch * o.accumulation * (o.comm == "threads" ? o.dp : 1);
   try {

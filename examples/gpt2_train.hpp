@@ -88,14 +88,15 @@ struct Options {
   double attention_dropout = 0.0;  // --attention-dropout
   std::string optimizer = "adamw";
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
-  std::string attention = "stored";  // stored (probabilities) or recompute (log-sum-exp only)
+  std::string attention = "auto";  // stored (probabilities), recompute (log-sum-exp only), or auto
   std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
   bool sequence_parallel = false;      // the config's sequence_parallel (rows split over --tp)
   bool logits_at_every_position = false;  // bert_train: the head on every position, not only the targeted ones
   std::int64_t max_predictions = 0;       // bert_train: targets per sequence, in the data and the model (0: no cap)
-  bool flash_attention = false;      // --device cuda, bf16, recompute: the SRAM-tiled kernels
-  bool gemm_epilogues = false;       // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
+  bool flash_attention = true;       // --device cuda, bf16, recompute: the SRAM-tiled kernels
+  std::optional<bool> gemm_epilogues;  // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
+                                       // (unset: on for bf16, off for float)
   std::uint64_t seed = 1337;
   std::string data = "synthetic";
   std::int64_t mask_token = -1;  // bert_train: the data's [MASK] id (-1: a new id after the data's vocabulary)
@@ -231,9 +232,21 @@ inline int recompute_layers_of(const Options& o) {
   return n;
 }
 
-//! The attention storage of --attention.
-inline loom::AttentionStorage attention_choice(const Options& o) {
-  return o.attention == "recompute" ? loom::AttentionStorage::recompute : loom::AttentionStorage::stored;
+//! The attention storage of --attention. auto: recompute where that runs the tiled (flash)
+//! kernels, which keep no probabilities and were the fastest attention on an H100
+//! (docs/benchmarks.md): a GPU they are built for, bf16, the switch on (--flash-attention), a head
+//! size they take, no attention dropout and no padding (both take the cuBLAS kernels, where
+//! keeping the probabilities is faster); stored everywhere else.
+template <class T, class Backend>
+loom::AttentionStorage attention_choice(const Options& o, const Backend& backend, const family::Config& config) {
+  if (o.attention == "recompute") return loom::AttentionStorage::recompute;
+  if (o.attention == "stored") return loom::AttentionStorage::stored;
+  if constexpr (std::is_same_v<T, loom::bf16> && requires { backend.flash_attention(); }) {
+    if (backend.flash_attention() && o.attention_dropout == 0 && o.pad_min == 0 &&
+        flash_attention_available(backend, config.channels / config.num_heads))
+      return loom::AttentionStorage::recompute;
+  }
+  return loom::AttentionStorage::stored;
 }
 
 //! What a training-state checkpoint says about the run that saved it (JSON): enough to see,
@@ -426,7 +439,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
   Trainer<family::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
-      backend, mesh, family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice(o)), optimizer, lr,
+      backend, mesh, family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice<T>(o, backend, config)), optimizer, lr,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed, .recompute_layers = recompute_layers_of(o)},
       strategy, schedule);
 #if !LOOM_EXAMPLE_BERT

@@ -68,6 +68,11 @@ run() {
     rc=$?
     seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
     summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward" "$logs/$name.log" | tail -1)
+    # Training runs: the median tokens/s of the steps after the first (which loads and plans).
+    local median
+    median=$(awk '/^step +[0-9]+ \|/ && $2 > 1 { for (i = 1; i <= NF; ++i) if ($i == "tok/s") print $(i - 1) }' \
+             "$logs/$name.log" | sort -n | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }')
+    [[ -n "$median" ]] && summary="$summary; median $median tok/s"
     # Written as each program ends, so a call cut off at its limit still shows what ran.
     row=$(printf '%-34s %4s %7.1f  %s' "$name" "$rc" "$seconds" "$summary")
     echo "$row" | tee -a "$logs/table.txt"
@@ -83,41 +88,39 @@ run() {
     # GPT-2 small at sequence 1024 on one GPU (float, TF32); MFU against the H100 SXM's dense
     # TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
     run_one gpt2_train_small_1024 "${small[@]}" --batch 8 --micro-batch 8 --peak-tflops 494.7
-    # The issue's benchmark: bf16 (fp32 master weights), MFU against the dense bf16 peak, 989.4.
+    # The issue's benchmark: bf16 (fp32 master weights), MFU against the dense bf16 peak, 989.4,
+    # with the defaults (on an sm_80+ GPU: the tiled attention keeping only log-sum-exp, and the
+    # GEMM epilogues), then each choice set aside in turn.
     run_one gpt2_train_small_1024_bf16 "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --peak-tflops 989.4
-    # The same with the attention keeping only log-sum-exp (B x 12 x 1024 values per block
-    # instead of B x 12 x 1024^2): its cost at micro-batch 16, and at 32 with the memory it frees.
-    # The cuBLAS lse kernels by default; --flash-attention gives the SRAM-tiled ones.
-    for mb in 16 32; do
-      run_one gpt2_train_small_1024_bf16_recompute_$mb "${small[@]}" --batch $mb --micro-batch $mb --dtype bf16 \
-              --attention recompute --peak-tflops 989.4
-    done
-    run_one gpt2_train_small_1024_bf16_recompute_16_flash "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
-            --attention recompute --flash-attention --peak-tflops 989.4
-    # The linear layers' bias, GELU and GELU gradient fused into the cuBLASLt GEMMs.
-    run_one gpt2_train_small_1024_bf16_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
-            --gemm-epilogues --peak-tflops 989.4
-    run_one gpt2_train_small_1024_bf16_recompute_16_flash_epilogues "${small[@]}" --batch 16 --micro-batch 16 \
-            --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
-    run_one gpt2_train_small_1024_bf16_recompute_32_flash_epilogues "${small[@]}" --batch 32 --micro-batch 32 \
-            --dtype bf16 --attention recompute --flash-attention --gemm-epilogues --peak-tflops 989.4
+    run_one gpt2_train_small_1024_bf16_32 "${small[@]}" --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
+    # The attention probabilities kept (B x 12 x 1024^2 values per block), with and without the
+    # epilogues; the cuBLAS log-sum-exp kernels instead of the tiled ones.
+    run_one gpt2_train_small_1024_bf16_stored "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --attention stored --no-gemm-epilogues --peak-tflops 989.4
+    run_one gpt2_train_small_1024_bf16_stored_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --attention stored --peak-tflops 989.4
+    run_one gpt2_train_small_1024_bf16_cublas_lse "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --attention recompute --no-flash-attention --peak-tflops 989.4
     # Full recomputation and the chunked loss head (docs/recompute.md): what the head's extra GEMM
     # costs at micro-batch 16, and the largest micro-batch with everything recomputed.
     run_one gpt2_train_small_1024_bf16_chunked_logits "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
             --logits-chunk-rows 4096 --peak-tflops 989.4
     run_one gpt2_train_small_1024_bf16_recompute_all_128 "${small[@]}" --batch 128 --micro-batch 128 --dtype bf16 \
-            --attention recompute --recompute-layers all --logits-chunk-rows 4096 --peak-tflops 989.4
+            --recompute-layers all --logits-chunk-rows 4096 --peak-tflops 989.4
     # BERT-base at sequence 512 (bidirectional attention, masked-LM head), bf16.
     run_one bert_train_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
             --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
   fi
   if want best; then
-    # The fastest bf16 layouts at batch 16, to set beside the torch group's runs of one call.
-    run_one best_bf16_stored "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --peak-tflops 989.4
-    run_one best_bf16_stored_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --gemm-epilogues \
+    # bf16 at batch 16, to set beside the torch group's runs of one call: the defaults, and the
+    # attention probabilities kept with and without the GEMM epilogues.
+    run_one best_bf16_defaults "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --peak-tflops 989.4
+    run_one best_bf16_stored "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --attention stored \
+            --no-gemm-epilogues --peak-tflops 989.4
+    run_one best_bf16_stored_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --attention stored \
             --peak-tflops 989.4
-    run_one best_bf16_flash_epilogues "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --attention recompute \
-            --flash-attention --gemm-epilogues --peak-tflops 989.4
+    run_one best_bert_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
+            --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
   fi
   if want bench; then
     # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
@@ -145,7 +148,7 @@ run() {
     # metric, clocks and caches left alone; 2 steps, totals halved).
     local ncu
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    # GPU_CHECK_PROFILE_ARGS: more gpt2_train options for the profiled run (say, the fastest layout's).
+    # GPU_CHECK_PROFILE_ARGS: more gpt2_train options for the profiled run (the defaults: the fastest).
     # shellcheck disable=SC2086
     run_one ncu_gpt2_bf16 "$ncu" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
             --log-file "$logs/ncu_gpt2_bf16.csv" ./gpt2_train --device cuda --model small --seq 1024 --steps 2 \

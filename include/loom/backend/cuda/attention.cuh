@@ -610,6 +610,12 @@ inline bool flash_attention_available(const cuda& be) {
   return detail::cuda_attention::flash_built_for(be);
 }
 
+//! Whether bf16 attention of heads `head_size` wide can take the tiled kernels on `be`'s GPU:
+//! flash_attention_available(be) and a head size they are built for (32, 64 or 128).
+inline bool flash_attention_available(const cuda& be, std::int64_t head_size) {
+  return detail::flash::supported_head_size(head_size) && flash_attention_available(be);
+}
+
 //! Multi-head self-attention forward, causal (GPT-2, the default) or bidirectional (BERT), the
 //! contract of the CPU kernel: `qkv` [B,T,3C] packs per token q, k, v (each C wide; head h owns
 //! channels [h*hs, (h+1)*hs), hs = C/num_heads). Writes `att` [B,NH,T,T], the softmax of
