@@ -5,11 +5,11 @@
 #                                       # gpt2_train for sm_ARCH (default 90) into build-gpu/
 #   scripts/gpu_check.sh run [GROUP...] # there (run with carry ["build-gpu"]): run them all, or
 #                                       # only the groups named: tests, demo, train, bench, torch,
-#                                       # best, profile (the last two not in the default)
+#                                       # best, large, profile (the last three not in the default)
 #
 # The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest,
 # CLI11 or OpenMPI, so the programs are built here without MPI, for a generic x86-64 (no
-# -march=native), and carried: the binaries only, about 12 MiB.
+# -march=native), and carried: the binaries only, about 45 MiB of the 64 a device call takes.
 # `run` finds the CUDA and NCCL libraries the binaries need, runs every CUDA test program and a
 # few gpt2_train layouts, then bench/pytorch_gpu.py (PyTorch's GPT-2 small steps on the same GPU),
 # packs their output into $OUT/logs.tgz (or build-gpu/logs), and prints a table last: name, exit
@@ -121,6 +121,13 @@ run() {
             --peak-tflops 989.4
     run_one best_bert_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
             --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
+  fi
+  if want large; then
+    # The "largest micro-batch that fits", for both: 64 on an 80 GB H100 (PyTorch eager
+    # took 53 GiB there on 2026-11-23; loom's defaults keep no attention probabilities).
+    run_one large_bf16_defaults_64 "${small[@]}" --batch 64 --micro-batch 64 --dtype bf16 --peak-tflops 989.4
+    run_one large_pytorch_gpu_64 python3 "$root/bench/pytorch_gpu.py" --batch 64 --modes eager-bf16,compile-bf16 \
+            --steps 10 --warmup 3 --json "$logs/pytorch_gpu_64.json"
   fi
   if want bench; then
     # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
