@@ -439,7 +439,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
   Trainer<family::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
-      backend, mesh, family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice<T>(o, backend, config)), optimizer, lr,
+      backend, mesh,
+      family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice<T>(o, backend, config)), optimizer, lr,
       {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed, .recompute_layers = recompute_layers_of(o)},
       strategy, schedule);
 #if !LOOM_EXAMPLE_BERT

@@ -377,16 +377,22 @@ TEST_CASE("flash attention's shared memory fits a block without opting in above 
   CHECK_FALSE(fl::supported_head_size(48));
 }
 
+//! Whether the 32 banks (of 4-byte words, bank = word % 32) a warp's shared load reads differ.
+bool all_different(std::vector<int> banks) {
+  for (int& b : banks) b %= 32;
+  std::sort(banks.begin(), banks.end());
+  return std::adjacent_find(banks.begin(), banks.end()) == banks.end();
+}
+
 TEST_CASE("a B fragment load from a padded shared tile reads 32 different banks") {
   // Lane 4 group + pair reads the word at (n0 + group) ld + k0 + 2 pair (bf16 units).
   for (const int ld : {fl::row_ld<32>, fl::row_ld<64>, fl::row_ld<128>})
     for (const int k0 : {0, 16, 8}) {
       CAPTURE(ld);
       CAPTURE(k0);
-      std::vector<int> banks;
-      for (int lane = 0; lane < 32; ++lane) banks.push_back(((lane / 4) * ld + k0 + 2 * (lane % 4)) / 2 % 32);
-      std::sort(banks.begin(), banks.end());
-      CHECK(std::adjacent_find(banks.begin(), banks.end()) == banks.end());
+      std::vector<int> words;
+      for (int lane = 0; lane < 32; ++lane) words.push_back(((lane / 4) * ld + k0 + 2 * (lane % 4)) / 2);
+      CHECK(all_different(words));
     }
 }
 
@@ -396,13 +402,19 @@ TEST_CASE("an ldmatrix from a padded shared tile reads each 8 x 8 matrix from 32
     for (const int n0 : {0, 8, 16}) {
       CAPTURE(ld);
       CAPTURE(n0);
-      std::vector<int> banks;
+      std::vector<int> words;
       for (int r = 0; r < 8; ++r)
-        for (int w = 0; w < 4; ++w) banks.push_back((r * ld + n0) / 2 % 32 + w);
-      for (int& b : banks) b %= 32;
-      std::sort(banks.begin(), banks.end());
-      CHECK(std::adjacent_find(banks.begin(), banks.end()) == banks.end());
+        for (int w = 0; w < 4; ++w) words.push_back((r * ld + n0) / 2 + w);
+      CHECK(all_different(words));
     }
+}
+
+//! The B fragment of the 16 x 8 block at rows k0.. and columns n0.. of B, where
+//! B(k, n) = t[n ld + k], by the m16n8k16 layout (the kernels take theirs by ldmatrix).
+LOOM_HD inline void load_b(fl::FragmentB& b, const bf16* t, int ld, int n0, int k0, fl::Lane ln) {
+  const bf16* p = t + (n0 + ln.group) * ld + k0 + 2 * ln.pair;
+  b[0] = fl::load_pair(p);
+  b[1] = fl::load_pair(p + 8);
 }
 
 //! Two products through the kernels' fragment helpers, as one warp: d [16, 8] = a b with a [16, 16]
@@ -420,7 +432,7 @@ LOOM_HD void fragment_body(Thread& th, const bf16* a, const bf16* bt_global, flo
   fl::FragmentA fa;
   fl::FragmentB fb;
   fl::load_a(fa, a, 16, 0, 12, 0, ln);
-  fl::load_b(fb, bt, 16, 0, 0, ln);
+  load_b(fb, bt, 16, 0, 0, ln);
   const auto store = [&](float* out, const fl::FragmentC& c) {  // [16, 8] row-major, by the C layout
     for (int i = 0; i < 4; ++i) out[(ln.group + 8 * (i / 2)) * 8 + 2 * ln.pair + i % 2] = c[i];
   };

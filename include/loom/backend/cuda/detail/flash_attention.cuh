@@ -194,25 +194,8 @@ LOOM_HD inline E* region(unsigned char* base, std::size_t offset) noexcept {
 // ---------------------------------------------------------------------------------------------
 // Tiles from global into shared memory.
 
-//! Eight bf16, moved as one 16-byte word.
-struct alignas(16) Pack {
-  std::uint32_t words[4];
-};
-inline constexpr int pack = 8;
-static_assert(sizeof(Pack) == pack * sizeof(bf16));
-
-//! The bf16 at `p` (aligned for W) as one W-wide load: a 32-bit word (2 bf16) for a fragment
-//! register; on the host through memcpy (no aliasing).
-template <class W>
-LOOM_HD inline W load_aligned(const bf16* p) noexcept {
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const W*>(p);
-#else
-  W value;
-  std::memcpy(&value, p, sizeof value);
-  return value;
-#endif
-}
+//! bf16 per 16-byte asynchronous copy.
+inline constexpr int pack = 16 / sizeof(bf16);
 
 //! Starts copying rows [first, first + 64) of a [T, ld]-strided matrix's HS columns at `src` into
 //! the [64, HS] tile `rows` (stride row_ld<HS>); zeros for rows >= T. All threads of the block
@@ -223,7 +206,7 @@ LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD inline void start_tile(Thread& th, bf16* rows, const bf16* src, std::int64_t ld, std::int64_t first,
                                std::int64_t tokens) {
-  if (reinterpret_cast<std::uintptr_t>(src) % sizeof(Pack) == 0 && ld % pack == 0) {
+  if (reinterpret_cast<std::uintptr_t>(src) % 16 == 0 && ld % pack == 0) {
     constexpr int packs = HS / pack;  // per row
     for (int e = th.thread(); e < tile * packs; e += threads) {
       const int r = e / packs, c = e % packs * pack;
@@ -238,6 +221,17 @@ LOOM_HD inline void start_tile(Thread& th, bf16* rows, const bf16* src, std::int
     const std::int64_t row = first + r;
     rows[r * row_ld<HS> + c] = row < tokens ? src[row * ld + c] : bf16(0.0f);
   }
+}
+
+//! Starts copying rows [first, first + 64) of two [T, ld]-strided matrices (HS columns each) into
+//! the tiles `a` and `b` (start_tile), as one group of copies.
+LOOM_FLASH_BODY
+template <int HS, class Thread>
+LOOM_HD inline void start_tiles(Thread& th, bf16* a, const bf16* a_src, std::int64_t a_ld, bf16* b, const bf16* b_src,
+                                std::int64_t b_ld, std::int64_t first, std::int64_t tokens) {
+  start_tile<HS>(th, a, a_src, a_ld, first, tokens);
+  start_tile<HS>(th, b, b_src, b_ld, first, tokens);
+  th.commit_copies();
 }
 
 //! dst[r] = factor src[first + r] for the 64 rows of a tile, 0 for rows >= T.
@@ -290,14 +284,6 @@ LOOM_HD inline void load_a(FragmentA& a, const bf16* m, std::int64_t ld, std::in
     a[i] = row < tokens ? load_pair(p) : 0u;
     a[i + 2] = row < tokens ? load_pair(p + 8) : 0u;
   }
-}
-
-//! The B fragment of the 16 x 8 block at rows k0.. and columns n0.. of B, where
-//! B(k, n) = t[n ld + k] (B^T row-major in shared memory).
-LOOM_HD inline void load_b(FragmentB& b, const bf16* t, int ld, int n0, int k0, Lane ln) {
-  const bf16* p = t + (n0 + ln.group) * ld + k0 + 2 * ln.pair;
-  b[0] = load_aligned<std::uint32_t>(p);  // shared tiles: every pair is 4-byte aligned
-  b[1] = load_aligned<std::uint32_t>(p + 8);
 }
 
 //! The A fragment of a 16 x 16 block from the C fragments of its left and right 16 x 8 halves,
@@ -478,9 +464,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   for (int i = 0; i < 2; ++i) last[i] = last_key(sh, first + ln.group + 8 * i);
   const std::int64_t end = key_tiles(sh, qt);
   const auto start = [&](std::int64_t kt) {
-    start_tile<HS>(th, k(kt), qkv_bh + C, ld, kt * tile, T);
-    start_tile<HS>(th, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
-    th.commit_copies();
+    start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
   start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
@@ -610,9 +594,7 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
     lowest[i] = sh.causal() ? key : key < T ? 0 : T;
   }
   const auto start = [&](std::int64_t qtile) {
-    start_tile<HS>(th, q(qtile), qkv_bh, ld, qtile * tile, T);
-    start_tile<HS>(th, g(qtile), dout_bh, C, qtile * tile, T);
-    th.commit_copies();
+    start_tiles<HS>(th, q(qtile), qkv_bh, ld, g(qtile), dout_bh, C, qtile * tile, T);
     load_rows(th, lse(qtile), a.lse + at.bh * T, log2e, qtile * tile, T);
     load_rows(th, delta(qtile), a.delta + at.bh * T, 1.0f, qtile * tile, T);
   };
@@ -681,9 +663,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   const float scale2 = sh.scale * log2e;
   const std::int64_t end = key_tiles(sh, qtile);
   const auto start = [&](std::int64_t kt) {
-    start_tile<HS>(th, k(kt), qkv_bh + C, ld, kt * tile, T);
-    start_tile<HS>(th, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
-    th.commit_copies();
+    start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
   start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
