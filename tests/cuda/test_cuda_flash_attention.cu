@@ -526,6 +526,12 @@ TEST_CASE("the tiles a block walks: causal blocks the longest first, bidirection
   CHECK(fl::last_key(bidirectional, 5) == 128);
   CHECK(fl::last_key(bidirectional, 150) == 128);  // a padding row of the last tile
   CHECK(fl::Shape{1, 32, 1, 1.0f}.causal());       // the default mask
+  // A token's column in a tile, clamped: the masks' 32-bit form of the comparisons above.
+  CHECK(fl::tile_column(130, 128, -1, 63) == 2);
+  CHECK(fl::tile_column(5, 128, -1, 63) == -1);       // before the tile: no column counts
+  CHECK(fl::tile_column(1000, 128, -1, 63) == 63);    // after it: every column counts
+  CHECK(fl::tile_column(129, 128, 0, 64) == 1);       // T = 129: one real row in the third tile
+  CHECK(fl::tile_column(1LL << 40, 0, 0, 64) == 64);  // no overflow where tokens exceed int
 }
 
 TEST_CASE("the tiled kernels' bodies give the same bits for the same input (host emulation)") {

@@ -13,9 +13,9 @@
 //!   writes out and lse = m + log l at the end. Nothing T x T exists anywhere.
 //! - backward, with D = rowsum(dout * out) per query row (delta_kernel):
 //!   - key_value_grad: a block owns 64 keys (a warp 16); it walks the query tiles from its own
-//!     (causal; from 0, bidirectional) to the last, recomputing S^T = K Q^T,
-//!     P^T = exp(S^T scale - lse), dP^T = V dO^T and dS^T = P^T (dP^T - D) scale, and accumulates
-//!     dV += P^T dO and dK += dS^T Q in registers;
+//!     (causal; from 0, bidirectional) to the last, each in two halves of 32 queries (fewer
+//!     registers), recomputing S^T = K Q^T, P^T = exp(S^T scale - lse), dP^T = V dO^T and
+//!     dS^T = P^T (dP^T - D) scale, and accumulates dV += P^T dO and dK += dS^T Q in registers;
 //!   - query_grad: a block owns 64 queries (a warp 16); it walks the key tiles 0..its own
 //!     (causal) or all of them (bidirectional), recomputing S, P, dP and dS the same way, and
 //!     accumulates dQ += dS K.
@@ -100,6 +100,13 @@ inline constexpr bool supported_head_size(std::int64_t hs) noexcept { return hs 
 
 //! Tiles covering `tokens` rows.
 LOOM_HD constexpr std::int64_t tiles(std::int64_t tokens) noexcept { return (tokens + tile - 1) / tile; }
+
+//! Token `token`'s column in the tile that starts at token `first`, clamped to [lo, hi]: the
+//! per-element masks then compare 32-bit column numbers, not 64-bit tokens (fewer registers).
+LOOM_HD constexpr int tile_column(std::int64_t token, std::int64_t first, int lo, int hi) noexcept {
+  const std::int64_t column = token - first;
+  return static_cast<int>(column < lo ? lo : column > hi ? hi : column);
+}
 
 //! The shapes every kernel reads, and the mask. qkv [B,T,3C] (q, k, v of head h at columns h hs,
 //! C + h hs, 2C + h hs), out and dout [B,T,C], lse and delta [B,NH,T].
@@ -202,24 +209,33 @@ inline constexpr int pack = 16 / sizeof(bf16);
 //! take part, consecutive threads along a row. Where `src` is 16-byte aligned and ld a multiple
 //! of 8, each thread starts asynchronous 16-byte copies (they land by the caller's
 //! wait_copies); elsewhere it stores element by element at once.
+//!
+//! A thread copies the same column of rows r, r + rows_per_pass, ...: one address advanced by a
+//! fixed step, so that the compiler keeps no per-copy address live across the caller's loop over
+//! tiles (it did: 76 more registers in key_value_grad).
 LOOM_FLASH_BODY
 template <int HS, class Thread>
 LOOM_HD inline void start_tile(Thread& th, bf16* rows, const bf16* src, std::int64_t ld, std::int64_t first,
                                std::int64_t tokens) {
+  const int real_rows = tile_column(tokens, first, 0, tile);
   if (reinterpret_cast<std::uintptr_t>(src) % 16 == 0 && ld % pack == 0) {
-    constexpr int packs = HS / pack;  // per row
-    for (int e = th.thread(); e < tile * packs; e += threads) {
-      const int r = e / packs, c = e % packs * pack;
-      const std::int64_t row = first + r;
-      const bool real = row < tokens;
-      th.copy_async(rows + r * row_ld<HS> + c, real ? src + row * ld + c : src, real);
+    constexpr int packs = HS / pack;                // per row
+    constexpr int rows_per_pass = threads / packs;  // HS 64: 16
+    static_assert(threads % packs == 0 && tile % rows_per_pass == 0, "every pass copies whole rows");
+    const int r = th.thread() / packs, c = th.thread() % packs * pack;
+    const bf16* from = src + (first + r) * ld + c;
+    bf16* to = rows + r * row_ld<HS> + c;
+    LOOM_FLASH_UNROLL
+    for (int pass = 0; pass < tile / rows_per_pass; ++pass) {
+      const bool real = r + pass * rows_per_pass < real_rows;
+      th.copy_async(to + pass * rows_per_pass * row_ld<HS>, real ? from : src, real);
+      from += rows_per_pass * ld;
     }
     return;
   }
   for (int e = th.thread(); e < tile * HS; e += threads) {
     const int r = e / HS, c = e % HS;
-    const std::int64_t row = first + r;
-    rows[r * row_ld<HS> + c] = row < tokens ? src[row * ld + c] : bf16(0.0f);
+    rows[r * row_ld<HS> + c] = r < real_rows ? src[(first + r) * ld + c] : bf16(0.0f);
   }
 }
 
@@ -313,18 +329,20 @@ LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[
   }
 }
 
-//! acc[j] += the [16, 64] product a b^T: `a` the A fragments of 16 rows over HS columns, `b` a
-//! [64, HS] tile in shared memory (stride row_ld<HS>); acc[j] holds columns 8 j .. 8 j + 7. The
-//! B fragments (B(k, n) = b[n row_ld + k]) come two at a time from ldmatrix: lane l gives the
-//! address of row l % 8 + 8 (l / 16) (of the 16 n) at column 8 (l / 8 % 2) (of the 16 k).
+//! acc[j] += the [16, 8 N] product a b^T: `a` the A fragments of 16 rows over HS columns, `b` the
+//! first of 8 N rows of a [64, HS] tile in shared memory (stride row_ld<HS>); acc[j] holds columns
+//! 8 j .. 8 j + 7. The B fragments (B(k, n) = b[n row_ld + k]) come two at a time from ldmatrix:
+//! lane l gives the address of row l % 8 + 8 (l / 16) (of the 16 n) at column 8 (l / 8 % 2) (of
+//! the 16 k).
 LOOM_FLASH_BODY
-template <int HS, class Thread>
-LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[tile_blocks], const FragmentA (&a)[HS / 16],
-                                const bf16* b, Lane ln) {
+template <int HS, int N, class Thread>
+LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[N], const FragmentA (&a)[HS / 16], const bf16* b,
+                                Lane ln) {
+  static_assert(N % 2 == 0, "ldmatrix.x4 gives the B fragments of 16 rows");
   const int lane = 4 * ln.group + ln.pair;
   const bf16* lane_row = b + (lane % 8 + 8 * (lane / 16)) * row_ld<HS> + 8 * (lane / 8 % 2);
   LOOM_FLASH_UNROLL
-  for (int j = 0; j < tile_blocks; j += 2) {
+  for (int j = 0; j < N; j += 2) {
     LOOM_FLASH_UNROLL
     for (int kk = 0; kk < HS / 16; ++kk) {
       FragmentB fb[2];
@@ -335,18 +353,19 @@ LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[tile_blocks], const
   }
 }
 
-//! acc[n] += (a b)[:, 8 n ..], over the 64 columns of `a` (C fragments of [16, 64], rounded to
-//! bf16 here) and the [64, HS] tile `b` (B(k, n) = b[k row_ld<HS> + n], stride row_ld<HS>), whose
-//! B fragments come two at a time from ldmatrix.trans: lane l gives the address of row
-//! 16 kk + l % 16 at column 16 n2 + 8 (l / 16), the rows of the four 8 x 8 matrices in order.
+//! acc[n] += (a b)[:, 8 n ..], over the 8 K columns of `a` (C fragments of [16, 8 K], rounded to
+//! bf16 here) and 8 K rows of a [64, HS] tile from `b` on (B(k, n) = b[k row_ld<HS> + n], stride
+//! row_ld<HS>), whose B fragments come two at a time from ldmatrix.trans: lane l gives the address
+//! of row 16 kk + l % 16 at column 16 n2 + 8 (l / 16), the rows of the four 8 x 8 matrices in order.
 LOOM_FLASH_BODY
-template <int HS, class Thread>
-LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[HS / 8], const FragmentC (&a)[tile_blocks],
-                                  const bf16* b, Lane ln) {
+template <int HS, int K, class Thread>
+LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[HS / 8], const FragmentC (&a)[K], const bf16* b,
+                                  Lane ln) {
+  static_assert(K % 2 == 0, "an A fragment is 16 columns of a");
   const int lane = 4 * ln.group + ln.pair;
   const bf16* lane_row = b + (lane % 16) * row_ld<HS> + 8 * (lane / 16);
   LOOM_FLASH_UNROLL
-  for (int kk = 0; kk < tile / 16; ++kk) {
+  for (int kk = 0; kk < K / 2; ++kk) {
     FragmentA fa;
     to_a(fa, a[2 * kk], a[2 * kk + 1]);
     LOOM_FLASH_UNROLL
@@ -369,12 +388,12 @@ LOOM_HD inline void zero(FragmentC (&acc)[N]) noexcept {
   }
 }
 
-//! Calls f(x, y, i, col) for each of the 32 elements of a [16, 64] block that the lane holds in
+//! Calls f(x, y, i, col) for each of the 4 N elements of a [16, 8 N] block that the lane holds in
 //! the fragments x and y (the same element of each): row group + 8 i of the block, column col.
-template <class F>
-LOOM_HD inline void for_each_element(FragmentC (&x)[tile_blocks], FragmentC (&y)[tile_blocks], Lane ln, F&& f) {
+template <int N, class F>
+LOOM_HD inline void for_each_element(FragmentC (&x)[N], FragmentC (&y)[N], Lane ln, F&& f) {
   LOOM_FLASH_UNROLL
-  for (int j = 0; j < tile_blocks; ++j) {
+  for (int j = 0; j < N; ++j) {
     LOOM_FLASH_UNROLL
     for (int i = 0; i < 2; ++i) {
       LOOM_FLASH_UNROLL
@@ -482,14 +501,14 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
     // is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
     LOOM_FLASH_UNROLL
     for (int i = 0; i < 2; ++i) {
+      const int last_column = tile_column(last[i], kt * tile, -1, tile - 1);
       float tile_max = -std::numeric_limits<float>::infinity();
       LOOM_FLASH_UNROLL
       for (int j = 0; j < tile_blocks; ++j) {
         LOOM_FLASH_UNROLL
         for (int c = 0; c < 2; ++c) {
-          const std::int64_t key = kt * tile + 8 * j + 2 * ln.pair + c;
           float& x = s[j][2 * i + c];
-          x = key <= last[i] ? x * scale2 : -std::numeric_limits<float>::infinity();
+          x = 8 * j + 2 * ln.pair + c <= last_column ? x * scale2 : -std::numeric_limits<float>::infinity();
           tile_max = fmaxf(tile_max, x);
         }
       }
@@ -604,23 +623,33 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
     th.sync_block();  // tile qtile is in, tile qtile - 1 no longer read (forward_block's loop)
     if (qtile + 1 < tiles_t) start(qtile + 1);
 
-    const bf16* const q_tile = q(qtile);
-    const bf16* const g_tile = g(qtile);
-    const float* const lse_tile = lse(qtile);
-    const float* const delta_tile = delta(qtile);
-    FragmentC st[tile_blocks], dpt[tile_blocks];  // S^T and dP^T: [16 keys, 64 queries]
-    zero(st);
-    zero(dpt);
-    product_abt<HS>(th, st, k, q_tile, ln);
-    product_abt<HS>(th, dpt, v, g_tile, ln);  // dP^T = V dO^T
-    for_each_element(st, dpt, ln, [&](float& p, float& ds, int i, int col) {
-      const std::int64_t query = qtile * tile + col;
-      const bool valid = query < T && query >= lowest[i];
-      p = valid ? exp2f(fmaf(p, scale2, -lse_tile[col])) : 0.0f;
-      ds = valid ? p * (ds - delta_tile[col]) * sh.scale : 0.0f;
-    });
-    accumulate_ab<HS>(th, dv, st, g_tile, ln);   // dV += P^T dO
-    accumulate_ab<HS>(th, dk, dpt, q_tile, ln);  // dK += dS^T Q
+    // The queries of the tile that count for key row group + 8 i: columns [lowest, end).
+    const int end = tile_column(T, qtile * tile, 0, tile);
+    const int lowest_column[2] = {tile_column(lowest[0], qtile * tile, 0, tile),
+                                  tile_column(lowest[1], qtile * tile, 0, tile)};
+    // The tile in two halves of 32 queries: S^T and dP^T of a half are 32 registers where the
+    // whole tile's were 64, beside dK, dV, K and V's 96 (HS 64), so that three blocks fit on an SM.
+    for (int half = 0; half < 2; ++half) {
+      const int first_query = half * tile / 2;  // of the tile
+      const bf16* const q_half = q(qtile) + first_query * row_ld<HS>;
+      const bf16* const g_half = g(qtile) + first_query * row_ld<HS>;
+      const float* const lse_half = lse(qtile) + first_query;
+      const float* const delta_half = delta(qtile) + first_query;
+      FragmentC st[tile_blocks / 2], dpt[tile_blocks / 2];  // S^T and dP^T: [16 keys, 32 queries]
+      zero(st);
+      zero(dpt);
+      product_abt<HS>(th, st, k, q_half, ln);
+      product_abt<HS>(th, dpt, v, g_half, ln);  // dP^T = V dO^T
+      // The mask selects the exponent (-inf: p = 0, then dS = 0), not the results: a select after
+      // the exponential compiled to a branch around it per element.
+      for_each_element(st, dpt, ln, [&](float& p, float& ds, int i, int col) {
+        const bool valid = first_query + col < end && first_query + col >= lowest_column[i];
+        p = exp2f(valid ? fmaf(p, scale2, -lse_half[col]) : -std::numeric_limits<float>::infinity());
+        ds = p * (ds - delta_half[col]) * sh.scale;
+      });
+      accumulate_ab<HS>(th, dv, st, g_half, ln);   // dV += P^T dO
+      accumulate_ab<HS>(th, dk, dpt, q_half, ln);  // dK += dS^T Q
+    }
   }
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
   add_rows(dqkv_bh + C, ld, dk, first, T, ln);
@@ -676,11 +705,13 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
     zero(dp);
     product_abt<HS>(th, s, q, k(kt), ln);
     product_abt<HS>(th, dp, g, v(kt), ln);  // dP = dO V^T
+    const int last_column[2] = {tile_column(last[0], kt * tile, -1, tile - 1),
+                                tile_column(last[1], kt * tile, -1, tile - 1)};
+    // The mask selects the exponent (-inf: p = 0, then dS = 0); key_value_grad_block says why.
     for_each_element(s, dp, ln, [&](float& score, float& ds, int i, int col) {
-      const std::int64_t key = kt * tile + col;
-      const bool valid = key <= last[i];
-      const float p = valid ? exp2f(fmaf(score, scale2, -lse[i])) : 0.0f;
-      ds = valid ? p * (ds - delta[i]) * sh.scale : 0.0f;
+      const float p =
+          exp2f(col <= last_column[i] ? fmaf(score, scale2, -lse[i]) : -std::numeric_limits<float>::infinity());
+      ds = p * (ds - delta[i]) * sh.scale;
     });
     accumulate_ab<HS>(th, dq, dp, k(kt), ln);  // dQ += dS K
   }
@@ -763,8 +794,13 @@ static_assert(sizeof(bf16) == sizeof(__nv_bfloat16), "loom::bf16 and __nv_bfloat
 #define LOOM_FLASH_RUN(...)
 #endif
 
+//! The blocks of the forward and backward kernels that must fit on an SM at once, which bounds
+//! their registers: 3 (168 registers) where HS <= 64, 2 (255) for HS 128, whose fragments alone
+//! take more than 168 in key_value_grad.
+constexpr int blocks_per_sm(int hs) { return hs <= 64 ? 3 : 2; }
+
 template <int HS>
-__global__ void __launch_bounds__(threads, 3) forward_kernel(ForwardArgs a) {
+__global__ void __launch_bounds__(threads, blocks_per_sm(HS)) forward_kernel(ForwardArgs a) {
   LOOM_FLASH_RUN(forward_block<HS>(th, a))
 }
 template <int HS>
@@ -773,11 +809,11 @@ __global__ void __launch_bounds__(threads) delta_kernel(const bf16* out, const b
   LOOM_FLASH_RUN(delta_block<HS>(th, out, dout, delta, sh, rows))
 }
 template <int HS>
-__global__ void __launch_bounds__(threads) key_value_grad_kernel(BackwardArgs a) {
+__global__ void __launch_bounds__(threads, blocks_per_sm(HS)) key_value_grad_kernel(BackwardArgs a) {
   LOOM_FLASH_RUN(key_value_grad_block<HS>(th, a))
 }
 template <int HS>
-__global__ void __launch_bounds__(threads, 3) query_grad_kernel(BackwardArgs a) {
+__global__ void __launch_bounds__(threads, blocks_per_sm(HS)) query_grad_kernel(BackwardArgs a) {
   LOOM_FLASH_RUN(query_grad_block<HS>(th, a))
 }
 
