@@ -250,6 +250,9 @@ TEST_CASE("bf16: gelu, residual, add_to and scale") {
 TEST_CASE("bf16: attention forward and backward, with att or only the row log-sum-exp (float) saved") {
   if (!have_gpu()) return;
   loom::cuda be(0);
+  // The cuBLAS lse path, whose rounding of the scores the bounds below follow; the tiled kernels
+  // have their own test (test_cuda_flash_attention).
+  be.set_flash_attention(false);
   struct Size {
     std::int64_t B, T, NH, hs;
   };

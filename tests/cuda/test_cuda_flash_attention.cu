@@ -227,10 +227,16 @@ struct Reference {
   Expected out, lse, dqkv;
 };
 
+//! The sequences' lengths of a padded case ([B], each in [1, T]); empty: every sequence T long.
+using Lengths = std::vector<std::int32_t>;
+
 //! The exact forward and backward from the bf16 inputs, in double, query t seeing keys s <= t
-//! (causal) or all s < T (bidirectional). The kernels' backward reads their own bf16 out for
-//! D = dout·out; the dq and dk magnitudes include sum |dout| |out| for it.
-Reference reference(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal) {
+//! (causal) or all s < T (bidirectional), and with `lengths` only keys s < lengths[b]; a padded
+//! query (t >= lengths[b]) sees none: its out and lse are 0 and it gives no gradient. The kernels'
+//! backward reads their own bf16 out for D = dout·out; the dq and dk magnitudes include
+//! sum |dout| |out| for it.
+Reference reference(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
+                    const Lengths& lengths = {}) {
   const std::vector<double> qkv = widen(data.qkv), dout = widen(data.dout), dqkv0 = widen(data.dqkv0);
   const std::int64_t T = c.T, C = c.C(), hs = c.hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
@@ -240,7 +246,11 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
   const auto o = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t i) {
     return (b * T + t) * C + h * hs + i;
   };
-  const auto keys = [&](std::int64_t t) { return mask == AttentionMask::causal ? t + 1 : T; };
+  std::int64_t length = T;  // of the batch element below
+  const auto keys = [&](std::int64_t t) -> std::int64_t {
+    if (t >= length) return 0;
+    return mask == AttentionMask::causal ? t + 1 : length;
+  };
   Reference r;
   r.out = {std::vector<double>(static_cast<std::size_t>(c.B * T * C)), std::vector<double>(c.B * T * C)};
   r.lse = {std::vector<double>(static_cast<std::size_t>(c.B * c.NH * T)), std::vector<double>(c.B * c.NH * T)};
@@ -248,7 +258,13 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
   std::vector<double> p(static_cast<std::size_t>(T * T)), dp(p.size()), ds(p.size()), ds_mag(p.size());
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h) {
+      length = lengths.empty() ? T : lengths[static_cast<std::size_t>(b)];
       for (std::int64_t t = 0; t < T; ++t) {
+        const std::int64_t row = (b * c.NH + h) * T + t;
+        if (keys(t) == 0) {  // a padded query: out and lse 0 (as written above)
+          r.lse.magnitude[row] = 1;
+          continue;
+        }
         double max = -std::numeric_limits<double>::infinity();
         for (std::int64_t s = 0; s < keys(t); ++s) {
           double x = 0;
@@ -258,7 +274,6 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
         }
         double sum = 0;
         for (std::int64_t s = 0; s < keys(t); ++s) sum += std::exp(p[t * T + s] - max);
-        const std::int64_t row = (b * c.NH + h) * T + t;
         r.lse.value[row] = max + std::log(sum);
         r.lse.magnitude[row] = 1 + std::abs(r.lse.value[row]);
         for (std::int64_t s = 0; s < keys(t); ++s) p[t * T + s] = std::exp(p[t * T + s] - max) / sum;
@@ -340,8 +355,10 @@ struct Result {
 };
 
 //! The forward, then the backward from its own out and lse (the training path), on the host.
-Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal) {
-  const fl::Shape shape{c.T, c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)), mask};
+Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
+                   const Lengths& lengths = {}) {
+  const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
+                        mask, lengths.empty() ? nullptr : lengths.data()};
   const float nan = std::numeric_limits<float>::quiet_NaN();
   Result r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)), data.dqkv0,
                std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan)};
@@ -510,21 +527,69 @@ TEST_CASE("the tiled kernels' bodies match the reference with the bidirectional 
   }
 }
 
+//! Padded cases: lengths ending at a tile's end (64), in the first and second half of a tile (70,
+//! 100: the key/value kernel's two halves), one real token, and full-length sequences among them.
+struct PaddedCase {
+  Case shape;
+  Lengths lengths;
+};
+std::vector<PaddedCase> padded_cases() {
+  return {{{3, 129, 1, 32}, {1, 100, 129}}, {{2, 129, 2, 64}, {70, 64}}, {{2, 100, 1, 128}, {33, 100}}};
+}
+
+TEST_CASE("the tiled kernels' bodies match the reference on padded sequences, both masks (host emulation)") {
+  std::uint32_t seed = 400;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : padded_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Result got = run_on_host(pc.shape, data, mask, pc.lengths);
+      check_all(reference(pc.shape, data, mask, pc.lengths), got.out, got.lse, got.dqkv);
+      // Exactly: a padded query's out and lse are 0, and padded tokens' dq, dk, dv are untouched.
+      const Case& c = pc.shape;
+      std::int64_t wrong = 0;
+      for (std::int64_t b = 0; b < c.B; ++b)
+        for (std::int64_t t = pc.lengths[static_cast<std::size_t>(b)]; t < c.T; ++t) {
+          for (std::int64_t j = 0; j < c.C(); ++j) wrong += static_cast<float>(got.out[(b * c.T + t) * c.C() + j]) != 0;
+          for (std::int64_t h = 0; h < c.NH; ++h) wrong += got.lse[(b * c.NH + h) * c.T + t] != 0;
+          for (std::int64_t j = 0; j < 3 * c.C(); ++j) {
+            const std::size_t at = static_cast<std::size_t>((b * c.T + t) * 3 * c.C() + j);
+            wrong += got.dqkv[at].bits != data.dqkv0[at].bits;
+          }
+        }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
 TEST_CASE("the tiles a block walks: causal blocks the longest first, bidirectional blocks all tiles") {
   const fl::Shape causal{129, 64, 1, 0.125f, AttentionMask::causal};  // 3 tiles, the last partial
   const fl::Shape bidirectional{129, 64, 1, 0.125f, AttentionMask::bidirectional};
   for (std::int64_t y = 0; y < 3; ++y) {
     CAPTURE(y);
     CHECK(fl::query_tile(causal, y) == 2 - y);  // block 0 walks the most key tiles
-    CHECK(fl::key_tiles(causal, fl::query_tile(causal, y)) == 3 - y);
+    CHECK(fl::key_tiles(causal, fl::query_tile(causal, y), 129) == 3 - y);
     CHECK(fl::first_query_tile(causal, y) == y);
     CHECK(fl::query_tile(bidirectional, y) == y);
-    CHECK(fl::key_tiles(bidirectional, fl::query_tile(bidirectional, y)) == 3);
+    CHECK(fl::key_tiles(bidirectional, fl::query_tile(bidirectional, y), 129) == 3);
     CHECK(fl::first_query_tile(bidirectional, y) == 0);
   }
-  CHECK(fl::last_key(causal, 5) == 5);
-  CHECK(fl::last_key(bidirectional, 5) == 128);
-  CHECK(fl::last_key(bidirectional, 150) == 128);  // a padding row of the last tile
+  CHECK(fl::last_key(causal, 5, 129) == 5);
+  CHECK(fl::last_key(bidirectional, 5, 129) == 128);
+  CHECK(fl::last_key(bidirectional, 150, 129) == 128);  // a padding row of the last tile
+  // A sequence of 70 real tokens: bidirectional queries walk the two tiles that hold real keys,
+  // and no query sees a key past 69; a padded query sees keys as if it were real (finite).
+  CHECK(fl::key_tiles(bidirectional, 0, 70) == 2);
+  CHECK(fl::key_tiles(causal, 1, 70) == 2);
+  CHECK(fl::last_key(bidirectional, 5, 70) == 69);
+  CHECK(fl::last_key(causal, 5, 70) == 5);
+  CHECK(fl::last_key(causal, 100, 70) == 69);
+  const std::int32_t lengths[] = {70, 129};
+  const fl::Shape padded{129, 64, 1, 0.125f, AttentionMask::causal, lengths};
+  CHECK(padded.length(0) == 70);
+  CHECK(padded.length(1) == 129);
+  CHECK(causal.length(0) == 129);
   CHECK(fl::Shape{1, 32, 1, 1.0f}.causal());       // the default mask
   // A token's column in a tile, clamped: the masks' 32-bit form of the comparisons above.
   CHECK(fl::tile_column(130, 128, -1, 63) == 2);
@@ -552,8 +617,12 @@ TEST_CASE("the tiled kernels' bodies give the same bits for the same input (host
 // On the GPU.
 
 //! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch).
-Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal) {
+Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
+                     const Lengths& lengths = {}) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const DeviceArray<std::int32_t> device_lengths(be, lengths.empty() ? Lengths(1, 0) : lengths,
+                                                 Shape{lengths.empty() ? 1 : c.B});
+  const AttentionKeys keys = lengths.empty() ? AttentionKeys(mask) : AttentionKeys(mask, device_lengths.cview());
   const Shape qkv_shape{c.B, c.T, 3 * c.C()}, out_shape{c.B, c.T, c.C()};
   const DeviceArray<bf16> qkv(be, data.qkv, qkv_shape), dout(be, data.dout, out_shape),
       dqkv(be, data.dqkv0, qkv_shape);
@@ -562,8 +631,8 @@ Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask ma
   const DeviceArray<float> lse(be, std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan),
                                Shape{c.B, c.NH, c.T});
   const int heads = static_cast<int>(c.NH);
-  attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads, mask);
-  attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads, mask);
+  attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads, keys);
+  attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads, keys);
   return {out.to_host(be), dqkv.to_host(be), lse.to_host(be)};
 }
 
@@ -587,8 +656,7 @@ bool tiled_kernels_run(cuda& be) {
     return false;
   }
   REQUIRE(flash_attention_available(be));
-  CHECK_FALSE(be.flash_attention());  // off by default (slower than cuBLAS so far)
-  be.set_flash_attention(true);
+  CHECK(be.flash_attention());  // on by default (measured faster than the cuBLAS path)
   return true;
 }
 
@@ -676,6 +744,30 @@ TEST_CASE("the tiled kernels and the cuBLAS path agree (both masks); the tiled f
   be.set_flash_attention(true);
   const Result tiled_bidirectional = run_on_device(be, c, data, AttentionMask::bidirectional);
   check_all(everywhere, tiled_bidirectional.out, tiled_bidirectional.lse, tiled_bidirectional.dqkv);
+}
+
+TEST_CASE("padded batches on the tiled kernels match the reference and the cuBLAS path (both masks)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!tiled_kernels_run(be)) return;
+  std::uint32_t seed = 1000;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : padded_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Reference ref = reference(pc.shape, data, mask, pc.lengths);
+      be.set_flash_attention(true);
+      const Result tiled = run_on_device(be, pc.shape, data, mask, pc.lengths);
+      check_all(ref, tiled.out, tiled.lse, tiled.dqkv);
+      const Result again = run_on_device(be, pc.shape, data, mask, pc.lengths);
+      CHECK(tiled.out == again.out);
+      CHECK(tiled.dqkv == again.dqkv);
+      be.set_flash_attention(false);
+      const Result batched = run_on_device(be, pc.shape, data, mask, pc.lengths);
+      check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
+    }
+  }
 }
 
 }  // namespace

@@ -9,9 +9,9 @@
 //! backward recomputes the probabilities from the scores (FlashAttention's contract), so their
 //! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
 //! for either mask; the causal row kernels zero its upper triangle. For bf16 with head size 32,
-//! 64 or 128, after cuda::set_flash_attention(true), the lse pair runs instead the SRAM-tiled
+//! 64 or 128, unless cuda::set_flash_attention(false), the lse pair runs instead the SRAM-tiled
 //! tensor-core kernels of detail/flash_attention.cuh (both masks), which never form a T x T
-//! block (off by default until they are measured faster than this path on a GPU; docs/cuda.md).
+//! block, where the program holds them for the GPU (sm_80 or newer; docs/cuda.md).
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
@@ -528,13 +528,12 @@ inline bool flash_built_for(const cuda& be) {
   return usable;
 }
 
-//! Whether the lse pair of T on `be` runs the tiled kernels for `d`: bf16, full-length sequences
-//! (the tiled kernels know no lengths: padded batches take the cuBLAS steps), a head size they are
-//! built for, the backend's switch on, at most 65535 tiles of 64 tokens (the grid's y), and the
-//! kernels compiled for the device's architecture.
+//! Whether the lse pair of T on `be` runs the tiled kernels for `d`: bf16 (padded or not), a head
+//! size they are built for, the backend's switch on, at most 65535 tiles of 64 tokens (the grid's
+//! y), and the kernels compiled for the device's architecture.
 template <class T>
 bool use_flash(const cuda& be, const attention::Dims& d) {
-  return std::is_same_v<T, bf16> && d.lengths == nullptr && be.flash_attention() &&
+  return std::is_same_v<T, bf16> && be.flash_attention() &&
          flash::supported_head_size(d.head_size) && flash::tiles(d.tokens) <= 65535 && flash_built_for(be);
 }
 
@@ -551,7 +550,7 @@ void with_head_size(const attention::Dims& d, F&& f) {
 }
 
 inline flash::Shape flash_shape(const attention::Dims& d) {
-  return {d.tokens, d.channels, static_cast<int>(d.heads), softmax_scale(d), d.mask};
+  return {d.tokens, d.channels, static_cast<int>(d.heads), softmax_scale(d), d.mask, d.lengths};
 }
 
 //! The tiled kernels' grid: x = b NH + h, y = the 64-token tile.
@@ -683,8 +682,8 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
 //! the backend's caching allocator (instead of B·NH·T² saved per layer), returned before this
 //! ends. Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two
 //! cuBLAS calls and one launch. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes
-//! the SRAM-tiled kernel instead, for either mask: one launch, no workspace, lse = m + log l of the
-//! online softmax. A padded batch (`keys.lengths`) takes the cuBLAS steps.
+//! the SRAM-tiled kernel instead, for either mask and padded or not: one launch, no workspace,
+//! lse = m + log l of the online softmax.
 template <class T>
 void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
                            int num_heads, AttentionKeys keys = AttentionMask::causal,

@@ -24,7 +24,9 @@
 //! The mask enters in two places only: which tiles a block walks (query_tile, key_tiles,
 //! first_query_tile) and, per row of the warp, which keys or queries count (the last key a query
 //! sees, t or T - 1; the first query a key meets, the key or 0), computed once before the walk;
-//! the loops themselves are the same for both masks. Causal blocks walk 1 to tiles(T) tiles, the
+//! the loops themselves are the same for both masks. A padded sequence (Shape::lengths) enters
+//! the same way, as if it were `length` tokens long: blocks of padded keys or queries only do
+//! nothing, and a padded query's out and lse are written 0. Causal blocks walk 1 to tiles(T) tiles, the
 //! longest first; bidirectional blocks all walk tiles(T), about twice a causal layer's work.
 //!
 //! Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"): lane
@@ -108,14 +110,20 @@ LOOM_HD constexpr int tile_column(std::int64_t token, std::int64_t first, int lo
   return static_cast<int>(column < lo ? lo : column > hi ? hi : column);
 }
 
-//! The shapes every kernel reads, and the mask. qkv [B,T,3C] (q, k, v of head h at columns h hs,
-//! C + h hs, 2C + h hs), out and dout [B,T,C], lse and delta [B,NH,T].
+//! The shapes every kernel reads, the mask and the sequences' lengths. qkv [B,T,3C] (q, k, v of
+//! head h at columns h hs, C + h hs, 2C + h hs), out and dout [B,T,C], lse and delta [B,NH,T].
 struct Shape {
   std::int64_t tokens, channels;
   int heads;
   float scale;  //!< 1/sqrt(hs)
   AttentionMask mask = AttentionMask::causal;
+  //! [B] tokens of each sequence, each in [1, T] (device memory on the GPU), or null: all T. Keys
+  //! at or past a sequence's length are masked; a padded query sees nothing: its out and lse are
+  //! 0 and it gives no gradient (the CPU kernels' contract).
+  const std::int32_t* lengths = nullptr;
   LOOM_HD bool causal() const noexcept { return mask == AttentionMask::causal; }
+  //! The real tokens of batch element b.
+  LOOM_HD std::int64_t length(std::int64_t b) const noexcept { return lengths != nullptr ? lengths[b] : tokens; }
 };
 
 //! Forward: reads qkv, writes out and lse.
@@ -436,9 +444,10 @@ LOOM_HD inline std::int64_t query_tile(const Shape& sh, std::int64_t block_y) no
   return sh.causal() ? longest_first(sh.tokens, block_y) : block_y;
 }
 
-//! The key tiles [0, key_tiles) that query tile `qt` meets: 0..qt (causal) or all of them.
-LOOM_HD inline std::int64_t key_tiles(const Shape& sh, std::int64_t qt) noexcept {
-  return sh.causal() ? qt + 1 : tiles(sh.tokens);
+//! The key tiles [0, key_tiles) that query tile `qt` (one with real queries: qt 64 < length)
+//! meets in a sequence of `length` real tokens: 0..qt (causal) or all that hold real keys.
+LOOM_HD inline std::int64_t key_tiles(const Shape& sh, std::int64_t qt, std::int64_t length) noexcept {
+  return sh.causal() ? qt + 1 : tiles(length);
 }
 
 //! The first query tile that key tile `kt` meets: kt (causal) or 0. (A key_value_grad block's
@@ -447,10 +456,11 @@ LOOM_HD inline std::int64_t first_query_tile(const Shape& sh, std::int64_t kt) n
   return sh.causal() ? kt : 0;
 }
 
-//! The last key that query t sees: t (causal) or T - 1. A query row past T (a partial tile's
-//! padding, never written) sees keys as if it were real.
-LOOM_HD inline std::int64_t last_key(const Shape& sh, std::int64_t t) noexcept {
-  return sh.causal() ? t : sh.tokens - 1;
+//! The last key that query t sees in a sequence of `length` real tokens: t (causal) or
+//! length - 1, and no real key past length - 1. A padded query (t >= length, or a row past T,
+//! never written) sees keys as if it were real: the forward's online softmax then stays finite.
+LOOM_HD inline std::int64_t last_key(const Shape& sh, std::int64_t t, std::int64_t length) noexcept {
+  return sh.causal() && t < length ? t : length - 1;
 }
 
 //! The forward of one block: 64 query rows of one (batch, head). Shared memory: ForwardSmem<HS>.
@@ -461,7 +471,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   using Smem = ForwardSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t qt = query_tile(sh, th.block_y());
+  const std::int64_t qt = query_tile(sh, th.block_y()), length = sh.length(at.b);
   unsigned char* smem = th.shared();
   const auto k = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::k + tile_index % 2 * tile_bytes<HS>); };
   const auto v = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::v + tile_index % 2 * tile_bytes<HS>); };
@@ -480,12 +490,14 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   float l[2] = {0.0f, 0.0f};
   std::int64_t last[2];  // the last key row group + 8 i sees
   LOOM_FLASH_UNROLL
-  for (int i = 0; i < 2; ++i) last[i] = last_key(sh, first + ln.group + 8 * i);
-  const std::int64_t end = key_tiles(sh, qt);
+  for (int i = 0; i < 2; ++i) last[i] = last_key(sh, first + ln.group + 8 * i, length);
+  // A tile of padded queries only (the same for the whole block) walks no key tile: its rows are
+  // written as zeros below.
+  const std::int64_t end = qt * tile < length ? key_tiles(sh, qt, length) : 0;
   const auto start = [&](std::int64_t kt) {
     start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
-  start(0);
+  if (end > 0) start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
     th.wait_copies();  // this thread's copies of tile kt (the only ones in flight)
     // Every thread's copies of tile kt have landed, and every warp is done with tile kt - 1, whose
@@ -496,9 +508,9 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
     FragmentC s[tile_blocks];
     zero(s);
     product_abt<HS>(th, s, q, k(kt), ln);
-    // Online softmax: a key counts where key <= last (t, the causal mask; or T - 1). Every row
-    // sees key kt 64 (causal: kt <= qt, so kt 64 <= t; bidirectional: kt 64 < T), so the tile max
-    // is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
+    // Online softmax: a key counts where key <= last (t, the causal mask; or length - 1). Every
+    // row sees key kt 64 (kt 64 < length, and causal: kt <= qt, so kt 64 <= t for a real row), so
+    // the tile max is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
     LOOM_FLASH_UNROLL
     for (int i = 0; i < 2; ++i) {
       const int last_column = tile_column(last[i], kt * tile, -1, tile - 1);
@@ -543,14 +555,17 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
     sum += th.shuffle_xor(sum, 2);
     const std::int64_t t = first + ln.group + 8 * i;
     if (t >= T) continue;
-    const float inverse = 1.0f / sum;  // sum >= 1: the max term is exp2(0)
+    // sum >= 1 where the row walked a tile (the max term is exp2(0)); a padded query's out and
+    // lse are 0 (factor 0, not 0 times an infinite inverse).
+    const bool real = t < length;
+    const float factor = real ? 1.0f / sum : 0.0f;
     bf16* out_row = a.out + (at.b * T + t) * C + at.h * HS + 2 * ln.pair;
     LOOM_FLASH_UNROLL
     for (int n = 0; n < HS / 8; ++n) {
       LOOM_FLASH_UNROLL
-      for (int c = 0; c < 2; ++c) out_row[8 * n + c] = bf16(o[n][2 * i + c] * inverse);
+      for (int c = 0; c < 2; ++c) out_row[8 * n + c] = bf16(real ? o[n][2 * i + c] * factor : 0.0f);
     }
-    if (ln.pair == 0) a.lse[at.bh * T + t] = (m[i] + log2f(sum)) * ln2;
+    if (ln.pair == 0) a.lse[at.bh * T + t] = real ? (m[i] + log2f(sum)) * ln2 : 0.0f;
   }
 }
 
@@ -582,7 +597,12 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   using Smem = KeyValueGradSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t kt = th.block_y(), tiles_t = tiles(T);
+  const std::int64_t kt = th.block_y(), length = sh.length(at.b);
+  // Keys at or past the length get no gradient, and queries there give none: a tile of padded
+  // keys only leaves at once (the whole block, before any barrier); the others walk the query
+  // tiles that hold real queries.
+  if (kt * tile >= length) return;
+  const std::int64_t query_tiles = tiles(length);
   unsigned char* smem = th.shared();
   const auto q = [&](std::int64_t i) { return region<bf16>(smem, Smem::q + i % 2 * tile_bytes<HS>); };
   const auto g = [&](std::int64_t i) { return region<bf16>(smem, Smem::dout + i % 2 * tile_bytes<HS>); };
@@ -604,13 +624,13 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   zero(dk);
   zero(dv);
   const float scale2 = sh.scale * log2e;
-  // The first query that key row group + 8 i meets: the key itself (causal), or 0; none (T) for
-  // a key past T, whose dk and dv are never written.
+  // The first query that key row group + 8 i meets: the key itself (causal), or 0; none (the
+  // length) for a padded key, whose dk and dv are never written.
   std::int64_t lowest[2];
   LOOM_FLASH_UNROLL
   for (int i = 0; i < 2; ++i) {
     const std::int64_t key = first + ln.group + 8 * i;
-    lowest[i] = sh.causal() ? key : key < T ? 0 : T;
+    lowest[i] = key >= length ? length : sh.causal() ? key : 0;
   }
   const auto start = [&](std::int64_t qtile) {
     start_tiles<HS>(th, q(qtile), qkv_bh, ld, g(qtile), dout_bh, C, qtile * tile, T);
@@ -618,13 +638,13 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
     load_rows(th, delta(qtile), a.delta + at.bh * T, 1.0f, qtile * tile, T);
   };
   start(first_query_tile(sh, kt));
-  for (std::int64_t qtile = first_query_tile(sh, kt); qtile < tiles_t; ++qtile) {
+  for (std::int64_t qtile = first_query_tile(sh, kt); qtile < query_tiles; ++qtile) {
     th.wait_copies();
     th.sync_block();  // tile qtile is in, tile qtile - 1 no longer read (forward_block's loop)
-    if (qtile + 1 < tiles_t) start(qtile + 1);
+    if (qtile + 1 < query_tiles) start(qtile + 1);
 
     // The queries of the tile that count for key row group + 8 i: columns [lowest, end).
-    const int end = tile_column(T, qtile * tile, 0, tile);
+    const int end = tile_column(length, qtile * tile, 0, tile);
     const int lowest_column[2] = {tile_column(lowest[0], qtile * tile, 0, tile),
                                   tile_column(lowest[1], qtile * tile, 0, tile)};
     // The tile in two halves of 32 queries: S^T and dP^T of a half are 32 registers where the
@@ -652,8 +672,8 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
     }
   }
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
-  add_rows(dqkv_bh + C, ld, dk, first, T, ln);
-  add_rows(dqkv_bh + 2 * C, ld, dv, first, T, ln);
+  add_rows(dqkv_bh + C, ld, dk, first, length, ln);
+  add_rows(dqkv_bh + 2 * C, ld, dv, first, length, ln);
 }
 
 //! The gradient of 64 queries of one (batch, head): dq of rows qt 64 .. qt 64 + 63, a warp's 16
@@ -664,7 +684,8 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   using Smem = QueryGradSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t qtile = query_tile(sh, th.block_y());
+  const std::int64_t qtile = query_tile(sh, th.block_y()), length = sh.length(at.b);
+  if (qtile * tile >= length) return;  // padded queries only: no gradient (key_value_grad_block)
   unsigned char* smem = th.shared();
   const auto k = [&](std::int64_t i) { return region<bf16>(smem, Smem::k + i % 2 * tile_bytes<HS>); };
   const auto v = [&](std::int64_t i) { return region<bf16>(smem, Smem::v + i % 2 * tile_bytes<HS>); };
@@ -679,18 +700,18 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
     load_a(g[kk], dout_bh, C, first, T, 16 * kk, ln);
   }
   float lse[2], delta[2];  // of rows group + 8 i; lse times log2 e
-  std::int64_t last[2];    // the last key row group + 8 i sees; -1 (none) for a row past T
+  std::int64_t last[2];    // the last key row group + 8 i sees; -1 (none) for a padded row
   LOOM_FLASH_UNROLL
   for (int i = 0; i < 2; ++i) {
     const std::int64_t t = first + ln.group + 8 * i;
-    lse[i] = t < T ? a.lse[at.bh * T + t] * log2e : 0.0f;
-    delta[i] = t < T ? a.delta[at.bh * T + t] : 0.0f;
-    last[i] = t < T ? last_key(sh, t) : -1;
+    lse[i] = t < length ? a.lse[at.bh * T + t] * log2e : 0.0f;
+    delta[i] = t < length ? a.delta[at.bh * T + t] : 0.0f;
+    last[i] = t < length ? last_key(sh, t, length) : -1;
   }
   FragmentC dq[HS / 8];
   zero(dq);
   const float scale2 = sh.scale * log2e;
-  const std::int64_t end = key_tiles(sh, qtile);
+  const std::int64_t end = key_tiles(sh, qtile, length);
   const auto start = [&](std::int64_t kt) {
     start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
@@ -715,7 +736,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
     });
     accumulate_ab<HS>(th, dq, dp, k(kt), ln);  // dQ += dS K
   }
-  add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, T, ln);
+  add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, length, ln);
 }
 
 // ---------------------------------------------------------------------------------------------
