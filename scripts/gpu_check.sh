@@ -121,6 +121,13 @@ run() {
             --peak-tflops 989.4
     run_one best_bert_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
             --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
+    # Padded batches (rows of 64 to 512 tokens): the tiled attention, which reads the lengths since
+    # 2026-11-25, against the probabilities kept (the cuBLAS kernels).
+    run_one best_bert_base_512_bf16_padded ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
+            --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --pad-min 64 --peak-tflops 989.4
+    run_one best_bert_base_512_bf16_padded_stored ./bert_train --device cuda --model base --seq 512 --steps 8 \
+            --log-every 1 --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --pad-min 64 --attention stored \
+            --peak-tflops 989.4
   fi
   if want large; then
     # The "largest micro-batch that fits", for both: 64 on an 80 GB H100 (PyTorch eager

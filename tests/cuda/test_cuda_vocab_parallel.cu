@@ -284,10 +284,13 @@ Sliced run_sliced(loom::cuda& be, const CrossEntropyCase& c, const std::vector<f
   // Step 2: partials, summed over the slices in order.
   const DeviceDoubles max_device(be, global_max, Shape{N});
   std::vector<double> partials(static_cast<std::size_t>(2 * N), 0.0);
+  std::vector<std::vector<float>> exps_host;  // for the backward from the exps below
   for (std::int64_t s = 0; s < c.slices; ++s) {
     const DeviceDoubles local_device(be, std::vector<double>(static_cast<std::size_t>(2 * N), -9.0), Shape{2, N});
     vocab_parallel_cross_entropy_partials<float>(be, exps_of(s), local_device.view(), slices[s].cview(),
                                                  max_device.cview(), target_device.cview(), s * R, c.vocab);
+    exps_host.emplace_back(static_cast<std::size_t>(N * R));
+    be.copy_to_host(exps_host.back().data(), exps_of(s).data(), exps_host.back().size() * sizeof(float));
     const std::vector<double> local = local_device.to_host(be);
     std::int64_t bad = 0;
     for (std::int64_t n = 0; n < N; ++n) {
@@ -331,6 +334,23 @@ Sliced run_sliced(loom::cuda& be, const CrossEntropyCase& c, const std::vector<f
         r.probs[n * c.padded + s * R + j] = p[n * R + j];
         r.dlogits[n * c.padded + s * R + j] = d[n * R + j];
       }
+  }
+
+  // The models' path: the losses from the partials alone, and the backward from the exps (in
+  // place): finish's losses, and the bits of finish then the backward.
+  const DeviceTensor fused_losses(be, std::vector<float>(static_cast<std::size_t>(N), -7.0f), Shape{N});
+  vocab_parallel_cross_entropy_losses<float>(be, fused_losses.view(), partials_device.cview(), target_device.cview());
+  CHECK(fused_losses.to_host(be) == r.losses);
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    const DeviceTensor fused(be, exps_host[static_cast<std::size_t>(s)], Shape{N, R});
+    vocab_parallel_cross_entropy_backward<float>(be, fused.view(), fused.cview(), partials_device.cview(),
+                                                 target_device.cview(), s * R, c.vocab, scale);
+    const std::vector<float> d = fused.to_host(be);
+    std::int64_t different = 0;
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t j = 0; j < R; ++j) different += d[n * R + j] != r.dlogits[n * c.padded + s * R + j];
+    CAPTURE(s);
+    CHECK(different == 0);
   }
   return r;
 }

@@ -365,9 +365,21 @@ TEST_CASE("bf16: vocabulary-parallel cross-entropy keeps float losses and double
   // to Eigen's vectorised exp, which may take another path for a differently aligned row).
   for (std::int64_t i = N; i < 3 * N; ++i) CHECK(std::abs(stats[i] - stats_f[i]) <= 1e-6 * std::abs(stats_f[i]));
 
+  // The models' path: the losses from the partials, the exps normalised in the backward's pass:
+  // finish's losses, and the bits of finish then the backward (checked after both below).
+  const std::vector<bf16> exps = probs.narrow;
+  std::vector<float> fused_losses(N);
+  loom::kernels::vocab_parallel_cross_entropy_losses<bf16>(be, Tensor<float>(fused_losses.data(), {N}),
+                                                           Tensor<const double>(partials(stats)), targets);
+  std::vector<bf16> fused = exps;
+  loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(
+      be, Tensor<bf16>(fused.data(), {N, Vs}), Tensor<const bf16>(fused.data(), {N, Vs}),
+      Tensor<const double>(partials(stats)), targets, 0, vocab, 1.0f / N);
+
   std::vector<float> losses(N), losses_f(N);
   loom::kernels::vocab_parallel_cross_entropy_finish<bf16>(be, Tensor<float>(losses.data(), {N}), probs.bf({N, Vs}),
                                                            Tensor<const double>(partials(stats)), targets);
+  CHECK(fused_losses == losses);
   loom::kernels::vocab_parallel_cross_entropy_finish<float>(be, Tensor<float>(losses_f.data(), {N}), probs.fl({N, Vs}),
                                                             Tensor<const double>(partials(stats_f)), targets);
   for (std::int64_t n = 0; n < N; ++n) CHECK(std::abs(losses[n] - losses_f[n]) <= 1e-6 * std::abs(losses_f[n]));
@@ -383,6 +395,8 @@ TEST_CASE("bf16: vocabulary-parallel cross-entropy keeps float losses and double
   loom::kernels::vocab_parallel_cross_entropy_backward<float>(be, dlogits.fl({N, Vs}), dlogits.cfl({N, Vs}), targets, 0,
                                                               vocab, 1.0f / N);
   check_close(dlogits.narrow, dlogits.wide, 0.0);
+  CHECK(fused == dlogits.narrow);
+  CHECK(fused != exps);  // not a test that passes by doing nothing
 }
 
 TEST_CASE("bf16: AdamW with fp32 master weights gives the float kernel's bits") {

@@ -62,11 +62,18 @@ struct Result {
   std::vector<T> losses, probs;  // probs [N, padded], the slices put back together
 };
 
-//! The three forward steps on every slice, with the group's max and sum done here in slice
-//! order, as the all-reduces of a tensor-parallel group would.
+//! Every slice's exps [N, rows] (steps 1 and 2) and the group's partials [2, N].
 template <class T>
-Result<T> sliced_forward(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
-                         const Case& c) {
+struct Exps {
+  std::vector<std::vector<T>> slices;
+  std::vector<double> partials;
+};
+
+//! Steps 1 and 2 on every slice, with the group's max and sum done here in slice order, as the
+//! all-reduces of a tensor-parallel group would.
+template <class T>
+Exps<T> sliced_exps(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
+                    const Case& c) {
   const std::int64_t N = c.N, R = c.rows();
   std::vector<std::vector<T>> slices;
   for (std::int64_t s = 0; s < c.slices; ++s) slices.push_back(column_slice(logits, c, s));
@@ -85,6 +92,16 @@ Result<T> sliced_forward(const cpu& be, const std::vector<T>& logits, const std:
         s * R, c.vocab);
     for (std::int64_t i = 0; i < 2 * N; ++i) partials[i] += local[i];
   }
+  return {std::move(slices), std::move(partials)};
+}
+
+//! The three forward steps on every slice (sliced_exps, then finish on each).
+template <class T>
+Result<T> sliced_forward(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
+                         const Case& c) {
+  const std::int64_t N = c.N, R = c.rows();
+  auto [slices, partials] = sliced_exps(be, logits, targets, c);
+  const Tensor<const std::int32_t> target_view(targets.data(), {N});
   Result<T> r{std::vector<T>(N), std::vector<T>(N * c.padded)};
   for (std::int64_t s = 0; s < c.slices; ++s) {
     std::vector<T> losses(N, T(-7));
@@ -187,6 +204,40 @@ TEST_CASE_TEMPLATE("one slice gives the bits of softmax_cross_entropy forward an
                                                      Tensor<const std::int32_t>(targets.data(), {c.N}), c.vocab,
                                                      T(0.5));
     CHECK(sliced_backward<T>(be, probs, targets, c, T(0.5)) == d);
+  }
+}
+
+TEST_CASE_TEMPLATE("the losses from the partials, and the backward from the exps, give finish's losses and the bits of "
+                   "finish then the backward",
+                   T, float, double) {
+  const cpu be(2);
+  for (const Case& c : cases) {
+    CAPTURE(c.vocab);
+    CAPTURE(c.slices);
+    const auto logits = make_logits<T>(c, 13);
+    const auto targets = make_targets(c);
+    const Exps<T> e = sliced_exps<T>(be, logits, targets, c);
+    const std::int64_t N = c.N, R = c.rows();
+    const Tensor<const std::int32_t> target_view(targets.data(), {N});
+    const Tensor<const double> partials(e.partials.data(), {2, N});
+    std::vector<T> want_losses(N, T(-7)), got_losses(N, T(-7));
+    loom::kernels::vocab_parallel_cross_entropy_losses<T>(be, Tensor<T>(got_losses.data(), {N}), partials, target_view);
+    for (std::int64_t s = 0; s < c.slices; ++s) {
+      CAPTURE(s);
+      std::vector<T> probs = e.slices[s], fused = e.slices[s];
+      loom::kernels::vocab_parallel_cross_entropy_finish<T>(be, Tensor<T>(want_losses.data(), {N}),
+                                                            Tensor<T>(probs.data(), {N, R}), partials, target_view);
+      CHECK(got_losses == want_losses);
+      std::vector<T> want(probs.size(), T(5));
+      loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(want.data(), {N, R}),
+                                                              Tensor<const T>(probs.data(), {N, R}), target_view,
+                                                              s * R, c.vocab, T(0.25));
+      // In place, as the models call it.
+      loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(fused.data(), {N, R}),
+                                                              Tensor<const T>(fused.data(), {N, R}), partials,
+                                                              target_view, s * R, c.vocab, T(0.25));
+      CHECK(fused == want);
+    }
   }
 }
 
@@ -367,6 +418,20 @@ TEST_CASE("vocab-parallel kernels reject bad arguments, naming them") {
                                                                     0, 10, 1.f);
       },
       "dlogits");
+  expect_error(
+      [&] {
+        loom::kernels::vocab_parallel_cross_entropy_backward<float>(
+            be, Tensor<float>(e.data(), {2, 4}), logits, Tensor<const double>(partials.data(), {3}),
+            Tensor<const std::int32_t>(targets.data(), {2}), 0, 10, 1.f);
+      },
+      "partials");
+  expect_error(
+      [&] {
+        loom::kernels::vocab_parallel_cross_entropy_losses<float>(be, Tensor<float>(losses.data(), {2}),
+                                                                  Tensor<const double>(partials.data(), {2}),
+                                                                  Tensor<const std::int32_t>(targets.data(), {2}));
+      },
+      "partials");
   expect_error(
       [&] {
         loom::kernels::vocab_parallel_embedding_forward<float>(be, Tensor<float>(e.data(), {1, 2, 4}),

@@ -221,6 +221,59 @@ void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<accumulate_t<T>> 
   }
 }
 
+//! Vocabulary-parallel cross-entropy, step 3 of 3 without the probabilities: the `losses` [N] of
+//! vocab_parallel_cross_entropy_finish from the group's summed `partials` [2, N] alone. A head
+//! that leaves step 2's exps in place for the backward (vocab_parallel_cross_entropy_backward
+//! from the exps) spares finish's pass over [N, Vs].
+template <class T>
+void vocab_parallel_cross_entropy_losses(const cpu&, Tensor<accumulate_t<T>> losses, Tensor<const double> partials,
+                                         Tensor<const std::int32_t> targets) {
+  using A = accumulate_t<T>;
+  const std::int64_t N =
+      detail::vocab_parallel::check_losses(losses, partials, targets, "vocab_parallel_cross_entropy_losses");
+  const double* sums = partials.data();
+  const double* shifted_targets = partials.data() + N;
+  for (std::int64_t n = 0; n < N; ++n)
+    losses.data()[n] = targets.data()[n] >= 0 ? static_cast<A>(std::log(sums[n]) - shifted_targets[n]) : A(0);
+}
+
+}  // namespace loom::inline kernels
+
+namespace loom::detail::vocab_parallel {
+
+//! The backward of both vocab_parallel_cross_entropy_backward overloads: dlogits = scale (p -
+//! onehot) with p = T(x · factor) for the row's x of `in` (factor = 1 / sum where `sums` is given,
+//! else 1: then p = x exactly).
+template <class T>
+void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const double* sums,
+                                 const std::int32_t* target_data, const CrossEntropyDims& dims,
+                                 std::int64_t vocab_begin, accumulate_t<T> scale) {
+  using A = accumulate_t<T>;
+  const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= parallel_min_elements)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const T* x = in_all + n * Vs;
+    T* g = g_all + n * Vs;  // may be x
+    if (target_data[n] < 0) {
+      std::fill(g, g + Vs, T(0));
+      continue;
+    }
+    // finish's factor and rounding: the probabilities it would have stored.
+    const A factor = sums != nullptr ? static_cast<A>(1.0 / sums[n]) : A(1);
+    const auto probability = [&](std::int64_t i) { return to_accumulate(static_cast<T>(to_accumulate(x[i]) * factor)); };
+    const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
+    const bool owns_target = local_target >= 0 && local_target < real;
+    const A target_prob = owns_target ? probability(local_target) : A(0);  // read before g (maybe x) is written
+    for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * probability(i));
+    if (owns_target) g[local_target] = static_cast<T>(scale * (target_prob - A(1)));
+    std::fill(g + real, g + Vs, T(0));
+  }
+}
+
+}  // namespace loom::detail::vocab_parallel
+
+namespace loom::inline kernels {
+
 //! Vocabulary-parallel cross-entropy backward: WRITES (does not accumulate) `dlogits` [N, Vs] =
 //! scale * (probs - onehot(target)) on this slice's real columns (the one-hot only on the rank
 //! whose slice holds the target), 0 on padding and on rows whose target is negative.
@@ -229,30 +282,29 @@ template <class T>
 void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> probs,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
                                            std::int64_t vocab, accumulate_t<T> scale) {
-  using A = accumulate_t<T>;
   namespace d = detail::vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
   const d::CrossEntropyDims dims = d::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
   d::check_target_values(targets, vocab, kernel);
-  const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
-  const T* p_all = probs.data();
-  T* g_all = dlogits.data();
-  const std::int32_t* target_data = targets.data();
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
-  for (std::int64_t n = 0; n < N; ++n) {
-    const T* p = p_all + n * Vs;
-    T* g = g_all + n * Vs;  // may be p
-    if (target_data[n] < 0) {
-      std::fill(g, g + Vs, T(0));
-      continue;
-    }
-    const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
-    const bool owns_target = local_target >= 0 && local_target < real;
-    const A target_prob = owns_target ? to_accumulate(p[local_target]) : A(0);  // read before g (maybe p) is written
-    for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * to_accumulate(p[i]));
-    if (owns_target) g[local_target] = static_cast<T>(scale * (target_prob - A(1)));
-    std::fill(g + real, g + Vs, T(0));
-  }
+  d::cross_entropy_backward_rows(be, dlogits.data(), probs.data(), nullptr, targets.data(), dims, vocab_begin, scale);
+}
+
+//! Vocabulary-parallel cross-entropy backward from step 2's `exps` [N, Vs] and the group's summed
+//! `partials` [2, N] (vocab_parallel_cross_entropy_losses in the forward, not finish): the
+//! probabilities finish would have written, exps · (1 / sum) rounded to T, then the backward above
+//! on them: the same bits as finish then the backward, one pass over [N, Vs] instead of two.
+//! `dlogits` may alias `exps`.
+template <class T>
+void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> exps,
+                                           Tensor<const double> partials, Tensor<const std::int32_t> targets,
+                                           std::int64_t vocab_begin, std::int64_t vocab, accumulate_t<T> scale) {
+  namespace d = detail::vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
+  const d::CrossEntropyDims dims = d::check_backward(dlogits, exps, targets, vocab_begin, vocab, kernel, "exps");
+  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  d::check_target_values(targets, vocab, kernel);
+  d::cross_entropy_backward_rows(be, dlogits.data(), exps.data(), partials.data(), targets.data(), dims,
+                                 vocab_begin, scale);
 }
 
 //! The rows a loss predicts, for a head that computes only those (bert::Config::

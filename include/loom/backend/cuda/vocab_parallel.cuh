@@ -209,8 +209,15 @@ __global__ void partials_kernel(T* exps, double* partials, const T* logits, cons
   }
 }
 
+//! Row n's loss (float) from the group's summed partials [2, rows]: log(sum) - shifted target, 0
+//! where the target is negative.
+__device__ inline float row_loss(const double* partials, const std::int32_t* targets, std::int64_t rows,
+                                 std::int64_t n) {
+  return targets[n] >= 0 ? static_cast<float>(::log(partials[n]) - partials[rows + n]) : 0.0f;
+}
+
 //! One block per row: probs *= 1 / sum (the factor rounded to float once, as the CPU kernel), and
-//! losses[n] (float) = log(sum) - shifted target, 0 where the target is negative.
+//! losses[n] = row_loss.
 template <class T, int W>
 __global__ void finish_kernel(float* losses, T* probs, const double* partials, const std::int32_t* targets,
                               std::int64_t rows, std::int64_t columns) {
@@ -226,20 +233,30 @@ __global__ void finish_kernel(float* losses, T* probs, const double* partials, c
       for (int k = 0; k < W; ++k) p.value[k] = static_cast<T>(to_accumulate(p.value[k]) * factor);
       row[v] = p;
     }
-    if (threadIdx.x == 0)
-      losses[n] = targets[n] >= 0 ? static_cast<float>(::log(sum) - partials[rows + n]) : 0.0f;
+    if (threadIdx.x == 0) losses[n] = row_loss(partials, targets, rows, n);
   }
 }
 
-//! One block per row: dlogits = scale * (probs - onehot(target)) on the real columns, 0 on
-//! padding and on rows whose target is negative. `dlogits` may be `probs`: each pack is read,
-//! then written, by the same thread (the target's one-hot included).
+//! losses[n] of finish_kernel from the partials alone, one thread a row.
+template <class L>
+__global__ void losses_kernel(L* losses, const double* partials, const std::int32_t* targets, std::int64_t rows) {
+  for (std::int64_t n = cuda_kernels::grid_first(); n < rows; n += cuda_kernels::grid_stride())
+    losses[n] = row_loss(partials, targets, rows, n);
+}
+
+//! One block per row: dlogits = scale * (p - onehot(target)) on the real columns, 0 on padding
+//! and on rows whose target is negative, where p = T(x · factor) for the row's x of `probs`, with
+//! factor = float(1 / sums[n]) (finish_kernel's probabilities, from the exps) where `sums` is
+//! given, else 1 (then p = x exactly). `dlogits` may be `probs`: each pack is read, then written,
+//! by the same thread (the target's one-hot included).
 template <class T, int W>
-__global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* targets, std::int64_t rows,
-                                std::int64_t columns, std::int64_t real, std::int64_t vocab_begin, float scale) {
+__global__ void backward_kernel(T* dlogits, const T* probs, const double* sums, const std::int32_t* targets,
+                                std::int64_t rows, std::int64_t columns, std::int64_t real, std::int64_t vocab_begin,
+                                float scale) {
   using P = cuda_kernels::Pack<T, W>;
   const std::int64_t packs = columns / W;
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
+    const float factor = sums != nullptr ? static_cast<float>(1.0 / sums[n]) : 1.0f;
     const P* p = reinterpret_cast<const P*>(probs + n * columns);
     P* g = reinterpret_cast<P*>(dlogits + n * columns);
     const std::int32_t target = targets[n];
@@ -255,7 +272,7 @@ __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* 
         for (int k = 0; k < W; ++k) {
           const std::int64_t j = v * W + k;
           if (j >= active) continue;
-          const float prob = to_accumulate(in.value[k]);
+          const float prob = to_accumulate(static_cast<T>(to_accumulate(in.value[k]) * factor));
           out.value[k] = static_cast<T>(j == local_target ? scale * (prob - 1.0f) : scale * prob);
         }
       }
@@ -268,6 +285,20 @@ __global__ void backward_kernel(T* dlogits, const T* probs, const std::int32_t* 
 using cuda_kernels::vector_rows;
 template <class T>
 inline constexpr int vector_width = cuda_kernels::Vector16<T>::elements;
+
+//! backward_kernel on the backend's stream, one block a row, with `sums` (null: probabilities).
+template <class T>
+void launch_backward(const cuda& be, T* dlogits, const T* in, const double* sums, const std::int32_t* targets,
+                     const vocab_parallel::CrossEntropyDims& dims, std::int64_t vocab_begin, float scale,
+                     const char* kernel) {
+  cuda_kernels::activate(be);
+  const auto launch = vector_rows<T>(dims.slice_columns, dlogits, in) ? backward_kernel<T, vector_width<T>>
+                                                                       : backward_kernel<T, 1>;
+  launch<<<blocks_for_rows(dims.rows), row_threads, 0, be.stream()>>>(dlogits, in, sums, targets, dims.rows,
+                                                                      dims.slice_columns, dims.real_columns,
+                                                                      vocab_begin, scale);
+  cuda_check_launch(kernel);
+}
 
 //! One block: rows[0, M) = the indices of the targets >= 0 among `n`, in order (the first `room`
 //! of them), row_targets their targets, *count = M. Each tile of Threads targets is one block-wide
@@ -463,15 +494,44 @@ void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Te
       detail::vocab_parallel::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
   if (dims.rows == 0) return;
   check_data(probs, kernel, "probs");
+  v::launch_backward<T>(be, dlogits.data(), probs.data(), nullptr, targets.data(), dims, vocab_begin, scale, kernel);
+}
 
-  detail::cuda_kernels::activate(be);
-  const auto launch = v::vector_rows<T>(dims.slice_columns, dlogits.data(), probs.data())
-                           ? v::backward_kernel<T, v::vector_width<T>>
-                           : v::backward_kernel<T, 1>;
-  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
-      dlogits.data(), probs.data(), targets.data(), dims.rows, dims.slice_columns, dims.real_columns, vocab_begin,
-      scale);
+//! Vocabulary-parallel cross-entropy losses on the GPU (the CPU kernel's contract): `losses` [N]
+//! of vocab_parallel_cross_entropy_finish from the group's summed `partials` [2, N] alone, for a
+//! head whose backward takes the exps (the overload below) and so skips finish's pass.
+template <class T>
+void vocab_parallel_cross_entropy_losses(const cuda& be, Tensor<accumulate_t<T>> losses, Tensor<const double> partials,
+                                         Tensor<const std::int32_t> targets) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace k = detail::cuda_kernels;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_losses";
+  const std::int64_t N = detail::vocab_parallel::check_losses(losses, partials, targets, kernel);
+  if (N == 0) return;
+  k::activate(be);
+  detail::cuda_vocab_parallel::losses_kernel<<<k::elementwise_blocks(N), k::elementwise_threads, 0, be.stream()>>>(
+      losses.data(), partials.data(), targets.data(), N);
   detail::cuda_check_launch(kernel);
+}
+
+//! Vocabulary-parallel cross-entropy backward on the GPU from step 2's `exps` [N, Vs] and the
+//! group's summed `partials` [2, N] (the CPU kernel's contract): finish's probabilities, exps ·
+//! (1 / sum) rounded to T, then the backward above on them, in one pass over [N, Vs]: the same
+//! bits as finish then the backward. `dlogits` may alias `exps`.
+template <class T>
+void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Tensor<const T> exps,
+                                           Tensor<const double> partials, Tensor<const std::int32_t> targets,
+                                           std::int64_t vocab_begin, std::int64_t vocab, accumulate_t<T> scale) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace v = detail::cuda_vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
+  const detail::vocab_parallel::CrossEntropyDims dims =
+      detail::vocab_parallel::check_backward(dlogits, exps, targets, vocab_begin, vocab, kernel, "exps");
+  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  if (dims.rows == 0) return;
+  check_data(exps, kernel, "exps");
+  v::launch_backward<T>(be, dlogits.data(), exps.data(), partials.data(), targets.data(), dims, vocab_begin, scale,
+                        kernel);
 }
 
 //! The rows a loss predicts (the CPU kernel's contract): rows[0, M) = the indices of `targets` [N]

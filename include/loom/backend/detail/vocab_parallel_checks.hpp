@@ -111,12 +111,23 @@ FinishDims check_finish(const Tensor<L>& losses, const Tensor<T>& probs, const T
   return {N, Vs};
 }
 
-//! vocab_parallel_cross_entropy_backward: the slice (probs), dlogits shaped as probs, N targets.
+//! vocab_parallel_cross_entropy_losses: losses [N], partials [2, N] for the N targets; returns N.
+template <class L>
+std::int64_t check_losses(const Tensor<L>& losses, const Tensor<const double>& partials,
+                          const Tensor<const std::int32_t>& targets, const char* kernel) {
+  const std::int64_t N = targets.numel();
+  check_numel(losses, N, kernel, "losses");
+  check_numel(partials, 2 * N, kernel, "partials");
+  return N;
+}
+
+//! vocab_parallel_cross_entropy_backward: the slice (`probs`, or the exps named `probs_name`),
+//! dlogits shaped as it, N targets.
 template <class T>
 CrossEntropyDims check_backward(const Tensor<T>& dlogits, const Tensor<const T>& probs,
                                 const Tensor<const std::int32_t>& targets, std::int64_t vocab_begin,
-                                std::int64_t vocab, const char* kernel) {
-  const CrossEntropyDims dims = check_slice(probs, vocab_begin, vocab, kernel, "probs");
+                                std::int64_t vocab, const char* kernel, const char* probs_name = "probs") {
+  const CrossEntropyDims dims = check_slice(probs, vocab_begin, vocab, kernel, probs_name);
   check_shape(dlogits, probs.shape(), kernel, "dlogits");
   check_numel(targets, dims.rows, kernel, "targets");
   return dims;

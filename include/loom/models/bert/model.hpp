@@ -144,8 +144,8 @@ class Model {
   //! N·(C + 2) for the embedding (the sum before its layernorm and the layernorm's statistics);
   //! for a block N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (r1, h, r2, this rank's qkv, attention
   //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
-  //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) for the
-  //! head, or N·(3·C + 3) and 3 doubles a row with Config::logits_chunk_rows, and 2·N int32 for
+  //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) and 3
+  //! doubles a row for the head (without the V/tp with Config::logits_chunk_rows), and 2·N int32 for
   //! the rows it predicts (unless Config::logits_at_every_position); with
   //! Config::max_predictions_per_seq = P the head's N is B·min(P, T), whatever the targets. Under
   //! sequence parallelism the embedding's and the blocks' row-wise tensors (sum; r1, h, r2) and their
@@ -657,8 +657,9 @@ class Model {
   // Masked-LM head: pre = x W_d^T + b_d; t = LN_m(GELU(pre)); logits = t wte^T + b_out;
   // cross-entropy over the positions whose target is >= 0.
 
-  //! What the head keeps; the statistics and losses in the accumulate type, first; then the
-  //! probabilities, or with Config::logits_chunk_rows each row's statistics in double; then, unless
+  //! What the head keeps; the statistics and losses in the accumulate type, first, then each row's
+  //! logit statistics in double; then, unless Config::logits_chunk_rows, the logits' exps (which
+  //! the backward normalises with the statistics); then, unless
   //! Config::logits_at_every_position, the predicted rows' indices and targets. Every per-row
   //! tensor has room for head_rows() rows (N, or B·max_predictions_per_seq); the head uses the
   //! first M, the rows it predicts.
@@ -698,10 +699,8 @@ class Model {
     h.mean = c.template take<A>({N});
     h.rstd = c.template take<A>({N});
     h.losses = c.template take<A>({N});
-    if (chunked_logits()) {
-      h.stats.row_max = c.template take<double>({N});
-      h.stats.partials = c.template take<double>({2 * N});
-    }
+    h.stats.row_max = c.template take<double>({N});
+    h.stats.partials = c.template take<double>({2 * N});
     h.pre = c.take({N, C()});
     h.act = c.take({N, C()});
     h.t = c.take({N, C()});
@@ -807,12 +806,12 @@ class Model {
     // This rank's slice of the logits (column-parallel over wte's rows and the output bias) lands
     // in the probs buffer; the vocab-parallel cross-entropy exchanges only per-row statistics.
     matmul_forward<T>(be, h.probs, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
-    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, predicted.targets,
-                                                       vocab_begin_, config_.vocab_size);
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, h.stats,
+                                                       predicted.targets, vocab_begin_, config_.vocab_size);
   }
 
   //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of
-  //! the probabilities (`h`: the saved tensors of the predicted rows).
+  //! the exps (`h`: the saved tensors of the predicted rows).
   void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& h) const {
     const std::int64_t C = config_.channels;
     matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.probs,
@@ -842,9 +841,9 @@ class Model {
           param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), predicted.targets, vocab_begin_,
           config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
-      // dlogits overwrite the probabilities they are computed from (this rank's slice).
-      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, predicted.targets, vocab_begin_,
-                                               config_.vocab_size, a.loss_scale);
+      // dlogits overwrite the exps they are computed from (this rank's slice).
+      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, h.stats.partials.reshape({2, M}),
+                                               predicted.targets, vocab_begin_, config_.vocab_size, a.loss_scale);
       if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
       matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
     }

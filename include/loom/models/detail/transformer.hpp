@@ -189,35 +189,44 @@ void check_attention_dropout(double attention, std::string_view model) {
              "attention_dropout = 0 on it (hidden_dropout works on every backend)");
 }
 
+//! What a head keeps of its logits per row for the backward: vocab_parallel_softmax_loss's
+//! statistics, `row_max` [N] and `partials` (2·N values: [2, N], or with Config::logits_chunk_rows
+//! chunk after chunk each chunk's [2, k]), in double.
+struct LogitStatistics {
+  Tensor<double> row_max, partials;
+};
+
 //! The vocabulary-parallel softmax and cross-entropy of n rows whose slice of the logits
-//! (vocabulary rows [vocab_begin, ...) of a group `tensor_parallel`) is in `probs` [n, vocab rows],
-//! against `targets` [n] (< 0: ignored): turns `probs` into this slice's probabilities in place
-//! and writes the per-token `losses` [n]. Only per-row statistics cross the group, left in
+//! (vocabulary rows [vocab_begin, ...) of a group `tensor_parallel`) is in `exps` [n, vocab rows],
+//! against `targets` [n] (< 0: ignored): turns `exps` into this slice's exp(logit - row max) in
+//! place and writes the per-token `losses` [n]. Only per-row statistics cross the group, left in
 //! `row_max` [n] (each row's largest logit over the whole vocabulary) and `partials` [2, n] (the
-//! sum of the exps below it, and the target's logit less it), in double, in backend memory.
+//! sum of the exps below it, and the target's logit less it), in double, in backend memory; the
+//! backward normalises the exps with them (vocab_parallel_cross_entropy_backward from the exps:
+//! the bits of normalising here, one pass over [n, vocab rows] fewer).
 template <class T, Backend B>
 void vocab_parallel_softmax_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
-                                 Tensor<T> probs, Tensor<double> row_max, Tensor<double> partials,
+                                 Tensor<T> exps, Tensor<double> row_max, Tensor<double> partials,
                                  Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size) {
-  vocab_parallel_cross_entropy_max<T>(be, row_max, probs, vocab_begin, vocab_size);
+  vocab_parallel_cross_entropy_max<T>(be, row_max, exps, vocab_begin, vocab_size);
   if (tensor_parallel.size() > 1)
     tensor_parallel.all_reduce(std::span<double>(row_max.data(), static_cast<std::size_t>(row_max.numel())),
                                ReduceOp::max);
-  vocab_parallel_cross_entropy_partials<T>(be, probs, partials, probs, row_max, targets, vocab_begin, vocab_size);
+  vocab_parallel_cross_entropy_partials<T>(be, exps, partials, exps, row_max, targets, vocab_begin, vocab_size);
   nn::sum_over_tensor_parallel(tensor_parallel, partials);
-  vocab_parallel_cross_entropy_finish<T>(be, losses, probs, partials, targets);
+  vocab_parallel_cross_entropy_losses<T>(be, losses, partials, targets);
 }
 
-//! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `probs`, against
-//! `targets` [N]: vocab_parallel_softmax_loss with its statistics in scratch (24 bytes a token);
-//! returns the sum of the losses. The full logits never exist.
+//! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `exps`, against
+//! `targets` [N]: vocab_parallel_softmax_loss, its statistics (24 bytes a token) in `stats`, which
+//! the backward needs. Returns the sum of the losses. The full logits never exist.
 template <class T, Backend B>
-double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
-                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size) {
+double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses, Tensor<T> exps,
+                           const LogitStatistics& stats, Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                           std::int64_t vocab_size) {
   const std::int64_t N = targets.numel();
-  const Buffer<double, B> scratch(be, 3 * N, MemoryCategory::workspace);
-  vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, probs, Tensor<double>(scratch.data(), {N}),
-                                 Tensor<double>(scratch.data() + N, {2, N}), targets, vocab_begin, vocab_size);
+  vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, exps, stats.row_max.reshape({N}),
+                                 stats.partials.reshape({2, N}), targets, vocab_begin, vocab_size);
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
 }
 
@@ -244,27 +253,18 @@ void scatter_add_rows(B& be, Tensor<T> whole, Tensor<const T> part, Tensor<const
   vocab_parallel_embedding_backward<T>(be, whole, 0, Tensor<T>{}, part.reshape({1, M, C}), rows.reshape({1, M}));
 }
 
-//! What a head that computes its logits in chunks of rows (Config::logits_chunk_rows) keeps of
-//! them per row for the backward: vocab_parallel_softmax_loss's statistics, `row_max` [N] and,
-//! chunk after chunk, each chunk's [2, k] `partials` (2·N values), in double.
-struct LogitStatistics {
-  Tensor<double> row_max, partials;
-};
-
-//! The chunked head's scratch for the backward: one chunk's logits [chunk, vocab rows], its
-//! recomputed partials [2·chunk] and losses [chunk] (both discarded).
+//! The chunked head's scratch for the backward: one chunk's logits [chunk, vocab rows] and its
+//! recomputed partials [2·chunk] (discarded).
 template <class T>
 struct LogitScratch {
   Tensor<T> logits;
   Tensor<double> partials;
-  Tensor<accumulate_t<T>> losses;
 };
 //! Carves a LogitScratch for chunks of `chunk` rows of `vocab_rows` columns.
 template <class T>
 LogitScratch<T> carve_logit_scratch(Carver<T>& c, std::int64_t chunk, std::int64_t vocab_rows) {
   LogitScratch<T> s;
   s.partials = c.template take<double>({2 * chunk});
-  s.losses = c.template take<accumulate_t<T>>({chunk});
   s.logits = c.take({chunk, vocab_rows});
   return s;
 }
@@ -433,13 +433,12 @@ void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor
     const Tensor<const std::int32_t> chunk_targets = rows(targets, first, k);
     matmul_forward<T>(be, logits, rows(x, first, k), w, bias);
     // exp(logit - max) with the forward's max; the group's sums of them, kept by the forward,
-    // normalise them (this slice's own sums, recomputed, are not needed).
+    // normalise them in the backward's pass (this slice's own sums, recomputed, are not needed).
     vocab_parallel_cross_entropy_partials<T>(be, logits, Tensor<double>(scratch.partials.data(), {2, k}), logits,
                                              rows(stats.row_max, first, k), chunk_targets, vocab_begin, vocab_size);
-    vocab_parallel_cross_entropy_finish<T>(be, Tensor<accumulate_t<T>>(scratch.losses.data(), {k}), logits,
-                                           Tensor<const double>(stats.partials.data() + 2 * first, {2, k}),
-                                           chunk_targets);
-    vocab_parallel_cross_entropy_backward<T>(be, logits, logits, chunk_targets, vocab_begin, vocab_size, loss_scale);
+    vocab_parallel_cross_entropy_backward<T>(be, logits, logits,
+                                             Tensor<const double>(stats.partials.data() + 2 * first, {2, k}),
+                                             chunk_targets, vocab_begin, vocab_size, loss_scale);
     matmul_backward<T>(be, rows(dx, first, k), dw, dbias, logits, rows(x, first, k), w);
   }
 }

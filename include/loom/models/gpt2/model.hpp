@@ -135,7 +135,7 @@ class Model {
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
-  //! N·(C + 3 + V/tp) for the head (N·(C + 3) and 3 doubles a row with
+  //! N·(C + 3 + V/tp) and 3 doubles a row for the head (N·(C + 3) and the doubles with
   //! Config::logits_chunk_rows) and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
   //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention
   //! probabilities and four row statistics), or + B·(H/tp)·T (the rows' log-sum-exp) in place
@@ -261,7 +261,7 @@ class Model {
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
-      // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the probabilities.
+      // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the exps.
       const std::int64_t C = config_.channels;
       const HeadSaved h = carve_head(a.saved, s);
       matmul_backward<T>(be, Tensor<T>{}, grad(grads, wte_, {vocab_rows_, C}), Tensor<T>{}, h.probs, h.lnf,
@@ -618,8 +618,9 @@ class Model {
   }
 
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
-  //! accumulate type, first (see block_saved); then the probabilities, or with
-  //! Config::logits_chunk_rows each row's statistics in double. ln_f's statistics are this rank's
+  //! accumulate type, first (see block_saved); then each row's logit statistics in double, and
+  //! unless Config::logits_chunk_rows the logits' exps (which the backward normalises with the
+  //! statistics). ln_f's statistics are this rank's
   //! rows; its output `lnf` is whole (gathered under sequence parallelism), as the unembedding
   //! GEMMs read it.
   struct HeadSaved {
@@ -633,10 +634,8 @@ class Model {
     h.mean = c.template take<A>({n});
     h.rstd = c.template take<A>({n});
     h.losses = c.template take<A>({N});
-    if (chunked_logits()) {
-      h.stats.row_max = c.template take<double>({N});
-      h.stats.partials = c.template take<double>({2 * N});
-    }
+    h.stats.row_max = c.template take<double>({N});
+    h.stats.partials = c.template take<double>({2 * N});
     h.lnf = c.take({N, config_.channels});
     if (!chunked_logits()) h.probs = c.take({N, vocab_rows_});
     return h;
@@ -686,11 +685,12 @@ class Model {
           Tensor<const T>{}, a.targets.reshape({N}), vocab_begin_, config_.vocab_size, logits_chunk(s));
     }
     // This rank's slice of the logits (a column-parallel use of wte) lands in the probs buffer;
-    // the vocab-parallel cross-entropy turns it into probabilities in place, exchanging only
-    // per-row statistics (max, sum of exps, target logit): the full logits never exist.
+    // the vocab-parallel cross-entropy turns it into exps in place, exchanging only per-row
+    // statistics (max, sum of exps, target logit), which the backward normalises them with: the
+    // full logits never exist.
     matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
-    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, a.targets.reshape({N}),
-                                                       vocab_begin_, config_.vocab_size);
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, h.stats,
+                                                       a.targets.reshape({N}), vocab_begin_, config_.vocab_size);
   }
 
   //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input
@@ -709,9 +709,10 @@ class Model {
           be, dlnf, dwte, Tensor<T>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
           a.targets.reshape({N}), vocab_begin_, config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
-      // dlogits overwrite the probabilities they are computed from (this rank's slice).
-      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, a.targets.reshape({N}), vocab_begin_,
-                                               config_.vocab_size, a.loss_scale);
+      // dlogits overwrite the exps they are computed from (this rank's slice).
+      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, h.stats.partials.reshape({2, N}),
+                                               a.targets.reshape({N}), vocab_begin_, config_.vocab_size,
+                                               a.loss_scale);
       matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}));
     }
     // f backward of the column-parallel logits: sum the slices' shares of dlnf (this rank's rows
