@@ -195,32 +195,6 @@ void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor
   }
 }
 
-//! Vocabulary-parallel cross-entropy, step 3 of 3, given the group's summed `partials` [2, N]:
-//! probs[n, :] = exps[n, :] / sum[n] in place (`probs` holds the exps of step 2), and
-//! losses[n] = log(sum[n]) - shifted_target[n], 0 where targets[n] < 0, in the accumulate type
-//! (float for bf16 probabilities). Every rank of the group computes the same losses.
-template <class T>
-void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
-                                         Tensor<const double> partials, Tensor<const std::int32_t> targets) {
-  using A = accumulate_t<T>;
-  namespace d = detail::vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
-  const d::FinishDims dims = d::check_finish(losses, probs, partials, targets, kernel);
-  const std::int64_t N = dims.rows, Vs = dims.columns;
-  T* p_all = probs.data();
-  A* loss = losses.data();
-  const double* sums = partials.data();
-  const double* shifted_targets = partials.data() + N;
-  const std::int32_t* target_data = targets.data();
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
-  for (std::int64_t n = 0; n < N; ++n) {
-    const A factor = static_cast<A>(1.0 / sums[n]);
-    T* p = p_all + n * Vs;
-    for (std::int64_t j = 0; j < Vs; ++j) p[j] = static_cast<T>(to_accumulate(p[j]) * factor);
-    loss[n] = target_data[n] >= 0 ? static_cast<A>(std::log(sums[n]) - shifted_targets[n]) : A(0);
-  }
-}
-
 //! Vocabulary-parallel cross-entropy, step 3 of 3 without the probabilities: the `losses` [N] of
 //! vocab_parallel_cross_entropy_finish from the group's summed `partials` [2, N] alone. A head
 //! that leaves step 2's exps in place for the backward (vocab_parallel_cross_entropy_backward
@@ -235,6 +209,30 @@ void vocab_parallel_cross_entropy_losses(const cpu&, Tensor<accumulate_t<T>> los
   const double* shifted_targets = partials.data() + N;
   for (std::int64_t n = 0; n < N; ++n)
     losses.data()[n] = targets.data()[n] >= 0 ? static_cast<A>(std::log(sums[n]) - shifted_targets[n]) : A(0);
+}
+
+//! Vocabulary-parallel cross-entropy, step 3 of 3, given the group's summed `partials` [2, N]:
+//! probs[n, :] = exps[n, :] / sum[n] in place (`probs` holds the exps of step 2), and
+//! losses[n] = log(sum[n]) - shifted_target[n], 0 where targets[n] < 0, in the accumulate type
+//! (float for bf16 probabilities; vocab_parallel_cross_entropy_losses). Every rank of the group
+//! computes the same losses.
+template <class T>
+void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
+                                         Tensor<const double> partials, Tensor<const std::int32_t> targets) {
+  using A = accumulate_t<T>;
+  namespace d = detail::vocab_parallel;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
+  const d::FinishDims dims = d::check_finish(losses, probs, partials, targets, kernel);
+  const std::int64_t N = dims.rows, Vs = dims.columns;
+  T* p_all = probs.data();
+  const double* sums = partials.data();
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const A factor = static_cast<A>(1.0 / sums[n]);
+    T* p = p_all + n * Vs;
+    for (std::int64_t j = 0; j < Vs; ++j) p[j] = static_cast<T>(to_accumulate(p[j]) * factor);
+  }
+  vocab_parallel_cross_entropy_losses<T>(be, losses, partials, targets);
 }
 
 }  // namespace loom::inline kernels
