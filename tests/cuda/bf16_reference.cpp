@@ -91,20 +91,28 @@ void embedding_backward(Vec& dslice, std::int64_t vocab_begin, Vec& dwpe, const 
                                                    Tensor<const std::int32_t>(tokens.data(), {B, T}));
 }
 
-void cross_entropy_forward(Floats& losses, Vec& logits_to_probs, const Ids& targets, std::int64_t N,
-                           std::int64_t Vs, std::int64_t vocab) {
-  std::vector<double> statistics(static_cast<std::size_t>(3 * N));
+void cross_entropy_forward(Floats& losses, std::vector<double>& statistics, const Vec& logits, const Ids& targets,
+                           std::int64_t N, std::int64_t Vs, std::int64_t vocab) {
+  statistics.assign(static_cast<std::size_t>(3 * N), 0.0);
   const Tensor<double> row_max(statistics.data(), {N}), partials(statistics.data() + N, {2, N});
   const Tensor<const std::int32_t> ids(targets.data(), {N});
-  kernels::vocab_parallel_cross_entropy_max<bf16>(backend(), row_max, c(logits_to_probs, {N, Vs}), 0, vocab);
-  kernels::vocab_parallel_cross_entropy_partials<bf16>(backend(), t(logits_to_probs, {N, Vs}), partials,
-                                                       c(logits_to_probs, {N, Vs}), row_max, ids, 0, vocab);
-  kernels::vocab_parallel_cross_entropy_finish<bf16>(backend(), Tensor<float>(losses.data(), {N}),
-                                                     t(logits_to_probs, {N, Vs}), partials, ids);
+  kernels::vocab_parallel_cross_entropy_statistics<bf16>(backend(), row_max, partials, c(logits, {N, Vs}), ids, 0,
+                                                         vocab);
+  kernels::vocab_parallel_cross_entropy_losses<bf16>(backend(), Tensor<float>(losses.data(), {N}),
+                                                     Tensor<const double>(row_max), Tensor<const double>(partials),
+                                                     ids);
 }
 
-void cross_entropy_backward(Vec& dlogits, const Vec& probs, const Ids& targets, std::int64_t N, std::int64_t Vs,
-                            std::int64_t vocab, float scale) {
+void cross_entropy_backward(Vec& dlogits, const Vec& logits, const std::vector<double>& statistics, const Ids& targets,
+                            std::int64_t N, std::int64_t Vs, std::int64_t vocab, float scale) {
+  kernels::vocab_parallel_cross_entropy_backward<bf16>(
+      backend(), t(dlogits, {N, Vs}), c(logits, {N, Vs}), Tensor<const double>(statistics.data(), {N}),
+      Tensor<const double>(statistics.data() + N, {2, N}), Tensor<const std::int32_t>(targets.data(), {N}), 0, vocab,
+      scale);
+}
+
+void cross_entropy_backward_from_probs(Vec& dlogits, const Vec& probs, const Ids& targets, std::int64_t N,
+                                       std::int64_t Vs, std::int64_t vocab, float scale) {
   kernels::vocab_parallel_cross_entropy_backward<bf16>(backend(), t(dlogits, {N, Vs}), c(probs, {N, Vs}),
                                                        Tensor<const std::int32_t>(targets.data(), {N}), 0, vocab,
                                                        scale);

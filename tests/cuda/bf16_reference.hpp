@@ -39,12 +39,17 @@ void embedding_forward(Vec& out, const Ids& tokens, const Vec& slice, std::int64
                        std::int64_t B, std::int64_t T, std::int64_t C);
 void embedding_backward(Vec& dslice, std::int64_t vocab_begin, Vec& dwpe, const Vec& dout, const Ids& tokens,
                         std::int64_t B, std::int64_t T, std::int64_t C);
-//! The three forward steps of the vocabulary-parallel cross-entropy over one slice [N, Vs] that
-//! holds the whole vocabulary (`vocab` real columns): probs in place of the logits, float losses.
-void cross_entropy_forward(Floats& losses, Vec& logits_to_probs, const Ids& targets, std::int64_t N,
-                           std::int64_t Vs, std::int64_t vocab);
-void cross_entropy_backward(Vec& dlogits, const Vec& probs, const Ids& targets, std::int64_t N, std::int64_t Vs,
-                            std::int64_t vocab, float scale);
+//! The vocabulary-parallel cross-entropy over one slice [N, Vs] that holds the whole vocabulary
+//! (`vocab` real columns): the row statistics (`statistics` [3N]: row_max [N], then partials
+//! [2, N]) and the float losses of the logits.
+void cross_entropy_forward(Floats& losses, std::vector<double>& statistics, const Vec& logits, const Ids& targets,
+                           std::int64_t N, std::int64_t Vs, std::int64_t vocab);
+//! dlogits from the logits and cross_entropy_forward's statistics.
+void cross_entropy_backward(Vec& dlogits, const Vec& logits, const std::vector<double>& statistics, const Ids& targets,
+                            std::int64_t N, std::int64_t Vs, std::int64_t vocab, float scale);
+//! dlogits from probabilities.
+void cross_entropy_backward_from_probs(Vec& dlogits, const Vec& probs, const Ids& targets, std::int64_t N,
+                                       std::int64_t Vs, std::int64_t vocab, float scale);
 void adamw_update(Vec& params, const Vec& grads, Floats& master, Floats& m, Floats& v, const AdamWUpdate& h);
 double sum_of_squares(const Vec& x);
 void scale(Vec& x, double factor);

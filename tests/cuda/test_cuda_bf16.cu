@@ -332,27 +332,46 @@ TEST_CASE("bf16: vocabulary-parallel cross-entropy with float losses") {
     std::vector<std::int32_t> targets(N);
     for (std::int64_t n = 0; n < N; ++n) targets[n] = n == 3 ? -1 : static_cast<std::int32_t>((n * 97) % vocab);
     const auto logits = random_bf16(N * Vs, 51, -4.0f, 4.0f);
-    std::vector<bf16> probs = logits, dlogits(N * Vs);
+    std::vector<bf16> dlogits(N * Vs);
     std::vector<float> losses(N);
-    ref::cross_entropy_forward(losses, probs, targets, N, Vs, vocab);
-    ref::cross_entropy_backward(dlogits, probs, targets, N, Vs, vocab, 1.0f / N);
+    std::vector<double> statistics;
+    ref::cross_entropy_forward(losses, statistics, logits, targets, N, Vs, vocab);
+    ref::cross_entropy_backward(dlogits, logits, statistics, targets, N, Vs, vocab, 1.0f / N);
 
     const Device<std::int32_t> d_targets(be, targets, {N});
-    const Device<bf16> d_probs(be, logits, {N, Vs});
+    const Device<bf16> d_logits(be, logits, {N, Vs});
     const Device<double> d_stats(be, std::vector<double>(3 * N), {3 * N});
     const Device<float> d_losses(be, std::vector<float>(N), {N});
     const Tensor<double> row_max(d_stats.buffer.data(), {N}), partials(d_stats.buffer.data() + N, {2, N});
-    loom::kernels::vocab_parallel_cross_entropy_max<bf16>(be, row_max, d_probs.cview(), 0, vocab);
-    loom::kernels::vocab_parallel_cross_entropy_partials<bf16>(be, d_probs.view(), partials, d_probs.cview(), row_max,
-                                                               d_targets.cview(), 0, vocab);
-    loom::kernels::vocab_parallel_cross_entropy_finish<bf16>(be, d_losses.view(), d_probs.view(), partials,
-                                                             d_targets.cview());
+    loom::kernels::vocab_parallel_cross_entropy_statistics<bf16>(be, row_max, partials, d_logits.cview(),
+                                                                 d_targets.cview(), 0, vocab);
+    loom::kernels::vocab_parallel_cross_entropy_losses<bf16>(be, d_losses.view(), Tensor<const double>(row_max),
+                                                             Tensor<const double>(partials), d_targets.cview());
     check_close(d_losses.to_host(be), to_double(losses), float_tolerance, "losses");
-    check_bf16(d_probs.to_host(be), probs, {.roundings = 2.0}, "probs");
-    const Device<bf16> d_dlogits(be, probs, {N, Vs});  // from the CPU's probabilities, in place
+    const std::vector<double> stats = d_stats.to_host(be);
+    CHECK(std::equal(stats.begin(), stats.begin() + N, statistics.begin()));  // a max is exact
+    CHECK(std::equal(stats.begin() + 2 * N, stats.end(), statistics.begin() + 2 * N));  // so is a target's logit
+    std::int64_t far = 0;  // sums of float exps in double, in another order and under other maxima
+    for (std::int64_t n = N; n < 2 * N; ++n) far += std::abs(stats[n] - statistics[n]) > 1e-6 * statistics[n];
+    CHECK(far == 0);
+    // The models' path: dlogits in place of the logits; the probabilities and the gradient each
+    // rounded once to bf16 (expf and the online sum differ from the CPU's in the last bits).
+    loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(
+        be, d_logits.view(), d_logits.cview(), Tensor<const double>(row_max), Tensor<const double>(partials),
+        d_targets.cview(), 0, vocab, 1.0f / N);
+    check_bf16(d_logits.to_host(be), dlogits, {.roundings = 2.0}, "dlogits");
+    // From probabilities (the CPU's): one float product, one rounding, the same bits.
+    std::vector<bf16> probs(N * Vs, bf16(0.0f)), from_probs(N * Vs);
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t j = 0; j < vocab; ++j) {
+        const double x = static_cast<float>(logits[n * Vs + j]);
+        probs[n * Vs + j] = bf16(static_cast<float>(std::exp(x - statistics[n]) / statistics[N + n]));
+      }
+    ref::cross_entropy_backward_from_probs(from_probs, probs, targets, N, Vs, vocab, 1.0f / N);
+    const Device<bf16> d_dlogits(be, probs, {N, Vs});
     loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(be, d_dlogits.view(), d_dlogits.cview(),
                                                                d_targets.cview(), 0, vocab, 1.0f / N);
-    CHECK(d_dlogits.to_host(be) == dlogits);  // one float product, one rounding
+    CHECK(d_dlogits.to_host(be) == from_probs);
   }
 }
 

@@ -2,15 +2,15 @@
 // 1, 2 and 3 slices (with padding), each slice run on the device with the group's reductions
 // done here in slice order, against plain host loops in double, and against host float loops in
 // the CPU kernels' order where the result must be the same bits (embedding forward and backward,
-// the per-slice max and shifted target logits).
+// the per-slice max and target logits).
 //
 // Without a GPU the host cases run (the shared shape checks and their messages, which the
 // kernels call before any CUDA call), then the program exits with 77 and ctest reports it
 // skipped.
 //
 // Tolerances (|device - reference| <= tolerance * max(magnitude, 1)):
-// - losses, probabilities and dlogits: 1e-5 of |reference| (expf is within 2 ulp; the sums of
-//   exps are in double);
+// - losses and dlogits: 1e-5 of |reference| (expf is within 2 ulp; the sums of exps are in
+//   double, rescaled as each thread's running max rises);
 // - embedding gradients: a sequential fp32 sum of k terms is within k * 2^-24 of the sum of
 //   |terms|, so max(1e-5, k * 2^-24) of that sum, k being the longest run of one token plus one
 //   (the exact bits are checked against the host float loop besides).
@@ -243,116 +243,107 @@ std::vector<float> make_logits(const CrossEntropyCase& c, std::uint32_t seed) {
 }
 
 struct Sliced {
-  std::vector<float> losses, probs, dlogits;  // probs and dlogits [N, padded], the slices put back together
+  std::vector<float> losses, dlogits;  // dlogits [N, padded], the slices put back together
 };
 
-//! The three forward steps and the backward on every slice on the device, with the group's max
-//! and sum done here in slice order, as the all-reduces of a tensor-parallel group would.
-//! `in_place`: exps over the logits and dlogits over the probs (as the GPT-2 head calls them).
-//! Checks on the way the exact parts: each slice's max and shifted target logit, and that every
-//! slice gets the same losses.
+//! Step 1 on every slice on the device (each keeping its own max), the group's max here in slice
+//! order, step 2 (the rebase) on the device and the sum here in slice order, as the all-reduces of
+//! a tensor-parallel group would (one slice: step 1 alone, as a group of one runs it); then the
+//! losses and the backward from the logits on every slice. `in_place`: dlogits over the logits
+//! (as the heads call it). Checks on the way the exact parts: each slice's max (and its copy) and
+//! target logit, and that every slice gets the same losses.
 Sliced run_sliced(loom::cuda& be, const CrossEntropyCase& c, const std::vector<float>& logits,
                   const std::vector<std::int32_t>& targets, float scale, bool in_place) {
   const std::int64_t N = c.N, R = c.rows();
   REQUIRE(c.padded % c.slices == 0);
   const DeviceIds target_device(be, targets, Shape{N});
-  std::vector<DeviceTensor> slices, exps;
-  for (std::int64_t s = 0; s < c.slices; ++s) {
+  std::vector<DeviceTensor> slices;
+  for (std::int64_t s = 0; s < c.slices; ++s)
     slices.emplace_back(be, matrix_columns(logits, N, c.padded, s * R, R), Shape{N, R});
-    if (!in_place) exps.emplace_back(be, std::vector<float>(static_cast<std::size_t>(N * R), 3.0f), Shape{N, R});
-  }
-  const auto exps_of = [&](std::int64_t s) { return in_place ? slices[s].view() : exps[s].view(); };
 
-  // Step 1: each slice's max (exact: the largest real logit as double, or the lowest double).
+  // Step 1: each slice's max (exact: the largest real logit as double, or the lowest double),
+  // its sum below it, and the target's logit where the slice holds it.
   std::vector<double> global_max(static_cast<std::size_t>(N), std::numeric_limits<double>::lowest());
+  std::vector<DeviceDoubles> own_max, own_partials;
   for (std::int64_t s = 0; s < c.slices; ++s) {
     const DeviceDoubles row_max(be, std::vector<double>(static_cast<std::size_t>(N), -9.0), Shape{N});
-    vocab_parallel_cross_entropy_max<float>(be, row_max.view(), slices[s].cview(), s * R, c.vocab);
-    const std::vector<double> local = row_max.to_host(be);
+    own_max.emplace_back(be, std::vector<double>(static_cast<std::size_t>(N), -5.0), Shape{N});
+    own_partials.emplace_back(be, std::vector<double>(static_cast<std::size_t>(2 * N), -9.0), Shape{2, N});
+    vocab_parallel_cross_entropy_statistics<float>(be, row_max.view(), own_partials.back().view(), slices[s].cview(),
+                                                   target_device.cview(), s * R, c.vocab, own_max.back().view());
+    const std::vector<double> local = row_max.to_host(be), copy = own_max.back().to_host(be),
+                              partials = own_partials.back().to_host(be);
     std::int64_t bad = 0;
     for (std::int64_t n = 0; n < N; ++n) {
       double want = std::numeric_limits<double>::lowest();
       for (std::int64_t j = 0; j < R && s * R + j < c.vocab; ++j)
         want = std::max(want, static_cast<double>(logits[n * c.padded + s * R + j]));
-      bad += local[n] != want;
+      const std::int64_t local_target = static_cast<std::int64_t>(targets[n]) - s * R;
+      const bool owns = targets[n] >= 0 && targets[n] < c.vocab && local_target >= 0 && local_target < R;
+      const double want_target = owns ? static_cast<double>(logits[n * c.padded + targets[n]]) : 0.0;
+      bad += local[n] != want || copy[n] != want || partials[N + n] != want_target;
+      bad += want == std::numeric_limits<double>::lowest() && partials[n] != 0.0;  // all padding: nothing summed
       global_max[n] = std::max(global_max[n], local[n]);
     }
     CAPTURE(s);
     CHECK(bad == 0);
   }
 
-  // Step 2: partials, summed over the slices in order.
+  // Step 2 and the sum (a group of one has nothing to rebase).
   const DeviceDoubles max_device(be, global_max, Shape{N});
   std::vector<double> partials(static_cast<std::size_t>(2 * N), 0.0);
-  std::vector<std::vector<float>> exps_host;  // for the backward from the exps below
   for (std::int64_t s = 0; s < c.slices; ++s) {
-    const DeviceDoubles local_device(be, std::vector<double>(static_cast<std::size_t>(2 * N), -9.0), Shape{2, N});
-    vocab_parallel_cross_entropy_partials<float>(be, exps_of(s), local_device.view(), slices[s].cview(),
-                                                 max_device.cview(), target_device.cview(), s * R, c.vocab);
-    exps_host.emplace_back(static_cast<std::size_t>(N * R));
-    be.copy_to_host(exps_host.back().data(), exps_of(s).data(), exps_host.back().size() * sizeof(float));
-    const std::vector<double> local = local_device.to_host(be);
-    std::int64_t bad = 0;
-    for (std::int64_t n = 0; n < N; ++n) {
-      const std::int64_t local_target = static_cast<std::int64_t>(targets[n]) - s * R;
-      const bool owns = targets[n] >= 0 && targets[n] < c.vocab && local_target >= 0 && local_target < R;
-      const double want = owns ? static_cast<double>(logits[n * c.padded + targets[n]]) - global_max[n] : 0.0;
-      bad += local[N + n] != want;
-      partials[n] += local[n];
-      partials[N + n] += local[N + n];
-    }
-    CAPTURE(s);
-    CHECK(bad == 0);  // the shifted target logit, exactly
+    if (c.slices > 1)
+      vocab_parallel_cross_entropy_rebase(be, own_partials[s].view(), own_max[s].cview(), max_device.cview());
+    const std::vector<double> local = own_partials[s].to_host(be);
+    for (std::int64_t i = 0; i < 2 * N; ++i) partials[i] += local[i];
   }
 
-  // Step 3: finish on every slice; every slice gets the same losses.
+  // The losses on every slice: every slice gets the same. Then the backward from the logits,
+  // writing over garbage (or over the logits).
   const DeviceDoubles partials_device(be, partials, Shape{2, N});
-  Sliced r{{}, std::vector<float>(static_cast<std::size_t>(N * c.padded)),
-           std::vector<float>(static_cast<std::size_t>(N * c.padded))};
+  Sliced r{{}, std::vector<float>(static_cast<std::size_t>(N * c.padded))};
   for (std::int64_t s = 0; s < c.slices; ++s) {
     const DeviceTensor losses(be, std::vector<float>(static_cast<std::size_t>(N), -7.0f), Shape{N});
-    vocab_parallel_cross_entropy_finish<float>(be, losses.view(), exps_of(s), partials_device.cview(),
+    vocab_parallel_cross_entropy_losses<float>(be, losses.view(), max_device.cview(), partials_device.cview(),
                                                target_device.cview());
     const std::vector<float> got = losses.to_host(be);
     if (s == 0) r.losses = got;
     CAPTURE(s);
     CHECK(got == r.losses);
-  }
 
-  // Backward, writing over garbage (or over the probs).
-  for (std::int64_t s = 0; s < c.slices; ++s) {
-    const Tensor<float> probs = exps_of(s);
-    std::vector<float> p(static_cast<std::size_t>(N * R));
-    be.copy_to_host(p.data(), probs.data(), p.size() * sizeof(float));
     const DeviceTensor separate(be, std::vector<float>(static_cast<std::size_t>(N * R), 5.0f), Shape{N, R});
-    const Tensor<float> dlogits = in_place ? probs : separate.view();
-    vocab_parallel_cross_entropy_backward<float>(be, dlogits, probs, target_device.cview(), s * R, c.vocab, scale);
+    const Tensor<float> dlogits = in_place ? slices[s].view() : separate.view();
+    vocab_parallel_cross_entropy_backward<float>(be, dlogits, slices[s].cview(), max_device.cview(),
+                                                 partials_device.cview(), target_device.cview(), s * R, c.vocab,
+                                                 scale);
     std::vector<float> d(static_cast<std::size_t>(N * R));
     be.copy_to_host(d.data(), dlogits.data(), d.size() * sizeof(float));
     for (std::int64_t n = 0; n < N; ++n)
-      for (std::int64_t j = 0; j < R; ++j) {
-        r.probs[n * c.padded + s * R + j] = p[n * R + j];
-        r.dlogits[n * c.padded + s * R + j] = d[n * R + j];
-      }
-  }
-
-  // The models' path: the losses from the partials alone, and the backward from the exps (in
-  // place): finish's losses, and the bits of finish then the backward.
-  const DeviceTensor fused_losses(be, std::vector<float>(static_cast<std::size_t>(N), -7.0f), Shape{N});
-  vocab_parallel_cross_entropy_losses<float>(be, fused_losses.view(), partials_device.cview(), target_device.cview());
-  CHECK(fused_losses.to_host(be) == r.losses);
-  for (std::int64_t s = 0; s < c.slices; ++s) {
-    const DeviceTensor fused(be, exps_host[static_cast<std::size_t>(s)], Shape{N, R});
-    vocab_parallel_cross_entropy_backward<float>(be, fused.view(), fused.cview(), partials_device.cview(),
-                                                 target_device.cview(), s * R, c.vocab, scale);
-    const std::vector<float> d = fused.to_host(be);
-    std::int64_t different = 0;
-    for (std::int64_t n = 0; n < N; ++n)
-      for (std::int64_t j = 0; j < R; ++j) different += d[n * R + j] != r.dlogits[n * c.padded + s * R + j];
-    CAPTURE(s);
-    CHECK(different == 0);
+      for (std::int64_t j = 0; j < R; ++j) r.dlogits[n * c.padded + s * R + j] = d[n * R + j];
   }
   return r;
+}
+
+//! The backward from probabilities on every slice on the device, put back together as
+//! [N, padded]; `in_place`: over the probabilities.
+std::vector<float> backward_from_probs(loom::cuda& be, const CrossEntropyCase& c, const std::vector<float>& probs,
+                                       const std::vector<std::int32_t>& targets, float scale, bool in_place) {
+  const std::int64_t N = c.N, R = c.rows();
+  const DeviceIds target_device(be, targets, Shape{N});
+  std::vector<float> out(static_cast<std::size_t>(N * c.padded));
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    const DeviceTensor p(be, matrix_columns(probs, N, c.padded, s * R, R), Shape{N, R});
+    const DeviceTensor separate(be, std::vector<float>(static_cast<std::size_t>(N * R), 5.0f), Shape{N, R});
+    const Tensor<float> dlogits = in_place ? p.view() : separate.view();
+    vocab_parallel_cross_entropy_backward<float>(be, dlogits, p.cview(), target_device.cview(), s * R, c.vocab,
+                                                 scale);
+    std::vector<float> d(static_cast<std::size_t>(N * R));
+    be.copy_to_host(d.data(), dlogits.data(), d.size() * sizeof(float));
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t j = 0; j < R; ++j) out[n * c.padded + s * R + j] = d[n * R + j];
+  }
+  return out;
 }
 
 struct CrossEntropyReference {
@@ -386,12 +377,10 @@ CrossEntropyReference reference(const CrossEntropyCase& c, const std::vector<flo
 //! The sliced run against the double reference; padding exactly 0.
 void check_cross_entropy(const Sliced& got, const CrossEntropyReference& want, const CrossEntropyCase& c) {
   check_close(got.losses, want.losses, float_tolerance, "losses");
-  check_close(got.probs, want.probs, float_tolerance, "probs");
   check_close(got.dlogits, want.dlogits, float_tolerance, "dlogits");
   std::int64_t nonzero_padding = 0;
   for (std::int64_t n = 0; n < c.N; ++n)
-    for (std::int64_t i = c.vocab; i < c.padded; ++i)
-      nonzero_padding += got.probs[n * c.padded + i] != 0.0f || got.dlogits[n * c.padded + i] != 0.0f;
+    for (std::int64_t i = c.vocab; i < c.padded; ++i) nonzero_padding += got.dlogits[n * c.padded + i] != 0.0f;
   CHECK(nonzero_padding == 0);
 }
 
@@ -453,54 +442,60 @@ TEST_CASE("the shared cross-entropy shape checks name the kernel and the argumen
   const Tensor<float> exps(storage, Shape{3, 4});
   const Tensor<double> row_max(statistics, Shape{3}), partials(statistics, Shape{2, 3});
 
-  const d::CrossEntropyDims dims = d::check_max(row_max, logits, 6, 8, "vocab_parallel_cross_entropy_max");
+  constexpr const char* statistics_kernel = "vocab_parallel_cross_entropy_statistics";
+  const d::CrossEntropyDims dims =
+      d::check_statistics(row_max, partials, logits, targets, 6, 8, Tensor<double>{}, statistics_kernel);
   CHECK(dims.rows == 3);
   CHECK(dims.slice_columns == 4);
   CHECK(dims.real_columns == 2);  // columns 6, 7 of vocab 8; 8, 9 are padding
   CHECK(d::check_slice(logits, 12, 8, "k", "logits").real_columns == 0);  // all padding
   CHECK(d::check_slice(logits, 0, 100, "k", "logits").real_columns == 4);
-  CHECK_THROWS_WITH_AS(d::check_max(Tensor<double>(statistics, Shape{2}), logits, 0, 8,
-                                    "vocab_parallel_cross_entropy_max"),
-                       "loom: vocab_parallel_cross_entropy_max: argument row_max element count: got 2; expected 3",
-                       Error);
-  CHECK_THROWS_WITH_AS(d::check_max(row_max, logits, 0, 0, "vocab_parallel_cross_entropy_max"),
-                       "loom: vocab_parallel_cross_entropy_max: argument vocab: got 0; must be >= 1", Error);
-  CHECK_THROWS_WITH_AS(d::check_max(row_max, Tensor<const float>(storage, Shape{}), 0, 8,
-                                    "vocab_parallel_cross_entropy_max"),
-                       "loom: vocab_parallel_cross_entropy_max: argument logits shape: got []; expected [N, Vs] "
-                       "(rank >= 1)",
-                       Error);
-
-  constexpr const char* partials_kernel = "vocab_parallel_cross_entropy_partials";
-  CHECK_NOTHROW(
-      d::check_partials(exps, partials, logits, Tensor<const double>(row_max), targets, 0, 8, partials_kernel));
-  CHECK_THROWS_WITH_AS(d::check_partials(Tensor<float>(storage, Shape{4, 3}), partials, logits,
-                                         Tensor<const double>(row_max), targets, 0, 8, partials_kernel),
-                       "loom: vocab_parallel_cross_entropy_partials: argument exps shape: got [4, 3]; expected [3, 4]",
-                       Error);
-  CHECK_THROWS_WITH_AS(d::check_partials(exps, Tensor<double>(statistics, Shape{3}), logits,
-                                         Tensor<const double>(row_max), targets, 0, 8, partials_kernel),
-                       doctest::Contains("argument partials element count: got 3; expected 6"), Error);
-  CHECK_THROWS_WITH_AS(d::check_partials(exps, partials, logits, Tensor<const double>(row_max),
-                                         Tensor<const std::int32_t>(ids.data(), Shape{2}), 0, 8, partials_kernel),
-                       "loom: vocab_parallel_cross_entropy_partials: argument targets element count: got 2; "
+  CHECK_NOTHROW(d::check_statistics(row_max, partials, logits, targets, 0, 8, Tensor<double>(statistics + 8, Shape{3}),
+                                    statistics_kernel));
+  CHECK_THROWS_WITH_AS(d::check_statistics(Tensor<double>(statistics, Shape{2}), partials, logits, targets, 0, 8,
+                                           Tensor<double>{}, statistics_kernel),
+                       "loom: vocab_parallel_cross_entropy_statistics: argument row_max element count: got 2; "
                        "expected 3",
                        Error);
-
-  constexpr const char* finish = "vocab_parallel_cross_entropy_finish";
-  const Tensor<float> losses(storage + 32, Shape{3});
-  const d::FinishDims finish_dims = d::check_finish(losses, exps, Tensor<const double>(partials), targets, finish);
-  CHECK(finish_dims.rows == 3);
-  CHECK(finish_dims.columns == 4);
-  CHECK_THROWS_WITH_AS(d::check_finish(Tensor<float>(storage + 32, Shape{4}), exps, Tensor<const double>(partials),
-                                       targets, finish),
-                       "loom: vocab_parallel_cross_entropy_finish: argument losses element count: got 4; expected 3",
-                       Error);
-  CHECK_THROWS_WITH_AS(d::check_finish(losses, Tensor<float>(storage, Shape{}), Tensor<const double>(partials),
-                                       targets, finish),
-                       "loom: vocab_parallel_cross_entropy_finish: argument probs shape: got []; expected [N, Vs] "
+  CHECK_THROWS_WITH_AS(
+      d::check_statistics(row_max, partials, logits, targets, 0, 0, Tensor<double>{}, statistics_kernel),
+      "loom: vocab_parallel_cross_entropy_statistics: argument vocab: got 0; must be >= 1", Error);
+  CHECK_THROWS_WITH_AS(d::check_statistics(row_max, partials, Tensor<const float>(storage, Shape{}), targets, 0, 8,
+                                           Tensor<double>{}, statistics_kernel),
+                       "loom: vocab_parallel_cross_entropy_statistics: argument logits shape: got []; expected [N, Vs] "
                        "(rank >= 1)",
                        Error);
+  CHECK_THROWS_WITH_AS(d::check_statistics(row_max, Tensor<double>(statistics, Shape{3}), logits, targets, 0, 8,
+                                           Tensor<double>{}, statistics_kernel),
+                       doctest::Contains("argument partials element count: got 3; expected 6"), Error);
+  CHECK_THROWS_WITH_AS(d::check_statistics(row_max, partials, logits,
+                                           Tensor<const std::int32_t>(ids.data(), Shape{2}), 0, 8, Tensor<double>{},
+                                           statistics_kernel),
+                       "loom: vocab_parallel_cross_entropy_statistics: argument targets element count: got 2; "
+                       "expected 3",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_statistics(row_max, partials, logits, targets, 0, 8,
+                                           Tensor<double>(statistics + 8, Shape{4}), statistics_kernel),
+                       doctest::Contains("argument slice_max element count: got 4; expected 3"), Error);
+
+  constexpr const char* rebase = "vocab_parallel_cross_entropy_rebase";
+  CHECK(d::check_rebase(partials, Tensor<const double>(row_max), Tensor<const double>(row_max), rebase) == 3);
+  CHECK_THROWS_WITH_AS(d::check_rebase(partials, Tensor<const double>(statistics, Shape{2}),
+                                       Tensor<const double>(row_max), rebase),
+                       "loom: vocab_parallel_cross_entropy_rebase: argument slice_max element count: got 2; expected 3",
+                       Error);
+
+  constexpr const char* losses_kernel = "vocab_parallel_cross_entropy_losses";
+  const Tensor<float> losses(storage + 32, Shape{3});
+  CHECK(d::check_losses(losses, Tensor<const double>(row_max), Tensor<const double>(partials), targets,
+                        losses_kernel) == 3);
+  CHECK_THROWS_WITH_AS(d::check_losses(Tensor<float>(storage + 32, Shape{4}), Tensor<const double>(row_max),
+                                       Tensor<const double>(partials), targets, losses_kernel),
+                       "loom: vocab_parallel_cross_entropy_losses: argument losses element count: got 4; expected 3",
+                       Error);
+  CHECK_THROWS_WITH_AS(d::check_losses(losses, Tensor<const double>(statistics, Shape{2}),
+                                       Tensor<const double>(partials), targets, losses_kernel),
+                       doctest::Contains("argument row_max element count: got 2; expected 3"), Error);
 
   constexpr const char* backward = "vocab_parallel_cross_entropy_backward";
   CHECK_NOTHROW(d::check_backward(exps, logits, targets, 0, 8, backward));
@@ -513,6 +508,12 @@ TEST_CASE("the shared cross-entropy shape checks name the kernel and the argumen
                        Error);
   CHECK_THROWS_WITH_AS(d::check_backward(Tensor<float>(nullptr, Shape{3, 4}), logits, targets, 0, 8, backward),
                        doctest::Contains("argument dlogits: got a tensor without data"), Error);
+  CHECK_NOTHROW(d::check_backward_from_logits(exps, logits, Tensor<const double>(row_max),
+                                              Tensor<const double>(partials), targets, 0, 8, backward));
+  CHECK_THROWS_WITH_AS(d::check_backward_from_logits(exps, logits, Tensor<const double>(row_max),
+                                                     Tensor<const double>(statistics, Shape{5}), targets, 0, 8,
+                                                     backward),
+                       doctest::Contains("argument partials element count: got 5; expected 6"), Error);
 }
 
 TEST_CASE("launch sizes of the vocab-parallel kernels and the sort's key for other slices' ids") {
@@ -667,12 +668,17 @@ TEST_CASE("vocab_parallel_cross_entropy over 1, 2, 3 slices matches the double r
       }
       // In place or not, the same bits; and the same bits again on a second run.
       CHECK(got.losses == first.losses);
-      CHECK(got.probs == first.probs);
       CHECK(got.dlogits == first.dlogits);
       const Sliced again = run_sliced(be, c, logits, targets, 0.25f, in_place);
       CHECK(again.losses == got.losses);
-      CHECK(again.probs == got.probs);
       CHECK(again.dlogits == got.dlogits);
+    }
+    // The backward from probabilities (the reference's), in place or not.
+    const std::vector<float> probs(want.probs.begin(), want.probs.end());
+    for (const bool in_place : {false, true}) {
+      CAPTURE(in_place);
+      check_close(backward_from_probs(be, c, probs, targets, 0.25f, in_place), want.dlogits, float_tolerance,
+                  "dlogits from the probabilities");
     }
   }
 }
@@ -710,19 +716,32 @@ TEST_CASE("vocab_parallel kernels reject wrong shapes before any CUDA call, nami
                                                                 ids.cview()),
                        doctest::Contains("argument tokens sequence length T: got 3; must be <= the rows of dwpe (2)"),
                        Error);
-  CHECK_THROWS_WITH_AS(
-      vocab_parallel_cross_entropy_max<float>(be, Tensor<double>(statistics.data(), Shape{5}), x, 0, 4),
-                       doctest::Contains("vocab_parallel_cross_entropy_max: argument row_max element count"), Error);
-  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_partials<float>(
-                           be, x, Tensor<double>(statistics.data(), Shape{2, 6}), x,
-                           Tensor<const double>(statistics.data(), Shape{6}),
-                           Tensor<const std::int32_t>(ids.buffer.data(), Shape{5}), 0, 4),
-                       doctest::Contains("vocab_parallel_cross_entropy_partials: argument targets element count"),
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_statistics<float>(
+                           be, Tensor<double>(statistics.data(), Shape{5}),
+                           Tensor<double>(statistics.data(), Shape{2, 6}), x, targets, 0, 4),
+                       doctest::Contains("vocab_parallel_cross_entropy_statistics: argument row_max element count"),
                        Error);
-  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_finish<float>(be, Tensor<float>(buffer.data(), Shape{5}), x,
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_statistics<float>(
+                           be, Tensor<double>(statistics.data(), Shape{6}),
+                           Tensor<double>(statistics.data(), Shape{2, 6}), x,
+                           Tensor<const std::int32_t>(ids.buffer.data(), Shape{5}), 0, 4),
+                       doctest::Contains("vocab_parallel_cross_entropy_statistics: argument targets element count"),
+                       Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_rebase(be, Tensor<double>(statistics.data(), Shape{2, 6}),
+                                                           Tensor<const double>(statistics.data(), Shape{5}),
+                                                           Tensor<const double>(statistics.data(), Shape{6})),
+                       doctest::Contains("vocab_parallel_cross_entropy_rebase: argument slice_max element count"),
+                       Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_losses<float>(be, Tensor<float>(buffer.data(), Shape{5}),
+                                                                  Tensor<const double>(statistics.data(), Shape{6}),
                                                                   Tensor<const double>(statistics.data(), Shape{2, 6}),
                                                                   targets),
-                       doctest::Contains("vocab_parallel_cross_entropy_finish: argument losses element count"), Error);
+                       doctest::Contains("vocab_parallel_cross_entropy_losses: argument losses element count"), Error);
+  CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_backward<float>(
+                           be, x, x, Tensor<const double>(statistics.data(), Shape{6}),
+                           Tensor<const double>(statistics.data(), Shape{7}), targets, 0, 4, 1.0f),
+                       doctest::Contains("vocab_parallel_cross_entropy_backward: argument partials element count"),
+                       Error);
   CHECK_THROWS_WITH_AS(vocab_parallel_cross_entropy_backward<float>(be, Tensor<float>(buffer.data(), Shape{4, 6}), x,
                                                                     targets, 0, 4, 1.0f),
                        doctest::Contains("vocab_parallel_cross_entropy_backward: argument dlogits shape"), Error);

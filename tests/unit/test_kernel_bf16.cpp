@@ -340,7 +340,7 @@ TEST_CASE("bf16: vocabulary-parallel embedding, forward and backward") {
   }
 }
 
-TEST_CASE("bf16: vocabulary-parallel cross-entropy keeps float losses and double partials") {
+TEST_CASE("bf16: vocabulary-parallel cross-entropy keeps float losses and double statistics") {
   const cpu be(2);
   const std::int64_t N = 9, vocab = 50, Vs = 64;  // one slice with 14 padding columns
   const Values logits(N * Vs, 71, -4.0, 4.0);
@@ -351,52 +351,50 @@ TEST_CASE("bf16: vocabulary-parallel cross-entropy keeps float losses and double
   std::vector<double> stats(3 * N), stats_f(3 * N);
   const auto row_max = [](std::vector<double>& s) { return Tensor<double>(s.data(), {N}); };
   const auto partials = [](std::vector<double>& s) { return Tensor<double>(s.data() + N, {2, N}); };
-  loom::kernels::vocab_parallel_cross_entropy_max<bf16>(be, row_max(stats), logits.cbf({N, Vs}), 0, vocab);
-  loom::kernels::vocab_parallel_cross_entropy_max<float>(be, row_max(stats_f), logits.cfl({N, Vs}), 0, vocab);
-  CHECK(std::equal(stats.begin(), stats.begin() + N, stats_f.begin()));  // a max is exact
-
-  Values probs = logits;  // exps and probabilities in place, as the model does
-  loom::kernels::vocab_parallel_cross_entropy_partials<bf16>(be, probs.bf({N, Vs}), partials(stats), probs.cbf({N, Vs}),
-                                                             Tensor<const double>(row_max(stats)), targets, 0, vocab);
-  loom::kernels::vocab_parallel_cross_entropy_partials<float>(be, probs.fl({N, Vs}), partials(stats_f),
-                                                              probs.cfl({N, Vs}),
-                                                              Tensor<const double>(row_max(stats_f)), targets, 0, vocab);
-  // The sums of exps are taken over the float exps, before the one rounding: float's sums (up
-  // to Eigen's vectorised exp, which may take another path for a differently aligned row).
-  for (std::int64_t i = N; i < 3 * N; ++i) CHECK(std::abs(stats[i] - stats_f[i]) <= 1e-6 * std::abs(stats_f[i]));
-
-  // The models' path: the losses from the partials, the exps normalised in the backward's pass:
-  // finish's losses, and the bits of finish then the backward (checked after both below).
-  const std::vector<bf16> exps = probs.narrow;
-  std::vector<float> fused_losses(N);
-  loom::kernels::vocab_parallel_cross_entropy_losses<bf16>(be, Tensor<float>(fused_losses.data(), {N}),
-                                                           Tensor<const double>(partials(stats)), targets);
-  std::vector<bf16> fused = exps;
-  loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(
-      be, Tensor<bf16>(fused.data(), {N, Vs}), Tensor<const bf16>(fused.data(), {N, Vs}),
-      Tensor<const double>(partials(stats)), targets, 0, vocab, 1.0f / N);
+  loom::kernels::vocab_parallel_cross_entropy_statistics<bf16>(be, row_max(stats), partials(stats),
+                                                               logits.cbf({N, Vs}), targets, 0, vocab);
+  loom::kernels::vocab_parallel_cross_entropy_statistics<float>(be, row_max(stats_f), partials(stats_f),
+                                                                logits.cfl({N, Vs}), targets, 0, vocab);
+  CHECK(std::equal(stats.begin(), stats.begin() + N, stats_f.begin()));              // a max is exact
+  CHECK(std::equal(stats.begin() + 2 * N, stats.end(), stats_f.begin() + 2 * N));    // so is a target's logit
+  // The sums of exps are taken over the float exps of the widened logits: float's sums.
+  for (std::int64_t i = N; i < 2 * N; ++i) CHECK(std::abs(stats[i] - stats_f[i]) <= 1e-6 * std::abs(stats_f[i]));
 
   std::vector<float> losses(N), losses_f(N);
-  loom::kernels::vocab_parallel_cross_entropy_finish<bf16>(be, Tensor<float>(losses.data(), {N}), probs.bf({N, Vs}),
+  loom::kernels::vocab_parallel_cross_entropy_losses<bf16>(be, Tensor<float>(losses.data(), {N}),
+                                                           Tensor<const double>(row_max(stats)),
                                                            Tensor<const double>(partials(stats)), targets);
-  CHECK(fused_losses == losses);
-  loom::kernels::vocab_parallel_cross_entropy_finish<float>(be, Tensor<float>(losses_f.data(), {N}), probs.fl({N, Vs}),
+  loom::kernels::vocab_parallel_cross_entropy_losses<float>(be, Tensor<float>(losses_f.data(), {N}),
+                                                            Tensor<const double>(row_max(stats_f)),
                                                             Tensor<const double>(partials(stats_f)), targets);
   for (std::int64_t n = 0; n < N; ++n) CHECK(std::abs(losses[n] - losses_f[n]) <= 1e-6 * std::abs(losses_f[n]));
-  check_close(probs.narrow, probs.wide, 0.0, 1, 2);          // exps rounded, then probabilities
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t j = vocab; j < Vs; ++j) CHECK(probs.narrow[n * Vs + j] == bf16(0.0f));
 
-  // Backward from the same probabilities (the bf16 ones) on both sides.
-  Values dlogits, dlogits_f;
-  for (bf16 p : probs.narrow) dlogits.push(static_cast<float>(p));
-  loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(be, dlogits.bf({N, Vs}), dlogits.cbf({N, Vs}), targets, 0,
+  // The models' path: dlogits in place of the logits, the probabilities rounded once to bf16,
+  // then the gradient once more.
+  Values dlogits = logits;
+  loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(
+      be, dlogits.bf({N, Vs}), dlogits.cbf({N, Vs}), Tensor<const double>(row_max(stats)),
+      Tensor<const double>(partials(stats)), targets, 0, vocab, 1.0f / N);
+  loom::kernels::vocab_parallel_cross_entropy_backward<float>(
+      be, dlogits.fl({N, Vs}), dlogits.cfl({N, Vs}), Tensor<const double>(row_max(stats_f)),
+      Tensor<const double>(partials(stats_f)), targets, 0, vocab, 1.0f / N);
+  check_close(dlogits.narrow, dlogits.wide, 1.0f / N, 1, 2);
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t j = vocab; j < Vs; ++j) CHECK(dlogits.narrow[n * Vs + j] == bf16(0.0f));
+  CHECK(dlogits.narrow != logits.narrow);  // not a test that passes by doing nothing
+
+  // Backward from the same probabilities (bf16 ones) on both sides.
+  Values probs;
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t j = 0; j < Vs; ++j)
+      probs.push(j < vocab ? static_cast<float>(std::exp(static_cast<double>(logits.wide[n * Vs + j]) - stats[n]) /
+                                                stats[N + n])
+                           : 0.0f);
+  loom::kernels::vocab_parallel_cross_entropy_backward<bf16>(be, probs.bf({N, Vs}), probs.cbf({N, Vs}), targets, 0,
                                                              vocab, 1.0f / N);
-  loom::kernels::vocab_parallel_cross_entropy_backward<float>(be, dlogits.fl({N, Vs}), dlogits.cfl({N, Vs}), targets, 0,
+  loom::kernels::vocab_parallel_cross_entropy_backward<float>(be, probs.fl({N, Vs}), probs.cfl({N, Vs}), targets, 0,
                                                               vocab, 1.0f / N);
-  check_close(dlogits.narrow, dlogits.wide, 0.0);
-  CHECK(fused == dlogits.narrow);
-  CHECK(fused != exps);  // not a test that passes by doing nothing
+  check_close(probs.narrow, probs.wide, 0.0);
 }
 
 TEST_CASE("bf16: AdamW with fp32 master weights gives the float kernel's bits") {

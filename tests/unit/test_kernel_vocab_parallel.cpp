@@ -1,6 +1,6 @@
 // Vocabulary-parallel embedding and cross-entropy kernels: the slices of a vocabulary, run one
-// after the other with the group's reductions done by hand, against a plain double reference and
-// against the whole-vocabulary kernels (one slice: the same bits); central differences in double;
+// after the other with the group's reductions done by hand, against a plain double reference,
+// against one slice and against the whole-vocabulary kernels; central differences in double;
 // padding that never contributes, slices that are all padding, ignored targets, errors, threads.
 
 #include <doctest/doctest.h>
@@ -57,66 +57,80 @@ std::vector<T> column_slice(const std::vector<T>& full, const Case& c, std::int6
   return out;
 }
 
-template <class T>
-struct Result {
-  std::vector<T> losses, probs;  // probs [N, padded], the slices put back together
+//! The group's row statistics: row_max [N] and partials [2, N].
+struct Statistics {
+  std::vector<double> row_max, partials;
 };
 
-//! Every slice's exps [N, rows] (steps 1 and 2) and the group's partials [2, N].
+//! The statistics of the whole vocabulary as a group of `c.slices` ranks forms them: one slice
+//! runs step 1 alone (a group of one); several run step 1 each (keeping their own max), take the
+//! group's max here in slice order, rebase their sums to it and sum the partials in slice order,
+//! as the all-reduces would.
 template <class T>
-struct Exps {
-  std::vector<std::vector<T>> slices;
-  std::vector<double> partials;
-};
-
-//! Steps 1 and 2 on every slice, with the group's max and sum done here in slice order, as the
-//! all-reduces of a tensor-parallel group would.
-template <class T>
-Exps<T> sliced_exps(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
-                    const Case& c) {
+Statistics sliced_statistics(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
+                             const Case& c) {
   const std::int64_t N = c.N, R = c.rows();
-  std::vector<std::vector<T>> slices;
-  for (std::int64_t s = 0; s < c.slices; ++s) slices.push_back(column_slice(logits, c, s));
   const Tensor<const std::int32_t> target_view(targets.data(), {N});
-  std::vector<double> global_max(N, std::numeric_limits<double>::lowest()), local_max(N);
-  for (std::int64_t s = 0; s < c.slices; ++s) {
-    loom::kernels::vocab_parallel_cross_entropy_max<T>(be, Tensor<double>(local_max.data(), {N}),
-                                                       Tensor<const T>(slices[s].data(), {N, R}), s * R, c.vocab);
-    for (std::int64_t n = 0; n < N; ++n) global_max[n] = std::max(global_max[n], local_max[n]);
+  Statistics g{std::vector<double>(N, std::numeric_limits<double>::lowest()), std::vector<double>(2 * N, 0.0)};
+  if (c.slices == 1) {
+    loom::kernels::vocab_parallel_cross_entropy_statistics<T>(
+        be, Tensor<double>(g.row_max.data(), {N}), Tensor<double>(g.partials.data(), {2, N}),
+        Tensor<const T>(logits.data(), {N, R}), target_view, 0, c.vocab);
+    return g;
   }
-  std::vector<double> partials(2 * N, 0.0), local(2 * N);
+  std::vector<std::vector<double>> own_max, own_partials;
   for (std::int64_t s = 0; s < c.slices; ++s) {
-    loom::kernels::vocab_parallel_cross_entropy_partials<T>(
-        be, Tensor<T>(slices[s].data(), {N, R}), Tensor<double>(local.data(), {2, N}),
-        Tensor<const T>(slices[s].data(), {N, R}), Tensor<const double>(global_max.data(), {N}), target_view,
-        s * R, c.vocab);
-    for (std::int64_t i = 0; i < 2 * N; ++i) partials[i] += local[i];
+    const std::vector<T> slice = column_slice(logits, c, s);
+    std::vector<double> row_max(N, -3.0), copy(N, -5.0), partials(2 * N, -7.0);  // garbage: all written
+    loom::kernels::vocab_parallel_cross_entropy_statistics<T>(
+        be, Tensor<double>(row_max.data(), {N}), Tensor<double>(partials.data(), {2, N}),
+        Tensor<const T>(slice.data(), {N, R}), target_view, s * R, c.vocab, Tensor<double>(copy.data(), {N}));
+    CHECK(copy == row_max);
+    for (std::int64_t n = 0; n < N; ++n) g.row_max[n] = std::max(g.row_max[n], row_max[n]);
+    own_max.push_back(std::move(row_max));
+    own_partials.push_back(std::move(partials));
   }
-  return {std::move(slices), std::move(partials)};
+  for (std::int64_t s = 0; s < c.slices; ++s) {
+    loom::kernels::vocab_parallel_cross_entropy_rebase(be, Tensor<double>(own_partials[s].data(), {2, N}),
+                                                       Tensor<const double>(own_max[s].data(), {N}),
+                                                       Tensor<const double>(g.row_max.data(), {N}));
+    for (std::int64_t i = 0; i < 2 * N; ++i) g.partials[i] += own_partials[s][i];
+  }
+  return g;
 }
 
-//! The three forward steps on every slice (sliced_exps, then finish on each).
 template <class T>
-Result<T> sliced_forward(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
-                         const Case& c) {
+struct Result {
+  std::vector<T> losses, dlogits;  // dlogits [N, padded], the slices put back together
+};
+
+//! The forward (sliced_statistics, then the losses on every slice) and the backward from each
+//! slice's logits, in place as the models call it, with the given `scale`.
+template <class T>
+Result<T> sliced_loss(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
+                      const Case& c, T scale) {
   const std::int64_t N = c.N, R = c.rows();
-  auto [slices, partials] = sliced_exps(be, logits, targets, c);
+  const Statistics g = sliced_statistics(be, logits, targets, c);
   const Tensor<const std::int32_t> target_view(targets.data(), {N});
+  const Tensor<const double> row_max(g.row_max.data(), {N}), partials(g.partials.data(), {2, N});
   Result<T> r{std::vector<T>(N), std::vector<T>(N * c.padded)};
   for (std::int64_t s = 0; s < c.slices; ++s) {
     std::vector<T> losses(N, T(-7));
-    loom::kernels::vocab_parallel_cross_entropy_finish<T>(be, Tensor<T>(losses.data(), {N}),
-                                                          Tensor<T>(slices[s].data(), {N, R}),
-                                                          Tensor<const double>(partials.data(), {2, N}), target_view);
+    loom::kernels::vocab_parallel_cross_entropy_losses<T>(be, Tensor<T>(losses.data(), {N}), row_max, partials,
+                                                          target_view);
     if (s == 0) r.losses = losses;
     CHECK(losses == r.losses);  // every slice (rank) gets the same losses
+    std::vector<T> d = column_slice(logits, c, s);
+    loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(d.data(), {N, R}),
+                                                            Tensor<const T>(d.data(), {N, R}), row_max, partials,
+                                                            target_view, s * R, c.vocab, scale);
     for (std::int64_t n = 0; n < N; ++n)
-      for (std::int64_t j = 0; j < R; ++j) r.probs[n * c.padded + s * R + j] = slices[s][n * R + j];
+      for (std::int64_t j = 0; j < R; ++j) r.dlogits[n * c.padded + s * R + j] = d[n * R + j];
   }
   return r;
 }
 
-//! The backward on every slice, put back together as [N, padded].
+//! The backward from probabilities on every slice, put back together as [N, padded].
 template <class T>
 std::vector<T> sliced_backward(const cpu& be, const std::vector<T>& probs, const std::vector<std::int32_t>& targets,
                                const Case& c, T scale) {
@@ -135,9 +149,14 @@ std::vector<T> sliced_backward(const cpu& be, const std::vector<T>& probs, const
   return out;
 }
 
+//! The reference's losses [N] and probabilities [N, padded].
+struct Reference {
+  std::vector<double> losses, probs;
+};
+
 //! Plain double reference over the whole vocabulary: losses and probabilities.
-Result<double> reference_forward(const std::vector<double>& x, const std::vector<std::int32_t>& targets, const Case& c) {
-  Result<double> r{std::vector<double>(c.N), std::vector<double>(c.N * c.padded, 0.0)};
+Reference reference_forward(const std::vector<double>& x, const std::vector<std::int32_t>& targets, const Case& c) {
+  Reference r{std::vector<double>(c.N), std::vector<double>(c.N * c.padded, 0.0)};
   for (std::int64_t n = 0; n < c.N; ++n) {
     const double* row = x.data() + n * c.padded;
     const double max = *std::max_element(row, row + c.vocab);
@@ -154,6 +173,18 @@ std::vector<double> as_double(const std::vector<T>& v) {
   return {v.begin(), v.end()};
 }
 
+//! The reference's dlogits = scale (p - onehot), 0 on padding and ignored rows.
+std::vector<double> reference_dlogits(const Reference& want, const std::vector<std::int32_t>& targets,
+                                      const Case& c, double scale) {
+  std::vector<double> d(c.N * c.padded, 0.0);
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    if (targets[n] < 0) continue;
+    for (std::int64_t i = 0; i < c.vocab; ++i) d[n * c.padded + i] = scale * want.probs[n * c.padded + i];
+    d[n * c.padded + targets[n]] -= scale;
+  }
+  return d;
+}
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("vocab-parallel cross-entropy over slices matches the plain reference", T, float, double) {
@@ -165,79 +196,70 @@ TEST_CASE_TEMPLATE("vocab-parallel cross-entropy over slices matches the plain r
     CAPTURE(c.slices);
     const auto logits = make_logits<T>(c, 11);
     const auto targets = make_targets(c);
-    const Result<T> got = sliced_forward<T>(be, logits, targets, c);
-    const Result<double> want = reference_forward(as_double(logits), targets, c);
+    const Result<T> got = sliced_loss<T>(be, logits, targets, c, T(0.25));
+    const Reference want = reference_forward(as_double(logits), targets, c);
     CHECK(loom::test::max_relative_error(got.losses, want.losses, 1.0) <= tolerance<T>());
-    CHECK(loom::test::max_relative_error(got.probs, want.probs, 1.0) <= tolerance<T>());
+    const std::vector<double> want_dlogits = reference_dlogits(want, targets, c, 0.25);
+    CHECK(loom::test::max_relative_error(got.dlogits, want_dlogits, 1.0) <= tolerance<T>());
     for (std::int64_t n = 0; n < c.N; ++n)
-      for (std::int64_t i = c.vocab; i < c.padded; ++i) CHECK(got.probs[n * c.padded + i] == T(0));
-
-    const T scale = T(0.25);
-    const auto dlogits = sliced_backward<T>(be, got.probs, targets, c, scale);
-    std::vector<double> want_d(c.N * c.padded, 0.0);
-    for (std::int64_t n = 0; n < c.N; ++n) {
-      if (targets[n] < 0) continue;
-      for (std::int64_t i = 0; i < c.vocab; ++i) want_d[n * c.padded + i] = 0.25 * want.probs[n * c.padded + i];
-      want_d[n * c.padded + targets[n]] -= 0.25;
-    }
-    CHECK(loom::test::max_relative_error(dlogits, want_d, 1.0) <= tolerance<T>());
+      for (std::int64_t i = c.vocab; i < c.padded; ++i) CHECK(got.dlogits[n * c.padded + i] == T(0));
+    // The backward from probabilities: scale (p - onehot) of the probabilities it is given.
+    std::vector<T> probs(want.probs.begin(), want.probs.end());
+    CHECK(loom::test::max_relative_error(sliced_backward<T>(be, probs, targets, c, T(0.25)), want_dlogits, 1.0) <=
+          tolerance<T>());
   }
 }
 
-TEST_CASE_TEMPLATE("one slice gives the bits of softmax_cross_entropy forward and backward", T, float, double) {
-  const cpu be(1);
-  for (const Case& c : {Case{5, 7, 8, 1}, Case{9, 13, 16, 1}, Case{3, 300, 301, 1}}) {
-    CAPTURE(c.vocab);
-    const auto logits = make_logits<T>(c, 5);
-    const auto targets = make_targets(c);
-    const Result<T> got = sliced_forward<T>(be, logits, targets, c);
-    std::vector<T> losses(c.N), probs(c.N * c.padded);
-    loom::kernels::softmax_cross_entropy_forward<T>(be, Tensor<T>(losses.data(), {c.N}),
-                                                    Tensor<T>(probs.data(), {c.N, c.padded}),
-                                                    Tensor<const T>(logits.data(), {c.N, c.padded}),
-                                                    Tensor<const std::int32_t>(targets.data(), {c.N}), c.vocab);
-    CHECK(got.losses == losses);
-    CHECK(got.probs == probs);
-    std::vector<T> d(probs.size());
-    loom::kernels::softmax_cross_entropy_backward<T>(be, Tensor<T>(d.data(), {c.N, c.padded}),
-                                                     Tensor<const T>(probs.data(), {c.N, c.padded}),
-                                                     Tensor<const std::int32_t>(targets.data(), {c.N}), c.vocab,
-                                                     T(0.5));
-    CHECK(sliced_backward<T>(be, probs, targets, c, T(0.5)) == d);
-  }
-}
-
-TEST_CASE_TEMPLATE("the losses from the partials, and the backward from the exps, give finish's losses and the bits of "
-                   "finish then the backward",
+TEST_CASE_TEMPLATE("a group's rebased statistics give one slice's losses and dlogits, and one slice those of "
+                   "softmax_cross_entropy",
                    T, float, double) {
   const cpu be(2);
+  // A few units in the last place: the group sums its exps in another order (and under
+  // another max), and the whole-vocabulary kernel may take its exps on other code paths.
+  const double close = 16 * std::numeric_limits<T>::epsilon();
   for (const Case& c : cases) {
     CAPTURE(c.vocab);
     CAPTURE(c.slices);
     const auto logits = make_logits<T>(c, 13);
     const auto targets = make_targets(c);
-    const Exps<T> e = sliced_exps<T>(be, logits, targets, c);
-    const std::int64_t N = c.N, R = c.rows();
-    const Tensor<const std::int32_t> target_view(targets.data(), {N});
-    const Tensor<const double> partials(e.partials.data(), {2, N});
-    std::vector<T> want_losses(N, T(-7)), got_losses(N, T(-7));
-    loom::kernels::vocab_parallel_cross_entropy_losses<T>(be, Tensor<T>(got_losses.data(), {N}), partials, target_view);
-    for (std::int64_t s = 0; s < c.slices; ++s) {
-      CAPTURE(s);
-      std::vector<T> probs = e.slices[s], fused = e.slices[s];
-      loom::kernels::vocab_parallel_cross_entropy_finish<T>(be, Tensor<T>(want_losses.data(), {N}),
-                                                            Tensor<T>(probs.data(), {N, R}), partials, target_view);
-      CHECK(got_losses == want_losses);
-      std::vector<T> want(probs.size(), T(5));
-      loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(want.data(), {N, R}),
-                                                              Tensor<const T>(probs.data(), {N, R}), target_view,
-                                                              s * R, c.vocab, T(0.25));
-      // In place, as the models call it.
-      loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(fused.data(), {N, R}),
-                                                              Tensor<const T>(fused.data(), {N, R}), partials,
-                                                              target_view, s * R, c.vocab, T(0.25));
-      CHECK(fused == want);
-    }
+    const Case whole{c.N, c.vocab, c.padded, 1};
+    const Result<T> group = sliced_loss<T>(be, logits, targets, c, T(0.25));
+    const Result<T> one = sliced_loss<T>(be, logits, targets, whole, T(0.25));
+    CHECK(loom::test::max_relative_error(group.losses, one.losses, 1.0) <= close);
+    CHECK(loom::test::max_relative_error(group.dlogits, one.dlogits, 1.0) <= close);
+
+    std::vector<T> losses(c.N), probs(c.N * c.padded), d(c.N * c.padded);
+    const Tensor<const std::int32_t> target_view(targets.data(), {c.N});
+    loom::kernels::softmax_cross_entropy_forward<T>(be, Tensor<T>(losses.data(), {c.N}),
+                                                    Tensor<T>(probs.data(), {c.N, c.padded}),
+                                                    Tensor<const T>(logits.data(), {c.N, c.padded}), target_view,
+                                                    c.vocab);
+    loom::kernels::softmax_cross_entropy_backward<T>(be, Tensor<T>(d.data(), {c.N, c.padded}),
+                                                     Tensor<const T>(probs.data(), {c.N, c.padded}), target_view,
+                                                     c.vocab, T(0.25));
+    CHECK(loom::test::max_relative_error(one.losses, losses, 1.0) <= close);
+    CHECK(loom::test::max_relative_error(one.dlogits, d, 1.0) <= close);
+  }
+}
+
+TEST_CASE_TEMPLATE("the backward from the logits writes the same bits in place and out of place", T, float, double) {
+  const cpu be(2);
+  for (const Case& c : cases) {
+    CAPTURE(c.vocab);
+    const Case whole{c.N, c.vocab, c.padded, 1};
+    const auto logits = make_logits<T>(c, 17);
+    const auto targets = make_targets(c);
+    const Statistics g = sliced_statistics(be, logits, targets, whole);
+    const Tensor<const std::int32_t> target_view(targets.data(), {c.N});
+    const Tensor<const double> row_max(g.row_max.data(), {c.N}), partials(g.partials.data(), {2, c.N});
+    std::vector<T> apart(logits.size(), T(5)), in_place = logits;
+    loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(apart.data(), {c.N, c.padded}),
+                                                            Tensor<const T>(logits.data(), {c.N, c.padded}), row_max,
+                                                            partials, target_view, 0, c.vocab, T(0.5));
+    loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(in_place.data(), {c.N, c.padded}),
+                                                            Tensor<const T>(in_place.data(), {c.N, c.padded}), row_max,
+                                                            partials, target_view, 0, c.vocab, T(0.5));
+    CHECK(apart == in_place);
   }
 }
 
@@ -249,21 +271,15 @@ TEST_CASE("vocab-parallel cross-entropy gradient check in double (central differ
     for (double& x : logits) x = std::min(x, 4.0);  // finite differences need moderate padding values too
     const auto targets = make_targets(c);
     const auto loss = [&] {
-      const Result<double> r = sliced_forward<double>(be, logits, targets, c);
+      const Result<double> r = sliced_loss<double>(be, logits, targets, c, 1.0);
       double total = 0;
       for (std::int64_t n = 0; n < c.N; ++n) total += (n + 1) * r.losses[n];  // rows weighted
       return total;
     };
     const auto numeric = loom::test::finite_difference(loss, std::span<double>(logits), 1e-4);
-    const Result<double> r = sliced_forward<double>(be, logits, targets, c);
-    std::vector<double> analytic(logits.size());
-    for (std::int64_t n = 0; n < c.N; ++n) {
-      // Row n's weight is its scale: backward one row at a time through a one-row case.
-      const Case row{1, c.vocab, c.padded, c.slices};
-      const std::vector<double> p(r.probs.begin() + n * c.padded, r.probs.begin() + (n + 1) * c.padded);
-      const auto d = sliced_backward<double>(be, p, {targets[n]}, row, static_cast<double>(n + 1));
-      std::copy(d.begin(), d.end(), analytic.begin() + n * c.padded);
-    }
+    std::vector<double> analytic = sliced_loss<double>(be, logits, targets, c, 1.0).dlogits;
+    for (std::int64_t n = 0; n < c.N; ++n)
+      for (std::int64_t i = 0; i < c.padded; ++i) analytic[n * c.padded + i] *= static_cast<double>(n + 1);
     CHECK(loom::test::max_relative_error(analytic, numeric, 1e-3) <= 1e-6);
   }
 }
@@ -388,10 +404,11 @@ TEST_CASE("vocab-parallel kernels give the same bits on 1 and 2 threads") {
   const auto logits = make_logits<float>(c, 8);
   const auto targets = make_targets(c);
   const cpu one(1), two(2);
-  const Result<float> a = sliced_forward<float>(one, logits, targets, c), b = sliced_forward<float>(two, logits, targets, c);
+  const Result<float> a = sliced_loss<float>(one, logits, targets, c, 0.5f),
+                      b = sliced_loss<float>(two, logits, targets, c, 0.5f);
   CHECK(a.losses == b.losses);
-  CHECK(a.probs == b.probs);
-  CHECK(sliced_backward<float>(one, a.probs, targets, c, 0.5f) == sliced_backward<float>(two, a.probs, targets, c, 0.5f));
+  CHECK(a.dlogits == b.dlogits);
+  CHECK(sliced_backward<float>(one, logits, targets, c, 0.5f) == sliced_backward<float>(two, logits, targets, c, 0.5f));
 }
 
 TEST_CASE("vocab-parallel kernels reject bad arguments, naming them") {
@@ -400,36 +417,51 @@ TEST_CASE("vocab-parallel kernels reject bad arguments, naming them") {
   std::vector<double> m(2, 0.0), partials(4, 1.0);
   const std::vector<std::int32_t> targets{1, 9}, tokens{0, -1};
   const Tensor<const float> logits(x.data(), {2, 4});
-  expect_error([&] { loom::kernels::vocab_parallel_cross_entropy_max<float>(be, Tensor<double>(m.data(), {2}), logits, -1, 8); },
-               "vocab_begin");
-  expect_error([&] { loom::kernels::vocab_parallel_cross_entropy_max<float>(be, Tensor<double>(m.data(), {1}), logits, 0, 8); },
-               "row_max");
+  const Tensor<const std::int32_t> target_view(targets.data(), {2});
+  const auto statistics = [&](std::int64_t max_rows, std::int64_t partial_rows, std::int64_t vocab_begin,
+                              std::int64_t vocab, Tensor<double> slice_max) {
+    loom::kernels::vocab_parallel_cross_entropy_statistics<float>(
+        be, Tensor<double>(m.data(), {max_rows}), Tensor<double>(partials.data(), {partial_rows}), logits,
+        target_view, vocab_begin, vocab, slice_max);
+  };
+  expect_error([&] { statistics(2, 4, -1, 10, {}); }, "vocab_begin");
+  expect_error([&] { statistics(1, 4, 0, 10, {}); }, "row_max");
+  expect_error([&] { statistics(2, 3, 0, 10, {}); }, "partials");
+  expect_error([&] { statistics(2, 4, 0, 10, Tensor<double>(partials.data(), {3})); }, "slice_max");
+  expect_error([&] { statistics(2, 4, 4, 8, {}); }, "targets[1]");
   expect_error(
       [&] {
-        loom::kernels::vocab_parallel_cross_entropy_partials<float>(
-            be, Tensor<float>(e.data(), {2, 4}), Tensor<double>(partials.data(), {2, 2}), logits,
-            Tensor<const double>(m.data(), {2}), Tensor<const std::int32_t>(targets.data(), {2}), 4, 8);
+        loom::kernels::vocab_parallel_cross_entropy_rebase(be, Tensor<double>(partials.data(), {4}),
+                                                           Tensor<const double>(m.data(), {1}),
+                                                           Tensor<const double>(m.data(), {2}));
       },
-      "targets[1]");
+      "slice_max");
   expect_error(
       [&] {
         loom::kernels::vocab_parallel_cross_entropy_backward<float>(be, Tensor<float>(e.data(), {4, 2}), logits,
-                                                                    Tensor<const std::int32_t>(targets.data(), {2}),
-                                                                    0, 10, 1.f);
+                                                                    target_view, 0, 10, 1.f);
       },
       "dlogits");
   expect_error(
       [&] {
         loom::kernels::vocab_parallel_cross_entropy_backward<float>(
-            be, Tensor<float>(e.data(), {2, 4}), logits, Tensor<const double>(partials.data(), {3}),
-            Tensor<const std::int32_t>(targets.data(), {2}), 0, 10, 1.f);
+            be, Tensor<float>(e.data(), {2, 4}), logits, Tensor<const double>(m.data(), {2}),
+            Tensor<const double>(partials.data(), {3}), target_view, 0, 10, 1.f);
       },
       "partials");
   expect_error(
       [&] {
+        loom::kernels::vocab_parallel_cross_entropy_backward<float>(
+            be, Tensor<float>(e.data(), {2, 4}), logits, Tensor<const double>(m.data(), {1}),
+            Tensor<const double>(partials.data(), {4}), target_view, 0, 10, 1.f);
+      },
+      "row_max");
+  expect_error(
+      [&] {
         loom::kernels::vocab_parallel_cross_entropy_losses<float>(be, Tensor<float>(losses.data(), {2}),
+                                                                  Tensor<const double>(m.data(), {2}),
                                                                   Tensor<const double>(partials.data(), {2}),
-                                                                  Tensor<const std::int32_t>(targets.data(), {2}));
+                                                                  target_view);
       },
       "partials");
   expect_error(

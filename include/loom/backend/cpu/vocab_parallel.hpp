@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/embedding_grad.hpp"
@@ -72,6 +74,44 @@ accumulate_t<T> row_max(const T* x, std::int64_t n) {
   }
 }
 
+//! Per-thread rows of `columns` elements of A, each starting on a 64-byte boundary: Eigen peels
+//! scalar iterations up to the destination's alignment, and scalar and vector exp may differ in
+//! the last bit, so a row's exps must not depend on which thread's scratch holds them.
+template <class A>
+class AlignedRows {
+ public:
+  AlignedRows(int threads, std::int64_t columns)
+      : stride_((columns + per_line - 1) / per_line * per_line),
+        data_(static_cast<std::size_t>(threads * stride_ + per_line)) {}
+  A* at(int thread) noexcept {
+    const auto address = reinterpret_cast<std::uintptr_t>(data_.data());
+    const std::size_t skip = (line - address % line) % line / sizeof(A);
+    return data_.data() + skip + thread * stride_;
+  }
+
+ private:
+  static constexpr std::size_t line = 64;
+  static constexpr std::int64_t per_line = static_cast<std::int64_t>(line / sizeof(A));
+  std::int64_t stride_;
+  std::vector<A> data_;
+};
+
+//! exps[0, n) = exp(x[i] - shift) in the accumulate type, for a row `x` of T (widened into `exps`
+//! first where T is narrow). The statistics and the backward both call it on AlignedRows, so
+//! their exps have the same bits.
+template <class T>
+void shifted_exps(const T* x, accumulate_t<T> shift, accumulate_t<T>* exps, std::int64_t n) {
+  using A = accumulate_t<T>;
+  using Row = Eigen::Array<A, Eigen::Dynamic, 1>;
+  if (n == 0) return;
+  if constexpr (is_narrow_storage<T>) {
+    widen_into(x, exps, n);
+    Eigen::Map<Row>(exps, n) = (Eigen::Map<const Row>(exps, n) - shift).exp();
+  } else {
+    Eigen::Map<Row>(exps, n) = (Eigen::Map<const Row>(x, n) - shift).exp();
+  }
+}
+
 }  // namespace loom::detail::vocab_parallel
 
 namespace loom::inline kernels {
@@ -128,124 +168,97 @@ void vocab_parallel_embedding_backward(const cpu& be, Tensor<T> dwte_slice, std:
                                      dout.data(), tokens.data(), dims.batch, dims.seq, dims.channels);
 }
 
-//! Vocabulary-parallel cross-entropy, step 1 of 3: row_max[n] = the largest logits[n, j] over
-//! this slice's real columns (vocab_begin + j < vocab), or the lowest double where the slice
-//! has none (all padding). The caller then all-reduces `row_max` [N] with max over the group.
+//! Vocabulary-parallel cross-entropy, step 1: the statistics of this slice's `logits` [N, Vs] in
+//! one pass that writes nothing over them. row_max[n] = the largest logit of row n over the
+//! slice's real columns (vocab_begin + j < vocab; the lowest double where there are none);
+//! partials[n] = the sum of exp(logit - row_max[n]) over them (float exps for bf16 and float,
+//! summed in double); partials[N + n] = the target's logit where this slice holds row n's target,
+//! else 0. `slice_max` [N], unless empty, gets row_max too. With one slice these are the row's
+//! statistics. A group all-reduces row_max with max, rescales its sums to that max
+//! (vocab_parallel_cross_entropy_rebase, which reads slice_max), then all-reduces partials with
+//! sum (docs/tensor_parallel.md).
 template <class T>
-void vocab_parallel_cross_entropy_max(const cpu& be, Tensor<double> row_max, Tensor<const T> logits,
-                                      std::int64_t vocab_begin, std::int64_t vocab) {
+void vocab_parallel_cross_entropy_statistics(const cpu& be, Tensor<double> row_max, Tensor<double> partials,
+                                             Tensor<const T> logits, Tensor<const std::int32_t> targets,
+                                             std::int64_t vocab_begin, std::int64_t vocab,
+                                             Tensor<double> slice_max = {}) {
   namespace d = detail::vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_max";
-  const d::CrossEntropyDims dims = d::check_max(row_max, logits, vocab_begin, vocab, kernel);
-  const std::int64_t Vs = dims.slice_columns, real = dims.real_columns;
-  const T* x_all = logits.data();
-  double* m = row_max.data();
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (dims.rows * Vs >= d::parallel_min_elements)
-  for (std::int64_t n = 0; n < dims.rows; ++n)
-    m[n] = real > 0 ? static_cast<double>(d::row_max(x_all + n * Vs, real)) : std::numeric_limits<double>::lowest();
-}
-
-//! Vocabulary-parallel cross-entropy, step 2 of 3, given the global `row_max` [N]: writes
-//! exps[n,j] = exp(logits[n,j] - row_max[n]) on the real columns and 0 on padding (`exps` may
-//! alias `logits`), and `partials` [2, N]: row 0 the slice's sum of exps (in double), row 1
-//! logits[n, target - vocab_begin] - row_max[n] where this slice holds row n's target, else 0.
-//! The caller then all-reduces `partials` with sum over the group.
-template <class T>
-void vocab_parallel_cross_entropy_partials(const cpu& be, Tensor<T> exps, Tensor<double> partials,
-                                           Tensor<const T> logits, Tensor<const double> row_max,
-                                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                                           std::int64_t vocab) {
-  namespace d = detail::vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_partials";
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_statistics";
   const d::CrossEntropyDims dims =
-      d::check_partials(exps, partials, logits, row_max, targets, vocab_begin, vocab, kernel);
+      d::check_statistics(row_max, partials, logits, targets, vocab_begin, vocab, slice_max, kernel);
   d::check_target_values(targets, vocab, kernel);
   using A = accumulate_t<T>;
   const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
   const T* x_all = logits.data();
-  T* e_all = exps.data();
-  const double* m = row_max.data();
+  double* m = row_max.data();
   double* sums = partials.data();
-  double* shifted_targets = partials.data() + N;
+  double* target_logits = partials.data() + N;
+  double* copy = slice_max.data();  // nullptr when empty
   const std::int32_t* target_data = targets.data();
-  // bf16: each row's logits widened to float, their exps computed and summed in float before
-  // the one rounding.
-  detail::Staging<T> staging(be.threads(), real);
+  // Each row is read from memory once: its exps go to scratch that stays in cache.
+  d::AlignedRows<A> scratch(be.threads(), real);
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
   for (std::int64_t n = 0; n < N; ++n) {
     const T* x = x_all + n * Vs;
-    T* e = e_all + n * Vs;  // may be x: each element is read before it is written
     const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
-    // As softmax_cross_entropy_forward: the target logit is read before e may overwrite it, and
-    // shifted in double, so that the loss stays exact where its probability underflows.
-    shifted_targets[n] = target_data[n] >= 0 && local_target >= 0 && local_target < real
-                             ? static_cast<double>(to_accumulate(x[local_target])) - m[n]
-                             : 0.0;
-    A* stage = staging.at(detail::thread_index());
-    const A* xs = detail::load(x, stage, real);
-    A* es = detail::output(e, stage);  // in place: each element is read before it is written
-    if (real > 0) {
-      const A max = static_cast<A>(m[n]);  // exact: the global max is one of the logits
-      Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>>(es, real) =
-          (Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>(xs, real) - max).exp();
+    target_logits[n] = target_data[n] >= 0 && local_target >= 0 && local_target < real
+                           ? static_cast<double>(to_accumulate(x[local_target]))
+                           : 0.0;
+    if (real == 0) {
+      m[n] = std::numeric_limits<double>::lowest();
+      sums[n] = 0.0;
+    } else {
+      const A largest = d::row_max(x, real);
+      A* exps = scratch.at(detail::thread_index());
+      d::shifted_exps(x, largest, exps, real);
+      m[n] = static_cast<double>(largest);
+      sums[n] = detail::sum_as_double(exps, real);
     }
-    sums[n] = detail::sum_as_double(es, real);
-    detail::store(e, es, real);
-    std::fill(e + real, e + Vs, T(0));
+    if (copy != nullptr) copy[n] = m[n];
   }
 }
 
-//! Vocabulary-parallel cross-entropy, step 3 of 3 without the probabilities: the `losses` [N] of
-//! vocab_parallel_cross_entropy_finish from the group's summed `partials` [2, N] alone. A head
-//! that leaves step 2's exps in place for the backward (vocab_parallel_cross_entropy_backward
-//! from the exps) spares finish's pass over [N, Vs].
-template <class T>
-void vocab_parallel_cross_entropy_losses(const cpu&, Tensor<accumulate_t<T>> losses, Tensor<const double> partials,
-                                         Tensor<const std::int32_t> targets) {
-  using A = accumulate_t<T>;
+//! Vocabulary-parallel cross-entropy, step 2 for a group of slices, once `row_max` [N] holds the
+//! group's max: rescales this slice's sums to it, partials[n] *= exp(slice_max[n] - row_max[n]),
+//! where `slice_max` [N] is the slice's own max that step 1 copied. partials[N + n] (the target's
+//! logit) is left as it is. The group then all-reduces `partials` with sum.
+inline void vocab_parallel_cross_entropy_rebase(const cpu&, Tensor<double> partials, Tensor<const double> slice_max,
+                                                Tensor<const double> row_max) {
   const std::int64_t N =
-      detail::vocab_parallel::check_losses(losses, partials, targets, "vocab_parallel_cross_entropy_losses");
-  const double* sums = partials.data();
-  const double* shifted_targets = partials.data() + N;
-  for (std::int64_t n = 0; n < N; ++n)
-    losses.data()[n] = targets.data()[n] >= 0 ? static_cast<A>(std::log(sums[n]) - shifted_targets[n]) : A(0);
+      detail::vocab_parallel::check_rebase(partials, slice_max, row_max, "vocab_parallel_cross_entropy_rebase");
+  for (std::int64_t n = 0; n < N; ++n) partials.data()[n] *= std::exp(slice_max.data()[n] - row_max.data()[n]);
 }
 
-//! Vocabulary-parallel cross-entropy, step 3 of 3, given the group's summed `partials` [2, N]:
-//! probs[n, :] = exps[n, :] / sum[n] in place (`probs` holds the exps of step 2), and
-//! losses[n] = log(sum[n]) - shifted_target[n], 0 where targets[n] < 0, in the accumulate type
-//! (float for bf16 probabilities; vocab_parallel_cross_entropy_losses). Every rank of the group
-//! computes the same losses.
+//! Vocabulary-parallel cross-entropy losses from the row statistics: losses[n] = log(sum[n]) -
+//! (target logit[n] - row_max[n]), computed in double so that a loss stays exact where its
+//! probability underflows, 0 where targets[n] < 0, in the accumulate type (float for bf16).
+//! `row_max` [N] and `partials` [2, N] are the group's (step 1, or steps 1 to 2 and the
+//! all-reduces); every rank of the group computes the same losses.
 template <class T>
-void vocab_parallel_cross_entropy_finish(const cpu& be, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
+void vocab_parallel_cross_entropy_losses(const cpu&, Tensor<accumulate_t<T>> losses, Tensor<const double> row_max,
                                          Tensor<const double> partials, Tensor<const std::int32_t> targets) {
   using A = accumulate_t<T>;
-  namespace d = detail::vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
-  const d::FinishDims dims = d::check_finish(losses, probs, partials, targets, kernel);
-  const std::int64_t N = dims.rows, Vs = dims.columns;
-  T* p_all = probs.data();
+  const std::int64_t N = detail::vocab_parallel::check_losses(losses, row_max, partials, targets,
+                                                              "vocab_parallel_cross_entropy_losses");
   const double* sums = partials.data();
-#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= d::parallel_min_elements)
-  for (std::int64_t n = 0; n < N; ++n) {
-    const A factor = static_cast<A>(1.0 / sums[n]);
-    T* p = p_all + n * Vs;
-    for (std::int64_t j = 0; j < Vs; ++j) p[j] = static_cast<T>(to_accumulate(p[j]) * factor);
-  }
-  vocab_parallel_cross_entropy_losses<T>(be, losses, partials, targets);
+  const double* target_logits = partials.data() + N;
+  for (std::int64_t n = 0; n < N; ++n)
+    losses.data()[n] =
+        targets.data()[n] >= 0 ? static_cast<A>(std::log(sums[n]) - (target_logits[n] - row_max.data()[n])) : A(0);
 }
 
 }  // namespace loom::inline kernels
 
 namespace loom::detail::vocab_parallel {
 
-//! The backward of both vocab_parallel_cross_entropy_backward overloads: dlogits = scale (p -
-//! onehot) with p = T(x · factor) for the row's x of `in` (factor = 1 / sum where `sums` is given,
-//! else 1: then p = x exactly).
-template <class T>
-void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const double* sums,
-                                 const std::int32_t* target_data, const CrossEntropyDims& dims,
-                                 std::int64_t vocab_begin, accumulate_t<T> scale) {
+//! The backward of both vocab_parallel_cross_entropy_backward overloads, row by row: dlogits =
+//! scale (p - onehot) on the real columns, 0 on padding and on rows whose target is negative. The
+//! row's probabilities come from `probability(n, x, scratch)`, which returns p(i) in the accumulate
+//! type for the row's x of `in` (scratch: the thread's AlignedRows row).
+template <class T, class Probability>
+void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const std::int32_t* target_data,
+                                 const CrossEntropyDims& dims, std::int64_t vocab_begin, accumulate_t<T> scale,
+                                 AlignedRows<accumulate_t<T>>* scratch, Probability probability) {
   using A = accumulate_t<T>;
   const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= parallel_min_elements)
@@ -256,13 +269,12 @@ void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const
       std::fill(g, g + Vs, T(0));
       continue;
     }
-    // finish's factor and rounding: the probabilities it would have stored.
-    const A factor = sums != nullptr ? static_cast<A>(1.0 / sums[n]) : A(1);
-    const auto probability = [&](std::int64_t i) { return to_accumulate(static_cast<T>(to_accumulate(x[i]) * factor)); };
+    // Everything `p` reads of x is read here, before g (maybe x) is written.
+    const auto p = probability(n, x, scratch != nullptr ? scratch->at(detail::thread_index()) : nullptr);
     const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
     const bool owns_target = local_target >= 0 && local_target < real;
-    const A target_prob = owns_target ? probability(local_target) : A(0);  // read before g (maybe x) is written
-    for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * probability(i));
+    const A target_prob = owns_target ? p(local_target) : A(0);
+    for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * p(i));
     if (owns_target) g[local_target] = static_cast<T>(scale * (target_prob - A(1)));
     std::fill(g + real, g + Vs, T(0));
   }
@@ -272,10 +284,10 @@ void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const
 
 namespace loom::inline kernels {
 
-//! Vocabulary-parallel cross-entropy backward: WRITES (does not accumulate) `dlogits` [N, Vs] =
-//! scale * (probs - onehot(target)) on this slice's real columns (the one-hot only on the rank
-//! whose slice holds the target), 0 on padding and on rows whose target is negative.
-//! `dlogits` may alias `probs`. `scale` is d(total loss)/d(per-row loss).
+//! Vocabulary-parallel cross-entropy backward from probabilities: WRITES (does not accumulate)
+//! `dlogits` [N, Vs] = scale * (probs - onehot(target)) on this slice's real columns (the one-hot
+//! only on the rank whose slice holds the target), 0 on padding and on rows whose target is
+//! negative. `dlogits` may alias `probs`. `scale` is d(total loss)/d(per-row loss).
 template <class T>
 void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> probs,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
@@ -284,25 +296,41 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
   const d::CrossEntropyDims dims = d::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
   d::check_target_values(targets, vocab, kernel);
-  d::cross_entropy_backward_rows(be, dlogits.data(), probs.data(), nullptr, targets.data(), dims, vocab_begin, scale);
+  d::cross_entropy_backward_rows(be, dlogits.data(), probs.data(), targets.data(), dims, vocab_begin, scale,
+                                 static_cast<d::AlignedRows<accumulate_t<T>>*>(nullptr),
+                                 [](std::int64_t, const T* x, accumulate_t<T>*) {
+                                   return [x](std::int64_t i) { return to_accumulate(x[i]); };
+                                 });
 }
 
-//! Vocabulary-parallel cross-entropy backward from step 2's `exps` [N, Vs] and the group's summed
-//! `partials` [2, N] (vocab_parallel_cross_entropy_losses in the forward, not finish): the
-//! probabilities finish would have written, exps · (1 / sum) rounded to T, then the backward above
-//! on them: the same bits as finish then the backward, one pass over [N, Vs] instead of two.
-//! `dlogits` may alias `exps`.
+//! Vocabulary-parallel cross-entropy backward from the `logits` [N, Vs] and the group's row
+//! statistics, `row_max` [N] and `partials` [2, N] (vocab_parallel_cross_entropy_statistics): the
+//! probabilities p = exp(logit - row_max) · (1 / sum), the exps as step 1 computed them and the
+//! factor rounded once to the accumulate type, each p rounded once to T, then the backward above
+//! on them, in one pass over [N, Vs]. `dlogits` may alias `logits`.
 template <class T>
-void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> exps,
-                                           Tensor<const double> partials, Tensor<const std::int32_t> targets,
-                                           std::int64_t vocab_begin, std::int64_t vocab, accumulate_t<T> scale) {
+void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> logits,
+                                           Tensor<const double> row_max, Tensor<const double> partials,
+                                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                                           std::int64_t vocab, accumulate_t<T> scale) {
   namespace d = detail::vocab_parallel;
+  using A = accumulate_t<T>;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
-  const d::CrossEntropyDims dims = d::check_backward(dlogits, exps, targets, vocab_begin, vocab, kernel, "exps");
-  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  const d::CrossEntropyDims dims =
+      d::check_backward_from_logits(dlogits, logits, row_max, partials, targets, vocab_begin, vocab, kernel);
   d::check_target_values(targets, vocab, kernel);
-  d::cross_entropy_backward_rows(be, dlogits.data(), exps.data(), partials.data(), targets.data(), dims,
-                                 vocab_begin, scale);
+  const std::int64_t real = dims.real_columns;
+  const double* m = row_max.data();
+  const double* sums = partials.data();
+  d::AlignedRows<A> scratch(be.threads(), real);
+  d::cross_entropy_backward_rows(be, dlogits.data(), logits.data(), targets.data(), dims, vocab_begin, scale,
+                                 &scratch, [&](std::int64_t n, const T* x, A* exps) {
+                                   d::shifted_exps(x, static_cast<A>(m[n]), exps, real);
+                                   const A factor = static_cast<A>(1.0 / sums[n]);
+                                   return [exps, factor](std::int64_t i) {
+                                     return to_accumulate(static_cast<T>(exps[i] * factor));
+                                   };
+                                 });
 }
 
 //! The rows a loss predicts, for a head that computes only those (bert::Config::

@@ -133,131 +133,117 @@ __global__ void position_grad_kernel(T* dwpe, const T* dout, std::int64_t batch,
 
 // The cross-entropy row kernels move W elements per load (cuda_kernels::Pack): W = 1, or 16
 // bytes where the rows are aligned (the launchers choose). With 50304 columns a row is 100 KB of
-// bf16, and these four passes over [N, V] are most of the head's memory traffic; element loads
-// keep few bytes in flight (the layernorm and softmax kernels reached 6% of the bandwidth that
-// way, docs/cuda.md). Thread t takes packs t, t + blockDim, ..., so with W = 1 each thread sums
-// the elements it always did.
+// bf16, and the two passes over [N, V] (statistics, backward) are most of the head's memory
+// traffic; element loads keep few bytes in flight (the layernorm and softmax kernels reached 6% of
+// the bandwidth that way, docs/cuda.md). Thread t takes packs t, t + blockDim, ...
 
-//! One block per row: row_max[n] = the largest of the row's `real` first logits (as double), or
-//! the lowest double where there are none.
+//! One block per row, one read of the row and no write over it: row_max[n] = the largest of the
+//! row's `real` first logits (the lowest double where there are none), partials[n] = the sum of
+//! exp(logit - row_max[n]) over them in double, partials[rows + n] = the target's logit where the
+//! slice holds it, else 0, and slice_max[n] = row_max[n] where `slice_max` is given. Each thread
+//! keeps a running max and the sum of its exps below it (the online softmax: the sum is rescaled
+//! when a pack raises the max); the block then takes the max of the threads' maxima and the sum
+//! of their sums rescaled to it, in a fixed tree.
 template <class T, int W>
-__global__ void max_kernel(double* row_max, const T* logits, std::int64_t rows, std::int64_t columns,
-                           std::int64_t real) {
-  using A = accumulate_t<T>;
+__global__ void statistics_kernel(double* row_max, double* partials, double* slice_max, const T* logits,
+                                  const std::int32_t* targets, std::int64_t rows, std::int64_t columns,
+                                  std::int64_t real, std::int64_t vocab_begin) {
   using P = cuda_kernels::Pack<T, W>;
-  using Reduce = cub::BlockReduce<A, row_threads>;
-  __shared__ typename Reduce::TempStorage scratch;
+  using MaxReduce = cub::BlockReduce<float, row_threads>;
+  using SumReduce = cub::BlockReduce<double, row_threads>;
+  __shared__ union {
+    typename MaxReduce::TempStorage max;
+    typename SumReduce::TempStorage sum;
+  } scratch;
+  __shared__ float block_max;
+  constexpr float lowest = -::cuda::std::numeric_limits<float>::infinity();
   const std::int64_t used = (real + W - 1) / W;  // packs holding real columns
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
     const P* x = reinterpret_cast<const P*>(logits + n * columns);
-    A largest = -::cuda::std::numeric_limits<A>::infinity();
+    float largest = lowest;
+    double sum = 0;  // of exp(value - largest)
     for (std::int64_t v = threadIdx.x; v < used; v += blockDim.x) {
-      const P p = x[v];
+      const P in = x[v];
+      float value[W];
+      float pack_max = lowest;
 #pragma unroll
-      for (int k = 0; k < W; ++k)
-        if (v * W + k < real) largest = ::cuda::maximum<>{}(largest, to_accumulate(p.value[k]));
-    }
-    largest = Reduce(scratch).Reduce(largest, ::cuda::maximum<>{});  // valid in thread 0
-    if (threadIdx.x == 0)
-      row_max[n] = real > 0 ? static_cast<double>(largest) : ::cuda::std::numeric_limits<double>::lowest();
-    __syncthreads();  // before the next row reuses `scratch`
-  }
-}
-
-//! One block per row: exps = exp(logits - max) on the real columns, 0 on padding; partials[n] =
-//! their sum in double; partials[rows + n] = the target's logit - max in double where this slice
-//! holds the target, else 0. `exps` may be `logits`: each pack is read, then written, by the
-//! same thread, and the target's logit is read by that thread before it writes its exp.
-template <class T, int W>
-__global__ void partials_kernel(T* exps, double* partials, const T* logits, const double* row_max,
-                                const std::int32_t* targets, std::int64_t rows, std::int64_t columns,
-                                std::int64_t real, std::int64_t vocab_begin) {
-  using P = cuda_kernels::Pack<T, W>;
-  using Reduce = cub::BlockReduce<double, row_threads>;
-  __shared__ typename Reduce::TempStorage scratch;
-  const std::int64_t used = (real + W - 1) / W, packs = columns / W;
-  for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const P* x = reinterpret_cast<const P*>(logits + n * columns);
-    P* e = reinterpret_cast<P*>(exps + n * columns);
-    const double m = row_max[n];
-    const float shift = static_cast<float>(m);  // exact: the global max is one of the logits
-    const std::int32_t target = targets[n];
-    const std::int64_t local_target = static_cast<std::int64_t>(target) - vocab_begin;
-    const bool owns_target = target >= 0 && local_target >= 0 && local_target < real;
-    if (!owns_target && threadIdx.x == 0) partials[rows + n] = 0.0;
-    double sum = 0;
-    for (std::int64_t v = threadIdx.x; v < packs; v += blockDim.x) {
-      P out = cuda_kernels::zero_pack<T, W>();  // padding stays 0
-      if (v < used) {
-        const P in = x[v];
-#pragma unroll
-        for (int k = 0; k < W; ++k) {
-          const std::int64_t j = v * W + k;
-          if (j >= real) continue;
-          const float value = to_accumulate(in.value[k]);
-          if (owns_target && j == local_target) partials[rows + n] = static_cast<double>(value) - m;
-          const float exp_value = ::expf(value - shift);
-          out.value[k] = static_cast<T>(exp_value);
-          sum += static_cast<double>(exp_value);  // the float exp, before a bf16 rounding
-        }
+      for (int k = 0; k < W; ++k) {
+        value[k] = v * W + k < real ? to_accumulate(in.value[k]) : lowest;
+        pack_max = ::cuda::maximum<>{}(pack_max, value[k]);
       }
-      e[v] = out;
-    }
-    sum = Reduce(scratch).Sum(sum);  // valid in thread 0
-    if (threadIdx.x == 0) partials[n] = sum;
-    __syncthreads();  // before the next row reuses `scratch`
-  }
-}
-
-//! Row n's loss (float) from the group's summed partials [2, rows]: log(sum) - shifted target, 0
-//! where the target is negative.
-__device__ inline float row_loss(const double* partials, const std::int32_t* targets, std::int64_t rows,
-                                 std::int64_t n) {
-  return targets[n] >= 0 ? static_cast<float>(::log(partials[n]) - partials[rows + n]) : 0.0f;
-}
-
-//! One block per row: probs *= 1 / sum (the factor rounded to float once, as the CPU kernel), and
-//! losses[n] = row_loss.
-template <class T, int W>
-__global__ void finish_kernel(float* losses, T* probs, const double* partials, const std::int32_t* targets,
-                              std::int64_t rows, std::int64_t columns) {
-  using P = cuda_kernels::Pack<T, W>;
-  const std::int64_t packs = columns / W;
-  for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const double sum = partials[n];
-    const float factor = static_cast<float>(1.0 / sum);
-    P* row = reinterpret_cast<P*>(probs + n * columns);
-    for (std::int64_t v = threadIdx.x; v < packs; v += blockDim.x) {
-      P p = row[v];
+      if (pack_max > largest) {
+        // Exact in double: both are logits. exp(-inf) = 0 for the first pack (sum is 0 then).
+        sum *= ::exp(static_cast<double>(largest) - static_cast<double>(pack_max));
+        largest = pack_max;
+      }
+      // Padding adds exp(-inf) = 0. While every value so far is -inf (logits masked to it),
+      // there is nothing to add, and -inf - -inf would be NaN.
+      if (largest != lowest) {
 #pragma unroll
-      for (int k = 0; k < W; ++k) p.value[k] = static_cast<T>(to_accumulate(p.value[k]) * factor);
-      row[v] = p;
+        for (int k = 0; k < W; ++k) sum += static_cast<double>(::expf(value[k] - largest));
+      }
     }
-    if (threadIdx.x == 0) losses[n] = row_loss(partials, targets, rows, n);
+    const float reduced = MaxReduce(scratch.max).Reduce(largest, ::cuda::maximum<>{});  // valid in thread 0
+    if (threadIdx.x == 0) block_max = reduced;
+    __syncthreads();  // block_max is read, and scratch reused, below
+    const float m = block_max;
+    // A thread that saw no real column has sum 0 (and largest -inf: its factor would be NaN).
+    if (sum != 0.0) sum *= ::exp(static_cast<double>(largest) - static_cast<double>(m));
+    sum = SumReduce(scratch.sum).Sum(sum);  // valid in thread 0
+    if (threadIdx.x == 0) {
+      const double top = real > 0 ? static_cast<double>(m) : ::cuda::std::numeric_limits<double>::lowest();
+      row_max[n] = top;
+      if (slice_max != nullptr) slice_max[n] = top;
+      partials[n] = sum;
+      const std::int32_t target = targets[n];
+      const std::int64_t local_target = static_cast<std::int64_t>(target) - vocab_begin;
+      partials[rows + n] = target >= 0 && local_target >= 0 && local_target < real
+                               ? static_cast<double>(to_accumulate(logits[n * columns + local_target]))
+                               : 0.0;
+    }
+    __syncthreads();  // before the next row reuses `scratch` and block_max
   }
 }
 
-//! losses[n] of finish_kernel from the partials alone, one thread a row.
-template <class L>
-__global__ void losses_kernel(L* losses, const double* partials, const std::int32_t* targets, std::int64_t rows) {
+//! partials[n] *= exp(slice_max[n] - row_max[n]), one thread a row. A template (D = double) so
+//! that the header defines it in every translation unit.
+template <class D>
+__global__ void rebase_kernel(D* partials, const D* slice_max, const D* row_max, std::int64_t rows) {
   for (std::int64_t n = cuda_kernels::grid_first(); n < rows; n += cuda_kernels::grid_stride())
-    losses[n] = row_loss(partials, targets, rows, n);
+    partials[n] *= ::exp(slice_max[n] - row_max[n]);
+}
+
+//! Row n's loss (float) from the group's statistics: log(sum) - (target logit - row max), in
+//! double, 0 where the target is negative.
+__device__ inline float row_loss(const double* row_max, const double* partials, const std::int32_t* targets,
+                                 std::int64_t rows, std::int64_t n) {
+  return targets[n] >= 0 ? static_cast<float>(::log(partials[n]) - (partials[rows + n] - row_max[n])) : 0.0f;
+}
+
+//! losses[n] = row_loss, one thread a row.
+template <class L>
+__global__ void losses_kernel(L* losses, const double* row_max, const double* partials, const std::int32_t* targets,
+                              std::int64_t rows) {
+  for (std::int64_t n = cuda_kernels::grid_first(); n < rows; n += cuda_kernels::grid_stride())
+    losses[n] = row_loss(row_max, partials, targets, rows, n);
 }
 
 //! One block per row: dlogits = scale * (p - onehot(target)) on the real columns, 0 on padding
-//! and on rows whose target is negative, where p = T(x · factor) for the row's x of `probs`, with
-//! factor = float(1 / sums[n]) (finish_kernel's probabilities, from the exps) where `sums` is
-//! given, else 1 (then p = x exactly). `dlogits` may be `probs`: each pack is read, then written,
-//! by the same thread (the target's one-hot included).
-template <class T, int W>
-__global__ void backward_kernel(T* dlogits, const T* probs, const double* sums, const std::int32_t* targets,
-                                std::int64_t rows, std::int64_t columns, std::int64_t real, std::int64_t vocab_begin,
-                                float scale) {
+//! and on rows whose target is negative. FromLogits: `in` holds the logits and p = T(exp(x -
+//! row_max[n]) · factor), factor = float(1 / partials[n]) (the row statistics); else `in` holds the
+//! probabilities and p = x. `dlogits` may be `in`: each pack is read, then written, by the same
+//! thread (the target's one-hot included).
+template <class T, int W, bool FromLogits>
+__global__ void backward_kernel(T* dlogits, const T* in, const double* row_max, const double* partials,
+                                const std::int32_t* targets, std::int64_t rows, std::int64_t columns, std::int64_t real,
+                                std::int64_t vocab_begin, float scale) {
   using P = cuda_kernels::Pack<T, W>;
   const std::int64_t packs = columns / W;
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const float factor = sums != nullptr ? static_cast<float>(1.0 / sums[n]) : 1.0f;
-    const P* p = reinterpret_cast<const P*>(probs + n * columns);
+    // The group's max is one of the logits: exact in float.
+    const float shift = FromLogits ? static_cast<float>(row_max[n]) : 0.0f;
+    const float factor = FromLogits ? static_cast<float>(1.0 / partials[n]) : 1.0f;
+    const P* x = reinterpret_cast<const P*>(in + n * columns);
     P* g = reinterpret_cast<P*>(dlogits + n * columns);
     const std::int32_t target = targets[n];
     // A negative target ignores the row: no column is active, all are written 0 below.
@@ -267,12 +253,14 @@ __global__ void backward_kernel(T* dlogits, const T* probs, const double* sums, 
     for (std::int64_t v = threadIdx.x; v < packs; v += blockDim.x) {
       P out = cuda_kernels::zero_pack<T, W>();  // padding and ignored rows stay 0
       if (v < used) {
-        const P in = p[v];
+        const P p = x[v];
 #pragma unroll
         for (int k = 0; k < W; ++k) {
           const std::int64_t j = v * W + k;
           if (j >= active) continue;
-          const float prob = to_accumulate(static_cast<T>(to_accumulate(in.value[k]) * factor));
+          const float value = to_accumulate(p.value[k]);
+          const float prob =
+              FromLogits ? to_accumulate(static_cast<T>(::expf(value - shift) * factor)) : value;
           out.value[k] = static_cast<T>(j == local_target ? scale * (prob - 1.0f) : scale * prob);
         }
       }
@@ -286,16 +274,20 @@ using cuda_kernels::vector_rows;
 template <class T>
 inline constexpr int vector_width = cuda_kernels::Vector16<T>::elements;
 
-//! backward_kernel on the backend's stream, one block a row, with `sums` (null: probabilities).
+//! backward_kernel on the backend's stream, one block a row: from the logits with the row
+//! statistics where `row_max` is given, else from the probabilities.
 template <class T>
-void launch_backward(const cuda& be, T* dlogits, const T* in, const double* sums, const std::int32_t* targets,
-                     const vocab_parallel::CrossEntropyDims& dims, std::int64_t vocab_begin, float scale,
-                     const char* kernel) {
+void launch_backward(const cuda& be, T* dlogits, const T* in, const double* row_max, const double* partials,
+                     const std::int32_t* targets, const vocab_parallel::CrossEntropyDims& dims,
+                     std::int64_t vocab_begin, float scale, const char* kernel) {
   cuda_kernels::activate(be);
-  const auto launch = vector_rows<T>(dims.slice_columns, dlogits, in) ? backward_kernel<T, vector_width<T>>
-                                                                       : backward_kernel<T, 1>;
-  launch<<<blocks_for_rows(dims.rows), row_threads, 0, be.stream()>>>(dlogits, in, sums, targets, dims.rows,
-                                                                      dims.slice_columns, dims.real_columns,
+  const bool vectors = vector_rows<T>(dims.slice_columns, dlogits, in);
+  const auto launch = row_max != nullptr ? (vectors ? backward_kernel<T, vector_width<T>, true>
+                                                    : backward_kernel<T, 1, true>)
+                                         : (vectors ? backward_kernel<T, vector_width<T>, false>
+                                                    : backward_kernel<T, 1, false>);
+  launch<<<blocks_for_rows(dims.rows), row_threads, 0, be.stream()>>>(dlogits, in, row_max, partials, targets,
+                                                                      dims.rows, dims.slice_columns, dims.real_columns,
                                                                       vocab_begin, scale);
   cuda_check_launch(kernel);
 }
@@ -407,82 +399,69 @@ void vocab_parallel_embedding_backward(cuda& be, Tensor<T> dwte_slice, std::int6
   }
 }
 
-//! Vocabulary-parallel cross-entropy on the GPU, step 1 of 3: row_max[n] (device, double) = the
-//! largest logits[n, j] over this slice's real columns (vocab_begin + j < vocab), or the lowest
-//! double where the slice has none. The caller then all-reduces `row_max` [N] with max.
+//! Vocabulary-parallel cross-entropy on the GPU, step 1 (the CPU kernel's contract): the row
+//! statistics of this slice's `logits` [N, Vs] in one pass that writes nothing over them, to
+//! `row_max` [N] and `partials` [2, N] (device, double), and to `slice_max` [N] unless it is empty.
+//! A target outside [0, vocab) counts as not held here. Online: the sums are formed below each
+//! thread's running max and rescaled, so their last bits differ from the CPU kernel's.
 template <class T>
-void vocab_parallel_cross_entropy_max(const cuda& be, Tensor<double> row_max, Tensor<const T> logits,
-                                      std::int64_t vocab_begin, std::int64_t vocab) {
+void vocab_parallel_cross_entropy_statistics(const cuda& be, Tensor<double> row_max, Tensor<double> partials,
+                                             Tensor<const T> logits, Tensor<const std::int32_t> targets,
+                                             std::int64_t vocab_begin, std::int64_t vocab,
+                                             Tensor<double> slice_max = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_max";
-  const detail::vocab_parallel::CrossEntropyDims dims =
-      detail::vocab_parallel::check_max(row_max, logits, vocab_begin, vocab, kernel);
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_statistics";
+  const detail::vocab_parallel::CrossEntropyDims dims = detail::vocab_parallel::check_statistics(
+      row_max, partials, logits, targets, vocab_begin, vocab, slice_max, kernel);
   if (dims.rows == 0) return;
   check_data(logits, kernel, "logits");
 
   detail::cuda_kernels::activate(be);
-  const auto launch = v::vector_rows<T>(dims.slice_columns, logits.data()) ? v::max_kernel<T, v::vector_width<T>>
-                                                                             : v::max_kernel<T, 1>;
+  const auto launch = v::vector_rows<T>(dims.slice_columns, logits.data())
+                          ? v::statistics_kernel<T, v::vector_width<T>>
+                          : v::statistics_kernel<T, 1>;
   launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
-      row_max.data(), logits.data(), dims.rows, dims.slice_columns, dims.real_columns);
+      row_max.data(), partials.data(), slice_max.empty() ? nullptr : slice_max.data(), logits.data(), targets.data(),
+      dims.rows, dims.slice_columns, dims.real_columns, vocab_begin);
   detail::cuda_check_launch(kernel);
 }
 
-//! Vocabulary-parallel cross-entropy on the GPU, step 2 of 3, given the global `row_max` [N]:
-//! exps[n,j] = exp(logits[n,j] - row_max[n]) on the real columns, 0 on padding (`exps` may
-//! alias `logits`); `partials` [2, N] (device, double): row 0 the slice's sum of exps in double,
-//! row 1 logits[n, target - vocab_begin] - row_max[n] where this slice holds row n's target,
-//! else 0 (also for a target outside [0, vocab)). The caller then all-reduces `partials` with sum.
-template <class T>
-void vocab_parallel_cross_entropy_partials(const cuda& be, Tensor<T> exps, Tensor<double> partials,
-                                           Tensor<const T> logits, Tensor<const double> row_max,
-                                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                                           std::int64_t vocab) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
-  namespace v = detail::cuda_vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_partials";
-  const detail::vocab_parallel::CrossEntropyDims dims =
-      detail::vocab_parallel::check_partials(exps, partials, logits, row_max, targets, vocab_begin, vocab, kernel);
-  if (dims.rows == 0) return;
-  check_data(logits, kernel, "logits");
-
-  detail::cuda_kernels::activate(be);
-  const auto launch = v::vector_rows<T>(dims.slice_columns, exps.data(), logits.data())
-                           ? v::partials_kernel<T, v::vector_width<T>>
-                           : v::partials_kernel<T, 1>;
-  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
-      exps.data(), partials.data(), logits.data(), row_max.data(), targets.data(), dims.rows, dims.slice_columns,
-      dims.real_columns, vocab_begin);
+//! Vocabulary-parallel cross-entropy on the GPU, step 2 for a group (the CPU kernel's contract):
+//! partials[n] *= exp(slice_max[n] - row_max[n]) once `row_max` holds the group's max.
+inline void vocab_parallel_cross_entropy_rebase(const cuda& be, Tensor<double> partials,
+                                                Tensor<const double> slice_max, Tensor<const double> row_max) {
+  namespace k = detail::cuda_kernels;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_rebase";
+  const std::int64_t N = detail::vocab_parallel::check_rebase(partials, slice_max, row_max, kernel);
+  if (N == 0) return;
+  k::activate(be);
+  detail::cuda_vocab_parallel::rebase_kernel<<<k::elementwise_blocks(N), k::elementwise_threads, 0, be.stream()>>>(
+      partials.data(), slice_max.data(), row_max.data(), N);
   detail::cuda_check_launch(kernel);
 }
 
-//! Vocabulary-parallel cross-entropy on the GPU, step 3 of 3, given the group's summed
-//! `partials` [2, N]: probs[n, :] = exps[n, :] / sum[n] in place, and losses[n] = log(sum[n]) -
-//! shifted_target[n], 0 where targets[n] < 0, in float (accumulate_t). Every rank of the group
-//! computes the same losses.
+//! Vocabulary-parallel cross-entropy losses on the GPU (the CPU kernel's contract): losses[n] =
+//! log(sum[n]) - (target logit[n] - row_max[n]), 0 where targets[n] < 0, in float, from the
+//! group's `row_max` [N] and `partials` [2, N].
 template <class T>
-void vocab_parallel_cross_entropy_finish(const cuda& be, Tensor<accumulate_t<T>> losses, Tensor<T> probs,
+void vocab_parallel_cross_entropy_losses(const cuda& be, Tensor<accumulate_t<T>> losses, Tensor<const double> row_max,
                                          Tensor<const double> partials, Tensor<const std::int32_t> targets) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
-  namespace v = detail::cuda_vocab_parallel;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_finish";
-  const detail::vocab_parallel::FinishDims dims =
-      detail::vocab_parallel::check_finish(losses, probs, partials, targets, kernel);
-  if (dims.rows == 0) return;
-  check_data(probs, kernel, "probs");
-
-  detail::cuda_kernels::activate(be);
-  const auto launch = v::vector_rows<T>(dims.columns, probs.data()) ? v::finish_kernel<T, v::vector_width<T>>
-                                                                    : v::finish_kernel<T, 1>;
-  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
-      losses.data(), probs.data(), partials.data(), targets.data(), dims.rows, dims.columns);
+  namespace k = detail::cuda_kernels;
+  constexpr const char* kernel = "vocab_parallel_cross_entropy_losses";
+  const std::int64_t N = detail::vocab_parallel::check_losses(losses, row_max, partials, targets, kernel);
+  if (N == 0) return;
+  k::activate(be);
+  detail::cuda_vocab_parallel::losses_kernel<<<k::elementwise_blocks(N), k::elementwise_threads, 0, be.stream()>>>(
+      losses.data(), row_max.data(), partials.data(), targets.data(), N);
   detail::cuda_check_launch(kernel);
 }
 
-//! Vocabulary-parallel cross-entropy backward on the GPU: WRITES `dlogits` [N, Vs] = scale *
-//! (probs - onehot(target)) on this slice's real columns (the one-hot only where the slice holds
-//! the target), 0 on padding and on rows whose target is negative. `dlogits` may alias `probs`.
+//! Vocabulary-parallel cross-entropy backward on the GPU from probabilities: WRITES `dlogits`
+//! [N, Vs] = scale * (probs - onehot(target)) on this slice's real columns (the one-hot only where
+//! the slice holds the target), 0 on padding and on rows whose target is negative. `dlogits` may
+//! alias `probs`.
 template <class T>
 void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Tensor<const T> probs,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
@@ -494,44 +473,29 @@ void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Te
       detail::vocab_parallel::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
   if (dims.rows == 0) return;
   check_data(probs, kernel, "probs");
-  v::launch_backward<T>(be, dlogits.data(), probs.data(), nullptr, targets.data(), dims, vocab_begin, scale, kernel);
+  v::launch_backward<T>(be, dlogits.data(), probs.data(), nullptr, nullptr, targets.data(), dims, vocab_begin, scale,
+                        kernel);
 }
 
-//! Vocabulary-parallel cross-entropy losses on the GPU (the CPU kernel's contract): `losses` [N]
-//! of vocab_parallel_cross_entropy_finish from the group's summed `partials` [2, N] alone, for a
-//! head whose backward takes the exps (the overload below) and so skips finish's pass.
+//! Vocabulary-parallel cross-entropy backward on the GPU from the `logits` [N, Vs] and the
+//! group's `row_max` [N] and `partials` [2, N] (the CPU kernel's contract): p = exp(logit -
+//! row_max) · float(1 / sum), rounded to T, then the backward above on it, in one pass over
+//! [N, Vs]. `dlogits` may alias `logits`.
 template <class T>
-void vocab_parallel_cross_entropy_losses(const cuda& be, Tensor<accumulate_t<T>> losses, Tensor<const double> partials,
-                                         Tensor<const std::int32_t> targets) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
-  namespace k = detail::cuda_kernels;
-  constexpr const char* kernel = "vocab_parallel_cross_entropy_losses";
-  const std::int64_t N = detail::vocab_parallel::check_losses(losses, partials, targets, kernel);
-  if (N == 0) return;
-  k::activate(be);
-  detail::cuda_vocab_parallel::losses_kernel<<<k::elementwise_blocks(N), k::elementwise_threads, 0, be.stream()>>>(
-      losses.data(), partials.data(), targets.data(), N);
-  detail::cuda_check_launch(kernel);
-}
-
-//! Vocabulary-parallel cross-entropy backward on the GPU from step 2's `exps` [N, Vs] and the
-//! group's summed `partials` [2, N] (the CPU kernel's contract): finish's probabilities, exps ·
-//! (1 / sum) rounded to T, then the backward above on them, in one pass over [N, Vs]: the same
-//! bits as finish then the backward. `dlogits` may alias `exps`.
-template <class T>
-void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Tensor<const T> exps,
-                                           Tensor<const double> partials, Tensor<const std::int32_t> targets,
-                                           std::int64_t vocab_begin, std::int64_t vocab, accumulate_t<T> scale) {
+void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Tensor<const T> logits,
+                                           Tensor<const double> row_max, Tensor<const double> partials,
+                                           Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                                           std::int64_t vocab, accumulate_t<T> scale) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
-  const detail::vocab_parallel::CrossEntropyDims dims =
-      detail::vocab_parallel::check_backward(dlogits, exps, targets, vocab_begin, vocab, kernel, "exps");
-  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  const detail::vocab_parallel::CrossEntropyDims dims = detail::vocab_parallel::check_backward_from_logits(
+      dlogits, logits, row_max, partials, targets, vocab_begin, vocab, kernel);
   if (dims.rows == 0) return;
-  check_data(exps, kernel, "exps");
-  v::launch_backward<T>(be, dlogits.data(), exps.data(), partials.data(), targets.data(), dims, vocab_begin, scale,
-                        kernel);
+  check_data(logits, kernel, "logits");
+  check_data(row_max, kernel, "row_max");
+  v::launch_backward<T>(be, dlogits.data(), logits.data(), row_max.data(), partials.data(), targets.data(), dims,
+                        vocab_begin, scale, kernel);
 }
 
 //! The rows a loss predicts (the CPU kernel's contract): rows[0, M) = the indices of `targets` [N]

@@ -71,57 +71,44 @@ CrossEntropyDims check_slice(const Tensor<T>& logits, std::int64_t vocab_begin, 
   return {rows, columns, std::clamp<std::int64_t>(vocab - vocab_begin, 0, columns)};
 }
 
-//! vocab_parallel_cross_entropy_max: the slice, and row_max [N].
+//! vocab_parallel_cross_entropy_statistics: the slice, row_max [N], partials [2, N], N targets
+//! (their values are the backend's to check, or not), and slice_max [N] or empty.
 template <class T>
-CrossEntropyDims check_max(const Tensor<double>& row_max, const Tensor<const T>& logits, std::int64_t vocab_begin,
-                           std::int64_t vocab, const char* kernel) {
+CrossEntropyDims check_statistics(const Tensor<double>& row_max, const Tensor<double>& partials,
+                                  const Tensor<const T>& logits, const Tensor<const std::int32_t>& targets,
+                                  std::int64_t vocab_begin, std::int64_t vocab, const Tensor<double>& slice_max,
+                                  const char* kernel) {
   const CrossEntropyDims dims = check_slice(logits, vocab_begin, vocab, kernel, "logits");
-  check_numel(row_max, dims.rows, kernel, "row_max");
-  return dims;
-}
-
-//! vocab_parallel_cross_entropy_partials: the slice, exps shaped as logits, row_max [N],
-//! partials [2, N] and N targets (their values are the backend's to check, or not).
-template <class T>
-CrossEntropyDims check_partials(const Tensor<T>& exps, const Tensor<double>& partials, const Tensor<const T>& logits,
-                                const Tensor<const double>& row_max, const Tensor<const std::int32_t>& targets,
-                                std::int64_t vocab_begin, std::int64_t vocab, const char* kernel) {
-  const CrossEntropyDims dims = check_slice(logits, vocab_begin, vocab, kernel, "logits");
-  check_shape(exps, logits.shape(), kernel, "exps");
   check_numel(row_max, dims.rows, kernel, "row_max");
   check_numel(partials, 2 * dims.rows, kernel, "partials");
   check_numel(targets, dims.rows, kernel, "targets");
+  if (!slice_max.empty()) check_numel(slice_max, dims.rows, kernel, "slice_max");
   return dims;
 }
 
-struct FinishDims {
-  std::int64_t rows, columns;
-};
-
-//! vocab_parallel_cross_entropy_finish: probs [N, Vs], losses [N], partials [2, N], N targets.
-template <class L, class T>
-FinishDims check_finish(const Tensor<L>& losses, const Tensor<T>& probs, const Tensor<const double>& partials,
-                        const Tensor<const std::int32_t>& targets, const char* kernel) {
-  if (probs.shape().rank() < 1)
-    throw Error(std::string(kernel) + ": argument probs shape", probs.shape(), "expected [N, Vs] (rank >= 1)");
-  const std::int64_t N = probs.shape().rows(), Vs = probs.shape().cols();
-  check_numel(losses, N, kernel, "losses");
+//! vocab_parallel_cross_entropy_rebase: partials [2, N], slice_max [N] and row_max [N]; returns N.
+inline std::int64_t check_rebase(const Tensor<double>& partials, const Tensor<const double>& slice_max,
+                                 const Tensor<const double>& row_max, const char* kernel) {
+  const std::int64_t N = row_max.numel();
   check_numel(partials, 2 * N, kernel, "partials");
-  check_numel(targets, N, kernel, "targets");
-  return {N, Vs};
+  check_numel(slice_max, N, kernel, "slice_max");
+  return N;
 }
 
-//! vocab_parallel_cross_entropy_losses: losses [N], partials [2, N] for the N targets; returns N.
+//! vocab_parallel_cross_entropy_losses: losses [N], row_max [N], partials [2, N] for the N
+//! targets; returns N.
 template <class L>
-std::int64_t check_losses(const Tensor<L>& losses, const Tensor<const double>& partials,
-                          const Tensor<const std::int32_t>& targets, const char* kernel) {
+std::int64_t check_losses(const Tensor<L>& losses, const Tensor<const double>& row_max,
+                          const Tensor<const double>& partials, const Tensor<const std::int32_t>& targets,
+                          const char* kernel) {
   const std::int64_t N = targets.numel();
   check_numel(losses, N, kernel, "losses");
+  check_numel(row_max, N, kernel, "row_max");
   check_numel(partials, 2 * N, kernel, "partials");
   return N;
 }
 
-//! vocab_parallel_cross_entropy_backward: the slice (`probs`, or the exps named `probs_name`),
+//! vocab_parallel_cross_entropy_backward: the slice (`probs`, or the logits named `probs_name`),
 //! dlogits shaped as it, N targets.
 template <class T>
 CrossEntropyDims check_backward(const Tensor<T>& dlogits, const Tensor<const T>& probs,
@@ -130,6 +117,18 @@ CrossEntropyDims check_backward(const Tensor<T>& dlogits, const Tensor<const T>&
   const CrossEntropyDims dims = check_slice(probs, vocab_begin, vocab, kernel, probs_name);
   check_shape(dlogits, probs.shape(), kernel, "dlogits");
   check_numel(targets, dims.rows, kernel, "targets");
+  return dims;
+}
+
+//! The backward from the logits: check_backward, and the group's row_max [N] and partials [2, N].
+template <class T>
+CrossEntropyDims check_backward_from_logits(const Tensor<T>& dlogits, const Tensor<const T>& logits,
+                                            const Tensor<const double>& row_max, const Tensor<const double>& partials,
+                                            const Tensor<const std::int32_t>& targets, std::int64_t vocab_begin,
+                                            std::int64_t vocab, const char* kernel) {
+  const CrossEntropyDims dims = check_backward(dlogits, logits, targets, vocab_begin, vocab, kernel, "logits");
+  check_numel(row_max, dims.rows, kernel, "row_max");
+  check_numel(partials, 2 * dims.rows, kernel, "partials");
   return dims;
 }
 

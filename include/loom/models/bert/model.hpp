@@ -658,15 +658,15 @@ class Model {
   // cross-entropy over the positions whose target is >= 0.
 
   //! What the head keeps; the statistics and losses in the accumulate type, first, then each row's
-  //! logit statistics in double; then, unless Config::logits_chunk_rows, the logits' exps (which
-  //! the backward normalises with the statistics); then, unless
+  //! logit statistics in double; then, unless Config::logits_chunk_rows, this rank's slice of the
+  //! logits (from which, with the statistics, the backward computes the probabilities); then, unless
   //! Config::logits_at_every_position, the predicted rows' indices and targets. Every per-row
   //! tensor has room for head_rows() rows (N, or B·max_predictions_per_seq); the head uses the
   //! first M, the rows it predicts.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
     detail::transformer::LogitStatistics stats;
-    Tensor<T> pre, act, t, probs;
+    Tensor<T> pre, act, t, logits;
     Tensor<std::int32_t> row_ids, row_targets;  //!< the predicted rows and their targets
 
     //! The first `M` rows of each.
@@ -680,7 +680,7 @@ class Model {
       v.pre = rows(pre, 0, M);
       v.act = rows(act, 0, M);
       v.t = rows(t, 0, M);
-      if (!probs.empty()) v.probs = rows(probs, 0, M);
+      if (!logits.empty()) v.logits = rows(logits, 0, M);
       if (!row_ids.empty()) {
         v.row_ids = rows(row_ids, 0, M);
         v.row_targets = rows(row_targets, 0, M);
@@ -704,7 +704,7 @@ class Model {
     h.pre = c.take({N, C()});
     h.act = c.take({N, C()});
     h.t = c.take({N, C()});
-    if (!chunked_logits()) h.probs = c.take({N, vocab_rows_});
+    if (!chunked_logits()) h.logits = c.take({N, vocab_rows_});
     if (!config_.logits_at_every_position) {
       h.row_ids = c.template take<std::int32_t>({N});
       h.row_targets = c.template take<std::int32_t>({N});
@@ -804,17 +804,17 @@ class Model {
           param(p, output_bias_, {vocab_rows_}), predicted.targets, vocab_begin_, config_.vocab_size, logits_chunk(s));
     }
     // This rank's slice of the logits (column-parallel over wte's rows and the output bias) lands
-    // in the probs buffer; the vocab-parallel cross-entropy exchanges only per-row statistics.
-    matmul_forward<T>(be, h.probs, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
-    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, h.stats,
+    // in `logits`; the vocab-parallel cross-entropy exchanges only per-row statistics.
+    matmul_forward<T>(be, h.logits, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.logits, h.stats,
                                                        predicted.targets, vocab_begin_, config_.vocab_size);
   }
 
   //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of
-  //! the exps (`h`: the saved tensors of the predicted rows).
+  //! the logits (`h`: the saved tensors of the predicted rows).
   void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& h) const {
     const std::int64_t C = config_.channels;
-    matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.probs,
+    matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.logits,
                        h.t, param(p, wte_, {vocab_rows_, C}));
   }
 
@@ -841,11 +841,11 @@ class Model {
           param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), predicted.targets, vocab_begin_,
           config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
-      // dlogits overwrite the exps they are computed from (this rank's slice).
-      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, h.stats.partials.reshape({2, M}),
-                                               predicted.targets, vocab_begin_, config_.vocab_size, a.loss_scale);
+      // dlogits overwrite the logits they are computed from (this rank's slice).
+      detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, predicted.targets, vocab_begin_,
+                                                           config_.vocab_size, a.loss_scale);
       if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
-      matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.probs, h.t, param(p, wte_, {vocab_rows_, C}));
+      matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.logits, h.t, param(p, wte_, {vocab_rows_, C}));
     }
     // f backward of the column-parallel logits: sum the slices' shares of dt.
     nn::column_parallel_input_grad(tensor_parallel_, dt);

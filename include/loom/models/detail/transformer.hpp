@@ -189,45 +189,65 @@ void check_attention_dropout(double attention, std::string_view model) {
              "attention_dropout = 0 on it (hidden_dropout works on every backend)");
 }
 
-//! What a head keeps of its logits per row for the backward: vocab_parallel_softmax_loss's
-//! statistics, `row_max` [N] and `partials` (2·N values: [2, N], or with Config::logits_chunk_rows
-//! chunk after chunk each chunk's [2, k]), in double.
+//! What a head keeps of its logits per row for the backward: the row statistics of
+//! vocab_parallel_cross_entropy_statistics over the whole vocabulary, `row_max` [N] and `partials`
+//! (2·N values: [2, N], or with Config::logits_chunk_rows chunk after chunk each chunk's [2, k]:
+//! the sums of exp(logit - row max) and the targets' logits), in double.
 struct LogitStatistics {
   Tensor<double> row_max, partials;
 };
 
-//! The vocabulary-parallel softmax and cross-entropy of n rows whose slice of the logits
-//! (vocabulary rows [vocab_begin, ...) of a group `tensor_parallel`) is in `exps` [n, vocab rows],
-//! against `targets` [n] (< 0: ignored): turns `exps` into this slice's exp(logit - row max) in
-//! place and writes the per-token `losses` [n]. Only per-row statistics cross the group, left in
-//! `row_max` [n] (each row's largest logit over the whole vocabulary) and `partials` [2, n] (the
-//! sum of the exps below it, and the target's logit less it), in double, in backend memory; the
-//! backward normalises the exps with them (vocab_parallel_cross_entropy_backward from the exps:
-//! the bits of normalising here, one pass over [n, vocab rows] fewer).
+//! The vocabulary-parallel softmax cross-entropy of n rows whose slice of the logits (vocabulary
+//! rows [vocab_begin, ...) of a group `tensor_parallel`) is `logits` [n, vocab rows], against
+//! `targets` [n] (< 0: ignored): writes the per-token `losses` [n], and the rows' statistics over
+//! the whole vocabulary to `row_max` [n] and `partials` [2, n] (backend memory). One pass over the
+//! logits, which it leaves as they are; only per-row statistics cross the group. The backward
+//! takes the probabilities from the logits and these statistics
+//! (vocab_parallel_cross_entropy_backward from the logits).
 template <class T, Backend B>
 void vocab_parallel_softmax_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
-                                 Tensor<T> exps, Tensor<double> row_max, Tensor<double> partials,
+                                 Tensor<const T> logits, Tensor<double> row_max, Tensor<double> partials,
                                  Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size) {
-  vocab_parallel_cross_entropy_max<T>(be, row_max, exps, vocab_begin, vocab_size);
-  if (tensor_parallel.size() > 1)
-    tensor_parallel.all_reduce(std::span<double>(row_max.data(), static_cast<std::size_t>(row_max.numel())),
-                               ReduceOp::max);
-  vocab_parallel_cross_entropy_partials<T>(be, exps, partials, exps, row_max, targets, vocab_begin, vocab_size);
-  nn::sum_over_tensor_parallel(tensor_parallel, partials);
-  vocab_parallel_cross_entropy_losses<T>(be, losses, partials, targets);
+  if (tensor_parallel.size() == 1) {
+    vocab_parallel_cross_entropy_statistics<T>(be, row_max, partials, logits, targets, vocab_begin, vocab_size);
+  } else {
+    // Each rank's own max, to rescale its sums once the group's max is known (8 bytes a row,
+    // for the length of this call).
+    const std::int64_t n = row_max.numel();
+    Buffer<double, B> own_max(be, n, MemoryCategory::workspace);
+    const Tensor<double> slice_max(own_max.data(), {n});
+    vocab_parallel_cross_entropy_statistics<T>(be, row_max, partials, logits, targets, vocab_begin, vocab_size,
+                                               slice_max);
+    tensor_parallel.all_reduce(std::span<double>(row_max.data(), static_cast<std::size_t>(n)), ReduceOp::max);
+    vocab_parallel_cross_entropy_rebase(be, partials, Tensor<const double>(slice_max), Tensor<const double>(row_max));
+    nn::sum_over_tensor_parallel(tensor_parallel, partials);
+  }
+  vocab_parallel_cross_entropy_losses<T>(be, losses, row_max, partials, targets);
 }
 
-//! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `exps`, against
+//! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `logits`, against
 //! `targets` [N]: vocab_parallel_softmax_loss, its statistics (24 bytes a token) in `stats`, which
 //! the backward needs. Returns the sum of the losses. The full logits never exist.
 template <class T, Backend B>
-double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses, Tensor<T> exps,
-                           const LogitStatistics& stats, Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                           std::int64_t vocab_size) {
+double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
+                           Tensor<const T> logits, const LogitStatistics& stats, Tensor<const std::int32_t> targets,
+                           std::int64_t vocab_begin, std::int64_t vocab_size) {
   const std::int64_t N = targets.numel();
-  vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, exps, stats.row_max.reshape({N}),
+  vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, logits, stats.row_max.reshape({N}),
                                  stats.partials.reshape({2, N}), targets, vocab_begin, vocab_size);
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
+}
+
+//! The backward of vocab_parallel_loss: dlogits, scaled by `loss_scale`, into `logits` in place.
+template <class T, Backend B>
+void vocab_parallel_loss_backward(B& be, Tensor<T> logits, const LogitStatistics& stats,
+                                  Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                                  std::int64_t vocab_size, accumulate_t<T> loss_scale) {
+  const std::int64_t N = targets.numel();
+  vocab_parallel_cross_entropy_backward<T>(be, logits, Tensor<const T>(logits),
+                                           Tensor<const double>(stats.row_max.reshape({N})),
+                                           Tensor<const double>(stats.partials.reshape({2, N})), targets, vocab_begin,
+                                           vocab_size, loss_scale);
 }
 
 //! Rows [first, first + count) of a tensor whose first dimension is rows.
@@ -253,18 +273,15 @@ void scatter_add_rows(B& be, Tensor<T> whole, Tensor<const T> part, Tensor<const
   vocab_parallel_embedding_backward<T>(be, whole, 0, Tensor<T>{}, part.reshape({1, M, C}), rows.reshape({1, M}));
 }
 
-//! The chunked head's scratch for the backward: one chunk's logits [chunk, vocab rows] and its
-//! recomputed partials [2·chunk] (discarded).
+//! The chunked head's scratch: one chunk's logits [chunk, vocab rows].
 template <class T>
 struct LogitScratch {
   Tensor<T> logits;
-  Tensor<double> partials;
 };
 //! Carves a LogitScratch for chunks of `chunk` rows of `vocab_rows` columns.
 template <class T>
 LogitScratch<T> carve_logit_scratch(Carver<T>& c, std::int64_t chunk, std::int64_t vocab_rows) {
   LogitScratch<T> s;
-  s.partials = c.template take<double>({2 * chunk});
   s.logits = c.take({chunk, vocab_rows});
   return s;
 }
@@ -390,7 +407,7 @@ Tensor<T> forward_logits_scratch(B& be, Tensor<T> workspace, Buffer<T, B>& own, 
   Carver<T> counter{};
   carve_logit_scratch(counter, chunk, vocab_rows);
   LOOM_CHECK(workspace.numel() >= counter.elements(), "chunked head forward: workspace elements", workspace.numel(),
-             "must hold one chunk's logits and statistics (" + detail::to_text(counter.elements()) + " elements)");
+             "must hold one chunk's logits (" + detail::to_text(counter.elements()) + " elements)");
   Carver<T> c{workspace.data()};
   return carve_logit_scratch(c, chunk, vocab_rows).logits;
 }
@@ -416,10 +433,10 @@ double chunked_unembedding_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
 }
 
-//! The backward of chunked_unembedding_loss: per chunk, the logits again, the probabilities from
-//! the forward's `stats` (the same bits), dlogits (scaled by `loss_scale`), then `dx` [N, C] +=
-//! dlogits · w, and `dw` += dlogitsᵀ · x and `dbias` += its column sums where they are not empty.
-//! Communicates nothing: the caller sums dx over the group.
+//! The backward of chunked_unembedding_loss: per chunk, the logits again, dlogits from them and
+//! the forward's `stats` (scaled by `loss_scale`), then `dx` [N, C] += dlogits · w, and `dw` +=
+//! dlogitsᵀ · x and `dbias` += its column sums where they are not empty. Communicates nothing:
+//! the caller sums dx over the group.
 template <class T, Backend B>
 void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor<T> dbias,
                                        const LogitScratch<T>& scratch, const LogitStatistics& stats, Tensor<const T> x,
@@ -430,15 +447,11 @@ void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor
   for (std::int64_t first = 0; first < N; first += chunk) {
     const std::int64_t k = std::min(chunk, N - first);
     const Tensor<T> logits(scratch.logits.data(), {k, V});
-    const Tensor<const std::int32_t> chunk_targets = rows(targets, first, k);
     matmul_forward<T>(be, logits, rows(x, first, k), w, bias);
-    // exp(logit - max) with the forward's max; the group's sums of them, kept by the forward,
-    // normalise them in the backward's pass (this slice's own sums, recomputed, are not needed).
-    vocab_parallel_cross_entropy_partials<T>(be, logits, Tensor<double>(scratch.partials.data(), {2, k}), logits,
-                                             rows(stats.row_max, first, k), chunk_targets, vocab_begin, vocab_size);
-    vocab_parallel_cross_entropy_backward<T>(be, logits, logits,
+    vocab_parallel_cross_entropy_backward<T>(be, logits, Tensor<const T>(logits),
+                                             Tensor<const double>(rows(stats.row_max, first, k)),
                                              Tensor<const double>(stats.partials.data() + 2 * first, {2, k}),
-                                             chunk_targets, vocab_begin, vocab_size, loss_scale);
+                                             rows(targets, first, k), vocab_begin, vocab_size, loss_scale);
     matmul_backward<T>(be, rows(dx, first, k), dw, dbias, logits, rows(x, first, k), w);
   }
 }

@@ -261,10 +261,10 @@ class Model {
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
-      // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the exps.
+      // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the logits.
       const std::int64_t C = config_.channels;
       const HeadSaved h = carve_head(a.saved, s);
-      matmul_backward<T>(be, Tensor<T>{}, grad(grads, wte_, {vocab_rows_, C}), Tensor<T>{}, h.probs, h.lnf,
+      matmul_backward<T>(be, Tensor<T>{}, grad(grads, wte_, {vocab_rows_, C}), Tensor<T>{}, h.logits, h.lnf,
                          param(params, wte_, {vocab_rows_, C}));
       return;
     }
@@ -619,14 +619,14 @@ class Model {
 
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
   //! accumulate type, first (see block_saved); then each row's logit statistics in double, and
-  //! unless Config::logits_chunk_rows the logits' exps (which the backward normalises with the
-  //! statistics). ln_f's statistics are this rank's
+  //! unless Config::logits_chunk_rows this rank's slice of the logits (from which, with the
+  //! statistics, the backward computes the probabilities). ln_f's statistics are this rank's
   //! rows; its output `lnf` is whole (gathered under sequence parallelism), as the unembedding
   //! GEMMs read it.
   struct HeadSaved {
     Tensor<A> mean, rstd, losses;
     detail::transformer::LogitStatistics stats;
-    Tensor<T> lnf, probs;
+    Tensor<T> lnf, logits;
   };
   HeadSaved head_saved(Carver& c, MicroBatchShape s) const {
     const std::int64_t N = s.batch * s.seq, n = split_.rows(s).local;
@@ -637,7 +637,7 @@ class Model {
     h.stats.row_max = c.template take<double>({N});
     h.stats.partials = c.template take<double>({2 * N});
     h.lnf = c.take({N, config_.channels});
-    if (!chunked_logits()) h.probs = c.take({N, vocab_rows_});
+    if (!chunked_logits()) h.logits = c.take({N, vocab_rows_});
     return h;
   }
   //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
@@ -647,7 +647,7 @@ class Model {
     return std::min(config_.logits_chunk_rows, s.batch * s.seq);
   }
   //! The head's backward scratch: dlnf (whole: partial sums over the group), one chunk's logits
-  //! and statistics when chunked, and under sequence parallelism ln_f's partial weight and bias
+  //! when chunked, and under sequence parallelism ln_f's partial weight and bias
   //! gradients [2·C].
   struct HeadWorkspace {
     Tensor<T> dlnf, norm_grads;
@@ -684,12 +684,11 @@ class Model {
           be, tensor_parallel_, h.losses, h.stats, logits, h.lnf, param(p, wte_, {vocab_rows_, C}),
           Tensor<const T>{}, a.targets.reshape({N}), vocab_begin_, config_.vocab_size, logits_chunk(s));
     }
-    // This rank's slice of the logits (a column-parallel use of wte) lands in the probs buffer;
-    // the vocab-parallel cross-entropy turns it into exps in place, exchanging only per-row
-    // statistics (max, sum of exps, target logit), which the backward normalises them with: the
-    // full logits never exist.
-    matmul_forward<T>(be, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
-    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.probs, h.stats,
+    // This rank's slice of the logits (a column-parallel use of wte); the vocab-parallel
+    // cross-entropy reads it once and exchanges only per-row statistics (max, sum of exps, target
+    // logit), from which the backward computes the probabilities: the full logits never exist.
+    matmul_forward<T>(be, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
+    return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.logits, h.stats,
                                                        a.targets.reshape({N}), vocab_begin_, config_.vocab_size);
   }
 
@@ -709,11 +708,10 @@ class Model {
           be, dlnf, dwte, Tensor<T>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
           a.targets.reshape({N}), vocab_begin_, config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
-      // dlogits overwrite the exps they are computed from (this rank's slice).
-      vocab_parallel_cross_entropy_backward<T>(be, h.probs, h.probs, h.stats.partials.reshape({2, N}),
-                                               a.targets.reshape({N}), vocab_begin_, config_.vocab_size,
-                                               a.loss_scale);
-      matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.probs, h.lnf, param(p, wte_, {vocab_rows_, C}));
+      // dlogits overwrite the logits they are computed from (this rank's slice).
+      detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, a.targets.reshape({N}), vocab_begin_,
+                                                           config_.vocab_size, a.loss_scale);
+      matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}));
     }
     // f backward of the column-parallel logits: sum the slices' shares of dlnf (this rank's rows
     // of the sum under sequence parallelism, reduce-scattered in place).
