@@ -817,11 +817,12 @@ static_assert(sizeof(bf16) == sizeof(__nv_bfloat16), "loom::bf16 and __nv_bfloat
 
 //! The blocks of the forward and backward kernels that must fit on an SM at once, which bounds
 //! their registers: 3 (168 registers) where HS <= 64, 2 (255) for HS 128, whose fragments alone
-//! take more than 168 in key_value_grad.
+//! take more than 168 in key_value_grad. The kernels take it as a template argument, so that
+//! loom_cuda_attention_bench can time other bounds beside it.
 constexpr int blocks_per_sm(int hs) { return hs <= 64 ? 3 : 2; }
 
-template <int HS>
-__global__ void __launch_bounds__(threads, blocks_per_sm(HS)) forward_kernel(ForwardArgs a) {
+template <int HS, int Blocks = blocks_per_sm(HS)>
+__global__ void __launch_bounds__(threads, Blocks) forward_kernel(ForwardArgs a) {
   LOOM_FLASH_RUN(forward_block<HS>(th, a))
 }
 template <int HS>
@@ -829,12 +830,12 @@ __global__ void __launch_bounds__(threads) delta_kernel(const bf16* out, const b
                                                        std::int64_t rows) {
   LOOM_FLASH_RUN(delta_block<HS>(th, out, dout, delta, sh, rows))
 }
-template <int HS>
-__global__ void __launch_bounds__(threads, blocks_per_sm(HS)) key_value_grad_kernel(BackwardArgs a) {
+template <int HS, int Blocks = blocks_per_sm(HS)>
+__global__ void __launch_bounds__(threads, Blocks) key_value_grad_kernel(BackwardArgs a) {
   LOOM_FLASH_RUN(key_value_grad_block<HS>(th, a))
 }
-template <int HS>
-__global__ void __launch_bounds__(threads, blocks_per_sm(HS)) query_grad_kernel(BackwardArgs a) {
+template <int HS, int Blocks = blocks_per_sm(HS)>
+__global__ void __launch_bounds__(threads, Blocks) query_grad_kernel(BackwardArgs a) {
   LOOM_FLASH_RUN(query_grad_block<HS>(th, a))
 }
 
