@@ -253,12 +253,12 @@ namespace loom::detail::vocab_parallel {
 
 //! The backward of both vocab_parallel_cross_entropy_backward overloads, row by row: dlogits =
 //! scale (p - onehot) on the real columns, 0 on padding and on rows whose target is negative. The
-//! row's probabilities come from `probability(n, x, scratch)`, which returns p(i) in the accumulate
-//! type for the row's x of `in` (scratch: the thread's AlignedRows row).
+//! row's probabilities come from `probability(n, x)`, which returns p(i) in the accumulate type
+//! for the row's x of `in` (called on the thread that writes the row).
 template <class T, class Probability>
 void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const std::int32_t* target_data,
                                  const CrossEntropyDims& dims, std::int64_t vocab_begin, accumulate_t<T> scale,
-                                 AlignedRows<accumulate_t<T>>* scratch, Probability probability) {
+                                 Probability probability) {
   using A = accumulate_t<T>;
   const std::int64_t N = dims.rows, Vs = dims.slice_columns, real = dims.real_columns;
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * Vs >= parallel_min_elements)
@@ -270,7 +270,7 @@ void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const
       continue;
     }
     // Everything `p` reads of x is read here, before g (maybe x) is written.
-    const auto p = probability(n, x, scratch != nullptr ? scratch->at(detail::thread_index()) : nullptr);
+    const auto p = probability(n, x);
     const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
     const bool owns_target = local_target >= 0 && local_target < real;
     const A target_prob = owns_target ? p(local_target) : A(0);
@@ -297,8 +297,7 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
   const d::CrossEntropyDims dims = d::check_backward(dlogits, probs, targets, vocab_begin, vocab, kernel);
   d::check_target_values(targets, vocab, kernel);
   d::cross_entropy_backward_rows(be, dlogits.data(), probs.data(), targets.data(), dims, vocab_begin, scale,
-                                 static_cast<d::AlignedRows<accumulate_t<T>>*>(nullptr),
-                                 [](std::int64_t, const T* x, accumulate_t<T>*) {
+                                 [](std::int64_t, const T* x) {
                                    return [x](std::int64_t i) { return to_accumulate(x[i]); };
                                  });
 }
@@ -324,7 +323,8 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
   const double* sums = partials.data();
   d::AlignedRows<A> scratch(be.threads(), real);
   d::cross_entropy_backward_rows(be, dlogits.data(), logits.data(), targets.data(), dims, vocab_begin, scale,
-                                 &scratch, [&](std::int64_t n, const T* x, A* exps) {
+                                 [&](std::int64_t n, const T* x) {
+                                   A* exps = scratch.at(detail::thread_index());
                                    d::shifted_exps(x, static_cast<A>(m[n]), exps, real);
                                    const A factor = static_cast<A>(1.0 / sums[n]);
                                    return [exps, factor](std::int64_t i) {

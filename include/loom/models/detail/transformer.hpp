@@ -197,29 +197,36 @@ struct LogitStatistics {
   Tensor<double> row_max, partials;
 };
 
+//! Where a group of several ranks keeps each rank's own row maxima for `rows` rows while
+//! vocab_parallel_softmax_loss runs (8 bytes a row, workspace); nothing for a group of one.
+template <Backend B>
+Buffer<double, B> slice_max_scratch(B& be, const CommunicatorRef& tensor_parallel, std::int64_t rows) {
+  return tensor_parallel.size() > 1 ? Buffer<double, B>(be, rows, MemoryCategory::workspace) : Buffer<double, B>{};
+}
+
 //! The vocabulary-parallel softmax cross-entropy of n rows whose slice of the logits (vocabulary
 //! rows [vocab_begin, ...) of a group `tensor_parallel`) is `logits` [n, vocab rows], against
 //! `targets` [n] (< 0: ignored): writes the per-token `losses` [n], and the rows' statistics over
 //! the whole vocabulary to `row_max` [n] and `partials` [2, n] (backend memory). One pass over the
-//! logits, which it leaves as they are; only per-row statistics cross the group. The backward
-//! takes the probabilities from the logits and these statistics
-//! (vocab_parallel_cross_entropy_backward from the logits).
+//! logits, which it leaves as they are; only per-row statistics cross the group. A group of
+//! several ranks keeps each rank's own maxima in `slice_max` (at least n doubles,
+//! slice_max_scratch), to rescale its sums once the group's max is known. The backward takes the
+//! probabilities from the logits and these statistics (vocab_parallel_cross_entropy_backward from
+//! the logits).
 template <class T, Backend B>
 void vocab_parallel_softmax_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
                                  Tensor<const T> logits, Tensor<double> row_max, Tensor<double> partials,
-                                 Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size) {
+                                 Tensor<const std::int32_t> targets, std::int64_t vocab_begin, std::int64_t vocab_size,
+                                 double* slice_max) {
   if (tensor_parallel.size() == 1) {
     vocab_parallel_cross_entropy_statistics<T>(be, row_max, partials, logits, targets, vocab_begin, vocab_size);
   } else {
-    // Each rank's own max, to rescale its sums once the group's max is known (8 bytes a row,
-    // for the length of this call).
     const std::int64_t n = row_max.numel();
-    Buffer<double, B> own_max(be, n, MemoryCategory::workspace);
-    const Tensor<double> slice_max(own_max.data(), {n});
+    const Tensor<double> own_max(slice_max, {n});
     vocab_parallel_cross_entropy_statistics<T>(be, row_max, partials, logits, targets, vocab_begin, vocab_size,
-                                               slice_max);
+                                               own_max);
     tensor_parallel.all_reduce(std::span<double>(row_max.data(), static_cast<std::size_t>(n)), ReduceOp::max);
-    vocab_parallel_cross_entropy_rebase(be, partials, Tensor<const double>(slice_max), Tensor<const double>(row_max));
+    vocab_parallel_cross_entropy_rebase(be, partials, Tensor<const double>(own_max), Tensor<const double>(row_max));
     nn::sum_over_tensor_parallel(tensor_parallel, partials);
   }
   vocab_parallel_cross_entropy_losses<T>(be, losses, row_max, partials, targets);
@@ -233,8 +240,9 @@ double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accum
                            Tensor<const T> logits, const LogitStatistics& stats, Tensor<const std::int32_t> targets,
                            std::int64_t vocab_begin, std::int64_t vocab_size) {
   const std::int64_t N = targets.numel();
+  const Buffer<double, B> slice_max = slice_max_scratch(be, tensor_parallel, N);
   vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, logits, stats.row_max.reshape({N}),
-                                 stats.partials.reshape({2, N}), targets, vocab_begin, vocab_size);
+                                 stats.partials.reshape({2, N}), targets, vocab_begin, vocab_size, slice_max.data());
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
 }
 
@@ -422,13 +430,14 @@ double chunked_unembedding_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<
                                 Tensor<const T> bias, Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
                                 std::int64_t vocab_size, std::int64_t chunk) {
   const std::int64_t N = targets.numel(), V = w.extent(0);
+  const Buffer<double, B> slice_max = slice_max_scratch(be, tensor_parallel, std::min(chunk, N));
   for (std::int64_t first = 0; first < N; first += chunk) {
     const std::int64_t k = std::min(chunk, N - first);
     const Tensor<T> slice(logits.data(), {k, V});
     matmul_forward<T>(be, slice, rows(x, first, k), w, bias);
     vocab_parallel_softmax_loss<T>(be, tensor_parallel, rows(losses, first, k), slice, rows(stats.row_max, first, k),
                                    Tensor<double>(stats.partials.data() + 2 * first, {2, k}), rows(targets, first, k),
-                                   vocab_begin, vocab_size);
+                                   vocab_begin, vocab_size, slice_max.data());
   }
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
 }
