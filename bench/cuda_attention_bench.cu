@@ -7,7 +7,8 @@
 //            (cuda::set_flash_attention(true); bf16, head size 32, 64 or 128): nothing T x T.
 // Prints each kernel's median time (CUDA events around each call), TFLOP/s and the workspace it
 // took, and the ratios of the tiled pair to the other two. Then, at head size 64, each tiled
-// kernel built for 2 and for 3 blocks an SM (its register bound), side by side.
+// kernel in three layouts side by side: a warp owning 1 block of 16 rows, bounded for 2 or for 3
+// blocks an SM, and a warp owning 2 (blocks of 128 rows, 2 an SM).
 //
 //   loom_cuda_attention_bench                              # B=8, T=1024, C=768, 12 heads (GPT-2 small)
 //   loom_cuda_attention_bench --seq 2048 --batch 4 --json attention_gpu.json
@@ -67,17 +68,19 @@ double time_ms(loom::cuda& be, const std::function<void()>& run) {
   return ms;
 }
 
-//! The tiled kernels one by one at 2 and at 3 blocks an SM (the register bound of their
-//! __launch_bounds__; the library builds them at detail::flash::blocks_per_sm(HS)), head size 64
-//! (GPT-2's), interleaved round by round: whether a third block is worth the registers it takes
-//! (ptxas spills some at 168). Prints each variant's registers, spilled bytes and median time.
-void compare_blocks_per_sm(loom::cuda& be, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t H,
-                           const loom::bf16* qkv, const loom::bf16* dout, loom::bf16* out, float* lse,
-                           loom::bf16* dqkv, int calls, nlohmann::json& report) {
+//! The tiled kernels one by one in three layouts, head size 64 (GPT-2's), interleaved round by
+//! round: each warp owning M = 1 block of 16 rows with the registers bounded for 2 or for 3 blocks
+//! an SM (__launch_bounds__; ptxas spills some at 3's 168), and M = 2 (a block of 128 rows, each
+//! B fragment read from shared memory serving two mma; 2 blocks an SM). The library launches each
+//! kernel's M (detail::flash::row_blocks) at detail::flash::blocks_per_sm(HS, M). Prints each
+//! variant's registers, spilled bytes and median time, and its time against the library's layout.
+void compare_layouts(loom::cuda& be, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t H,
+                     const loom::bf16* qkv, const loom::bf16* dout, loom::bf16* out, float* lse, loom::bf16* dqkv,
+                     int calls, nlohmann::json& report) {
   namespace flash = loom::detail::flash;
   using loom::detail::cuda_attention::launch_tiled;
   if (C / H != 64) {
-    std::puts("blocks per SM: compared at head size 64 only (this run's is another)");
+    std::puts("tiled layouts: compared at head size 64 only (this run's is another)");
     return;
   }
   constexpr int HS = 64;
@@ -86,50 +89,75 @@ void compare_blocks_per_sm(loom::cuda& be, std::int64_t B, std::int64_t T, std::
   loom::Buffer<float, loom::cuda> delta(be, rows, loom::MemoryCategory::workspace);
   const flash::ForwardArgs forward{shape, qkv, out, lse};
   const flash::BackwardArgs backward{shape, qkv, dout, lse, delta.data(), dqkv};
-  const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>(flash::tiles(T)));
+  const auto grid = [&](int m) {
+    return dim3(static_cast<unsigned>(B * H), static_cast<unsigned>(flash::row_tiles(T, m)));
+  };
   // out and lse of this forward, and delta from them, for the backward kernels.
-  launch_tiled(be, flash::forward_kernel<HS>, grid, flash::ForwardSmem<HS>::total, "bench", "forward", forward);
+  launch_tiled(be, flash::forward_kernel<HS>, grid(flash::row_blocks.forward), flash::ForwardSmem<HS>::total,
+               "bench", "forward", forward);
   launch_tiled(be, flash::delta_kernel<HS>, dim3(static_cast<unsigned>((rows + flash::warps - 1) / flash::warps)), 0,
                "bench", "delta", out, dout, delta.data(), shape, rows);
 
   struct Variant {
-    std::string name;
-    int blocks;
+    std::string kernel;
+    int m, blocks;
     std::function<void()> run;
     cudaFuncAttributes attributes{};
     std::vector<double> ms;
   };
   std::vector<Variant> variants;
-  const auto add = [&](const char* name, int blocks, auto kernel, std::size_t smem, const auto& args) {
-    Variant v{name, blocks, [&be, kernel, grid, smem, args, name] {
-                launch_tiled(be, kernel, grid, smem, "bench", name, args);
+  const auto add = [&](const char* kernel, int m, int blocks, auto function, std::size_t smem, const auto& args) {
+    Variant v{kernel, m, blocks, [&be, function, g = grid(m), smem, args, kernel] {
+                launch_tiled(be, function, g, smem, "bench", kernel, args);
               }};
-    LOOM_CUDA_CHECK(cudaFuncGetAttributes(&v.attributes, kernel));
+    LOOM_CUDA_CHECK(cudaFuncGetAttributes(&v.attributes, function));
     variants.push_back(std::move(v));
   };
-  add("forward", 2, flash::forward_kernel<HS, 2>, flash::ForwardSmem<HS>::total, forward);
-  add("forward", 3, flash::forward_kernel<HS, 3>, flash::ForwardSmem<HS>::total, forward);
-  add("key_value_grad", 2, flash::key_value_grad_kernel<HS, 2>, flash::KeyValueGradSmem<HS>::total, backward);
-  add("key_value_grad", 3, flash::key_value_grad_kernel<HS, 3>, flash::KeyValueGradSmem<HS>::total, backward);
-  add("query_grad", 2, flash::query_grad_kernel<HS, 2>, flash::QueryGradSmem<HS>::total, backward);
-  add("query_grad", 3, flash::query_grad_kernel<HS, 3>, flash::QueryGradSmem<HS>::total, backward);
+  using FS = flash::ForwardSmem<HS>;
+  using KS = flash::KeyValueGradSmem<HS>;
+  using QS = flash::QueryGradSmem<HS>;
+  add("forward", 1, 2, flash::forward_kernel<HS, 1, 2>, FS::total, forward);
+  add("forward", 1, 3, flash::forward_kernel<HS, 1, 3>, FS::total, forward);
+  add("forward", 2, 2, flash::forward_kernel<HS, 2, 2>, FS::total, forward);
+  add("key_value_grad", 1, 2, flash::key_value_grad_kernel<HS, 1, 2>, KS::total, backward);
+  add("key_value_grad", 1, 3, flash::key_value_grad_kernel<HS, 1, 3>, KS::total, backward);
+  add("key_value_grad", 2, 2, flash::key_value_grad_kernel<HS, 2, 2>, KS::total, backward);
+  add("query_grad", 1, 2, flash::query_grad_kernel<HS, 1, 2>, QS::total, backward);
+  add("query_grad", 1, 3, flash::query_grad_kernel<HS, 1, 3>, QS::total, backward);
+  add("query_grad", 2, 2, flash::query_grad_kernel<HS, 2, 2>, QS::total, backward);
   for (int round = 0; round <= calls; ++round)
     for (Variant& v : variants) {
       const double ms = time_ms(be, v.run);
       if (round > 0) v.ms.push_back(ms);
     }
-  std::printf("tiled kernels by blocks per SM (the library's: %d at head size %d):\n", flash::blocks_per_sm(HS), HS);
-  for (std::size_t i = 0; i < variants.size(); i += 2) {
-    const Variant &two = variants[i], &three = variants[i + 1];
-    const double two_ms = loom::bench::summarize(two.ms).median, three_ms = loom::bench::summarize(three.ms).median;
-    for (const Variant* v : {&two, &three}) {
-      const double ms = v == &two ? two_ms : three_ms;
-      std::printf("  %-15s %d blocks: %3d registers, %4zu B local (spills), %8.3f ms\n", v->name.c_str(), v->blocks,
-                  v->attributes.numRegs, v->attributes.localSizeBytes, ms);
-      report["blocks_per_sm"][v->name][std::to_string(v->blocks)] = {
-          {"registers", v->attributes.numRegs}, {"local_bytes", v->attributes.localSizeBytes}, {"median_ms", ms}};
+  const auto library_m = [](const std::string& kernel) {
+    return kernel == "forward" ? flash::row_blocks.forward
+           : kernel == "key_value_grad" ? flash::row_blocks.key_value_grad
+                                        : flash::row_blocks.query_grad;
+  };
+  std::printf("tiled kernels by layout (M row blocks a warp, blocks an SM; the library's: M = %d, %d and %d)\n",
+              flash::row_blocks.forward, flash::row_blocks.key_value_grad, flash::row_blocks.query_grad);
+  constexpr std::size_t per_kernel = 3;
+  for (std::size_t first = 0; first < variants.size(); first += per_kernel) {
+    double library_ms = 0;
+    std::vector<double> medians;
+    for (std::size_t i = first; i < first + per_kernel; ++i) {
+      medians.push_back(loom::bench::summarize(variants[i].ms).median);
+      const int m = library_m(variants[i].kernel);
+      if (variants[i].m == m && variants[i].blocks == flash::blocks_per_sm(HS, m)) library_ms = medians.back();
     }
-    std::printf("  %-15s 3 blocks take %.2fx the time of 2\n", two.name.c_str(), three_ms / two_ms);
+    for (std::size_t i = first; i < first + per_kernel; ++i) {
+      const Variant& v = variants[i];
+      const double ms = medians[i - first];
+      std::printf("  %-15s M = %d, %d blocks: %3d registers, %4zu B local (spills), %8.3f ms, %.2fx the library's\n",
+                  v.kernel.c_str(), v.m, v.blocks, v.attributes.numRegs, v.attributes.localSizeBytes, ms,
+                  ms / library_ms);
+      report["layouts"][v.kernel]["M" + std::to_string(v.m) + "_blocks" + std::to_string(v.blocks)] = {
+          {"registers", v.attributes.numRegs},
+          {"local_bytes", v.attributes.localSizeBytes},
+          {"median_ms", ms},
+          {"of_library", ms / library_ms}};
+    }
   }
 }
 
@@ -225,8 +253,7 @@ int main(int argc, char** argv) {
   std::printf("kept per layer: att %.2f MiB (stored), lse %.3f MiB (cublas lse, tiled)\n", att_mib, lse_mib);
   report["speedup_of_tiled"] = {{"over_stored", stored / tiled}, {"over_cublas_lse", cublas / tiled}};
   if (flash_attention_available(be, C / H))
-    compare_blocks_per_sm(be, B, T, C, H, qkv.data(), dout.data(), out.data(), lse.data(), dqkv.data(), o.calls,
-                          report);
+    compare_layouts(be, B, T, C, H, qkv.data(), dout.data(), out.data(), lse.data(), dqkv.data(), o.calls, report);
   report["kept_mib"] = {{"att", att_mib}, {"lse", lse_mib}};
   bench::write_json(o.json, report);
   return 0;

@@ -25,6 +25,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <limits>
 #include <memory>
@@ -101,12 +102,13 @@ class HostThread {
     return other;
   }
 
-  //! cp.async, done at once: the 16 bytes at `src`, or zeros where not `real`.
-  void copy_async(bf16* dst, const bf16* src, bool real) const {
-    if (real)
-      std::memcpy(static_cast<void*>(dst), src, 16);
-    else
-      std::memset(static_cast<void*>(dst), 0, 16);
+  //! cp.async, done at once: the first `bytes` of the 16 at `src`, zeros for the rest.
+  void copy_async(void* dst, const void* src, int bytes) const {
+    REQUIRE(bytes >= 0);
+    REQUIRE(bytes <= 16);
+    REQUIRE(reinterpret_cast<std::uintptr_t>(src) % 16 == 0);  // cp.async's alignment
+    std::memcpy(dst, src, static_cast<std::size_t>(bytes));
+    std::memset(static_cast<unsigned char*>(dst) + bytes, 0, static_cast<std::size_t>(16 - bytes));
   }
   void commit_copies() const {}
   void wait_copies() const {}
@@ -354,7 +356,9 @@ struct Result {
   std::vector<float> lse;
 };
 
-//! The forward, then the backward from its own out and lse (the training path), on the host.
+//! The forward, then the backward from its own out and lse (the training path), on the host,
+//! with each warp owning M blocks of 16 rows (the kernels' template argument; 1 by default).
+template <int M = 1>
 Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
                    const Lengths& lengths = {}) {
   const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
@@ -363,17 +367,18 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
   Result r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)), data.dqkv0,
                std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan)};
   std::vector<float> delta(r.lse.size(), nan);
-  const std::int64_t grid_x = c.B * c.NH, grid_y = fl::tiles(c.T), rows = c.B * c.NH * c.T;
+  const std::int64_t grid_x = c.B * c.NH, grid_y = fl::row_tiles(c.T, M), rows = c.B * c.NH * c.T;
   detail::cuda_attention::with_head_size(c.dims(), [&]<int HS>() {
     const fl::ForwardArgs fa{shape, data.qkv.data(), r.out.data(), r.lse.data()};
-    run_grid(grid_x, grid_y, fl::ForwardSmem<HS>::total, [&](HostThread& th) { fl::forward_block<HS>(th, fa); });
+    run_grid(grid_x, grid_y, fl::ForwardSmem<HS>::total, [&](HostThread& th) { fl::forward_block<HS, M>(th, fa); });
     run_grid((rows + fl::warps - 1) / fl::warps, 1, 0, [&](HostThread& th) {
       fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
     });
     const fl::BackwardArgs ba{shape, data.qkv.data(), data.dout.data(), r.lse.data(), delta.data(), r.dqkv.data()};
     run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total,
-             [&](HostThread& th) { fl::key_value_grad_block<HS>(th, ba); });
-    run_grid(grid_x, grid_y, fl::QueryGradSmem<HS>::total, [&](HostThread& th) { fl::query_grad_block<HS>(th, ba); });
+             [&](HostThread& th) { fl::key_value_grad_block<HS, M>(th, ba); });
+    run_grid(grid_x, grid_y, fl::QueryGradSmem<HS>::total,
+             [&](HostThread& th) { fl::query_grad_block<HS, M>(th, ba); });
   });
   return r;
 }
@@ -613,6 +618,67 @@ TEST_CASE("the tiled kernels' bodies give the same bits for the same input (host
   }
 }
 
+//! Whether two results hold the same values (out and dqkv compared as floats, so that -0 == +0;
+//! lse bit for bit).
+bool same_values(const Result& a, const Result& b) {
+  const auto same = [](bf16 x, bf16 y) { return static_cast<float>(x) == static_cast<float>(y); };
+  return std::equal(a.out.begin(), a.out.end(), b.out.begin(), b.out.end(), same) &&
+         std::equal(a.dqkv.begin(), a.dqkv.end(), b.dqkv.begin(), b.dqkv.end(), same) &&
+         std::equal(a.lse.begin(), a.lse.end(), b.lse.begin(), b.lse.end(), [](float x, float y) {
+           return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y);
+         });
+}
+
+//! For each case and mask: `run.template operator()<M>(case, data, mask)` at M = 2 against the
+//! reference, and against M = 1's values, which must be the same (each row and key meets the same
+//! tiles in the same order).
+template <class Run>
+void check_two_row_blocks(const std::vector<PaddedCase>& cases, std::uint32_t seed, Run&& run) {
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : cases) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Result two = run.template operator()<2>(pc, data, mask);
+      check_all(reference(pc.shape, data, mask, pc.lengths), two.out, two.lse, two.dqkv);
+      CHECK(same_values(two, run.template operator()<1>(pc, data, mask)));
+    }
+  }
+}
+
+TEST_CASE("warps of two row blocks (M = 2) match the reference and M = 1's values, both masks (host emulation)") {
+  // Blocks of 128 rows: one partial (T = 100: two key tiles, warps 2 and 3 partly past T), whole
+  // (T = 64: warps 2 and 3 wholly past T; 128), two with the second holding one row (129), and
+  // padded sequences ending in either half of a block (70, 100) or at its first row (1).
+  const std::vector<PaddedCase> cases = {{{1, 100, 1, 64}, {}},           {{1, 64, 1, 64}, {}},
+                                         {{1, 128, 2, 32}, {}},           {{1, 129, 1, 128}, {}},
+                                         {{3, 200, 1, 32}, {70, 1, 200}}, {{2, 129, 1, 64}, {100, 129}}};
+  check_two_row_blocks(cases, 500, []<int M>(const PaddedCase& pc, const Data& data, AttentionMask mask) {
+    return run_on_host<M>(pc.shape, data, mask, pc.lengths);
+  });
+}
+
+TEST_CASE("the tiles a block of 128 rows walks (M = 2)") {
+  const fl::Shape causal{300, 64, 1, 0.125f, AttentionMask::causal};  // 3 blocks of 128, 5 tiles of 64
+  const fl::Shape bidirectional{300, 64, 1, 0.125f, AttentionMask::bidirectional};
+  CHECK(fl::row_tiles(300, 2) == 3);
+  CHECK(fl::row_tiles(256, 2) == 2);
+  CHECK(fl::row_tiles(300, 1) == fl::tiles(300));
+  for (std::int64_t y = 0; y < 3; ++y) {
+    CAPTURE(y);
+    CHECK(fl::query_tile(causal, y, 2) == 2 - y);
+    CHECK(fl::query_tile(bidirectional, y, 2) == y);
+    CHECK(fl::first_query_tile(causal, y, 2) == 2 * y);
+    CHECK(fl::first_query_tile(bidirectional, y, 2) == 0);
+    CHECK(fl::key_tiles(bidirectional, y, 300, 2) == 5);
+  }
+  CHECK(fl::key_tiles(causal, 0, 300, 2) == 2);
+  CHECK(fl::key_tiles(causal, 1, 300, 2) == 4);
+  CHECK(fl::key_tiles(causal, 2, 300, 2) == 5);  // rows 256..299: keys up to 299, tile 4
+  CHECK(fl::key_tiles(causal, 0, 70, 2) == 2);
+  CHECK(fl::key_tiles(causal, 0, 50, 2) == 1);   // no tile of padded keys only
+}
+
 // ---------------------------------------------------------------------------------------------
 // On the GPU.
 
@@ -768,6 +834,59 @@ TEST_CASE("padded batches on the tiled kernels match the reference and the cuBLA
       check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
     }
   }
+}
+
+//! The forward and backward through the tiled kernels launched directly with warps of M row
+//! blocks (the public functions launch the library's row_blocks), padded or not; head size 32 or
+//! 64 (M = 2 is built for those only here).
+template <int M>
+Result run_layout_on_device(cuda& be, const Case& c, const Data& data, AttentionMask mask, const Lengths& lengths) {
+  REQUIRE(c.hs <= 64);
+  namespace ca = detail::cuda_attention;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::int64_t rows = c.B * c.NH * c.T;
+  const Shape qkv_shape{c.B, c.T, 3 * c.C()}, out_shape{c.B, c.T, c.C()};
+  const DeviceArray<std::int32_t> device_lengths(be, lengths.empty() ? Lengths(1, 0) : lengths,
+                                                 Shape{lengths.empty() ? 1 : c.B});
+  const DeviceArray<bf16> qkv(be, data.qkv, qkv_shape), dout(be, data.dout, out_shape),
+      dqkv(be, data.dqkv0, qkv_shape);
+  const DeviceArray<bf16> out(be, std::vector<bf16>(static_cast<std::size_t>(out_shape.numel()), bf16(nan)),
+                              out_shape);
+  const DeviceArray<float> lse(be, std::vector<float>(static_cast<std::size_t>(rows), nan), Shape{rows}),
+      delta(be, std::vector<float>(static_cast<std::size_t>(rows), nan), Shape{rows});
+  const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
+                        mask, lengths.empty() ? nullptr : device_lengths.buffer.data()};
+  const fl::ForwardArgs fa{shape, qkv.buffer.data(), out.buffer.data(), lse.buffer.data()};
+  const fl::BackwardArgs ba{shape,           qkv.buffer.data(),   dout.buffer.data(), lse.buffer.data(),
+                            delta.buffer.data(), dqkv.buffer.data()};
+  const dim3 grid(static_cast<unsigned>(c.B * c.NH), static_cast<unsigned>(fl::row_tiles(c.T, M)));
+  const auto run = [&]<int HS>() {
+    ca::launch_tiled(be, fl::forward_kernel<HS, M>, grid, fl::ForwardSmem<HS>::total, "test", "forward", fa);
+    ca::launch_tiled(be, fl::delta_kernel<HS>, dim3(static_cast<unsigned>((rows + fl::warps - 1) / fl::warps)), 0,
+                     "test", "delta", out.buffer.data(), dout.buffer.data(), delta.buffer.data(), shape, rows);
+    ca::launch_tiled(be, fl::key_value_grad_kernel<HS, M>, grid, fl::KeyValueGradSmem<HS>::total, "test",
+                     "key_value_grad", ba);
+    ca::launch_tiled(be, fl::query_grad_kernel<HS, M>, grid, fl::QueryGradSmem<HS>::total, "test", "query_grad", ba);
+  };
+  if (c.hs == 32)
+    run.template operator()<32>();
+  else
+    run.template operator()<64>();
+  return {out.to_host(be), dqkv.to_host(be), lse.to_host(be)};
+}
+
+TEST_CASE("on the GPU, warps of two row blocks (M = 2) match the reference and give M = 1's values") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!tiled_kernels_run(be)) return;
+  const std::vector<PaddedCase> cases = {{{1, 1024, 2, 64}, {}},
+                                         {{2, 333, 4, 64}, {}},
+                                         {{1, 129, 2, 32}, {}},
+                                         {{3, 200, 1, 64}, {70, 1, 200}},
+                                         {{2, 129, 1, 32}, {100, 129}}};
+  check_two_row_blocks(cases, 1200, [&be]<int M>(const PaddedCase& pc, const Data& data, AttentionMask mask) {
+    return run_layout_on_device<M>(be, pc.shape, data, mask, pc.lengths);
+  });
 }
 
 }  // namespace

@@ -553,9 +553,10 @@ inline flash::Shape flash_shape(const attention::Dims& d) {
   return {d.tokens, d.channels, static_cast<int>(d.heads), softmax_scale(d), d.mask, d.lengths};
 }
 
-//! The tiled kernels' grid: x = b NH + h, y = the 64-token tile.
-inline dim3 flash_grid(const attention::Dims& d) {
-  return dim3(static_cast<unsigned>(d.batch * d.heads), static_cast<unsigned>(flash::tiles(d.tokens)), 1);
+//! The grid of a tiled kernel whose warps own m blocks of 16 rows: x = b NH + h, y = the tile of
+//! 64 m tokens.
+inline dim3 flash_grid(const attention::Dims& d, int m) {
+  return dim3(static_cast<unsigned>(d.batch * d.heads), static_cast<unsigned>(flash::row_tiles(d.tokens, m)), 1);
 }
 
 //! Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KiB), then launches
@@ -568,18 +569,20 @@ void launch_tiled(const cuda& be, void (*kernel)(Params...), dim3 grid, std::siz
   cuda_check_launch((std::string(name) + " " + what).c_str());
 }
 
-//! attention_forward_lse on the tiled kernel: one block per 64 query rows of each (b, h).
+//! attention_forward_lse on the tiled kernel: one block per 64 flash::row_blocks.forward query
+//! rows of each (b, h).
 inline void flash_forward(const cuda& be, const attention::Dims& d, bf16* out, float* lse, const bf16* qkv,
                           const char* name) {
   const flash::ForwardArgs args{flash_shape(d), qkv, out, lse};
   with_head_size(d, [&]<int HS>() {
-    launch_tiled(be, flash::forward_kernel<HS>, flash_grid(d), flash::ForwardSmem<HS>::total, name,
-                 "flash::forward_kernel", args);
+    launch_tiled(be, flash::forward_kernel<HS>, flash_grid(d, flash::row_blocks.forward),
+                 flash::ForwardSmem<HS>::total, name, "flash::forward_kernel", args);
   });
 }
 
 //! attention_backward_lse on the tiled kernels: delta = rowsum(dout * out) into [B,NH,T] floats
-//! of workspace, then dk and dv (one block per 64 keys), then dq (one block per 64 queries).
+//! of workspace, then dk and dv (a block per 64 flash::row_blocks.key_value_grad keys), then dq
+//! (a block per 64 row_blocks.query_grad queries).
 inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const bf16* dout, const bf16* qkv,
                            const bf16* out, const float* lse, const char* name) {
   const std::int64_t rows = d.batch * d.heads * d.tokens;
@@ -590,10 +593,10 @@ inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const
   with_head_size(d, [&]<int HS>() {
     launch_tiled(be, flash::delta_kernel<HS>, dim3(delta_blocks), 0, name, "flash::delta_kernel", out, dout,
                  delta.data(), args.shape, rows);
-    launch_tiled(be, flash::key_value_grad_kernel<HS>, flash_grid(d), flash::KeyValueGradSmem<HS>::total, name,
-                 "flash::key_value_grad_kernel", args);
-    launch_tiled(be, flash::query_grad_kernel<HS>, flash_grid(d), flash::QueryGradSmem<HS>::total, name,
-                 "flash::query_grad_kernel", args);
+    launch_tiled(be, flash::key_value_grad_kernel<HS>, flash_grid(d, flash::row_blocks.key_value_grad),
+                 flash::KeyValueGradSmem<HS>::total, name, "flash::key_value_grad_kernel", args);
+    launch_tiled(be, flash::query_grad_kernel<HS>, flash_grid(d, flash::row_blocks.query_grad),
+                 flash::QueryGradSmem<HS>::total, name, "flash::query_grad_kernel", args);
   });
 }
 

@@ -11,7 +11,8 @@
 //!   it walks the key tiles 0..its own (causal) or all of them (bidirectional), keeping each row's
 //!   running max m and sum l (the online softmax) and the unnormalised output in registers, and
 //!   writes out and lse = m + log l at the end. Nothing T x T exists anywhere.
-//! - backward, with D = rowsum(dout * out) per query row (delta_kernel):
+//! - backward, with D = rowsum(dout * out) per query row (delta_kernel), from lse and D copied into
+//!   shared memory a tile at a time:
 //!   - key_value_grad: a block owns 64 keys (a warp 16); it walks the query tiles from its own
 //!     (causal; from 0, bidirectional) to the last, each in two halves of 32 queries (fewer
 //!     registers), recomputing S^T = K Q^T, P^T = exp(S^T scale - lse), dP^T = V dO^T and
@@ -20,6 +21,13 @@
 //!     (causal) or all of them (bidirectional), recomputing S, P, dP and dS the same way, and
 //!     accumulates dQ += dS K.
 //!   The score work is done twice (once per kernel), the price of a fixed summation order.
+//! - Each kernel takes M, the 16-row blocks a warp owns (above, M = 1; row_blocks says which the
+//!   library launches): with M = 2 a block owns 128 rows, and each B fragment a warp reads from
+//!   shared memory serves M products (FlashAttention-2's forward layout: 4 warps of 32 rows), at
+//!   the price of M times the fragments in registers. The key_value_grad kernel then walks a query
+//!   tile in quarters and query_grad a key tile in halves, so that the scores still fit, and a
+//!   warp skips a step where the mask hides it from all its rows. Every row meets the same tiles
+//!   in the same order whatever M is: M changes no value.
 //!
 //! The mask enters in two places only: which tiles a block walks (query_tile, key_tiles,
 //! first_query_tile) and, per row of the warp, which keys or queries count (the last key a query
@@ -236,7 +244,7 @@ LOOM_HD inline void start_tile(Thread& th, bf16* rows, const bf16* src, std::int
     LOOM_FLASH_UNROLL
     for (int pass = 0; pass < tile / rows_per_pass; ++pass) {
       const bool real = r + pass * rows_per_pass < real_rows;
-      th.copy_async(to + pass * rows_per_pass * row_ld<HS>, real ? from : src, real);
+      th.copy_async(to + pass * rows_per_pass * row_ld<HS>, real ? from : src, real ? 16 : 0);
       from += rows_per_pass * ld;
     }
     return;
@@ -258,12 +266,24 @@ LOOM_HD inline void start_tiles(Thread& th, bf16* a, const bf16* a_src, std::int
   th.commit_copies();
 }
 
-//! dst[r] = factor src[first + r] for the 64 rows of a tile, 0 for rows >= T.
+//! Starts copying dst[r] = src[first + r] for the 64 rows of a tile, 0 for rows >= T, by the 16
+//! threads `lead`..`lead + 15`, 4 floats each, where src + first is 16-byte aligned (T a multiple
+//! of 4; the caller commits the copies); elsewhere those threads store at once. Asynchronous,
+//! because a shared store of a plain load waits for it: each thread would stall for a global
+//! load's latency at every tile.
 LOOM_FLASH_BODY
 template <class Thread>
-LOOM_HD inline void load_rows(Thread& th, float* dst, const float* src, float factor, std::int64_t first,
-                              std::int64_t tokens) {
-  for (int r = th.thread(); r < tile; r += threads) dst[r] = first + r < tokens ? factor * src[first + r] : 0.0f;
+LOOM_HD inline void start_rows(Thread& th, float* dst, const float* src, std::int64_t first, std::int64_t tokens,
+                               int lead) {
+  constexpr int per_copy = 16 / sizeof(float);
+  const int part = th.thread() - lead;
+  if (part < 0 || part >= tile / per_copy) return;
+  const int r = part * per_copy, real = tile_column(tokens, first + r, 0, per_copy);
+  if (reinterpret_cast<std::uintptr_t>(src + first) % 16 == 0) {
+    th.copy_async(dst + r, real > 0 ? src + first + r : src, real * static_cast<int>(sizeof(float)));
+    return;
+  }
+  for (int e = 0; e < per_copy; ++e) dst[r + e] = e < real ? src[first + r + e] : 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,6 +330,17 @@ LOOM_HD inline void load_a(FragmentA& a, const bf16* m, std::int64_t ld, std::in
   }
 }
 
+//! The A fragments of the M 16-row blocks starting at row `first` of `m` (load_a), over HS columns.
+template <int HS, int M>
+LOOM_HD inline void load_rows_a(FragmentA (&a)[M][HS / 16], const bf16* m, std::int64_t ld, std::int64_t first,
+                                std::int64_t tokens, Lane ln) {
+  LOOM_FLASH_UNROLL
+  for (int r = 0; r < M; ++r) {
+    LOOM_FLASH_UNROLL
+    for (int kk = 0; kk < HS / 16; ++kk) load_a(a[r][kk], m, ld, first + warp_rows * r, tokens, 16 * kk, ln);
+  }
+}
+
 //! The A fragment of a 16 x 16 block from the C fragments of its left and right 16 x 8 halves,
 //! each value rounded to bf16 (the layouts line up; see the file comment).
 LOOM_HD inline void to_a(FragmentA& a, const FragmentC& left, const FragmentC& right) noexcept {
@@ -319,32 +350,37 @@ LOOM_HD inline void to_a(FragmentA& a, const FragmentC& left, const FragmentC& r
   a[3] = pack_pair(right[2], right[3]);
 }
 
-//! dst[row, 8 n + c] += acc[n] for the warp's 16 rows starting at token `first` (rows >= T
-//! skipped), each sum rounded to bf16 once.
-template <int N>
-LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[N], std::int64_t first,
+//! dst[row, 8 n + c] += acc[r][n] for the warp's M blocks of 16 rows starting at token `first`
+//! (block r at first + 16 r; rows >= `tokens` skipped), each sum rounded to bf16 once.
+template <int M, int N>
+LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[M][N], std::int64_t first,
                              std::int64_t tokens, Lane ln) {
   LOOM_FLASH_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    const std::int64_t row = first + ln.group + 8 * i;
-    if (row >= tokens) continue;
-    bf16* d = dst + row * ld + 2 * ln.pair;
+  for (int r = 0; r < M; ++r) {
     LOOM_FLASH_UNROLL
-    for (int n = 0; n < N; ++n) {
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t row = first + warp_rows * r + ln.group + 8 * i;
+      if (row >= tokens) continue;
+      bf16* d = dst + row * ld + 2 * ln.pair;
       LOOM_FLASH_UNROLL
-      for (int c = 0; c < 2; ++c) d[8 * n + c] = bf16(static_cast<float>(d[8 * n + c]) + acc[n][2 * i + c]);
+      for (int n = 0; n < N; ++n) {
+        LOOM_FLASH_UNROLL
+        for (int c = 0; c < 2; ++c) d[8 * n + c] = bf16(static_cast<float>(d[8 * n + c]) + acc[r][n][2 * i + c]);
+      }
     }
   }
 }
 
-//! acc[j] += the [16, 8 N] product a b^T: `a` the A fragments of 16 rows over HS columns, `b` the
-//! first of 8 N rows of a [64, HS] tile in shared memory (stride row_ld<HS>); acc[j] holds columns
-//! 8 j .. 8 j + 7. The B fragments (B(k, n) = b[n row_ld + k]) come two at a time from ldmatrix:
-//! lane l gives the address of row l % 8 + 8 (l / 16) (of the 16 n) at column 8 (l / 8 % 2) (of
-//! the 16 k).
+//! acc[r][j] += the [16, 8 N] product a[r] b^T for each of the warp's M row blocks: a[r] the A
+//! fragments of 16 rows over HS columns, `b` the first of 8 N rows of a [64, HS] tile in shared
+//! memory (stride row_ld<HS>); acc[r][j] holds columns 8 j .. 8 j + 7. The B fragments
+//! (B(k, n) = b[n row_ld + k]) come two at a time from ldmatrix, each used by the M blocks (the
+//! shared-memory reads per mma fall as 1 / M): lane l gives the address of row l % 8 + 8 (l / 16)
+//! (of the 16 n) at column 8 (l / 8 % 2) (of the 16 k). Each acc element sums over k in the
+//! same order whatever M is.
 LOOM_FLASH_BODY
-template <int HS, int N, class Thread>
-LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[N], const FragmentA (&a)[HS / 16], const bf16* b,
+template <int HS, int M, int N, class Thread>
+LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[M][N], const FragmentA (&a)[M][HS / 16], const bf16* b,
                                 Lane ln) {
   static_assert(N % 2 == 0, "ldmatrix.x4 gives the B fragments of 16 rows");
   const int lane = 4 * ln.group + ln.pair;
@@ -355,57 +391,72 @@ LOOM_HD inline void product_abt(Thread& th, FragmentC (&acc)[N], const FragmentA
     for (int kk = 0; kk < HS / 16; ++kk) {
       FragmentB fb[2];
       th.load_b_rows(fb, lane_row + 8 * j * row_ld<HS> + 16 * kk);
-      th.mma(acc[j], a[kk], fb[0]);
-      th.mma(acc[j + 1], a[kk], fb[1]);
+      LOOM_FLASH_UNROLL
+      for (int r = 0; r < M; ++r) {
+        th.mma(acc[r][j], a[r][kk], fb[0]);
+        th.mma(acc[r][j + 1], a[r][kk], fb[1]);
+      }
     }
   }
 }
 
-//! acc[n] += (a b)[:, 8 n ..], over the 8 K columns of `a` (C fragments of [16, 8 K], rounded to
-//! bf16 here) and 8 K rows of a [64, HS] tile from `b` on (B(k, n) = b[k row_ld<HS> + n], stride
-//! row_ld<HS>), whose B fragments come two at a time from ldmatrix.trans: lane l gives the address
-//! of row 16 kk + l % 16 at column 16 n2 + 8 (l / 16), the rows of the four 8 x 8 matrices in order.
+//! acc[r][n] += (a[r] b)[:, 8 n ..] for each of the warp's M row blocks, over the 8 K columns of
+//! a[r] (C fragments of [16, 8 K], rounded to bf16 here) and 8 K rows of a [64, HS] tile from `b`
+//! on (B(k, n) = b[k row_ld<HS> + n], stride row_ld<HS>), whose B fragments come two at a time
+//! from ldmatrix.trans, each used by the M blocks: lane l gives the address of row 16 kk + l % 16
+//! at column 16 n2 + 8 (l / 16), the rows of the four 8 x 8 matrices in order.
 LOOM_FLASH_BODY
-template <int HS, int K, class Thread>
-LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[HS / 8], const FragmentC (&a)[K], const bf16* b,
+template <int HS, int M, int K, class Thread>
+LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[M][HS / 8], const FragmentC (&a)[M][K], const bf16* b,
                                   Lane ln) {
   static_assert(K % 2 == 0, "an A fragment is 16 columns of a");
   const int lane = 4 * ln.group + ln.pair;
   const bf16* lane_row = b + (lane % 16) * row_ld<HS> + 8 * (lane / 16);
   LOOM_FLASH_UNROLL
   for (int kk = 0; kk < K / 2; ++kk) {
-    FragmentA fa;
-    to_a(fa, a[2 * kk], a[2 * kk + 1]);
+    FragmentA fa[M];
+    LOOM_FLASH_UNROLL
+    for (int r = 0; r < M; ++r) to_a(fa[r], a[r][2 * kk], a[r][2 * kk + 1]);
     LOOM_FLASH_UNROLL
     for (int n2 = 0; n2 < HS / 16; ++n2) {
       FragmentB fb[2];
       th.load_b_transposed(fb, lane_row + 16 * kk * row_ld<HS> + 16 * n2);
-      th.mma(acc[2 * n2], fa, fb[0]);
-      th.mma(acc[2 * n2 + 1], fa, fb[1]);
+      LOOM_FLASH_UNROLL
+      for (int r = 0; r < M; ++r) {
+        th.mma(acc[r][2 * n2], fa[r], fb[0]);
+        th.mma(acc[r][2 * n2 + 1], fa[r], fb[1]);
+      }
     }
   }
 }
 
 //! Zeros of a register array of fragments.
-template <int N>
-LOOM_HD inline void zero(FragmentC (&acc)[N]) noexcept {
+template <int M, int N>
+LOOM_HD inline void zero(FragmentC (&acc)[M][N]) noexcept {
   LOOM_FLASH_UNROLL
-  for (int n = 0; n < N; ++n) {
+  for (int r = 0; r < M; ++r) {
     LOOM_FLASH_UNROLL
-    for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+    for (int n = 0; n < N; ++n) {
+      LOOM_FLASH_UNROLL
+      for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.0f;
+    }
   }
 }
 
-//! Calls f(x, y, i, col) for each of the 4 N elements of a [16, 8 N] block that the lane holds in
-//! the fragments x and y (the same element of each): row group + 8 i of the block, column col.
-template <int N, class F>
-LOOM_HD inline void for_each_element(FragmentC (&x)[N], FragmentC (&y)[N], Lane ln, F&& f) {
+//! Calls f(x, y, r, i, col) for each of the 4 M N elements of M [16, 8 N] blocks that the lane
+//! holds in the fragments x and y (the same element of each): row group + 8 i of block r,
+//! column col.
+template <int M, int N, class F>
+LOOM_HD inline void for_each_element(FragmentC (&x)[M][N], FragmentC (&y)[M][N], Lane ln, F&& f) {
   LOOM_FLASH_UNROLL
-  for (int j = 0; j < N; ++j) {
+  for (int r = 0; r < M; ++r) {
     LOOM_FLASH_UNROLL
-    for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < N; ++j) {
       LOOM_FLASH_UNROLL
-      for (int c = 0; c < 2; ++c) f(x[j][2 * i + c], y[j][2 * i + c], i, 8 * j + 2 * ln.pair + c);
+      for (int i = 0; i < 2; ++i) {
+        LOOM_FLASH_UNROLL
+        for (int c = 0; c < 2; ++c) f(x[r][j][2 * i + c], y[r][j][2 * i + c], r, i, 8 * j + 2 * ln.pair + c);
+      }
     }
   }
 }
@@ -432,68 +483,89 @@ LOOM_HD inline Position position(const Thread& th, const Shape& sh) {
           Lane{lane / 4, lane % 4}};
 }
 
-//! The tile of a block that walks from tile 0 to its own (causal): the last tiles, which walk the
-//! longest, go to the first blocks.
-LOOM_HD inline std::int64_t longest_first(std::int64_t tokens, std::int64_t block_y) noexcept {
-  return tiles(tokens) - 1 - block_y;
+//! The blocks of 64 m rows that cover `tokens` rows: a kernel's grid height where each warp owns
+//! m blocks of 16 rows (its block 64 m; tiles(tokens) for m = 1).
+LOOM_HD constexpr std::int64_t row_tiles(std::int64_t tokens, int m) noexcept {
+  return (tokens + tile * m - 1) / (tile * m);
 }
 
-//! The query tile of a forward or query_grad block: longest_first (causal), or the block's own
-//! place in the grid (bidirectional: every block walks all key tiles).
-LOOM_HD inline std::int64_t query_tile(const Shape& sh, std::int64_t block_y) noexcept {
-  return sh.causal() ? longest_first(sh.tokens, block_y) : block_y;
+//! The row tile (of 64 m) of a block that walks from tile 0 to its own (causal): the last ones,
+//! which walk the longest, go to the first blocks.
+LOOM_HD inline std::int64_t longest_first(std::int64_t tokens, std::int64_t block_y, int m = 1) noexcept {
+  return row_tiles(tokens, m) - 1 - block_y;
 }
 
-//! The key tiles [0, key_tiles) that query tile `qt` (one with real queries: qt 64 < length)
-//! meets in a sequence of `length` real tokens: 0..qt (causal) or all that hold real keys.
-LOOM_HD inline std::int64_t key_tiles(const Shape& sh, std::int64_t qt, std::int64_t length) noexcept {
-  return sh.causal() ? qt + 1 : tiles(length);
+//! The query row tile (of 64 m) of a forward or query_grad block: longest_first (causal), or the
+//! block's own place in the grid (bidirectional: every block walks all key tiles).
+LOOM_HD inline std::int64_t query_tile(const Shape& sh, std::int64_t block_y, int m = 1) noexcept {
+  return sh.causal() ? longest_first(sh.tokens, block_y, m) : block_y;
 }
 
-//! The first query tile that key tile `kt` meets: kt (causal) or 0. (A key_value_grad block's
-//! tile is its blockIdx.y: with the causal mask the first ones walk the longest.)
-LOOM_HD inline std::int64_t first_query_tile(const Shape& sh, std::int64_t kt) noexcept {
-  return sh.causal() ? kt : 0;
+//! The 64-key tiles [0, key_tiles) that query row tile `qt` (of 64 m rows, one with real
+//! queries: qt 64 m < length) meets in a sequence of `length` real tokens: those up to its last
+//! row (causal) or all that hold real keys.
+LOOM_HD inline std::int64_t key_tiles(const Shape& sh, std::int64_t qt, std::int64_t length, int m = 1) noexcept {
+  const std::int64_t all = tiles(length);
+  return sh.causal() && (qt + 1) * m < all ? (qt + 1) * m : all;
+}
+
+//! The first 64-query tile that key row tile `kt` (of 64 m keys) meets: the one of its first key
+//! (causal) or 0. (A key_value_grad block's row tile is its blockIdx.y: with the causal mask the
+//! first ones walk the longest.)
+LOOM_HD inline std::int64_t first_query_tile(const Shape& sh, std::int64_t kt, int m = 1) noexcept {
+  return sh.causal() ? kt * m : 0;
 }
 
 //! The last key that query t sees in a sequence of `length` real tokens: t (causal) or
 //! length - 1, and no real key past length - 1. A padded query (t >= length, or a row past T,
 //! never written) sees keys as if it were real: the forward's online softmax then stays finite.
+//! It never falls as t grows, so a warp's last row gives the last key any of its rows sees.
 LOOM_HD inline std::int64_t last_key(const Shape& sh, std::int64_t t, std::int64_t length) noexcept {
   return sh.causal() && t < length ? t : length - 1;
 }
 
-//! The forward of one block: 64 query rows of one (batch, head). Shared memory: ForwardSmem<HS>.
-//! Scores are kept in base-2 units (times log2 e) so that each exponential is one exp2.
+//! The forward of one block: 64 M query rows of one (batch, head), M blocks of 16 rows a warp.
+//! Shared memory: ForwardSmem<HS>. Scores are kept in base-2 units (times log2 e) so that each
+//! exponential is one exp2. Each row walks the same key tiles, in the same order, whatever M is,
+//! so M changes no bit of out or lse.
 LOOM_FLASH_BODY
-template <int HS, class Thread>
+template <int HS, int M, class Thread>
 LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   using Smem = ForwardSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t qt = query_tile(sh, th.block_y()), length = sh.length(at.b);
+  const std::int64_t qt = query_tile(sh, th.block_y(), M), length = sh.length(at.b);
   unsigned char* smem = th.shared();
   const auto k = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::k + tile_index % 2 * tile_bytes<HS>); };
   const auto v = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::v + tile_index % 2 * tile_bytes<HS>); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;  // q of token 0; k at + C, v at + 2C
-  const std::int64_t first = qt * tile + warp * warp_rows;  // the warp's first query
-  FragmentA q[HS / 16];
-  LOOM_FLASH_UNROLL
-  for (int kk = 0; kk < HS / 16; ++kk) load_a(q[kk], qkv_bh, ld, first, T, 16 * kk, ln);
+  const std::int64_t first = (qt * warps + warp) * warp_rows * M;  // the warp's first query
+  FragmentA q[M][HS / 16];
+  load_rows_a<HS>(q, qkv_bh, ld, first, T, ln);
 
-  FragmentC o[HS / 8];
+  FragmentC o[M][HS / 8];
   zero(o);
   const float scale2 = sh.scale * log2e;
-  // Per row group + 8 i: the running max (base 2) and this lane's part of the running sum.
-  float m[2] = {-std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
-  float l[2] = {0.0f, 0.0f};
-  std::int64_t last[2];  // the last key row group + 8 i sees
+  // Per row group + 8 i of block r: the running max (base 2) and this lane's part of the running
+  // sum, and the last key the row sees.
+  float m[M][2], l[M][2];
+  std::int64_t last[M][2];
   LOOM_FLASH_UNROLL
-  for (int i = 0; i < 2; ++i) last[i] = last_key(sh, first + ln.group + 8 * i, length);
+  for (int r = 0; r < M; ++r) {
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      m[r][i] = -std::numeric_limits<float>::infinity();
+      l[r][i] = 0.0f;
+      last[r][i] = last_key(sh, first + warp_rows * r + ln.group + 8 * i, length);
+    }
+  }
+  // A key tile past the last key any row of the warp sees is masked for all of them: the warp
+  // skips it (M > 1: the block walks the tiles its last warp needs; with M = 1 none is skipped).
+  const std::int64_t warp_last = last_key(sh, first + warp_rows * M - 1, length);
   // A tile of padded queries only (the same for the whole block) walks no key tile: its rows are
   // written as zeros below.
-  const std::int64_t end = qt * tile < length ? key_tiles(sh, qt, length) : 0;
+  const std::int64_t end = qt * tile * M < length ? key_tiles(sh, qt, length, M) : 0;
   const auto start = [&](std::int64_t kt) {
     start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
@@ -504,68 +576,75 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
     // buffer tile kt + 1 takes next, while this one is computed.
     th.sync_block();
     if (kt + 1 < end) start(kt + 1);
+    if (kt * tile > warp_last) continue;
 
-    FragmentC s[tile_blocks];
+    FragmentC s[M][tile_blocks];
     zero(s);
     product_abt<HS>(th, s, q, k(kt), ln);
-    // Online softmax: a key counts where key <= last (t, the causal mask; or length - 1). Every
-    // row sees key kt 64 (kt 64 < length, and causal: kt <= qt, so kt 64 <= t for a real row), so
-    // the tile max is finite; m = -inf before the first tile gives alpha = exp2(-inf) = 0.
+    // Online softmax: a key counts where key <= last (t, the causal mask; or length - 1). Tile 0
+    // holds key 0, which every row sees, so m is finite from the first tile on; a later tile may
+    // hold no key a row sees (M > 1): its max is -inf, m stays, alpha = 1 and p = 0.
     LOOM_FLASH_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      const int last_column = tile_column(last[i], kt * tile, -1, tile - 1);
-      float tile_max = -std::numeric_limits<float>::infinity();
+    for (int r = 0; r < M; ++r) {
       LOOM_FLASH_UNROLL
-      for (int j = 0; j < tile_blocks; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        const int last_column = tile_column(last[r][i], kt * tile, -1, tile - 1);
+        float tile_max = -std::numeric_limits<float>::infinity();
         LOOM_FLASH_UNROLL
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[j][2 * i + c];
-          x = 8 * j + 2 * ln.pair + c <= last_column ? x * scale2 : -std::numeric_limits<float>::infinity();
-          tile_max = fmaxf(tile_max, x);
+        for (int j = 0; j < tile_blocks; ++j) {
+          LOOM_FLASH_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[r][j][2 * i + c];
+            x = 8 * j + 2 * ln.pair + c <= last_column ? x * scale2 : -std::numeric_limits<float>::infinity();
+            tile_max = fmaxf(tile_max, x);
+          }
         }
-      }
-      tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 1));  // the 4 lanes of the row
-      tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 2));
-      const float m_new = fmaxf(m[i], tile_max);
-      const float alpha = exp2f(m[i] - m_new);
-      float sum = 0.0f;
-      LOOM_FLASH_UNROLL
-      for (int j = 0; j < tile_blocks; ++j) {
+        tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 1));  // the 4 lanes of the row
+        tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 2));
+        const float m_new = fmaxf(m[r][i], tile_max);
+        const float alpha = exp2f(m[r][i] - m_new);
+        float sum = 0.0f;
         LOOM_FLASH_UNROLL
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[j][2 * i + c];
-          x = exp2f(x - m_new);
-          sum += x;
+        for (int j = 0; j < tile_blocks; ++j) {
+          LOOM_FLASH_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[r][j][2 * i + c];
+            x = exp2f(x - m_new);
+            sum += x;
+          }
         }
-      }
-      l[i] = l[i] * alpha + sum;
-      m[i] = m_new;
-      LOOM_FLASH_UNROLL
-      for (int n = 0; n < HS / 8; ++n) {
-        o[n][2 * i] *= alpha;
-        o[n][2 * i + 1] *= alpha;
+        l[r][i] = l[r][i] * alpha + sum;
+        m[r][i] = m_new;
+        LOOM_FLASH_UNROLL
+        for (int n = 0; n < HS / 8; ++n) {
+          o[r][n][2 * i] *= alpha;
+          o[r][n][2 * i + 1] *= alpha;
+        }
       }
     }
     accumulate_ab<HS>(th, o, s, v(kt), ln);  // o += p v
   }
 
   LOOM_FLASH_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    float sum = l[i] + th.shuffle_xor(l[i], 1);
-    sum += th.shuffle_xor(sum, 2);
-    const std::int64_t t = first + ln.group + 8 * i;
-    if (t >= T) continue;
-    // sum >= 1 where the row walked a tile (the max term is exp2(0)); a padded query's out and
-    // lse are 0 (factor 0, not 0 times an infinite inverse).
-    const bool real = t < length;
-    const float factor = real ? 1.0f / sum : 0.0f;
-    bf16* out_row = a.out + (at.b * T + t) * C + at.h * HS + 2 * ln.pair;
+  for (int r = 0; r < M; ++r) {
     LOOM_FLASH_UNROLL
-    for (int n = 0; n < HS / 8; ++n) {
+    for (int i = 0; i < 2; ++i) {
+      float sum = l[r][i] + th.shuffle_xor(l[r][i], 1);
+      sum += th.shuffle_xor(sum, 2);
+      const std::int64_t t = first + warp_rows * r + ln.group + 8 * i;
+      if (t >= T) continue;
+      // sum >= 1 where the row walked a tile (the max term is exp2(0)); a padded query's out and
+      // lse are 0 (factor 0, not 0 times an infinite inverse).
+      const bool real = t < length;
+      const float factor = real ? 1.0f / sum : 0.0f;
+      bf16* out_row = a.out + (at.b * T + t) * C + at.h * HS + 2 * ln.pair;
       LOOM_FLASH_UNROLL
-      for (int c = 0; c < 2; ++c) out_row[8 * n + c] = bf16(real ? o[n][2 * i + c] * factor : 0.0f);
+      for (int n = 0; n < HS / 8; ++n) {
+        LOOM_FLASH_UNROLL
+        for (int c = 0; c < 2; ++c) out_row[8 * n + c] = bf16(real ? o[r][n][2 * i + c] * factor : 0.0f);
+      }
+      if (ln.pair == 0) a.lse[at.bh * T + t] = real ? (m[r][i] + log2f(sum)) * ln2 : 0.0f;
     }
-    if (ln.pair == 0) a.lse[at.bh * T + t] = real ? (m[i] + log2f(sum)) * ln2 : 0.0f;
   }
 }
 
@@ -583,16 +662,18 @@ LOOM_HD void delta_block(Thread& th, const bf16* out, const bf16* dout, float* d
   const std::int64_t offset = (b * T + t) * sh.channels + h * HS;
   float sum = 0.0f;
   if (valid)
-    for (int c = lane; c < HS; c += 32) sum += static_cast<float>(dout[offset + c]) * static_cast<float>(out[offset + c]);
+    for (int c = lane; c < HS; c += 32)
+      sum += static_cast<float>(dout[offset + c]) * static_cast<float>(out[offset + c]);
   for (int mask = 16; mask > 0; mask /= 2) sum += th.shuffle_xor(sum, mask);  // every lane takes part
   if (valid && lane == 0) delta[row] = sum;
 }
 
-//! The gradient of 64 keys of one (batch, head): dk and dv of rows kt 64 .. kt 64 + 63 (kt =
-//! blockIdx.y: with the causal mask the first key tiles see the most queries), a warp's 16 keys
-//! in its registers. Shared memory: KeyValueGradSmem<HS>.
+//! The gradient of 64 M keys of one (batch, head): dk and dv of rows kt 64 M .. (kt = blockIdx.y:
+//! with the causal mask the first key tiles see the most queries), a warp's M blocks of 16 keys in
+//! its registers. Shared memory: KeyValueGradSmem<HS>. Each key meets the same queries in the same
+//! order whatever M is, so M changes no bit of dk or dv.
 LOOM_FLASH_BODY
-template <int HS, class Thread>
+template <int HS, int M, class Thread>
 LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   using Smem = KeyValueGradSmem<HS>;
   const Shape& sh = a.shape;
@@ -601,74 +682,84 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   // Keys at or past the length get no gradient, and queries there give none: a tile of padded
   // keys only leaves at once (the whole block, before any barrier); the others walk the query
   // tiles that hold real queries.
-  if (kt * tile >= length) return;
+  if (kt * tile * M >= length) return;
   const std::int64_t query_tiles = tiles(length);
   unsigned char* smem = th.shared();
   const auto q = [&](std::int64_t i) { return region<bf16>(smem, Smem::q + i % 2 * tile_bytes<HS>); };
   const auto g = [&](std::int64_t i) { return region<bf16>(smem, Smem::dout + i % 2 * tile_bytes<HS>); };
-  const auto lse = [&](std::int64_t i) {  // times log2 e
-    return region<float>(smem, Smem::lse + i % 2 * bytes<float>(1, tile));
-  };
+  const auto lse = [&](std::int64_t i) { return region<float>(smem, Smem::lse + i % 2 * bytes<float>(1, tile)); };
   const auto delta = [&](std::int64_t i) { return region<float>(smem, Smem::delta + i % 2 * bytes<float>(1, tile)); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
   const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
-  const std::int64_t first = kt * tile + warp * warp_rows;  // the warp's first key
-  FragmentA k[HS / 16], v[HS / 16];
-  LOOM_FLASH_UNROLL
-  for (int kk = 0; kk < HS / 16; ++kk) {
-    load_a(k[kk], qkv_bh + C, ld, first, T, 16 * kk, ln);
-    load_a(v[kk], qkv_bh + 2 * C, ld, first, T, 16 * kk, ln);
-  }
-  FragmentC dk[HS / 8], dv[HS / 8];
+  const std::int64_t first = (kt * warps + warp) * warp_rows * M;  // the warp's first key
+  FragmentA k[M][HS / 16], v[M][HS / 16];
+  load_rows_a<HS>(k, qkv_bh + C, ld, first, T, ln);
+  load_rows_a<HS>(v, qkv_bh + 2 * C, ld, first, T, ln);
+  FragmentC dk[M][HS / 8], dv[M][HS / 8];
   zero(dk);
   zero(dv);
   const float scale2 = sh.scale * log2e;
-  // The first query that key row group + 8 i meets: the key itself (causal), or 0; none (the
-  // length) for a padded key, whose dk and dv are never written.
-  std::int64_t lowest[2];
+  // The first query that key row group + 8 i of block r meets: the key itself (causal), or 0;
+  // none (the length) for a padded key, whose dk and dv are never written.
+  std::int64_t lowest[M][2];
   LOOM_FLASH_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    const std::int64_t key = first + ln.group + 8 * i;
-    lowest[i] = key >= length ? length : sh.causal() ? key : 0;
+  for (int r = 0; r < M; ++r) {
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t key = first + warp_rows * r + ln.group + 8 * i;
+      lowest[r][i] = key >= length ? length : sh.causal() ? key : 0;
+    }
   }
-  const auto start = [&](std::int64_t qtile) {
+  // The first query any key of the warp meets (its first key's lowest, the least): where M > 1 the
+  // warp skips the steps before it, masked for all its keys, and everything where its keys are all
+  // padded. (With M = 1 only half a diagonal tile would be skipped, and ptxas spilled 68 bytes
+  // where it spills 20 without the branch.)
+  const std::int64_t warp_lowest = first >= length ? tiles(length) * tile : sh.causal() ? first : 0;
+  const auto start = [&](std::int64_t qtile) {  // start_tiles commits the rows' copies with its own
+    start_rows(th, lse(qtile), a.lse + at.bh * T, qtile * tile, T, 0);
+    start_rows(th, delta(qtile), a.delta + at.bh * T, qtile * tile, T, 32);  // another warp
     start_tiles<HS>(th, q(qtile), qkv_bh, ld, g(qtile), dout_bh, C, qtile * tile, T);
-    load_rows(th, lse(qtile), a.lse + at.bh * T, log2e, qtile * tile, T);
-    load_rows(th, delta(qtile), a.delta + at.bh * T, 1.0f, qtile * tile, T);
   };
-  start(first_query_tile(sh, kt));
-  for (std::int64_t qtile = first_query_tile(sh, kt); qtile < query_tiles; ++qtile) {
+  // The queries of a step: a tile in two halves of 32 (M = 1) or four quarters of 16 (M = 2), so
+  // that S^T and dP^T take 32 registers beside dK, dV, K and V (96 of them, HS 64, M = 1).
+  constexpr int step = tile / 2 / M;
+  static_assert(step % 16 == 0, "a step is whole A fragments of queries");
+  start(first_query_tile(sh, kt, M));
+  for (std::int64_t qtile = first_query_tile(sh, kt, M); qtile < query_tiles; ++qtile) {
     th.wait_copies();
     th.sync_block();  // tile qtile is in, tile qtile - 1 no longer read (forward_block's loop)
     if (qtile + 1 < query_tiles) start(qtile + 1);
 
-    // The queries of the tile that count for key row group + 8 i: columns [lowest, end).
+    // The queries of the tile that count for key row group + 8 i of block r: columns
+    // [lowest, end).
     const int end = tile_column(length, qtile * tile, 0, tile);
-    const int lowest_column[2] = {tile_column(lowest[0], qtile * tile, 0, tile),
-                                  tile_column(lowest[1], qtile * tile, 0, tile)};
-    // The tile in two halves of 32 queries: S^T and dP^T of a half are 32 registers where the
-    // whole tile's were 64, beside dK, dV, K and V's 96 (HS 64), so that three blocks fit on an SM.
-    for (int half = 0; half < 2; ++half) {
-      const int first_query = half * tile / 2;  // of the tile
-      const bf16* const q_half = q(qtile) + first_query * row_ld<HS>;
-      const bf16* const g_half = g(qtile) + first_query * row_ld<HS>;
-      const float* const lse_half = lse(qtile) + first_query;
-      const float* const delta_half = delta(qtile) + first_query;
-      FragmentC st[tile_blocks / 2], dpt[tile_blocks / 2];  // S^T and dP^T: [16 keys, 32 queries]
+    int lowest_column[M][2];
+    LOOM_FLASH_UNROLL
+    for (int r = 0; r < M; ++r) {
+      LOOM_FLASH_UNROLL
+      for (int i = 0; i < 2; ++i) lowest_column[r][i] = tile_column(lowest[r][i], qtile * tile, 0, tile);
+    }
+    for (int first_query = 0; first_query < tile; first_query += step) {  // of the tile
+      if (M > 1 && qtile * tile + first_query + step <= warp_lowest) continue;
+      const bf16* const q_step = q(qtile) + first_query * row_ld<HS>;
+      const bf16* const g_step = g(qtile) + first_query * row_ld<HS>;
+      const float* const lse_step = lse(qtile) + first_query;
+      const float* const delta_step = delta(qtile) + first_query;
+      FragmentC st[M][step / 8], dpt[M][step / 8];  // S^T and dP^T: [16 keys, step queries] a block
       zero(st);
       zero(dpt);
-      product_abt<HS>(th, st, k, q_half, ln);
-      product_abt<HS>(th, dpt, v, g_half, ln);  // dP^T = V dO^T
+      product_abt<HS>(th, st, k, q_step, ln);
+      product_abt<HS>(th, dpt, v, g_step, ln);  // dP^T = V dO^T
       // The mask selects the exponent (-inf: p = 0, then dS = 0), not the results: a select after
       // the exponential compiled to a branch around it per element.
-      for_each_element(st, dpt, ln, [&](float& p, float& ds, int i, int col) {
-        const bool valid = first_query + col < end && first_query + col >= lowest_column[i];
-        p = exp2f(valid ? fmaf(p, scale2, -lse_half[col]) : -std::numeric_limits<float>::infinity());
-        ds = p * (ds - delta_half[col]) * sh.scale;
+      for_each_element(st, dpt, ln, [&](float& p, float& ds, int r, int i, int col) {
+        const bool valid = first_query + col < end && first_query + col >= lowest_column[r][i];
+        p = exp2f(valid ? fmaf(p, scale2, -lse_step[col] * log2e) : -std::numeric_limits<float>::infinity());
+        ds = p * (ds - delta_step[col]) * sh.scale;
       });
-      accumulate_ab<HS>(th, dv, st, g_half, ln);   // dV += P^T dO
-      accumulate_ab<HS>(th, dk, dpt, q_half, ln);  // dK += dS^T Q
+      accumulate_ab<HS>(th, dv, st, g_step, ln);   // dV += P^T dO
+      accumulate_ab<HS>(th, dk, dpt, q_step, ln);  // dK += dS^T Q
     }
   }
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
@@ -676,65 +767,83 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   add_rows(dqkv_bh + 2 * C, ld, dv, first, length, ln);
 }
 
-//! The gradient of 64 queries of one (batch, head): dq of rows qt 64 .. qt 64 + 63, a warp's 16
-//! queries in its registers. Shared memory: QueryGradSmem<HS>.
+//! The gradient of 64 M queries of one (batch, head): dq of rows qt 64 M .., a warp's M blocks of
+//! 16 queries in its registers. Shared memory: QueryGradSmem<HS>. Each query meets the same keys
+//! in the same order whatever M is, so M changes no bit of dq.
 LOOM_FLASH_BODY
-template <int HS, class Thread>
+template <int HS, int M, class Thread>
 LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   using Smem = QueryGradSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
-  const std::int64_t qtile = query_tile(sh, th.block_y()), length = sh.length(at.b);
-  if (qtile * tile >= length) return;  // padded queries only: no gradient (key_value_grad_block)
+  const std::int64_t qtile = query_tile(sh, th.block_y(), M), length = sh.length(at.b);
+  if (qtile * tile * M >= length) return;  // padded queries only: no gradient (key_value_grad_block)
   unsigned char* smem = th.shared();
   const auto k = [&](std::int64_t i) { return region<bf16>(smem, Smem::k + i % 2 * tile_bytes<HS>); };
   const auto v = [&](std::int64_t i) { return region<bf16>(smem, Smem::v + i % 2 * tile_bytes<HS>); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
   const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
-  const std::int64_t first = qtile * tile + warp * warp_rows;  // the warp's first query
-  FragmentA q[HS / 16], g[HS / 16];
+  const std::int64_t first = (qtile * warps + warp) * warp_rows * M;  // the warp's first query
+  FragmentA q[M][HS / 16], g[M][HS / 16];
+  load_rows_a<HS>(q, qkv_bh, ld, first, T, ln);
+  load_rows_a<HS>(g, dout_bh, C, first, T, ln);
+  float lse[M][2], delta[M][2];  // of row group + 8 i of block r; lse times log2 e
+  std::int64_t last[M][2];       // the last key the row sees; -1 (none) for a padded row
   LOOM_FLASH_UNROLL
-  for (int kk = 0; kk < HS / 16; ++kk) {
-    load_a(q[kk], qkv_bh, ld, first, T, 16 * kk, ln);
-    load_a(g[kk], dout_bh, C, first, T, 16 * kk, ln);
+  for (int r = 0; r < M; ++r) {
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t t = first + warp_rows * r + ln.group + 8 * i;
+      lse[r][i] = t < length ? a.lse[at.bh * T + t] * log2e : 0.0f;
+      delta[r][i] = t < length ? a.delta[at.bh * T + t] : 0.0f;
+      last[r][i] = t < length ? last_key(sh, t, length) : -1;
+    }
   }
-  float lse[2], delta[2];  // of rows group + 8 i; lse times log2 e
-  std::int64_t last[2];    // the last key row group + 8 i sees; -1 (none) for a padded row
-  LOOM_FLASH_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    const std::int64_t t = first + ln.group + 8 * i;
-    lse[i] = t < length ? a.lse[at.bh * T + t] * log2e : 0.0f;
-    delta[i] = t < length ? a.delta[at.bh * T + t] : 0.0f;
-    last[i] = t < length ? last_key(sh, t, length) : -1;
-  }
-  FragmentC dq[HS / 8];
+  // The last key any row of the warp sees (its last real row's): the warp skips the keys past it,
+  // masked for all its rows, and everything where its rows are all padded.
+  const std::int64_t warp_last =
+      first < length ? last_key(sh, first + warp_rows * M - 1 < length ? first + warp_rows * M - 1 : length - 1, length)
+                     : -1;
+  FragmentC dq[M][HS / 8];
   zero(dq);
   const float scale2 = sh.scale * log2e;
-  const std::int64_t end = key_tiles(sh, qtile, length);
+  const std::int64_t end = key_tiles(sh, qtile, length, M);
   const auto start = [&](std::int64_t kt) {
     start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
+  // The keys of a step: the whole tile (M = 1) or two halves of 32 (M = 2), so that S and dP
+  // take 64 registers whatever M is.
+  constexpr int step = tile / M;
+  static_assert(step % 16 == 0, "a step is whole A fragments of keys");
   start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
     th.wait_copies();
     th.sync_block();  // tile kt is in, tile kt - 1 no longer read (forward_block's loop)
     if (kt + 1 < end) start(kt + 1);
 
-    FragmentC s[tile_blocks], dp[tile_blocks];
-    zero(s);
-    zero(dp);
-    product_abt<HS>(th, s, q, k(kt), ln);
-    product_abt<HS>(th, dp, g, v(kt), ln);  // dP = dO V^T
-    const int last_column[2] = {tile_column(last[0], kt * tile, -1, tile - 1),
-                                tile_column(last[1], kt * tile, -1, tile - 1)};
-    // The mask selects the exponent (-inf: p = 0, then dS = 0); key_value_grad_block says why.
-    for_each_element(s, dp, ln, [&](float& score, float& ds, int i, int col) {
-      const float p =
-          exp2f(col <= last_column[i] ? fmaf(score, scale2, -lse[i]) : -std::numeric_limits<float>::infinity());
-      ds = p * (ds - delta[i]) * sh.scale;
-    });
-    accumulate_ab<HS>(th, dq, dp, k(kt), ln);  // dQ += dS K
+    for (int first_key = 0; first_key < tile; first_key += step) {  // of the tile
+      if (kt * tile + first_key > warp_last) break;
+      const bf16* const k_step = k(kt) + first_key * row_ld<HS>;
+      FragmentC s[M][step / 8], dp[M][step / 8];
+      zero(s);
+      zero(dp);
+      product_abt<HS>(th, s, q, k_step, ln);
+      product_abt<HS>(th, dp, g, v(kt) + first_key * row_ld<HS>, ln);  // dP = dO V^T
+      int last_column[M][2];
+      LOOM_FLASH_UNROLL
+      for (int r = 0; r < M; ++r) {
+        LOOM_FLASH_UNROLL
+        for (int i = 0; i < 2; ++i) last_column[r][i] = tile_column(last[r][i], kt * tile + first_key, -1, step - 1);
+      }
+      // The mask selects the exponent (-inf: p = 0, then dS = 0); key_value_grad_block says why.
+      for_each_element(s, dp, ln, [&](float& score, float& ds, int r, int i, int col) {
+        const float p = exp2f(col <= last_column[r][i] ? fmaf(score, scale2, -lse[r][i])
+                                                       : -std::numeric_limits<float>::infinity());
+        ds = p * (ds - delta[r][i]) * sh.scale;
+      });
+      accumulate_ab<HS>(th, dq, dp, k_step, ln);  // dQ += dS K
+    }
   }
   add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, length, ln);
 }
@@ -762,12 +871,11 @@ struct DeviceThread {
   }
   __device__ void sync_block() const { __syncthreads(); }
   __device__ float shuffle_xor(float value, int mask) const { return __shfl_xor_sync(0xffffffffu, value, mask); }
-  //! Starts copying the 16 bytes at `src` (global) to `dst` (shared), or 16 zero bytes where not
-  //! `real` (src then is not read).
-  __device__ void copy_async(bf16* dst, const bf16* src, bool real) const {
+  //! Starts copying the first `bytes` (0 to 16; src then is not read) of the 16 at `src` (global,
+  //! 16-byte aligned) to `dst` (shared), the rest of the 16 as zeros.
+  __device__ void copy_async(void* dst, const void* src, int bytes) const {
     const auto to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(real ? 16 : 0)
-                 : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(bytes) : "memory");
   }
   //! Closes the group of copies started since the last call.
   __device__ void commit_copies() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -816,27 +924,39 @@ static_assert(sizeof(bf16) == sizeof(__nv_bfloat16), "loom::bf16 and __nv_bfloat
 #endif
 
 //! The blocks of the forward and backward kernels that must fit on an SM at once, which bounds
-//! their registers: 3 (168 registers) where HS <= 64, 2 (255) for HS 128, whose fragments alone
-//! take more than 168 in key_value_grad. The kernels take it as a template argument, so that
-//! loom_cuda_attention_bench can time other bounds beside it.
-constexpr int blocks_per_sm(int hs) { return hs <= 64 ? 3 : 2; }
+//! their registers, where each warp owns m blocks of 16 rows: for m = 1, 3 (168 registers) where
+//! HS <= 64 and 2 (255) for HS 128, whose fragments alone take more than 168 in key_value_grad;
+//! m = 2 doubles the fragments a warp holds: 2 where HS <= 64, else 1. The kernels take both as
+//! template arguments, so that loom_cuda_attention_bench can time others beside the library's.
+constexpr int blocks_per_sm(int hs, int m = 1) { return m == 1 ? (hs <= 64 ? 3 : 2) : (hs <= 64 ? 2 : 1); }
 
-template <int HS, int Blocks = blocks_per_sm(HS)>
+//! The 16-row blocks a warp of each kernel owns in the library's launches (its block then owns
+//! 64 M rows). M = 2 reads half the shared memory per tensor-core product (FlashAttention-2's
+//! forward gives each of its 4 warps 32 of 128 rows) but holds twice the fragments (ptxas, sm_90,
+//! hs 64: the forward fits in 254 registers, query_grad spills 32 bytes, key_value_grad 224).
+//! Untimed yet, so 1 for each, the layout measured on the H100; loom_cuda_attention_bench times
+//! M = 2 beside it.
+struct RowBlocks {
+  int forward = 1, key_value_grad = 1, query_grad = 1;
+};
+inline constexpr RowBlocks row_blocks{};
+
+template <int HS, int M = row_blocks.forward, int Blocks = blocks_per_sm(HS, M)>
 __global__ void __launch_bounds__(threads, Blocks) forward_kernel(ForwardArgs a) {
-  LOOM_FLASH_RUN(forward_block<HS>(th, a))
+  LOOM_FLASH_RUN(forward_block<HS, M>(th, a))
 }
 template <int HS>
 __global__ void __launch_bounds__(threads) delta_kernel(const bf16* out, const bf16* dout, float* delta, Shape sh,
                                                        std::int64_t rows) {
   LOOM_FLASH_RUN(delta_block<HS>(th, out, dout, delta, sh, rows))
 }
-template <int HS, int Blocks = blocks_per_sm(HS)>
+template <int HS, int M = row_blocks.key_value_grad, int Blocks = blocks_per_sm(HS, M)>
 __global__ void __launch_bounds__(threads, Blocks) key_value_grad_kernel(BackwardArgs a) {
-  LOOM_FLASH_RUN(key_value_grad_block<HS>(th, a))
+  LOOM_FLASH_RUN(key_value_grad_block<HS, M>(th, a))
 }
-template <int HS, int Blocks = blocks_per_sm(HS)>
+template <int HS, int M = row_blocks.query_grad, int Blocks = blocks_per_sm(HS, M)>
 __global__ void __launch_bounds__(threads, Blocks) query_grad_kernel(BackwardArgs a) {
-  LOOM_FLASH_RUN(query_grad_block<HS>(th, a))
+  LOOM_FLASH_RUN(query_grad_block<HS, M>(th, a))
 }
 
 #undef LOOM_FLASH_RUN
