@@ -7,9 +7,10 @@
 // mma.sync from the 32 lanes' fragments by the documented m16n8k16 layout, each lane computing its
 // own part of the result from what the others published, as on the GPU. Shared memory starts as
 // garbage. So the tiling, the online softmax, both masks, the partial tiles, the fragment
-// indexing and the barriers are checked without a GPU; with one, the same checks run on the device
-// kernels through attention_forward_lse/backward_lse and against the cuBLAS path, and a single
-// mma checks the layout itself against a plain product.
+// indexing and the barriers are checked without a GPU, for warps of one 16-row block (M = 1, the
+// library's launch) and of two (M = 2, which must give M = 1's values); with one, the same checks
+// run on the device kernels through attention_forward_lse/backward_lse, against the cuBLAS path and
+// for M = 2 launched directly, and a single mma checks the layout itself against a plain product.
 //
 // Tolerances. bf16 keeps 8 significant bits: the probabilities fed to the tensor cores are rounded
 // (relative 2^-9), so are dS and every result. A result passes when
