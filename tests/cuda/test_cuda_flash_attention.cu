@@ -34,6 +34,7 @@
 #include <ostream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "loom/backend/attention_mask.hpp"
@@ -630,7 +631,12 @@ bool same_values(const Result& a, const Result& b) {
          });
 }
 
-//! For each case and mask: `run.template operator()<M>(case, data, mask)` at M = 2 against the
+//! Warps of M row blocks, as a value `run` reads back from its type (a template argument of a
+//! lambda it cannot deduce would not convert to a function pointer, and nvcc warns).
+template <int M>
+using RowBlocksTag = std::integral_constant<int, M>;
+
+//! For each case and mask: `run(RowBlocksTag<M>{}, case, data, mask)` at M = 2 against the
 //! reference, and against M = 1's values, which must be the same (each row and key meets the same
 //! tiles in the same order).
 template <class Run>
@@ -640,9 +646,9 @@ void check_two_row_blocks(const std::vector<PaddedCase>& cases, std::uint32_t se
       INFO(loom::name(mask));
       CAPTURE(pc.shape);
       const Data data = make_data(pc.shape, seed += 10);
-      const Result two = run.template operator()<2>(pc, data, mask);
+      const Result two = run(RowBlocksTag<2>{}, pc, data, mask);
       check_all(reference(pc.shape, data, mask, pc.lengths), two.out, two.lse, two.dqkv);
-      CHECK(same_values(two, run.template operator()<1>(pc, data, mask)));
+      CHECK(same_values(two, run(RowBlocksTag<1>{}, pc, data, mask)));
     }
   }
 }
@@ -654,8 +660,8 @@ TEST_CASE("warps of two row blocks (M = 2) match the reference and M = 1's value
   const std::vector<PaddedCase> cases = {{{1, 100, 1, 64}, {}},           {{1, 64, 1, 64}, {}},
                                          {{1, 128, 2, 32}, {}},           {{1, 129, 1, 128}, {}},
                                          {{3, 200, 1, 32}, {70, 1, 200}}, {{2, 129, 1, 64}, {100, 129}}};
-  check_two_row_blocks(cases, 500, []<int M>(const PaddedCase& pc, const Data& data, AttentionMask mask) {
-    return run_on_host<M>(pc.shape, data, mask, pc.lengths);
+  check_two_row_blocks(cases, 500, [](auto m, const PaddedCase& pc, const Data& data, AttentionMask mask) {
+    return run_on_host<decltype(m)::value>(pc.shape, data, mask, pc.lengths);
   });
 }
 
@@ -885,8 +891,8 @@ TEST_CASE("on the GPU, warps of two row blocks (M = 2) match the reference and g
                                          {{1, 129, 2, 32}, {}},
                                          {{3, 200, 1, 64}, {70, 1, 200}},
                                          {{2, 129, 1, 32}, {100, 129}}};
-  check_two_row_blocks(cases, 1200, [&be]<int M>(const PaddedCase& pc, const Data& data, AttentionMask mask) {
-    return run_layout_on_device<M>(be, pc.shape, data, mask, pc.lengths);
+  check_two_row_blocks(cases, 1200, [&be](auto m, const PaddedCase& pc, const Data& data, AttentionMask mask) {
+    return run_layout_on_device<decltype(m)::value>(be, pc.shape, data, mask, pc.lengths);
   });
 }
 
