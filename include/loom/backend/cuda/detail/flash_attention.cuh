@@ -713,8 +713,8 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   }
   // The first query any key of the warp meets (its first key's lowest, the least): where M > 1 the
   // warp skips the steps before it, masked for all its keys, and everything where its keys are all
-  // padded. (With M = 1 only half a diagonal tile would be skipped, and ptxas spilled 68 bytes
-  // where it spills 20 without the branch.)
+  // padded. (With M = 1 only half a diagonal tile would be skipped, and the branch made ptxas
+  // spill about 50 bytes more.)
   const std::int64_t warp_lowest = first >= length ? tiles(length) * tile : sh.causal() ? first : 0;
   const auto start = [&](std::int64_t qtile) {  // start_tiles commits the rows' copies with its own
     start_rows(th, lse(qtile), a.lse + at.bh * T, qtile * tile, T, 0);
@@ -802,9 +802,8 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   }
   // The last key any row of the warp sees (its last real row's): the warp skips the keys past it,
   // masked for all its rows, and everything where its rows are all padded.
-  const std::int64_t warp_last =
-      first < length ? last_key(sh, first + warp_rows * M - 1 < length ? first + warp_rows * M - 1 : length - 1, length)
-                     : -1;
+  const std::int64_t last_real_row = (first + warp_rows * M < length ? first + warp_rows * M : length) - 1;
+  const std::int64_t warp_last = last_real_row >= first ? last_key(sh, last_real_row, length) : -1;
   FragmentC dq[M][HS / 8];
   zero(dq);
   const float scale2 = sh.scale * log2e;
