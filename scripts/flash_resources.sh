@@ -8,7 +8,8 @@
 # Prints one line per kernel: registers, spill stores and loads (bytes), and the blocks of 128
 # threads that the registers let share an SM (65536 registers an SM on sm_80 and sm_90). Each
 # kernel is named <HS, M, Blocks>: head size, 16-row blocks a warp owns, and the blocks an SM its
-# __launch_bounds__ asks for; the library's M (flash::row_blocks) and, at hs <= 64, M = 2.
+# __launch_bounds__ asks for; the library's M (flash::row_blocks) and, at hs <= 64, M = 2; and the
+# *_dropout_kernel builds (attention dropout) at the library's M.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 arch=${1:-90}
@@ -23,6 +24,11 @@ trap 'rm -rf "$work"' EXIT
     echo "template __global__ void fl::forward_kernel<$hs>(fl::ForwardArgs);"
     echo "template __global__ void fl::key_value_grad_kernel<$hs>(fl::BackwardArgs);"
     echo "template __global__ void fl::query_grad_kernel<$hs>(fl::BackwardArgs);"
+  done
+  for hs in 32 64 128; do
+    for k in forward:ForwardArgs key_value_grad:BackwardArgs query_grad:BackwardArgs; do
+      echo "template __global__ void fl::${k%%:*}_dropout_kernel<$hs>(fl::${k##*:}, loom::AttentionDropout);"
+    done
   done
   for hs in 32 64; do
     echo "template __global__ void fl::forward_kernel<$hs, 2>(fl::ForwardArgs);"

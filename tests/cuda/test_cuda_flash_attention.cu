@@ -41,6 +41,7 @@
 #include "loom/backend/cuda/attention.cuh"
 #include "loom/backend/cuda/detail/flash_attention.cuh"
 #include "loom/core/bf16.hpp"
+#include "loom/core/dropout.hpp"
 #include "attention_case.hpp"
 #include "device_check.hpp"
 
@@ -63,6 +64,7 @@ struct HostBlock {
   std::barrier<> block;
   std::deque<std::barrier<>> warp;  // a deque: barriers do not move
   float exchange[fl::threads] = {};
+  std::uint32_t words[fl::threads] = {};  // the integer shuffles' values
   const bf16* rows[fl::threads] = {};  // the addresses the lanes give an ldmatrix
   // Two sets, used by turns: a lane writes set s for its next mma only after every lane of its
   // warp has passed the barrier of the mma that read set s last.
@@ -100,6 +102,15 @@ class HostThread {
     block_.exchange[thread_] = value;
     sync_warp();
     const float other = block_.exchange[thread_ ^ mask];
+    sync_warp();
+    return other;
+  }
+  std::uint32_t shuffle_xor(std::uint32_t value, int mask) const { return shuffle(value, thread_ % 32 ^ mask); }
+  //! `value` of lane `lane` of this thread's warp (__shfl_sync).
+  std::uint32_t shuffle(std::uint32_t value, int lane) const {
+    block_.words[thread_] = value;
+    sync_warp();
+    const std::uint32_t other = block_.words[thread_ / 32 * 32 + lane];
     sync_warp();
     return other;
   }
@@ -241,9 +252,11 @@ using Lengths = std::vector<std::int32_t>;
 //! (causal) or all s < T (bidirectional), and with `lengths` only keys s < lengths[b]; a padded
 //! query (t >= lengths[b]) sees none: its out and lse are 0 and it gives no gradient. The kernels'
 //! backward reads their own bf16 out for D = dout·out; the dq and dk magnitudes include
-//! sum |dout| |out| for it.
+//! sum |dout| |out| for it. With `drop` (active), by definition: Z = the mask's keep times
+//! 1 / (1 - rate) at global element head_origin(b, h, T) + t T + s, out = (P Z) v, lse the
+//! softmax's, dv = (P Z)^T dout, dP = (dout v^T) Z, dS = P (dP - D) scale with D = sum_s P dP.
 Reference reference(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
-                    const Lengths& lengths = {}) {
+                    const Lengths& lengths = {}, const AttentionDropout* drop = nullptr) {
   const std::vector<double> qkv = widen(data.qkv), dout = widen(data.dout), dqkv0 = widen(data.dqkv0);
   const std::int64_t T = c.T, C = c.C(), hs = c.hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
@@ -262,10 +275,14 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
   r.out = {std::vector<double>(static_cast<std::size_t>(c.B * T * C)), std::vector<double>(c.B * T * C)};
   r.lse = {std::vector<double>(static_cast<std::size_t>(c.B * c.NH * T)), std::vector<double>(c.B * c.NH * T)};
   r.dqkv = {dqkv0, std::vector<double>(dqkv0.size())};
-  std::vector<double> p(static_cast<std::size_t>(T * T)), dp(p.size()), ds(p.size()), ds_mag(p.size());
+  std::vector<double> p(static_cast<std::size_t>(T * T)), dp(p.size()), ds(p.size()), ds_mag(p.size()),
+      z(p.size(), 1.0);
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.NH; ++h) {
       length = lengths.empty() ? T : lengths[static_cast<std::size_t>(b)];
+      if (drop != nullptr)
+        for (std::int64_t e = 0; e < T * T; ++e)
+          z[e] = drop->mask.keep(drop->head_origin(b, h, T) + static_cast<std::uint64_t>(e)) ? drop->mask.scale() : 0.0;
       for (std::int64_t t = 0; t < T; ++t) {
         const std::int64_t row = (b * c.NH + h) * T + t;
         if (keys(t) == 0) {  // a padded query: out and lse 0 (as written above)
@@ -287,8 +304,8 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
         for (std::int64_t i = 0; i < hs; ++i) {
           double value = 0, magnitude = 0;
           for (std::int64_t s = 0; s < keys(t); ++s) {
-            value += p[t * T + s] * qkv[q(b, s, 2, h, i)];
-            magnitude += p[t * T + s] * std::abs(qkv[q(b, s, 2, h, i)]);
+            value += p[t * T + s] * z[t * T + s] * qkv[q(b, s, 2, h, i)];
+            magnitude += p[t * T + s] * z[t * T + s] * std::abs(qkv[q(b, s, 2, h, i)]);
           }
           r.out.value[o(b, t, h, i)] = value;
           r.out.magnitude[o(b, t, h, i)] = magnitude;
@@ -300,6 +317,7 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
         for (std::int64_t s = 0; s < keys(t); ++s) {
           double x = 0;
           for (std::int64_t i = 0; i < hs; ++i) x += dout[o(b, t, h, i)] * qkv[q(b, s, 2, h, i)];
+          x *= z[t * T + s];
           dp[t * T + s] = x;
           d += p[t * T + s] * x;
           d_mag += p[t * T + s] * std::abs(x);
@@ -313,9 +331,9 @@ Reference reference(const Case& c, const Data& data, AttentionMask mask = Attent
       for (std::int64_t i = 0; i < hs; ++i)
         for (std::int64_t t = 0; t < T; ++t)
           for (std::int64_t s = 0; s < keys(t); ++s) {
-            const double pts = p[t * T + s];
-            r.dqkv.value[q(b, s, 2, h, i)] += pts * dout[o(b, t, h, i)];  // dv
-            r.dqkv.magnitude[q(b, s, 2, h, i)] += pts * std::abs(dout[o(b, t, h, i)]);
+            const double pts = p[t * T + s], dropped = pts * z[t * T + s];
+            r.dqkv.value[q(b, s, 2, h, i)] += dropped * dout[o(b, t, h, i)];  // dv
+            r.dqkv.magnitude[q(b, s, 2, h, i)] += dropped * std::abs(dout[o(b, t, h, i)]);
             r.dqkv.value[q(b, t, 0, h, i)] += ds[t * T + s] * qkv[q(b, s, 1, h, i)];  // dq
             r.dqkv.magnitude[q(b, t, 0, h, i)] += ds_mag[t * T + s] * std::abs(qkv[q(b, s, 1, h, i)]);
             r.dqkv.value[q(b, s, 1, h, i)] += ds[t * T + s] * qkv[q(b, t, 0, h, i)];  // dk
@@ -362,10 +380,11 @@ struct Result {
 };
 
 //! The forward, then the backward from its own out and lse (the training path), on the host,
-//! with each warp owning M blocks of 16 rows (the kernels' template argument; 1 by default).
+//! with each warp owning M blocks of 16 rows (the kernels' template argument; 1 by default); with
+//! `drop`, the bodies built to draw its mask.
 template <int M = 1>
 Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
-                   const Lengths& lengths = {}) {
+                   const Lengths& lengths = {}, const AttentionDropout* drop = nullptr) {
   const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
                         mask, lengths.empty() ? nullptr : lengths.data()};
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -375,15 +394,28 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
   const std::int64_t grid_x = c.B * c.NH, grid_y = fl::row_tiles(c.T, M), rows = c.B * c.NH * c.T;
   detail::cuda_attention::with_head_size(c.dims(), [&]<int HS>() {
     const fl::ForwardArgs fa{shape, data.qkv.data(), r.out.data(), r.lse.data()};
-    run_grid(grid_x, grid_y, fl::ForwardSmem<HS>::total, [&](HostThread& th) { fl::forward_block<HS, M>(th, fa); });
+    run_grid(grid_x, grid_y, fl::ForwardSmem<HS>::total, [&](HostThread& th) {
+      if (drop != nullptr)
+        fl::forward_block<HS, M, true>(th, fa, *drop);
+      else
+        fl::forward_block<HS, M>(th, fa);
+    });
     run_grid((rows + fl::warps - 1) / fl::warps, 1, 0, [&](HostThread& th) {
       fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
     });
     const fl::BackwardArgs ba{shape, data.qkv.data(), data.dout.data(), r.lse.data(), delta.data(), r.dqkv.data()};
-    run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total,
-             [&](HostThread& th) { fl::key_value_grad_block<HS, M>(th, ba); });
-    run_grid(grid_x, grid_y, fl::QueryGradSmem<HS>::total,
-             [&](HostThread& th) { fl::query_grad_block<HS, M>(th, ba); });
+    run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total, [&](HostThread& th) {
+      if (drop != nullptr)
+        fl::key_value_grad_block<HS, M, true>(th, ba, *drop);
+      else
+        fl::key_value_grad_block<HS, M>(th, ba);
+    });
+    run_grid(grid_x, grid_y, fl::QueryGradSmem<HS>::total, [&](HostThread& th) {
+      if (drop != nullptr)
+        fl::query_grad_block<HS, M, true>(th, ba, *drop);
+      else
+        fl::query_grad_block<HS, M>(th, ba);
+    });
   });
   return r;
 }
@@ -640,17 +672,18 @@ template <int M>
 using RowBlocksTag = std::integral_constant<int, M>;
 
 //! For each case and mask: `run(RowBlocksTag<M>{}, case, data, mask)` at M = 2 against the
-//! reference, and against M = 1's values, which must be the same (each row and key meets the same
-//! tiles in the same order).
+//! reference (with `drop`'s dropout where given), and against M = 1's values, which must be the
+//! same (each row and key meets the same tiles in the same order).
 template <class Run>
-void check_two_row_blocks(const std::vector<PaddedCase>& cases, std::uint32_t seed, Run&& run) {
+void check_two_row_blocks(const std::vector<PaddedCase>& cases, std::uint32_t seed, Run&& run,
+                          const AttentionDropout* drop = nullptr) {
   for (const AttentionMask mask : both_masks) {
     for (const PaddedCase& pc : cases) {
       INFO(loom::name(mask));
       CAPTURE(pc.shape);
       const Data data = make_data(pc.shape, seed += 10);
       const Result two = run(RowBlocksTag<2>{}, pc, data, mask);
-      check_all(reference(pc.shape, data, mask, pc.lengths), two.out, two.lse, two.dqkv);
+      check_all(reference(pc.shape, data, mask, pc.lengths, drop), two.out, two.lse, two.dqkv);
       CHECK(same_values(two, run(RowBlocksTag<1>{}, pc, data, mask)));
     }
   }
@@ -690,11 +723,120 @@ TEST_CASE("the tiles a block of 128 rows walks (M = 2)") {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Attention dropout in the tiled kernels.
+
+//! A tensor-parallel rank's view of a micro-batch: sequences from 3 on, heads 1.. of 4, at rate
+//! 0.3 (a strong signal: a kernel that ignored the mask, or drew another element's, is off by O(1)).
+AttentionDropout test_dropout(std::uint64_t seed = 17) {
+  return {DropoutMask(DropoutKey{seed, 5, 3}, 2, 1, 0.3), 3, 4, 1};
+}
+
+//! Runs the keep-bit helpers as one warp on the host and compares every lane's bits with the
+//! mask's own: by rows (M = 2 blocks of 16 queries from `first_row`, 8 N = 64 keys from
+//! `first_column`) and by columns (2 blocks of 16 keys from `first_row`, 32 queries from
+//! `first_column`). Returns the elements compared.
+std::int64_t check_keep_bits(const AttentionDropout& drop, std::int64_t tokens, std::int64_t first_row,
+                             std::int64_t first_column) {
+  constexpr int M = 2, rows_n = 8, columns_n = 4;
+  const std::uint64_t origin = drop.head_origin(1, 1, tokens);
+  std::uint32_t by_rows[32][M][2] = {}, by_columns[32][M][2] = {};
+  HostBlock block(0, 0, 0, 32);
+  std::vector<std::jthread> lanes;
+  for (int t = 0; t < 32; ++t)
+    lanes.emplace_back([&, t] {
+      HostThread th(block, t);
+      const fl::Lane ln{t / 4, t % 4};
+      fl::keep_bits_by_rows<M, rows_n>(th, by_rows[t], drop.mask, origin, tokens, first_row, first_column, ln);
+      fl::keep_bits_by_columns<M, columns_n>(th, by_columns[t], drop.mask, origin, tokens, first_row, first_column, ln);
+    });
+  lanes.clear();
+  std::int64_t compared = 0, wrong = 0;
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < M; ++r)
+      for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < rows_n; ++j)
+          for (int c = 0; c < 2; ++c) {
+            const std::int64_t row = first_row + 16 * r + lane / 4 + 8 * i;
+            const std::int64_t col = first_column + 8 * j + 2 * (lane % 4) + c;
+            const auto bit = [&](const std::uint32_t (&keep)[M][2]) { return (keep[r][i] >> (2 * j + c) & 1u) != 0; };
+            // By rows: (query row, key col); by columns: (key row, query col).
+            wrong += bit(by_rows[lane]) != drop.mask.keep(origin + static_cast<std::uint64_t>(row * tokens + col));
+            ++compared;
+            if (j < columns_n) {
+              wrong += bit(by_columns[lane]) != drop.mask.keep(origin + static_cast<std::uint64_t>(col * tokens + row));
+              ++compared;
+            }
+          }
+  CHECK(wrong == 0);
+  return compared;
+}
+
+TEST_CASE("the keep bits a lane draws are the dropout mask's, in both fragment layouts and for any T") {
+  const AttentionDropout drop = test_dropout();
+  // T % 4 == 0 takes the shared draws (a block per lane, passed by shuffles); 70 (T % 4 == 2) and
+  // the odd ones draw per element. Rows and columns start where the kernels' do (multiples of 16).
+  for (const std::int64_t tokens : {64, 100, 1024, 70, 33, 129})
+    for (const auto& [first_row, first_column] : {std::pair<std::int64_t, std::int64_t>{0, 0}, {16, 64}, {48, 32}}) {
+      CAPTURE(tokens);
+      CAPTURE(first_row);
+      CAPTURE(first_column);
+      CHECK(check_keep_bits(drop, tokens, first_row, first_column) == 32 * 2 * 2 * (16 + 8));
+    }
+  // Both kept and dropped elements among them (a constant mask would pass a wrong layout too).
+  std::int64_t kept = 0;
+  for (std::uint64_t e = 0; e < 4096; ++e) kept += drop.mask.keep(drop.head_origin(1, 1, 64) + e);
+  CHECK(kept > 2500);
+  CHECK(kept < 3200);
+}
+
+//! Cases of the tiled kernels with dropout: T % 4 == 0 (64, 100, 128: the shared draws) and not
+//! (70, 33: per element), every head size, several batch elements and heads, and a padded batch.
+std::vector<PaddedCase> dropout_cases() {
+  return {{{2, 64, 2, 32}, {}},   {{1, 100, 1, 64}, {}}, {{1, 70, 2, 64}, {}},
+          {{1, 33, 1, 128}, {}}, {{2, 128, 1, 32}, {70, 128}}};
+}
+
+TEST_CASE("the tiled kernels' bodies with attention dropout match the reference, both masks (host emulation)") {
+  std::uint32_t seed = 700;
+  const AttentionDropout drop = test_dropout();
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : dropout_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Reference want = reference(pc.shape, data, mask, pc.lengths, &drop);
+      const Result got = run_on_host(pc.shape, data, mask, pc.lengths, &drop);
+      check_all(want, got.out, got.lse, got.dqkv);
+      // The reference without dropout is another result: a kernel that ignored the mask would
+      // fail above. (lse is the softmax's either way.)
+      const Reference undropped = reference(pc.shape, data, mask, pc.lengths);
+      double diff = 0;
+      for (std::size_t i = 0; i < want.dqkv.value.size(); ++i)
+        diff = std::max(diff, std::abs(want.dqkv.value[i] - undropped.dqkv.value[i]));
+      CHECK(diff > 0.1);
+      CHECK(want.lse.value == undropped.lse.value);
+    }
+  }
+}
+
+TEST_CASE("with attention dropout, warps of two row blocks (M = 2) give M = 1's values (host emulation)") {
+  const AttentionDropout drop = test_dropout(23);
+  const std::vector<PaddedCase> cases = {{{1, 128, 2, 32}, {}}, {{2, 100, 1, 64}, {100, 33}}};
+  check_two_row_blocks(
+      cases, 800,
+      [&drop](auto m, const PaddedCase& pc, const Data& data, AttentionMask mask) {
+        return run_on_host<decltype(m)::value>(pc.shape, data, mask, pc.lengths, &drop);
+      },
+      &drop);
+}
+
+// ---------------------------------------------------------------------------------------------
 // On the GPU.
 
-//! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch).
+//! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch),
+//! with `dropout` (inactive by default).
 Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
-                     const Lengths& lengths = {}) {
+                     const Lengths& lengths = {}, const AttentionDropout& dropout = {}) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const DeviceArray<std::int32_t> device_lengths(be, lengths.empty() ? Lengths(1, 0) : lengths,
                                                  Shape{lengths.empty() ? 1 : c.B});
@@ -707,8 +849,9 @@ Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask ma
   const DeviceArray<float> lse(be, std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan),
                                Shape{c.B, c.NH, c.T});
   const int heads = static_cast<int>(c.NH);
-  attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads, keys);
-  attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads, keys);
+  attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads, keys, dropout);
+  attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads, keys,
+                               dropout);
   return {out.to_host(be), dqkv.to_host(be), lse.to_host(be)};
 }
 
@@ -897,6 +1040,36 @@ TEST_CASE("on the GPU, warps of two row blocks (M = 2) match the reference and g
   check_two_row_blocks(cases, 1200, [&be](auto m, const PaddedCase& pc, const Data& data, AttentionMask mask) {
     return run_layout_on_device<decltype(m)::value>(be, pc.shape, data, mask, pc.lengths);
   });
+}
+
+TEST_CASE("with attention dropout the tiled kernels match the reference and the cuBLAS path (both masks); same bits "
+          "each run") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!tiled_kernels_run(be)) return;
+  const AttentionDropout drop = test_dropout(31);
+  std::vector<PaddedCase> cases = dropout_cases();
+  cases.push_back({{1, 1024, 2, 64}, {}});  // GPT-2 small's T and head size
+  cases.push_back({{2, 512, 2, 64}, {512, 300}});  // BERT's T, padded
+  std::uint32_t seed = 1400;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : cases) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Reference ref = reference(pc.shape, data, mask, pc.lengths, &drop);
+      be.set_flash_attention(true);
+      const Result tiled = run_on_device(be, pc.shape, data, mask, pc.lengths, drop);
+      check_all(ref, tiled.out, tiled.lse, tiled.dqkv);
+      const Result again = run_on_device(be, pc.shape, data, mask, pc.lengths, drop);
+      CHECK(tiled.out == again.out);
+      CHECK(tiled.dqkv == again.dqkv);
+      be.set_flash_attention(false);
+      const Result batched = run_on_device(be, pc.shape, data, mask, pc.lengths, drop);
+      check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
+    }
+  }
+  be.set_flash_attention(true);
 }
 
 }  // namespace

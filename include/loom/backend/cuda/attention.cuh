@@ -10,8 +10,9 @@
 //! T x T blocks are workspace of one batch element. Both compute the whole T x T score matrix
 //! for either mask; the causal row kernels zero its upper triangle. For bf16 with head size 32,
 //! 64 or 128, unless cuda::set_flash_attention(false), the lse pair runs instead the SRAM-tiled
-//! tensor-core kernels of detail/flash_attention.cuh (both masks), which never form a T x T
-//! block, where the program holds them for the GPU (sm_80 or newer; docs/cuda.md).
+//! tensor-core kernels of detail/flash_attention.cuh (both masks, padded or not, with or without
+//! attention dropout), which never form a T x T block, where the program holds them for the GPU
+//! (sm_80 or newer; docs/cuda.md).
 
 #include <cublas_api.h>
 #include <cublas_v2.h>
@@ -570,21 +571,27 @@ void launch_tiled(const cuda& be, void (*kernel)(Params...), dim3 grid, std::siz
 }
 
 //! attention_forward_lse on the tiled kernel: one block per 64 flash::row_blocks.forward query
-//! rows of each (b, h).
+//! rows of each (b, h); with an active `dropout`, its build that draws the mask.
 inline void flash_forward(const cuda& be, const attention::Dims& d, bf16* out, float* lse, const bf16* qkv,
-                          const char* name) {
+                          const AttentionDropout& dropout, const char* name) {
   const flash::ForwardArgs args{flash_shape(d), qkv, out, lse};
+  const dim3 grid = flash_grid(d, flash::row_blocks.forward);
   with_head_size(d, [&]<int HS>() {
-    launch_tiled(be, flash::forward_kernel<HS>, flash_grid(d, flash::row_blocks.forward),
-                 flash::ForwardSmem<HS>::total, name, "flash::forward_kernel", args);
+    if (dropout.mask.active())
+      launch_tiled(be, flash::forward_dropout_kernel<HS>, grid, flash::ForwardSmem<HS>::total, name,
+                   "flash::forward_dropout_kernel", args, dropout);
+    else
+      launch_tiled(be, flash::forward_kernel<HS>, grid, flash::ForwardSmem<HS>::total, name, "flash::forward_kernel",
+                   args);
   });
 }
 
 //! attention_backward_lse on the tiled kernels: delta = rowsum(dout * out) into [B,NH,T] floats
-//! of workspace, then dk and dv (a block per 64 flash::row_blocks.key_value_grad keys), then dq
-//! (a block per 64 row_blocks.query_grad queries).
+//! of workspace (out is the dropped one, so delta needs no mask), then dk and dv (a block per 64
+//! flash::row_blocks.key_value_grad keys), then dq (a block per 64 row_blocks.query_grad queries);
+//! with an active `dropout`, the builds of the last two that draw the forward's mask again.
 inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const bf16* dout, const bf16* qkv,
-                           const bf16* out, const float* lse, const char* name) {
+                           const bf16* out, const float* lse, const AttentionDropout& dropout, const char* name) {
   const std::int64_t rows = d.batch * d.heads * d.tokens;
   // Returned to the cache while the stream may still use it: safe, as in attention_backward.
   const Buffer<float, cuda> delta(be, rows, MemoryCategory::workspace);
@@ -593,10 +600,19 @@ inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const
   with_head_size(d, [&]<int HS>() {
     launch_tiled(be, flash::delta_kernel<HS>, dim3(delta_blocks), 0, name, "flash::delta_kernel", out, dout,
                  delta.data(), args.shape, rows);
-    launch_tiled(be, flash::key_value_grad_kernel<HS>, flash_grid(d, flash::row_blocks.key_value_grad),
-                 flash::KeyValueGradSmem<HS>::total, name, "flash::key_value_grad_kernel", args);
-    launch_tiled(be, flash::query_grad_kernel<HS>, flash_grid(d, flash::row_blocks.query_grad),
-                 flash::QueryGradSmem<HS>::total, name, "flash::query_grad_kernel", args);
+    const dim3 key_grid = flash_grid(d, flash::row_blocks.key_value_grad);
+    const dim3 query_grid = flash_grid(d, flash::row_blocks.query_grad);
+    if (dropout.mask.active()) {
+      launch_tiled(be, flash::key_value_grad_dropout_kernel<HS>, key_grid, flash::KeyValueGradSmem<HS>::total, name,
+                   "flash::key_value_grad_dropout_kernel", args, dropout);
+      launch_tiled(be, flash::query_grad_dropout_kernel<HS>, query_grid, flash::QueryGradSmem<HS>::total, name,
+                   "flash::query_grad_dropout_kernel", args, dropout);
+    } else {
+      launch_tiled(be, flash::key_value_grad_kernel<HS>, key_grid, flash::KeyValueGradSmem<HS>::total, name,
+                   "flash::key_value_grad_kernel", args);
+      launch_tiled(be, flash::query_grad_kernel<HS>, query_grid, flash::QueryGradSmem<HS>::total, name,
+                   "flash::query_grad_kernel", args);
+    }
   });
 }
 
@@ -628,11 +644,10 @@ inline bool flash_attention_available(const cuda& be, std::int64_t head_size) {
 //! either mask); one softmax launch for the whole batch. With an active `dropout` (each of the four
 //! kernels takes one, the CPU kernels' contract and mask) out = dropout(att)·v and att stays the
 //! softmax: per batch element a copy of its probabilities goes through the dropout kernel into
-//! [NH,T,T] of workspace, and the backward passes datt through the same mask; the tiled bf16
-//! kernels are then not used. With `keys.lengths` ([B] in device memory, each in [1, T]; the
-//! values are the caller's to check, as the Trainer does on the host) keys at or past a sequence's
-//! length get probability exactly 0 and a padded query's att row and out are 0, as on the CPU;
-//! the GEMMs still compute the padding.
+//! [NH,T,T] of workspace, and the backward passes datt through the same mask. With `keys.lengths`
+//! ([B] in device memory, each in [1, T]; the values are the caller's to check, as the Trainer
+//! does on the host) keys at or past a sequence's length get probability exactly 0 and a padded
+//! query's att row and out are 0, as on the CPU; the GEMMs still compute the padding.
 template <class T>
 void attention_forward(cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> qkv, int num_heads,
                        AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
@@ -685,8 +700,8 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
 //! the backend's caching allocator (instead of B·NH·T² saved per layer), returned before this
 //! ends. Throws loom::Error, before any CUDA call, as attention_forward. Per batch element two
 //! cuBLAS calls and one launch. bf16 with head size 32, 64 or 128 (and be.flash_attention()) takes
-//! the SRAM-tiled kernel instead, for either mask and padded or not: one launch, no workspace,
-//! lse = m + log l of the online softmax.
+//! the SRAM-tiled kernel instead, for either mask, padded or not, with or without dropout (drawn in
+//! the kernel, the same mask): one launch, no workspace, lse = m + log l of the online softmax.
 template <class T>
 void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse, Tensor<const T> qkv,
                            int num_heads, AttentionKeys keys = AttentionMask::causal,
@@ -697,9 +712,8 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
   const detail::attention::Dims dims = detail::attention::check_forward_lse(out, lse, qkv, num_heads, keys);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    // The tiled kernels draw no dropout masks: with dropout the cuBLAS steps run.
-    if (!dropout.mask.active() && d::use_flash<T>(be, dims)) {
-      d::flash_forward(be, dims, out.data(), lse.data(), qkv.data(), kernel);
+    if (d::use_flash<T>(be, dims)) {
+      d::flash_forward(be, dims, out.data(), lse.data(), qkv.data(), dropout, kernel);
       return;
     }
   }
@@ -723,9 +737,10 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
 //! steps run on them. Scratch: [NH,T,T] probabilities and [NH,T,T] score gradients of one batch
 //! element (2·NH·T² elements of T, workspace), returned before this ends. Per batch element five
 //! cuBLAS calls and two launches; no atomics. bf16 with head size 32, 64 or 128 (and
-//! be.flash_attention()) takes the SRAM-tiled kernels instead, for either mask: D =
-//! rowsum(dout·out) into B·NH·T floats of workspace, then one launch for dk and dv and one for dq,
-//! each gradient element written by one block (the same bits every run).
+//! be.flash_attention()) takes the SRAM-tiled kernels instead, for either mask, padded or not,
+//! with or without dropout: D = rowsum(dout·out) into B·NH·T floats of workspace, then one launch
+//! for dk and dv and one for dq (each drawing the forward's dropout mask again), each gradient
+//! element written by one block (the same bits every run).
 template <class T>
 void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
@@ -737,8 +752,8 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
       detail::attention::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, keys);
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (!dropout.mask.active() && d::use_flash<T>(be, dims)) {
-      d::flash_backward(be, dims, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), kernel);
+    if (d::use_flash<T>(be, dims)) {
+      d::flash_backward(be, dims, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), dropout, kernel);
       return;
     }
   }

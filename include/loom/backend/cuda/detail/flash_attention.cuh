@@ -29,6 +29,11 @@
 //!   warp skips a step where the mask hides it from all its rows. Every row meets the same tiles
 //!   in the same order whatever M is: M changes no value.
 //!
+//! Attention dropout (the *_dropout_kernel builds) draws loom::AttentionDropout's mask in
+//! registers, for the score fragments each warp holds: the forward multiplies V by the dropped
+//! probabilities and keeps the softmax's lse; the backward kernels draw the same mask again for
+//! dV and dP. Nothing of the mask is stored (the keep bits, below).
+//!
 //! The mask enters in two places only: which tiles a block walks (query_tile, key_tiles,
 //! first_query_tile) and, per row of the warp, which keys or queries count (the last key a query
 //! sees, t or T - 1; the first query a key meets, the key or 0), computed once before the walk;
@@ -74,6 +79,7 @@
 
 #include "loom/backend/attention_mask.hpp"
 #include "loom/core/bf16.hpp"
+#include "loom/core/dropout.hpp"
 #include "loom/core/hd.hpp"
 
 // The kernel bodies are host-device templates over a Thread type; instantiated with the tests'
@@ -89,8 +95,10 @@
 // know the pragma.)
 #if defined(__CUDA_ARCH__)
 #define LOOM_FLASH_UNROLL _Pragma("unroll")
+#define LOOM_FLASH_ROLLED _Pragma("unroll 1")
 #else
 #define LOOM_FLASH_UNROLL
+#define LOOM_FLASH_ROLLED
 #endif
 
 namespace loom::detail::flash {
@@ -443,9 +451,10 @@ LOOM_HD inline void zero(FragmentC (&acc)[M][N]) noexcept {
   }
 }
 
-//! Calls f(x, y, r, i, col) for each of the 4 M N elements of M [16, 8 N] blocks that the lane
-//! holds in the fragments x and y (the same element of each): row group + 8 i of block r,
-//! column col.
+//! Calls f(x, y, r, i, col, bit) for each of the 4 M N elements of M [16, 8 N] blocks that the
+//! lane holds in the fragments x and y (the same element of each): row group + 8 i of block r,
+//! column col = 8 j + 2 pair + c, whose keep bit (dropout) is bit = 2 j + c: a compile-time
+//! constant once unrolled (computed from col, it cost ptxas 12 more bytes of spill).
 template <int M, int N, class F>
 LOOM_HD inline void for_each_element(FragmentC (&x)[M][N], FragmentC (&y)[M][N], Lane ln, F&& f) {
   LOOM_FLASH_UNROLL
@@ -455,9 +464,138 @@ LOOM_HD inline void for_each_element(FragmentC (&x)[M][N], FragmentC (&y)[M][N],
       LOOM_FLASH_UNROLL
       for (int i = 0; i < 2; ++i) {
         LOOM_FLASH_UNROLL
-        for (int c = 0; c < 2; ++c) f(x[r][j][2 * i + c], y[r][j][2 * i + c], r, i, 8 * j + 2 * ln.pair + c);
+        for (int c = 0; c < 2; ++c) f(x[r][j][2 * i + c], y[r][j][2 * i + c], r, i, 8 * j + 2 * ln.pair + c, 2 * j + c);
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention dropout: the mask of loom::AttentionDropout (the CPU kernels' and the dropout kernel's
+// bits), element (t, s) of batch element b and head h being global element
+// head_origin(b, h, T) + t T + s, kept where its 32-bit word of Philox block (element / 4) passes
+// the threshold. Nothing is stored: the forward and both backward kernels draw the same words
+// again. A lane's elements are described by keep bits: bit 2 j + c of keep[r][i] is the element
+// at row group + 8 i of block r, column 8 j + 2 pair + c of the fragments (for_each_element
+// passes the bit).
+//
+// Where T % 4 == 0 each Philox block is 4 elements of one fragment-layout group, drawn once by one
+// lane and passed to the lanes that hold them by shuffles: one block per lane per 16 x 8 fragment,
+// the least there can be. Elsewhere a lane draws the block of each of its elements (4 times the
+// work; such T are rare).
+
+//! The 4 keep bits of Philox block `block` of `mask` (bit w: its element 4 block + w).
+LOOM_HD inline std::uint32_t keep_nibble(const DropoutMask& mask, std::uint64_t block) noexcept {
+  const Philox4x32::Counter w = mask.block(block);
+  return static_cast<std::uint32_t>(mask.keeps(w[0])) | static_cast<std::uint32_t>(mask.keeps(w[1])) << 1 |
+         static_cast<std::uint32_t>(mask.keeps(w[2])) << 2 | static_cast<std::uint32_t>(mask.keeps(w[3])) << 3;
+}
+
+//! Whether `mask` keeps global element `e` (its own Philox block; the word picked by selects, so
+//! that the block stays in registers: an array indexed at run time lives in local memory).
+LOOM_HD inline bool keeps_element(const DropoutMask& mask, std::uint64_t e) noexcept {
+  const Philox4x32::Counter w = mask.block(e >> 2);
+  const std::uint64_t at = e & 3;
+  return mask.keeps(at == 0 ? w[0] : at == 1 ? w[1] : at == 2 ? w[2] : w[3]);
+}
+
+//! keep[r][i] for the lane's elements of M [16, 8 N] fragments whose row 0 is `first_row` and
+//! column 0 `first_column`, fragment element (row, col) being global element origin + row
+//! row_stride + col column_stride: each element from its own Philox block.
+template <int M, int N>
+LOOM_HD inline void keep_bits_each(std::uint32_t (&keep)[M][2], const DropoutMask& mask, std::uint64_t origin,
+                                   std::int64_t row_stride, std::int64_t column_stride, std::int64_t first_row,
+                                   std::int64_t first_column, Lane ln) noexcept {
+  LOOM_FLASH_UNROLL
+  for (int r = 0; r < M; ++r) {
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t row = first_row + warp_rows * r + ln.group + 8 * i;
+      std::uint32_t bits = 0;
+      LOOM_FLASH_ROLLED
+      for (int j = 0; j < N; ++j) {
+        LOOM_FLASH_ROLLED
+        for (int c = 0; c < 2; ++c) {
+          const std::int64_t col = first_column + 8 * j + 2 * ln.pair + c;
+          const auto e = origin + static_cast<std::uint64_t>(row * row_stride + col * column_stride);
+          bits |= static_cast<std::uint32_t>(keeps_element(mask, e)) << (2 * j + c);
+        }
+      }
+      keep[r][i] = bits;
+    }
+  }
+}
+
+//! keep[r][i] where the fragments' rows are the mask's rows (queries) and their columns its
+//! columns (keys): element (row, col) of M [16, 8 N] fragments from query first_query and key
+//! first_key (a multiple of 4) is global element origin + row T + col (the forward's and
+//! query_grad's S). All 32 lanes of the warp take part.
+//!
+//! Where T % 4 == 0, the keys 8 j + 4 h .. + 3 of a row are one Philox block, held by lanes
+//! 2 h and 2 h + 1 of the row's group: the even lane draws it for row group, the odd one for row
+//! group + 8, each keeps the two words of its own columns and passes the other two over.
+LOOM_FLASH_BODY
+template <int M, int N, class Thread>
+LOOM_HD inline void keep_bits_by_rows(Thread& th, std::uint32_t (&keep)[M][2], const DropoutMask& mask,
+                                      std::uint64_t origin, std::int64_t tokens, std::int64_t first_query,
+                                      std::int64_t first_key, Lane ln) {
+  static_assert(N <= 16, "2 N keep bits in a word");
+  if (tokens % 4 != 0) return keep_bits_each<M, N>(keep, mask, origin, tokens, 1, first_query, first_key, ln);
+  const int own = ln.pair % 2;  // the row (group + 8 own) whose blocks this lane draws
+  LOOM_FLASH_UNROLL
+  for (int r = 0; r < M; ++r) {
+    const std::int64_t row = first_query + warp_rows * r + ln.group + 8 * own;
+    const std::uint64_t first_block = (origin + static_cast<std::uint64_t>(row * tokens + first_key)) / 4 + ln.pair / 2;
+    std::uint32_t mine = 0, theirs = 0;
+    LOOM_FLASH_ROLLED
+    for (int j = 0; j < N; ++j) {
+      const std::uint32_t nibble = keep_nibble(mask, first_block + 2 * j);  // 8 keys: 2 blocks
+      mine |= (own != 0 ? nibble >> 2 : nibble & 3u) << (2 * j);
+      theirs |= (own != 0 ? nibble & 3u : nibble >> 2) << (2 * j);
+    }
+    const std::uint32_t other = th.shuffle_xor(theirs, 1);
+    keep[r][0] = own != 0 ? other : mine;
+    keep[r][1] = own != 0 ? mine : other;
+  }
+}
+
+//! keep[r][i] where the fragments' rows are the mask's columns (keys) and their columns its rows
+//! (queries): element (row, col) of M [16, 8 N] fragments from key first_key (a multiple of 4) and
+//! query first_query is global element origin + col T + row (key_value_grad's S^T). All 32 lanes
+//! of the warp take part.
+//!
+//! Where T % 4 == 0, the Philox blocks of a [16 keys, 8 queries] fragment are (query q, keys
+//! 4 g4 .. + 3) for q < 8, g4 < 4: 32, one per lane. Lane 4 g + p draws query 2 p + g % 2, keys
+//! 4 (g / 2) ..; the element at key g + 8 i, query 2 p + c is word g % 4 of the block of lane
+//! 4 (2 (g / 4 + 2 i) + c) + p, which it reads by a shuffle (4 per fragment row block).
+LOOM_FLASH_BODY
+template <int M, int N, class Thread>
+LOOM_HD inline void keep_bits_by_columns(Thread& th, std::uint32_t (&keep)[M][2], const DropoutMask& mask,
+                                         std::uint64_t origin, std::int64_t tokens, std::int64_t first_key,
+                                         std::int64_t first_query, Lane ln) {
+  static_assert(N <= 8, "a nibble per 8 queries in a word");
+  if (tokens % 4 != 0) return keep_bits_each<M, N>(keep, mask, origin, 1, tokens, first_key, first_query, ln);
+  LOOM_FLASH_UNROLL
+  for (int r = 0; r < M; ++r) {
+    const std::int64_t query = first_query + 2 * ln.pair + ln.group % 2;
+    const std::int64_t key = first_key + warp_rows * r + 4 * (ln.group / 2);
+    const std::uint64_t first_block = (origin + static_cast<std::uint64_t>(query * tokens + key)) / 4;
+    const auto query_step = static_cast<std::uint64_t>(2 * tokens);  // blocks from query q to q + 8
+    std::uint32_t nibbles = 0;
+    LOOM_FLASH_ROLLED
+    for (int j = 0; j < N; ++j) nibbles |= keep_nibble(mask, first_block + j * query_step) << (4 * j);
+    std::uint32_t bits[2] = {0, 0};
+    LOOM_FLASH_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      LOOM_FLASH_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        const std::uint32_t from = th.shuffle(nibbles, 4 * (2 * (ln.group / 4 + 2 * i) + c) + ln.pair);
+        LOOM_FLASH_UNROLL
+        for (int j = 0; j < N; ++j) bits[i] |= (from >> (4 * j + ln.group % 4) & 1u) << (2 * j + c);
+      }
+    }
+    keep[r][0] = bits[0];
+    keep[r][1] = bits[1];
   }
 }
 
@@ -527,10 +665,11 @@ LOOM_HD inline std::int64_t last_key(const Shape& sh, std::int64_t t, std::int64
 //! The forward of one block: 64 M query rows of one (batch, head), M blocks of 16 rows a warp.
 //! Shared memory: ForwardSmem<HS>. Scores are kept in base-2 units (times log2 e) so that each
 //! exponential is one exp2. Each row walks the same key tiles, in the same order, whatever M is,
-//! so M changes no bit of out or lse.
+//! so M changes no bit of out or lse. With Drop, out = dropout(P) V: the sum l (so lse) is the
+//! softmax's, and each probability goes into the product with V through `drop`'s mask (active).
 LOOM_FLASH_BODY
-template <int HS, int M, class Thread>
-LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
+template <int HS, int M, bool Drop = false, class Thread>
+LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDropout& drop = {}) {
   using Smem = ForwardSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
@@ -547,6 +686,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
   FragmentC o[M][HS / 8];
   zero(o);
   const float scale2 = sh.scale * log2e;
+  [[maybe_unused]] const float drop_scale = Drop ? static_cast<float>(drop.mask.scale()) : 1.0f;
   // Per row group + 8 i of block r: the running max (base 2) and this lane's part of the running
   // sum, and the last key the row sees.
   float m[M][2], l[M][2];
@@ -578,6 +718,11 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
     if (kt + 1 < end) start(kt + 1);
     if (kt * tile > warp_last) continue;
 
+    // The keep bits first, while the scores take no registers.
+    [[maybe_unused]] std::uint32_t keep[M][2];
+    if constexpr (Drop)
+      keep_bits_by_rows<M, tile_blocks>(th, keep, drop.mask, drop.head_origin(at.b, at.h, T), T, first,
+                                        kt * tile, ln);
     FragmentC s[M][tile_blocks];
     zero(s);
     product_abt<HS>(th, s, q, k(kt), ln);
@@ -611,6 +756,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a) {
             float& x = s[r][j][2 * i + c];
             x = exp2f(x - m_new);
             sum += x;
+            if constexpr (Drop) x = keep[r][i] >> (2 * j + c) & 1u ? x * drop_scale : 0.0f;
           }
         }
         l[r][i] = l[r][i] * alpha + sum;
@@ -671,10 +817,12 @@ LOOM_HD void delta_block(Thread& th, const bf16* out, const bf16* dout, float* d
 //! The gradient of 64 M keys of one (batch, head): dk and dv of rows kt 64 M .. (kt = blockIdx.y:
 //! with the causal mask the first key tiles see the most queries), a warp's M blocks of 16 keys in
 //! its registers. Shared memory: KeyValueGradSmem<HS>. Each key meets the same queries in the same
-//! order whatever M is, so M changes no bit of dk or dv.
+//! order whatever M is, so M changes no bit of dk or dv. With Drop, dV takes the dropped P^T (the
+//! mask of `drop`, active) and dS^T = P^T (dropout(dP^T) - D) the undropped one (D =
+//! rowsum(dout out) still: out was dropped).
 LOOM_FLASH_BODY
-template <int HS, int M, class Thread>
-LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
+template <int HS, int M, bool Drop = false, class Thread>
+LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const AttentionDropout& drop = {}) {
   using Smem = KeyValueGradSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
@@ -700,6 +848,7 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
   zero(dk);
   zero(dv);
   const float scale2 = sh.scale * log2e;
+  [[maybe_unused]] const float drop_scale = Drop ? static_cast<float>(drop.mask.scale()) : 1.0f;
   // The first query that key row group + 8 i of block r meets: the key itself (causal), or 0;
   // none (the length) for a padded key, whose dk and dv are never written.
   std::int64_t lowest[M][2];
@@ -746,6 +895,10 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
       const bf16* const g_step = g(qtile) + first_query * row_ld<HS>;
       const float* const lse_step = lse(qtile) + first_query;
       const float* const delta_step = delta(qtile) + first_query;
+      [[maybe_unused]] std::uint32_t keep[M][2];  // first, while S^T and dP^T take no registers
+      if constexpr (Drop)
+        keep_bits_by_columns<M, step / 8>(th, keep, drop.mask, drop.head_origin(at.b, at.h, T), T, first,
+                                          qtile * tile + first_query, ln);
       FragmentC st[M][step / 8], dpt[M][step / 8];  // S^T and dP^T: [16 keys, step queries] a block
       zero(st);
       zero(dpt);
@@ -753,10 +906,16 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
       product_abt<HS>(th, dpt, v, g_step, ln);  // dP^T = V dO^T
       // The mask selects the exponent (-inf: p = 0, then dS = 0), not the results: a select after
       // the exponential compiled to a branch around it per element.
-      for_each_element(st, dpt, ln, [&](float& p, float& ds, int r, int i, int col) {
+      for_each_element(st, dpt, ln, [&](float& p, float& ds, int r, int i, int col, int bit) {
         const bool valid = first_query + col < end && first_query + col >= lowest_column[r][i];
         p = exp2f(valid ? fmaf(p, scale2, -lse_step[col] * log2e) : -std::numeric_limits<float>::infinity());
-        ds = p * (ds - delta_step[col]) * sh.scale;
+        if constexpr (Drop) {
+          const float z = keep[r][i] >> bit & 1u ? drop_scale : 0.0f;
+          ds = p * (ds * z - delta_step[col]) * sh.scale;
+          p *= z;
+        } else {
+          ds = p * (ds - delta_step[col]) * sh.scale;
+        }
       });
       accumulate_ab<HS>(th, dv, st, g_step, ln);   // dV += P^T dO
       accumulate_ab<HS>(th, dk, dpt, q_step, ln);  // dK += dS^T Q
@@ -769,10 +928,11 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a) {
 
 //! The gradient of 64 M queries of one (batch, head): dq of rows qt 64 M .., a warp's M blocks of
 //! 16 queries in its registers. Shared memory: QueryGradSmem<HS>. Each query meets the same keys
-//! in the same order whatever M is, so M changes no bit of dq.
+//! in the same order whatever M is, so M changes no bit of dq. With Drop, dS = P (dropout(dP) - D),
+//! `drop` (active) giving the mask.
 LOOM_FLASH_BODY
-template <int HS, int M, class Thread>
-LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
+template <int HS, int M, bool Drop = false, class Thread>
+LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const AttentionDropout& drop = {}) {
   using Smem = QueryGradSmem<HS>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
@@ -807,6 +967,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
   FragmentC dq[M][HS / 8];
   zero(dq);
   const float scale2 = sh.scale * log2e;
+  [[maybe_unused]] const float drop_scale = Drop ? static_cast<float>(drop.mask.scale()) : 1.0f;
   const std::int64_t end = key_tiles(sh, qtile, length, M);
   const auto start = [&](std::int64_t kt) {
     start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
@@ -824,6 +985,10 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
     for (int first_key = 0; first_key < tile; first_key += step) {  // of the tile
       if (kt * tile + first_key > warp_last) break;
       const bf16* const k_step = k(kt) + first_key * row_ld<HS>;
+      [[maybe_unused]] std::uint32_t keep[M][2];  // first, while S and dP take no registers
+      if constexpr (Drop)
+        keep_bits_by_rows<M, step / 8>(th, keep, drop.mask, drop.head_origin(at.b, at.h, T), T, first,
+                                       kt * tile + first_key, ln);
       FragmentC s[M][step / 8], dp[M][step / 8];
       zero(s);
       zero(dp);
@@ -836,10 +1001,13 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a) {
         for (int i = 0; i < 2; ++i) last_column[r][i] = tile_column(last[r][i], kt * tile + first_key, -1, step - 1);
       }
       // The mask selects the exponent (-inf: p = 0, then dS = 0); key_value_grad_block says why.
-      for_each_element(s, dp, ln, [&](float& score, float& ds, int r, int i, int col) {
+      for_each_element(s, dp, ln, [&](float& score, float& ds, int r, int i, int col, [[maybe_unused]] int bit) {
         const float p = exp2f(col <= last_column[r][i] ? fmaf(score, scale2, -lse[r][i])
                                                        : -std::numeric_limits<float>::infinity());
-        ds = p * (ds - delta[r][i]) * sh.scale;
+        if constexpr (Drop)
+          ds = p * ((keep[r][i] >> bit & 1u ? ds * drop_scale : 0.0f) - delta[r][i]) * sh.scale;
+        else
+          ds = p * (ds - delta[r][i]) * sh.scale;
       });
       accumulate_ab<HS>(th, dq, dp, k_step, ln);  // dQ += dS K
     }
@@ -870,6 +1038,13 @@ struct DeviceThread {
   }
   __device__ void sync_block() const { __syncthreads(); }
   __device__ float shuffle_xor(float value, int mask) const { return __shfl_xor_sync(0xffffffffu, value, mask); }
+  __device__ std::uint32_t shuffle_xor(std::uint32_t value, int mask) const {
+    return __shfl_xor_sync(0xffffffffu, value, mask);
+  }
+  //! `value` of lane `lane` of the warp.
+  __device__ std::uint32_t shuffle(std::uint32_t value, int lane) const {
+    return __shfl_sync(0xffffffffu, value, lane);
+  }
   //! Starts copying the first `bytes` (0 to 16; src then is not read) of the 16 at `src` (global,
   //! 16-byte aligned) to `dst` (shared), the rest of the 16 as zeros.
   __device__ void copy_async(void* dst, const void* src, int bytes) const {
@@ -958,6 +1133,30 @@ __global__ void __launch_bounds__(threads, Blocks) query_grad_kernel(BackwardArg
   LOOM_FLASH_RUN(query_grad_block<HS, M>(th, a))
 }
 
+// The same kernels with attention dropout (`drop` active). Separate kernels, not a flag in the
+// arguments: a larger argument struct alone changed ptxas's register allocation of the kernels
+// above (query_grad spilled 28 bytes instead of 8).
+
+//! The blocks an SM of key_value_grad_dropout_kernel: one fewer than without dropout at HS 64
+//! (M = 1), where with 168 registers ptxas spilled 164 bytes around the Philox draws and with
+//! 255 none (241 used, sm_90).
+constexpr int dropout_key_value_blocks_per_sm(int hs, int m = 1) {
+  return m == 1 && hs == 64 ? 2 : blocks_per_sm(hs, m);
+}
+template <int HS, int M = row_blocks.forward, int Blocks = blocks_per_sm(HS, M)>
+__global__ void __launch_bounds__(threads, Blocks) forward_dropout_kernel(ForwardArgs a, AttentionDropout drop) {
+  LOOM_FLASH_RUN(forward_block<HS, M, true>(th, a, drop))
+}
+template <int HS, int M = row_blocks.key_value_grad, int Blocks = dropout_key_value_blocks_per_sm(HS, M)>
+__global__ void __launch_bounds__(threads, Blocks) key_value_grad_dropout_kernel(BackwardArgs a,
+                                                                                 AttentionDropout drop) {
+  LOOM_FLASH_RUN(key_value_grad_block<HS, M, true>(th, a, drop))
+}
+template <int HS, int M = row_blocks.query_grad, int Blocks = blocks_per_sm(HS, M)>
+__global__ void __launch_bounds__(threads, Blocks) query_grad_dropout_kernel(BackwardArgs a, AttentionDropout drop) {
+  LOOM_FLASH_RUN(query_grad_block<HS, M, true>(th, a, drop))
+}
+
 #undef LOOM_FLASH_RUN
 #undef LOOM_FLASH_DEVICE
 
@@ -967,3 +1166,4 @@ __global__ void __launch_bounds__(threads, Blocks) query_grad_kernel(BackwardArg
 
 #undef LOOM_FLASH_BODY
 #undef LOOM_FLASH_UNROLL
+#undef LOOM_FLASH_ROLLED
