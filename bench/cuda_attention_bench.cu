@@ -6,7 +6,10 @@
 //   tiled    attention_forward_lse/backward_lse on the SRAM-tiled tensor-core kernels
 //            (cuda::set_flash_attention(true); bf16, head size 32, 64 or 128): nothing T x T.
 // Prints each kernel's median time (CUDA events around each call), TFLOP/s and the workspace it
-// took, and the ratios of the tiled pair to the other two. Then, at head size 64, each tiled
+// took, and the ratios of the tiled pair to the other two. With attention dropout (--dropout, 0.1
+// by default; 0: none), the cublas and tiled pairs again with the mask drawn: the cuBLAS path
+// drops a copy of each batch element's probabilities through the dropout kernel, the tiled
+// kernels draw the mask in registers; it prints what dropout costs each. Then, at head size 64, each tiled
 // kernel in three layouts side by side: a warp owning 1 block of 16 rows, bounded for 2 or for 3
 // blocks an SM, and a warp owning 2 (blocks of 128 rows, 2 an SM).
 //
@@ -38,6 +41,7 @@ struct Options {
   std::int64_t batch = 8, seq = 1024, channels = 768;
   int heads = 12;
   int calls = 20;  // timed calls per kernel
+  double dropout = 0.1;  // attention dropout of the dropout rows (0: none)
   std::string json;
 };
 
@@ -172,6 +176,9 @@ int main(int argc, char** argv) {
   app.add_option("--channels", o.channels, "C")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--heads", o.heads, "H (must divide C)")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--calls", o.calls, "Timed calls per kernel")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--dropout", o.dropout, "Attention dropout rate of the dropout rows (0: no such rows)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 0.99));
   app.add_option("--json", o.json, "Also write the figures to this file");
   CLI11_PARSE(app, argc, argv);
   if (loom::cuda::device_count() == 0) {
@@ -213,6 +220,21 @@ int main(int argc, char** argv) {
   kernels.push_back({"tiled forward", true, [&] { attention_forward_lse<bf16>(be, out, lse, qkv, heads); }, {}});
   kernels.push_back({"tiled backward", true,
                      [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads); }, {}});
+  // A training pass's mask (step 0, layer 0), for the whole batch on one rank.
+  const AttentionDropout drop{DropoutMask(DropoutKey{1, 0, 0}, 0, 0, o.dropout), 0, H, 0};
+  const AttentionKeys causal = AttentionMask::causal;
+  if (o.dropout > 0) {
+    kernels.push_back({"cublas lse forward, dropout", false,
+                       [&] { attention_forward_lse<bf16>(be, out, lse, qkv, heads, causal, drop); }, {}});
+    kernels.push_back({"cublas lse backward, dropout", false,
+                       [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads, causal, drop); },
+                       {}});
+    kernels.push_back({"tiled forward, dropout", true,
+                       [&] { attention_forward_lse<bf16>(be, out, lse, qkv, heads, causal, drop); }, {}});
+    kernels.push_back({"tiled backward, dropout", true,
+                       [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads, causal, drop); },
+                       {}});
+  }
   for (int round = 0; round <= o.calls; ++round)
     for (Kernel& k : kernels) {
       be.set_flash_attention(k.flash);
@@ -239,7 +261,7 @@ int main(int argc, char** argv) {
     const double flop = i % 2 == 0 ? forward_flop : 2.5 * forward_flop;
     const double tflops = flop / (s.median * 1e9);
     const double workspace_mib = static_cast<double>(kernels[i].workspace) / (1 << 20);
-    std::printf("  %-22s %9.3f ms  (min %.3f)  %7.1f TFLOP/s  workspace %9.2f MiB\n", kernels[i].name, s.median,
+    std::printf("  %-29s %9.3f ms  (min %.3f)  %7.1f TFLOP/s  workspace %9.2f MiB\n", kernels[i].name, s.median,
                 s.min, tflops, workspace_mib);
     report["kernels"][kernels[i].name] = {
         {"median_ms", s.median}, {"min_ms", s.min}, {"tflops", tflops}, {"workspace_mib", workspace_mib}};
@@ -252,6 +274,17 @@ int main(int argc, char** argv) {
                lse_mib = static_cast<double>(B * H * T) * sizeof(float) / (1 << 20);
   std::printf("kept per layer: att %.2f MiB (stored), lse %.3f MiB (cublas lse, tiled)\n", att_mib, lse_mib);
   report["speedup_of_tiled"] = {{"over_stored", stored / tiled}, {"over_cublas_lse", cublas / tiled}};
+  if (o.dropout > 0) {
+    const double cublas_drop = medians[6] + medians[7], tiled_drop = medians[8] + medians[9];
+    std::printf("with attention dropout %.2f: cublas lse %.3f ms (%.2fx without), tiled %.3f ms (%.2fx without); "
+                "tiled is %.2fx cublas lse's speed\n",
+                o.dropout, cublas_drop, cublas_drop / cublas, tiled_drop, tiled_drop / tiled, cublas_drop / tiled_drop);
+    report["dropout"] = {{"rate", o.dropout},
+                         {"cublas_lse_ms", cublas_drop},
+                         {"tiled_ms", tiled_drop},
+                         {"tiled_cost", tiled_drop / tiled},
+                         {"speedup_of_tiled_over_cublas_lse", cublas_drop / tiled_drop}};
+  }
   if (flash_attention_available(be, C / H))
     compare_layouts(be, B, T, C, H, qkv.data(), dout.data(), out.data(), lse.data(), dqkv.data(), o.calls, report);
   report["kept_mib"] = {{"att", att_mib}, {"lse", lse_mib}};

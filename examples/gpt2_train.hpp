@@ -235,15 +235,14 @@ inline int recompute_layers_of(const Options& o) {
 //! The attention storage of --attention. auto: recompute where that runs the tiled (flash)
 //! kernels, which keep no probabilities and were the fastest attention on an H100
 //! (docs/benchmarks.md): a GPU they are built for, bf16, the switch on (--flash-attention), a head
-//! size they take, padded batches or not, and no attention dropout (which takes the cuBLAS
-//! kernels, where keeping the probabilities is faster); stored everywhere else.
+//! size they take, padded batches or not, with attention dropout or not (the kernels draw the
+//! mask); stored everywhere else.
 template <class T, class Backend>
 loom::AttentionStorage attention_choice(const Options& o, const Backend& backend, const family::Config& config) {
   if (o.attention == "recompute") return loom::AttentionStorage::recompute;
   if (o.attention == "stored") return loom::AttentionStorage::stored;
   if constexpr (std::is_same_v<T, loom::bf16> && requires { backend.flash_attention(); }) {
-    if (backend.flash_attention() && o.attention_dropout == 0 &&
-        flash_attention_available(backend, config.channels / config.num_heads))
+    if (backend.flash_attention() && flash_attention_available(backend, config.channels / config.num_heads))
       return loom::AttentionStorage::recompute;
   }
   return loom::AttentionStorage::stored;
