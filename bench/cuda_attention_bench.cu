@@ -9,9 +9,10 @@
 // took, and the ratios of the tiled pair to the other two. With attention dropout (--dropout, 0.1
 // by default; 0: none), the cublas and tiled pairs again with the mask drawn: the cuBLAS path
 // drops a copy of each batch element's probabilities through the dropout kernel, the tiled
-// kernels draw the mask in registers; it prints what dropout costs each. Then, at head size 64, each tiled
-// kernel in three layouts side by side: a warp owning 1 block of 16 rows, bounded for 2 or for 3
-// blocks an SM, and a warp owning 2 (blocks of 128 rows, 2 an SM).
+// kernels draw the mask in registers; it prints what dropout costs each. Then, at head size 64,
+// each tiled kernel in three layouts side by side: a warp owning 1 block of 16 rows, bounded for
+// 2 or for 3 blocks an SM, and a warp owning 2 (blocks of 128 rows, 2 an SM); and, with dropout,
+// its key/value kernel bounded for 2 and for 3 blocks.
 //
 //   loom_cuda_attention_bench                              # B=8, T=1024, C=768, 12 heads (GPT-2 small)
 //   loom_cuda_attention_bench --seq 2048 --batch 4 --json attention_gpu.json
@@ -76,11 +77,12 @@ double time_ms(loom::cuda& be, const std::function<void()>& run) {
 //! round: each warp owning M = 1 block of 16 rows with the registers bounded for 2 or for 3 blocks
 //! an SM (__launch_bounds__; ptxas spills some at 3's 168), and M = 2 (a block of 128 rows, each
 //! B fragment read from shared memory serving two mma; 2 blocks an SM). The library launches each
-//! kernel's M (detail::flash::row_blocks) at detail::flash::blocks_per_sm(HS, M). Prints each
+//! kernel's M (detail::flash::row_blocks) at detail::flash::blocks_per_sm(HS, M). With an active
+//! `drop`, also the key/value dropout kernel at 2 blocks an SM (the library's) and 3. Prints each
 //! variant's registers, spilled bytes and median time, and its time against the library's layout.
 void compare_layouts(loom::cuda& be, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t H,
                      const loom::bf16* qkv, const loom::bf16* dout, loom::bf16* out, float* lse, loom::bf16* dqkv,
-                     int calls, nlohmann::json& report) {
+                     const loom::AttentionDropout& drop, int calls, nlohmann::json& report) {
   namespace flash = loom::detail::flash;
   using loom::detail::cuda_attention::launch_tiled;
   if (C / H != 64) {
@@ -104,15 +106,18 @@ void compare_layouts(loom::cuda& be, std::int64_t B, std::int64_t T, std::int64_
 
   struct Variant {
     std::string kernel;
-    int m, blocks;
+    int m, blocks, library_blocks;  // the last: the blocks an SM the library builds this kernel for
     std::function<void()> run;
     cudaFuncAttributes attributes{};
     std::vector<double> ms;
   };
   std::vector<Variant> variants;
-  const auto add = [&](const char* kernel, int m, int blocks, auto function, std::size_t smem, const auto& args) {
-    Variant v{kernel, m, blocks, [&be, function, g = grid(m), smem, args, kernel] {
-                launch_tiled(be, function, g, smem, "bench", kernel, args);
+  const auto add = [&](const char* kernel, int m, int blocks, auto function, std::size_t smem, const auto&... args) {
+    const int library_blocks = std::string(kernel) == "key_value_grad_dropout"
+                                   ? flash::dropout_key_value_blocks_per_sm(HS, m)
+                                   : flash::blocks_per_sm(HS, m);
+    Variant v{kernel, m, blocks, library_blocks, [&be, function, g = grid(m), smem, args..., kernel] {
+                launch_tiled(be, function, g, smem, "bench", kernel, args...);
               }};
     LOOM_CUDA_CHECK(cudaFuncGetAttributes(&v.attributes, function));
     variants.push_back(std::move(v));
@@ -129,31 +134,37 @@ void compare_layouts(loom::cuda& be, std::int64_t B, std::int64_t T, std::int64_
   add("query_grad", 1, 2, flash::query_grad_kernel<HS, 1, 2>, QS::total, backward);
   add("query_grad", 1, 3, flash::query_grad_kernel<HS, 1, 3>, QS::total, backward);
   add("query_grad", 2, 2, flash::query_grad_kernel<HS, 2, 2>, QS::total, backward);
+  // With dropout the key/value kernel is bounded for 2 blocks an SM (at 3 ptxas spills 164 bytes).
+  if (drop.mask.active()) {
+    add("key_value_grad_dropout", 1, 2, flash::key_value_grad_dropout_kernel<HS, 1, 2>, KS::total, backward, drop);
+    add("key_value_grad_dropout", 1, 3, flash::key_value_grad_dropout_kernel<HS, 1, 3>, KS::total, backward, drop);
+  }
   for (int round = 0; round <= calls; ++round)
     for (Variant& v : variants) {
       const double ms = time_ms(be, v.run);
       if (round > 0) v.ms.push_back(ms);
     }
   const auto library_m = [](const std::string& kernel) {
-    return kernel == "forward" ? flash::row_blocks.forward
-           : kernel == "key_value_grad" ? flash::row_blocks.key_value_grad
-                                        : flash::row_blocks.query_grad;
+    return kernel == "forward"                                              ? flash::row_blocks.forward
+           : kernel == "key_value_grad" || kernel == "key_value_grad_dropout" ? flash::row_blocks.key_value_grad
+                                                                            : flash::row_blocks.query_grad;
   };
   std::printf("tiled kernels by layout (M row blocks a warp, blocks an SM; the library's: M = %d, %d and %d)\n",
               flash::row_blocks.forward, flash::row_blocks.key_value_grad, flash::row_blocks.query_grad);
-  constexpr std::size_t per_kernel = 3;
-  for (std::size_t first = 0; first < variants.size(); first += per_kernel) {
+  // Each kernel's variants are consecutive.
+  for (std::size_t first = 0, end = 0; first < variants.size(); first = end) {
+    for (end = first; end < variants.size() && variants[end].kernel == variants[first].kernel;) ++end;
     double library_ms = 0;
     std::vector<double> medians;
-    for (std::size_t i = first; i < first + per_kernel; ++i) {
+    for (std::size_t i = first; i < end; ++i) {
       medians.push_back(loom::bench::summarize(variants[i].ms).median);
-      const int m = library_m(variants[i].kernel);
-      if (variants[i].m == m && variants[i].blocks == flash::blocks_per_sm(HS, m)) library_ms = medians.back();
+      if (variants[i].m == library_m(variants[i].kernel) && variants[i].blocks == variants[i].library_blocks)
+        library_ms = medians.back();
     }
-    for (std::size_t i = first; i < first + per_kernel; ++i) {
+    for (std::size_t i = first; i < end; ++i) {
       const Variant& v = variants[i];
       const double ms = medians[i - first];
-      std::printf("  %-15s M = %d, %d blocks: %3d registers, %4zu B local (spills), %8.3f ms, %.2fx the library's\n",
+      std::printf("  %-22s M = %d, %d blocks: %3d registers, %4zu B local (spills), %8.3f ms, %.2fx the library's\n",
                   v.kernel.c_str(), v.m, v.blocks, v.attributes.numRegs, v.attributes.localSizeBytes, ms,
                   ms / library_ms);
       report["layouts"][v.kernel]["M" + std::to_string(v.m) + "_blocks" + std::to_string(v.blocks)] = {
@@ -286,7 +297,8 @@ int main(int argc, char** argv) {
                          {"speedup_of_tiled_over_cublas_lse", cublas_drop / tiled_drop}};
   }
   if (flash_attention_available(be, C / H))
-    compare_layouts(be, B, T, C, H, qkv.data(), dout.data(), out.data(), lse.data(), dqkv.data(), o.calls, report);
+    compare_layouts(be, B, T, C, H, qkv.data(), dout.data(), out.data(), lse.data(), dqkv.data(), drop, o.calls,
+                    report);
   report["kept_mib"] = {{"att", att_mib}, {"lse", lse_mib}};
   bench::write_json(o.json, report);
   return 0;
