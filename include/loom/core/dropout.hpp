@@ -74,8 +74,14 @@ class DropoutMask {
   }
   //! Whether a word of a block keeps its element.
   LOOM_HD bool keeps(std::uint32_t word) const noexcept { return word >= threshold_; }
-  //! Whether global element `i` is kept.
-  LOOM_HD bool keep(std::uint64_t i) const noexcept { return !active_ || keeps(block(i >> 2)[i & 3]); }
+  //! Whether global element `i` is kept. The word is picked by selects, not by indexing the block
+  //! at run time, which on a GPU would put the block in local memory.
+  LOOM_HD bool keep(std::uint64_t i) const noexcept {
+    if (!active_) return true;
+    const Philox4x32::Counter w = block(i >> 2);
+    const std::uint64_t at = i & 3;
+    return keeps(at == 0 ? w[0] : at == 1 ? w[1] : at == 2 ? w[2] : w[3]);
+  }
 
  private:
   Philox4x32::Key key_{};

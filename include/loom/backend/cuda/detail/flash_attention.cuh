@@ -491,14 +491,6 @@ LOOM_HD inline std::uint32_t keep_nibble(const DropoutMask& mask, std::uint64_t 
          static_cast<std::uint32_t>(mask.keeps(w[2])) << 2 | static_cast<std::uint32_t>(mask.keeps(w[3])) << 3;
 }
 
-//! Whether `mask` keeps global element `e` (its own Philox block; the word picked by selects, so
-//! that the block stays in registers: an array indexed at run time lives in local memory).
-LOOM_HD inline bool keeps_element(const DropoutMask& mask, std::uint64_t e) noexcept {
-  const Philox4x32::Counter w = mask.block(e >> 2);
-  const std::uint64_t at = e & 3;
-  return mask.keeps(at == 0 ? w[0] : at == 1 ? w[1] : at == 2 ? w[2] : w[3]);
-}
-
 //! keep[r][i] for the lane's elements of M [16, 8 N] fragments whose row 0 is `first_row` and
 //! column 0 `first_column`, fragment element (row, col) being global element origin + row
 //! row_stride + col column_stride: each element from its own Philox block.
@@ -518,7 +510,7 @@ LOOM_HD inline void keep_bits_each(std::uint32_t (&keep)[M][2], const DropoutMas
         for (int c = 0; c < 2; ++c) {
           const std::int64_t col = first_column + 8 * j + 2 * ln.pair + c;
           const auto e = origin + static_cast<std::uint64_t>(row * row_stride + col * column_stride);
-          bits |= static_cast<std::uint32_t>(keeps_element(mask, e)) << (2 * j + c);
+          bits |= static_cast<std::uint32_t>(mask.keep(e)) << (2 * j + c);
         }
       }
       keep[r][i] = bits;
