@@ -115,9 +115,13 @@ TEST_CASE("running out of device memory is a loom::Error that says how much is h
   cuda be(0);
   std::size_t free_bytes = 0, total_bytes = 0;
   LOOM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  CHECK_THROWS_WITH_AS(be.allocate(total_bytes * 2, MemoryCategory::workspace),
-                       doctest::Contains("out of device memory: loom holds"), Error);
-  CHECK(be.memory().current_total() == 0);
+  Buffer<float, cuda> held(be, std::int64_t{1} << 20, MemoryCategory::parameters);  // 4 MiB
+  const std::string expected = "cuda allocate on device 0 (activations): got " + std::to_string(total_bytes * 2) +
+                               " bytes; out of device memory: this rank holds 4.0 MiB (parameters 4.0), its "
+                               "allocator 4 MiB in all; the device has ";
+  CHECK_THROWS_WITH_AS(be.allocate(total_bytes * 2, MemoryCategory::activations), doctest::Contains(expected.c_str()),
+                       Error);
+  CHECK(be.memory().current_total() == held.bytes());
   // The backend still works afterwards.
   Buffer<float, cuda> small(be, 16, MemoryCategory::workspace);
   be.fill_zero(small.data(), small.bytes());

@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -70,6 +72,33 @@ TEST_CASE("MemoryTracker: current and peak per category and in total") {
   out << m;
   CHECK(out.str().find("optimizer_state") != std::string::npos);
   CHECK(out.str().find("total") != std::string::npos);
+}
+
+TEST_CASE("MemoryTracker::held: what is held now on one line, largest category first") {
+  MemoryTracker m;
+  CHECK(m.held() == "0.0 MiB");
+  m.add(MemoryCategory::parameters, std::size_t{3} << 19);   // 1.5 MiB
+  m.add(MemoryCategory::activations, std::size_t{5} << 20);  // 5 MiB
+  m.add(MemoryCategory::workspace, 1);
+  m.add(MemoryCategory::gradients, 7);
+  m.remove(MemoryCategory::gradients, 7);
+  CHECK(m.held() == "6.5 MiB (activations 5.0, parameters 1.5, workspace 0.0)");
+}
+
+TEST_CASE("cpu backend: an allocation the host cannot make says what the rank holds and loses nothing") {
+  cpu be(1);
+  Buffer<float, cpu> held(be, std::int64_t{1} << 20, MemoryCategory::parameters);  // 4 MiB
+  // More than any host has (the sanitizer presets let the allocator return null for it).
+  CHECK_THROWS_WITH_AS(be.allocate(std::size_t{1} << 60, MemoryCategory::activations),
+                       doctest::Contains("cpu allocate (activations): got 1152921504606846976 bytes; the host is "
+                                         "out of memory: this rank holds 4.0 MiB (parameters 4.0); smaller "
+                                         "micro-batches"),
+                       Error);
+  // Within the alignment of the largest size: rounding it up would wrap around to a small block.
+  CHECK_THROWS_WITH_AS(be.allocate(std::numeric_limits<std::size_t>::max() - 3, MemoryCategory::workspace),
+                       doctest::Contains("the host is out of memory"), Error);
+  CHECK(be.memory().current_total() == held.bytes());
+  CHECK(be.memory().peak_total() == held.bytes());
 }
 
 TEST_CASE("Buffer: accounted while alive, move-only") {

@@ -197,7 +197,7 @@ class Communicator : public CollectiveInterface<Communicator> {
     state_->options = options;
     state_->rank = rank;
     state_->size = size;
-    LOOM_CUDA_CHECK(cudaSetDevice(backend.device()));
+    backend.activate();
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&state_->comm, size, id.id, rank, &config);
@@ -346,6 +346,7 @@ class Communicator : public CollectiveInterface<Communicator> {
   //! A Request that completes with what was last enqueued on the stream.
   Request completion(const CollectiveCall& call) {
     cudaEvent_t event = nullptr;
+    state_->backend->activate();  // an event records only on a stream of its own device
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     LOOM_CUDA_CHECK(cudaEventRecord(event, state_->backend->stream()));
     return Request(detail::EventRequest(state_, event, call));

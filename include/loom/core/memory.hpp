@@ -2,11 +2,14 @@
 //! \file Memory accounting per category, with current and peak bytes (what a ZeRO or pipeline
 //! user checks against the formulas in DESIGN.md).
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <iomanip>
 #include <ostream>
+#include <sstream>
+#include <string>
 #include <string_view>
 
 namespace loom {
@@ -29,6 +32,11 @@ constexpr std::string_view name(MemoryCategory c) noexcept {
       "parameters", "gradients", "optimizer_state", "activations", "communication", "workspace"};
   return names[static_cast<int>(c)];
 }
+
+//! What an out-of-memory error suggests, after what the rank holds.
+inline constexpr std::string_view out_of_memory_hint =
+    "smaller micro-batches, recomputed activations (TrainerOptions::recompute_layers) or ZeRO's sharding "
+    "(Zero<N>) hold less";
 
 //! Bytes held now and at peak, per category and in total. One tracker per rank's backend.
 class MemoryTracker {
@@ -71,6 +79,25 @@ class MemoryTracker {
   }
 
   static double mib(std::size_t bytes) noexcept { return static_cast<double>(bytes) / (1 << 20); }
+
+  //! What is held now, on one line for error messages: "1234.5 MiB (activations 1000.0,
+  //! parameters 200.0, ...)", the categories largest first, empty ones left out.
+  std::string held() const {
+    std::array<MemoryCategory, memory_category_count> order{};
+    for (int i = 0; i < memory_category_count; ++i) order[static_cast<std::size_t>(i)] = static_cast<MemoryCategory>(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](MemoryCategory a, MemoryCategory b) { return current(a) > current(b); });
+    std::ostringstream out;
+    out << std::fixed << std::setprecision(1) << mib(total_) << " MiB";
+    const char* separator = " (";
+    for (MemoryCategory c : order) {
+      if (current(c) == 0) continue;
+      out << separator << name(c) << ' ' << mib(current(c));
+      separator = ", ";
+    }
+    if (total_ > 0) out << ')';
+    return out.str();
+  }
 
  private:
   static constexpr int index(MemoryCategory c) noexcept { return static_cast<int>(c); }

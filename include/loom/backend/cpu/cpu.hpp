@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
+#include <string>
 #include <thread>
 
 #include "loom/backend/concepts.hpp"
@@ -36,10 +38,17 @@ class cpu {
   int threads() const noexcept { return threads_; }
 
   //! 64-byte aligned host memory, counted under `category`.
+  //! Fails with a loom::Error that says what this rank holds, by category, when the host has no
+  //! more (or `bytes` is beyond any allocation).
   void* allocate(std::size_t bytes, MemoryCategory category) {
-    const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
-    void* p = std::aligned_alloc(alignment, rounded == 0 ? alignment : rounded);
-    if (p == nullptr) throw Error("cpu allocate", bytes, "the host is out of memory");
+    // Rounding a request within `alignment` of the largest size would wrap around to a small one.
+    const bool representable = bytes <= std::numeric_limits<std::size_t>::max() - alignment;
+    const std::size_t rounded = bytes == 0 ? alignment : (bytes + alignment - 1) / alignment * alignment;
+    void* p = representable ? std::aligned_alloc(alignment, rounded) : nullptr;
+    if (p == nullptr)
+      throw Error("cpu allocate (" + std::string(name(category)) + ")", std::to_string(bytes) + " bytes",
+                  "the host is out of memory: this rank holds " + memory_.held() + "; " +
+                      std::string(out_of_memory_hint));
     memory_.add(category, bytes);
     return p;
   }

@@ -6,12 +6,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "loom/backend/cuda/error.hpp"
-#include "loom/core/error.hpp"
 
 namespace loom::detail {
 
@@ -21,7 +19,7 @@ namespace loom::detail {
 //! When CUDA runs out of memory the cache is released and the allocation tried once more.
 class CachingAllocator {
  public:
-  CachingAllocator(int device, cudaStream_t stream) : device_(device), stream_(stream) {
+  CachingAllocator(int device, cudaStream_t stream) : stream_(stream) {
     int pools = 0;
     LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
     stream_ordered_ = pools != 0;
@@ -43,7 +41,8 @@ class CachingAllocator {
     return (bytes + large - 1) / large * large;
   }
 
-  //! A block of at least `bytes` (device memory, 256-byte aligned at least).
+  //! A block of at least `bytes` (device memory, 256-byte aligned at least), or null when CUDA
+  //! is out of memory even after the cache was given back (the caller says what was held).
   void* allocate(std::size_t bytes) {
     const std::size_t size = size_class(bytes);
     if (auto it = cache_.find(size); it != cache_.end() && !it->second.empty()) {
@@ -62,11 +61,7 @@ class CachingAllocator {
     }
     if (status == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
-      std::size_t free_bytes = 0, total_bytes = 0;
-      (void)cudaMemGetInfo(&free_bytes, &total_bytes);
-      throw Error("cuda allocate on device " + std::to_string(device_), std::to_string(bytes) + " bytes",
-                  "out of device memory: loom holds " + mib(reserved_) + " MiB on this rank, the device has " +
-                      mib(free_bytes) + " MiB free of " + mib(total_bytes) + " MiB");
+      return nullptr;
     }
     cuda_check(status, stream_ordered_ ? "cudaMallocAsync" : "cudaMalloc");
     reserved_ += size;
@@ -102,9 +97,7 @@ class CachingAllocator {
     return stream_ordered_ ? cudaMallocAsync(p, size, stream_) : cudaMalloc(p, size);
   }
   cudaError_t free_block(void* p) noexcept { return stream_ordered_ ? cudaFreeAsync(p, stream_) : cudaFree(p); }
-  static std::string mib(std::size_t bytes) { return std::to_string(bytes >> 20); }
 
-  int device_;
   cudaStream_t stream_;
   bool stream_ordered_ = false;
   std::unordered_map<void*, std::size_t> live_;

@@ -56,6 +56,13 @@ class cuda {
   }
 
   int device() const noexcept { return device_; }
+  //! Makes this rank's device current on the calling thread (kernels, copies and events must be
+  //! issued there; ranks as threads may use several GPUs). Cheap when it already is.
+  void activate() const {
+    int current = -1;
+    LOOM_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device_) LOOM_CUDA_CHECK(cudaSetDevice(device_));
+  }
   //! Whether float GEMMs may use TF32 tensor-core products (on by default, as cuBLAS users
   //! usually choose; PyTorch's torch.backends.cuda.matmul.allow_tf32). Off gives full fp32
   //! products, e.g. for parity tests against the CPU backend at fp32 tolerances.
@@ -103,9 +110,12 @@ class cuda {
   }
 
   //! Device memory counted under `category` (the requested bytes; the allocator may hold more).
+  //! Out of device memory (after the cache was given back), fails with a loom::Error that says
+  //! what this rank holds, by category, and what the device has left.
   void* allocate(std::size_t bytes, MemoryCategory category) {
     activate();
     void* p = allocator_->allocate(bytes);
+    if (p == nullptr) throw out_of_memory(bytes, category);
     memory_.add(category, bytes);
     return p;
   }
@@ -126,25 +136,31 @@ class cuda {
 
   //! Zeroes `bytes` at device address `p`, ordered on the stream.
   void fill_zero(void* p, std::size_t bytes) const {
-    if (bytes > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+    if (bytes == 0) return;
+    activate();
+    LOOM_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
   }
   //! Host to device; `src` may be reused when this returns. `dst` may also be host memory (the
   //! direction comes from the addresses: unified virtual addressing), so code that stages
   //! buffers (StagedCommunicator) need not know where each one lives.
   void copy_from_host(void* dst, const void* src, std::size_t bytes) const {
     if (bytes == 0) return;
+    activate();
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     synchronize();
   }
   //! Device to host; the data is in `dst` when this returns. `src` may also be host memory.
   void copy_to_host(void* dst, const void* src, std::size_t bytes) const {
     if (bytes == 0) return;
+    activate();
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     synchronize();
   }
   //! Device to device, ordered on the stream.
   void copy(void* dst, const void* src, std::size_t bytes) const {
-    if (bytes > 0) LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    if (bytes == 0) return;
+    activate();
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
   //! Waits for everything issued on the stream; an asynchronous fault of earlier work surfaces
   //! here as a loom::Error.
@@ -159,8 +175,16 @@ class cuda {
                "must be in [0, " + std::to_string(n) + ") (the GPUs this process sees)");
     return device;
   }
-  //! The calling thread works on this rank's device (ranks as threads may use several GPUs).
-  void activate() const { LOOM_CUDA_CHECK(cudaSetDevice(device_)); }
+  Error out_of_memory(std::size_t bytes, MemoryCategory category) const {
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+    const auto mib = [](std::size_t b) { return std::to_string(b >> 20); };
+    return Error("cuda allocate on device " + std::to_string(device_) + " (" + std::string(name(category)) + ")",
+                 std::to_string(bytes) + " bytes",
+                 "out of device memory: this rank holds " + memory_.held() + ", its allocator " +
+                     mib(allocator_->reserved_bytes()) + " MiB in all; the device has " + mib(free_bytes) +
+                     " MiB free of " + mib(total_bytes) + " MiB; " + std::string(out_of_memory_hint));
+  }
 
   int device_;
   bool tf32_ = true;

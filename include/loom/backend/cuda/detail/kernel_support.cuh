@@ -86,11 +86,7 @@ bool vector_rows(std::int64_t columns, const void* a, const void* b = nullptr) n
 
 //! Makes the calling thread work on the backend's device (ranks as threads may use several
 //! GPUs; a launch on another device's stream fails).
-inline void activate(const cuda& be) {
-  int current = -1;
-  LOOM_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != be.device()) LOOM_CUDA_CHECK(cudaSetDevice(be.device()));
-}
+inline void activate(const cuda& be) { be.activate(); }
 
 //! Checks that `t`, seen as a matrix (all but the last axis are rows), is [rows, cols] and has
 //! data; the same rule and message as the CPU kernels.
