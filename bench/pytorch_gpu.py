@@ -3,6 +3,7 @@
 
     python3 bench/pytorch_gpu.py                       # B=8, T=1024, eager fp32/bf16, compile bf16
     python3 bench/pytorch_gpu.py --modes eager-bf16,compile-bf16 --batch 16 --json torch.json
+    python3 bench/pytorch_gpu.py --modes eager-bf16,compile-bf16 --batch 128,96,64   # the largest that fits
 
 Each mode trains the model of gpt2_torch.py (the padded 50304-row vocabulary that loom stores)
 with AdamW (fused) and gradient clipping at 1.0, times --steps steps after --warmup untimed ones
@@ -11,8 +12,12 @@ with CUDA events, and prints the median step, tokens/s and MFU. FLOPs per token 
 MFU is given against the bf16 (or TF32) GEMM rate measured here on an 8192³ product of random
 data, and against the datasheet's dense peak (--peak-bf16, --peak-tf32: H100 SXM by default).
 Modes: eager-fp32 (TF32 matmuls, as loom's float default), eager-bf16 and compile-bf16 (autocast
-to bf16, fp32 master weights), compile-fp32.
+to bf16, fp32 master weights), compile-fp32. --batch may list several sizes, largest first: each
+mode runs at the first that fits in the GPU's memory, and the row says which (the others are
+reported as out of memory).
 """
+
+import gc
 
 import argparse
 import json
@@ -34,7 +39,8 @@ PUBLISHED_PARAMETERS = 124_439_808
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", default="8", help="micro-batch, or several (comma-separated, largest first): "
+                   "each mode runs at the first that fits")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
@@ -66,7 +72,7 @@ def gemm_rate(dtype, size=8192, repeats=10):
     return 2.0 * size**3 / statistics.median(times) / 1e12
 
 
-def run_mode(mode, args):
+def run_mode(mode, args, batch):
     compiled, precision = mode.split("-")
     torch.manual_seed(1337)
     model = GPT2(PADDED_VOCAB).cuda()
@@ -76,8 +82,8 @@ def run_mode(mode, args):
                                   lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     forward = torch.compile(model) if compiled == "compile" else model
     generator = torch.Generator(device="cuda").manual_seed(1234)
-    batches = [(torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda", generator=generator),
-                torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda", generator=generator))
+    batches = [(torch.randint(0, VOCAB, (batch, args.seq), device="cuda", generator=generator),
+                torch.randint(0, VOCAB, (batch, args.seq), device="cuda", generator=generator))
                for _ in range(4)]
 
     def step(tokens, targets):
@@ -100,15 +106,42 @@ def run_mode(mode, args):
         if i >= args.warmup:
             seconds.append(start.elapsed_time(end) / 1e3)
     median = statistics.median(seconds)
-    tokens = args.batch * args.seq
+    tokens = batch * args.seq
     tflops = flops_per_token(args.seq) * tokens / median / 1e12
-    result = {"mode": mode, "median_ms": 1e3 * median, "min_ms": 1e3 * min(seconds),
+    result = {"mode": mode, "batch": batch, "median_ms": 1e3 * median, "min_ms": 1e3 * min(seconds),
               "tokens_per_second": tokens / median, "tflops": tflops, "last_loss": loss.item(),
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
     del model, optimizer, forward
+    release_memory()
+    return result
+
+
+def release_memory():
+    """Gives back what a finished (or failed) mode held, and restarts the peak count."""
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return result
+
+
+def run_largest(mode, args, batches):
+    """run_mode at the first of `batches` that fits; the result lists the ones that did not."""
+    too_large = []
+    for batch in batches:
+        result = None
+        try:
+            result = run_mode(mode, args, batch)
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or one that torch.compile wrapped
+            if "out of memory" not in str(e).lower():
+                raise
+        if result is None:
+            # Out of the except block: the failed run's frames (its model, its optimizer) are gone.
+            too_large.append(batch)
+            print(f"{mode:14s} batch {batch}: out of memory", flush=True)
+            release_memory()
+            continue
+        result["out_of_memory_batches"] = too_large
+        return result
+    return {"mode": mode, "out_of_memory_batches": too_large}
 
 
 def main():
@@ -123,17 +156,23 @@ def main():
     peaks = {"bf16": args.peak_bf16, "fp32": args.peak_tf32}
     print(f"PyTorch {torch.__version__} on {device}; GEMM 8192^3 measured: bf16 {rates['bf16']:.0f}, "
           f"fp32 (TF32) {rates['fp32']:.0f} TFLOP/s; datasheet dense: bf16 {args.peak_bf16}, TF32 {args.peak_tf32}")
+    batches = [int(b) for b in args.batch.split(",")]
     print(f"GPT-2 small (vocab {PADDED_VOCAB}), batch {args.batch} x seq {args.seq}, AdamW fused, clip 1.0, "
           f"{args.warmup} warm-up + {args.steps} timed steps, medians")
-    print(f"{'mode':14s} {'step ms':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU meas.':>9s} {'MFU peak':>9s} {'GiB':>6s}")
+    print(f"{'mode':14s} {'batch':>5s} {'step ms':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU meas.':>9s} "
+          f"{'MFU peak':>9s} {'GiB':>6s}")
     results = []
     for mode in args.modes.split(","):
-        r = run_mode(mode, args)
+        r = run_largest(mode, args, batches)
+        if "batch" not in r:
+            results.append(r)
+            print(f"{mode:14s} out of memory at every batch ({args.batch})", flush=True)
+            continue
         precision = mode.split("-")[1]
         r["mfu_measured"] = r["tflops"] / rates[precision]
         r["mfu_peak"] = r["tflops"] / peaks[precision]
         results.append(r)
-        print(f"{mode:14s} {r['median_ms']:9.1f} {r['tokens_per_second']:10.0f} {r['tflops']:8.1f} "
+        print(f"{mode:14s} {r['batch']:5d} {r['median_ms']:9.1f} {r['tokens_per_second']:10.0f} {r['tflops']:8.1f} "
               f"{100 * r['mfu_measured']:8.1f}% {100 * r['mfu_peak']:8.1f}% {r['peak_memory_gib']:6.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -67,7 +67,7 @@ run() {
     (cd "$bin" && timeout "$limit" "$@") > "$logs/$name.log" 2>&1
     rc=$?
     seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
-    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward" "$logs/$name.log" | tail -1)
+    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward" "$logs/$name.log" | tail -1 | cut -c1-400)
     # Training runs: the median tokens/s of the steps after the first (which loads and plans).
     local median
     median=$(awk '/^step +[0-9]+ \|/ && $2 > 1 { for (i = 1; i <= NF; ++i) if ($i == "tok/s") print $(i - 1) }' \
@@ -138,11 +138,30 @@ run() {
             --attention stored --peak-tflops 989.4
   fi
   if want large; then
-    # The "largest micro-batch that fits", for both: 64 on an 80 GB H100 (PyTorch eager
-    # took 53 GiB there on 2026-11-23; loom's defaults keep no attention probabilities).
-    run_one large_bf16_defaults_64 "${small[@]}" --batch 64 --micro-batch 64 --dtype bf16 --peak-tflops 989.4
-    run_one large_pytorch_gpu_64 python3 "$root/bench/pytorch_gpu.py" --batch 64 --modes eager-bf16,compile-bf16 \
-            --steps 10 --warmup 3 --json "$logs/pytorch_gpu_64.json"
+    # The "largest micro-batch that fits". loom first: one step at each size of
+    # GPU_CHECK_LARGE_BATCHES, largest first, until one fits (a size that does not fails in its
+    # first step with loom's out-of-memory message, which says what each category held), then the
+    # timed run there. PyTorch then tries the same batch and, where it does not fit, the smaller
+    # ones (bench/pytorch_gpu.py --batch a,b,c). On 2026-11-24 at batch 16 loom held 8.3 GiB,
+    # PyTorch eager 14.5 and torch.compile 8.5 (eager took 53 GiB at 64 on 2026-11-23).
+    local sizes=(${GPU_CHECK_LARGE_BATCHES:-192 160 128 96 64}) fits="" b
+    for b in "${sizes[@]}"; do
+      run_one "large_probe_$b" ./gpt2_train --device cuda --model small --seq 1024 --steps 1 --batch "$b" \
+              --micro-batch "$b" --dtype bf16
+      if (( rc == 0 )); then fits=$b; break; fi
+    done
+    if [[ -n "$fits" ]]; then
+      run_one "large_bf16_defaults_$fits" "${small[@]}" --batch "$fits" --micro-batch "$fits" --dtype bf16 \
+              --peak-tflops 989.4
+      local smaller
+      smaller=$(printf '%s\n' "${sizes[@]}" 32 | awk -v f="$fits" '$1 < f' | sort -rn -u | paste -sd, -)
+      # torch.compile compiles again for each size it tries: more time than one program gets.
+      local saved_limit=$limit
+      limit=$(( limit > 540 ? limit : 540 ))
+      run_one "large_pytorch_gpu_$fits" python3 "$root/bench/pytorch_gpu.py" --batch "$fits${smaller:+,$smaller}" \
+              --modes eager-bf16,compile-bf16 --steps 10 --warmup 3 --json "$logs/pytorch_gpu_large.json"
+      limit=$saved_limit
+    fi
   fi
   if want bench; then
     # The attention kernels alone at GPT-2 small's shape: stored, cuBLAS lse, tiled.
