@@ -401,4 +401,35 @@ TEST_CASE("bf16: AdamW with fp32 master weights") {
   CHECK(d_params.to_host(be) == rounded);  // params = bf16(master), on the device too
 }
 
+TEST_CASE("bf16: fp32 gradients: drain_into, then AdamW from the fp32 sums") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  const std::int64_t n = 70001;  // odd: the grid-stride loop's tail
+  std::vector<float> sums(n, 0.0f);
+  const Device<float> d_sums(be, sums, {n});
+  for (int micro_batch = 0; micro_batch < 3; ++micro_batch) {
+    const auto part = random_bf16(n, 90 + micro_batch);
+    for (std::int64_t i = 0; i < n; ++i) sums[i] += static_cast<float>(part[i]);
+    const Device<bf16> d_part(be, part, {n});
+    loom::kernels::drain_into<bf16>(be, d_sums.view(), d_part.view());
+    CHECK(d_part.to_host(be) == std::vector<bf16>(n, bf16(0.0f)));
+  }
+  CHECK(d_sums.to_host(be) == sums);  // the same float additions in the same order
+  // AdamW from fp32 gradients that bf16 holds exactly gives the bits of AdamW from them in bf16.
+  const auto initial = random_bf16(n, 99);
+  const auto grads = random_bf16(n, 98, -2.0f, 2.0f);
+  const std::vector<float> zeros(n, 0.0f);
+  const Device<bf16> p1(be, initial, {n}), p2(be, initial, {n}), g16(be, grads, {n});
+  const Device<float> g32(be, widened(grads), {n}), master1(be, widened(initial), {n}),
+      master2(be, widened(initial), {n}), m1(be, zeros, {n}), v1(be, zeros, {n}), m2(be, zeros, {n}),
+      v2(be, zeros, {n});
+  const loom::AdamWUpdate h{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 2};
+  loom::kernels::adamw_update<bf16>(be, p1.view(), g16.cview(), master1.view(), m1.view(), v1.view(), h);
+  loom::kernels::adamw_update<bf16>(be, p2.view(), g32.cview(), master2.view(), m2.view(), v2.view(), h);
+  CHECK(master2.to_host(be) == master1.to_host(be));
+  CHECK(v2.to_host(be) == v1.to_host(be));
+  CHECK(p2.to_host(be) == p1.to_host(be));
+  CHECK(master1.to_host(be) != widened(initial));
+}
+
 int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }

@@ -44,9 +44,12 @@ class AdamW {
                         .eps = options_.eps,
                         .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
                         .step = step};
-    if constexpr (is_narrow_storage<T>)
-      adamw_update<T>(backend, s.params, s.grads, s.master, s.state[0], s.state[1], h);
-    else
+    if constexpr (is_narrow_storage<T>) {
+      if (s.fp32_grads.data() != nullptr)
+        adamw_update<T>(backend, s.params, s.fp32_grads, s.master, s.state[0], s.state[1], h);
+      else
+        adamw_update<T>(backend, s.params, s.grads, s.master, s.state[0], s.state[1], h);
+    } else
       adamw_update<T>(backend, s.params, s.grads, s.state[0], s.state[1], h);
   }
 

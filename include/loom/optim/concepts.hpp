@@ -17,10 +17,13 @@ inline constexpr int max_optimizer_state_slots = 2;
 //! its gradient and its state slots (each slot a range of the optimizer-state buffer). Where the
 //! parameters are stored narrower than they compute (bf16), `master` holds their fp32 master
 //! copy, which the update steps and rounds into `params`; the state is in the accumulate type.
+//! Where the gradients of such parameters are kept in fp32 (TrainerOptions::fp32_gradients),
+//! they are in `fp32_grads` and `grads` is empty: an optimizer reads whichever has data.
 template <class T>
 struct OptimizerSegment {
   Tensor<T> params;
   Tensor<const T> grads;
+  Tensor<const accumulate_t<T>> fp32_grads{};  //!< fp32 gradients of bf16 params; empty otherwise
   Tensor<accumulate_t<T>> master{};  //!< fp32 master weights for bf16 params; empty otherwise
   std::array<Tensor<accumulate_t<T>>, max_optimizer_state_slots> state{};
   bool weight_decay = false;  //!< whether the parameter is decayed (AdamW: matrices only)

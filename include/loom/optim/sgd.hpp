@@ -39,9 +39,12 @@ class SgdMomentum {
                       .momentum = options_.momentum,
                       .weight_decay = s.weight_decay ? options_.weight_decay : 0.0,
                       .nesterov = options_.nesterov};
-    if constexpr (is_narrow_storage<T>)
-      sgd_momentum_update<T>(backend, s.params, s.grads, s.master, s.state[0], h);
-    else
+    if constexpr (is_narrow_storage<T>) {
+      if (s.fp32_grads.data() != nullptr)
+        sgd_momentum_update<T>(backend, s.params, s.fp32_grads, s.master, s.state[0], h);
+      else
+        sgd_momentum_update<T>(backend, s.params, s.grads, s.master, s.state[0], h);
+    } else
       sgd_momentum_update<T>(backend, s.params, s.grads, s.state[0], h);
   }
 

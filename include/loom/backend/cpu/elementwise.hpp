@@ -1,5 +1,6 @@
 #pragma once
-//! \file Plain element-wise helpers on the CPU backend: copy, accumulate, zero (float, double, bf16).
+//! \file Plain element-wise helpers on the CPU backend: copy, accumulate, drain into a wider sum,
+//! zero (float, double, bf16).
 
 #include <cstring>
 
@@ -25,6 +26,21 @@ void add_to(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
   const std::int64_t n = dst.numel();
 #pragma omp parallel for simd num_threads(be.threads()) if (n > (1 << 16))
   for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(to_accumulate(d[i]) + to_accumulate(s[i]));
+}
+
+//! sum += part (widened to the accumulate type), then part = 0: one micro-batch's gradient moved
+//! into an fp32 accumulator (TrainerOptions::fp32_gradients). Equal element counts.
+template <class T>
+void drain_into(const cpu& be, Tensor<accumulate_t<T>> sum, Tensor<T> part) {
+  check_numel(sum, part.numel(), "drain_into", "sum");
+  accumulate_t<T>* s = sum.data();
+  T* p = part.data();
+  const std::int64_t n = part.numel();
+#pragma omp parallel for simd num_threads(be.threads()) if (n > (1 << 16))
+  for (std::int64_t i = 0; i < n; ++i) {
+    s[i] += to_accumulate(p[i]);
+    p[i] = T(0.0f);
+  }
 }
 
 //! x = 0.

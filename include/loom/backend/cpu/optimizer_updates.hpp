@@ -123,6 +123,26 @@ void round_params(const cpu& be, T* params, const accumulate_t<T>* master, std::
   for (std::int64_t i = 0; i < n; ++i) params[i] = static_cast<T>(master[i]);
 }
 
+//! AdamW with master weights from gradients of storage type G (T, or the accumulate type).
+template <class T, class G>
+void adamw_master(const cpu& be, Tensor<T> params, Tensor<const G> grads, Tensor<accumulate_t<T>> master,
+                  Tensor<accumulate_t<T>> m, Tensor<accumulate_t<T>> v, const AdamWUpdate& h) {
+  check_adamw(params, grads, m, v, h);
+  check_numel(master, params.numel(), "adamw_update", "master");
+  adamw_range(be, master.data(), grads.data(), m.data(), v.data(), params.data(), params.numel(), h);
+}
+
+//! SGD with momentum and master weights from gradients of storage type G.
+template <class T, class G>
+void sgd_master(const cpu& be, Tensor<T> params, Tensor<const G> grads, Tensor<accumulate_t<T>> master,
+                Tensor<accumulate_t<T>> momentum, const SgdUpdate& h) {
+  check_sgd(params, grads, momentum);
+  check_numel(master, params.numel(), "sgd_momentum_update", "master");
+  const std::int64_t n = params.numel();
+  sgd_range(be, master.data(), grads.data(), momentum.data(), n, h);
+  round_params(be, params.data(), master.data(), n);
+}
+
 }  // namespace loom::detail::optimizer_updates
 
 namespace loom::inline kernels {
@@ -149,10 +169,16 @@ void adamw_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor
 template <class T>
 void adamw_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor<accumulate_t<T>> master,
                   Tensor<accumulate_t<T>> m, Tensor<accumulate_t<T>> v, const AdamWUpdate& h) {
-  detail::optimizer_updates::check_adamw(params, grads, m, v, h);
-  check_numel(master, params.numel(), "adamw_update", "master");
-  detail::optimizer_updates::adamw_range(be, master.data(), grads.data(), m.data(), v.data(), params.data(),
-                                         params.numel(), h);
+  detail::optimizer_updates::adamw_master(be, params, grads, master, m, v, h);
+}
+
+//! The same from fp32 gradients of bf16 parameters (TrainerOptions::fp32_gradients).
+template <class T>
+  requires is_narrow_storage<T>
+void adamw_update(const cpu& be, Tensor<T> params, Tensor<const accumulate_t<T>> grads,
+                  Tensor<accumulate_t<T>> master, Tensor<accumulate_t<T>> m, Tensor<accumulate_t<T>> v,
+                  const AdamWUpdate& h) {
+  detail::optimizer_updates::adamw_master(be, params, grads, master, m, v, h);
 }
 
 //! One SGD-with-momentum step on a flat range, PyTorch's formula (no dampening): g' = g + wd p;
@@ -174,11 +200,15 @@ void sgd_momentum_update(const cpu& be, Tensor<T> params, Tensor<const T> grads,
 template <class T>
 void sgd_momentum_update(const cpu& be, Tensor<T> params, Tensor<const T> grads, Tensor<accumulate_t<T>> master,
                          Tensor<accumulate_t<T>> momentum, const SgdUpdate& h) {
-  detail::optimizer_updates::check_sgd(params, grads, momentum);
-  check_numel(master, params.numel(), "sgd_momentum_update", "master");
-  const std::int64_t n = params.numel();
-  detail::optimizer_updates::sgd_range(be, master.data(), grads.data(), momentum.data(), n, h);
-  detail::optimizer_updates::round_params(be, params.data(), master.data(), n);
+  detail::optimizer_updates::sgd_master(be, params, grads, master, momentum, h);
+}
+
+//! The same from fp32 gradients of bf16 parameters (TrainerOptions::fp32_gradients).
+template <class T>
+  requires is_narrow_storage<T>
+void sgd_momentum_update(const cpu& be, Tensor<T> params, Tensor<const accumulate_t<T>> grads,
+                         Tensor<accumulate_t<T>> master, Tensor<accumulate_t<T>> momentum, const SgdUpdate& h) {
+  detail::optimizer_updates::sgd_master(be, params, grads, master, momentum, h);
 }
 
 }  // namespace loom::inline kernels

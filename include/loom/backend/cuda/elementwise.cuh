@@ -1,6 +1,6 @@
 #pragma once
-//! \file Plain element-wise helpers on the CUDA backend: copy, accumulate, zero, dropout (all
-//! ordered on the backend's stream).
+//! \file Plain element-wise helpers on the CUDA backend: copy, accumulate, drain into a wider sum,
+//! zero, dropout (all ordered on the backend's stream).
 
 #include <cstddef>
 #include <cstdint>
@@ -38,6 +38,15 @@ __global__ void dropout_kernel(T* x, DropoutMask mask, std::uint64_t first, std:
       T& v = x[e - first];
       v = mask.keeps(words[w]) ? static_cast<T>(to_accumulate(v) * scale) : T(0.0f);
     }
+  }
+}
+
+//! sum[i] += part[i] (widened), part[i] = 0.
+template <class T>
+__global__ void drain_kernel(float* sum, T* part, std::int64_t n) {
+  for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
+    sum[i] += to_accumulate(part[i]);
+    part[i] = T(0.0f);
   }
 }
 
@@ -84,6 +93,22 @@ void dropout(const cuda& be, Tensor<T> x, const DropoutMask& mask, std::int64_t 
   detail::cuda_elementwise::dropout_kernel<<<k::elementwise_blocks(blocks), k::elementwise_threads, 0, be.stream()>>>(
       x.data(), mask, static_cast<std::uint64_t>(first_element), x.numel());
   detail::cuda_check_launch("dropout");
+}
+
+//! sum += part (widened to float), then part = 0: one micro-batch's gradient moved into an fp32
+//! accumulator (TrainerOptions::fp32_gradients). Equal element counts.
+template <class T>
+void drain_into(const cuda& be, Tensor<float> sum, Tensor<T> part) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace k = detail::cuda_kernels;
+  check_numel(sum, part.numel(), "drain_into", "sum");
+  const std::int64_t n = part.numel();
+  if (n == 0) return;
+  check_data(part, "drain_into", "part");
+  k::activate(be);
+  detail::cuda_elementwise::drain_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      sum.data(), part.data(), n);
+  detail::cuda_check_launch("drain_into");
 }
 
 //! x = 0 (a memset on the stream). An empty tensor is left alone.

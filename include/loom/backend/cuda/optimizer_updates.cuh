@@ -64,8 +64,8 @@ LOOM_HD inline void sgd_element(float& p, float g, float& buf, const SgdFactors&
 
 //! master, m, v in float, updated from the widened gradient; params = master rounded once. For
 //! float parameters `master` is `params` itself (the same value is written twice).
-template <class T>
-__global__ void adamw_kernel(T* params, const T* grads, float* master, float* m, float* v, std::int64_t n,
+template <class T, class G>
+__global__ void adamw_kernel(T* params, const G* grads, float* master, float* m, float* v, std::int64_t n,
                              AdamWFactors f) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
     float p = master[i], mi = m[i], vi = v[i];
@@ -78,8 +78,8 @@ __global__ void adamw_kernel(T* params, const T* grads, float* master, float* m,
 }
 
 //! master and momentum in float; params = master rounded once (`master` is `params` for float).
-template <class T>
-__global__ void sgd_kernel(T* params, const T* grads, float* master, float* momentum, std::int64_t n,
+template <class T, class G>
+__global__ void sgd_kernel(T* params, const G* grads, float* master, float* momentum, std::int64_t n,
                            SgdFactors f) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride()) {
     float p = master[i], b = momentum[i];
@@ -92,17 +92,14 @@ __global__ void sgd_kernel(T* params, const T* grads, float* master, float* mome
 
 }  // namespace loom::detail::cuda_optimizer_updates
 
-namespace loom::inline kernels {
+namespace loom::detail::cuda_optimizer_updates {
 
-//! One AdamW step with fp32 master weights (mixed precision): `master`, `m` and `v` (float) are
-//! updated exactly as the float overload updates float parameters from the widened gradients,
-//! then params = master rounded once. All five tensors have equal element counts.
-template <class T>
-void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<float> master, Tensor<float> m,
+//! adamw_update with master weights, for gradients of T or of float.
+template <class T, class G>
+void adamw_master(const cuda& be, Tensor<T> params, Tensor<const G> grads, Tensor<float> master, Tensor<float> m,
                   Tensor<float> v, const AdamWUpdate& h) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
-  namespace k = detail::cuda_kernels;
-  namespace d = detail::cuda_optimizer_updates;
+  static_assert(cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace k = cuda_kernels;
   constexpr const char* kernel = "adamw_update";
   const std::int64_t n = params.numel();
   check_data(params, kernel, "params");
@@ -113,19 +110,17 @@ void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tenso
   LOOM_CHECK(h.step >= 1, "adamw_update: step", h.step, "steps count from 1");
   if (n == 0) return;
   k::activate(be);
-  d::adamw_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      params.data(), grads.data(), master.data(), m.data(), v.data(), n, d::adamw_factors(h));
-  detail::cuda_check_launch("adamw_update");
+  adamw_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      params.data(), grads.data(), master.data(), m.data(), v.data(), n, adamw_factors(h));
+  cuda_check_launch("adamw_update");
 }
 
-//! One SGD-with-momentum step with fp32 master weights: `master` and `momentum` updated as the
-//! float overload updates float parameters, then params = master rounded once.
-template <class T>
-void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<float> master,
-                         Tensor<float> momentum, const SgdUpdate& h) {
-  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
-  namespace k = detail::cuda_kernels;
-  namespace d = detail::cuda_optimizer_updates;
+//! sgd_momentum_update with master weights, for gradients of T or of float.
+template <class T, class G>
+void sgd_master(const cuda& be, Tensor<T> params, Tensor<const G> grads, Tensor<float> master,
+                Tensor<float> momentum, const SgdUpdate& h) {
+  static_assert(cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace k = cuda_kernels;
   constexpr const char* kernel = "sgd_momentum_update";
   const std::int64_t n = params.numel();
   check_data(params, kernel, "params");
@@ -134,9 +129,46 @@ void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const T> grads
   check_numel(momentum, n, kernel, "momentum");
   if (n == 0) return;
   k::activate(be);
-  d::sgd_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
-      params.data(), grads.data(), master.data(), momentum.data(), n, d::sgd_factors(h));
-  detail::cuda_check_launch("sgd_momentum_update");
+  sgd_kernel<<<k::elementwise_blocks(n), k::elementwise_threads, 0, be.stream()>>>(
+      params.data(), grads.data(), master.data(), momentum.data(), n, sgd_factors(h));
+  cuda_check_launch("sgd_momentum_update");
+}
+
+}  // namespace loom::detail::cuda_optimizer_updates
+
+namespace loom::inline kernels {
+
+//! One AdamW step with fp32 master weights (mixed precision): `master`, `m` and `v` (float) are
+//! updated exactly as the float overload updates float parameters from the widened gradients,
+//! then params = master rounded once. All five tensors have equal element counts.
+template <class T>
+void adamw_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<float> master, Tensor<float> m,
+                  Tensor<float> v, const AdamWUpdate& h) {
+  detail::cuda_optimizer_updates::adamw_master(be, params, grads, master, m, v, h);
+}
+
+//! The same from fp32 gradients of bf16 parameters (TrainerOptions::fp32_gradients).
+template <class T>
+  requires is_narrow_storage<T>
+void adamw_update(const cuda& be, Tensor<T> params, Tensor<const float> grads, Tensor<float> master,
+                  Tensor<float> m, Tensor<float> v, const AdamWUpdate& h) {
+  detail::cuda_optimizer_updates::adamw_master(be, params, grads, master, m, v, h);
+}
+
+//! One SGD-with-momentum step with fp32 master weights: `master` and `momentum` updated as the
+//! float overload updates float parameters, then params = master rounded once.
+template <class T>
+void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const T> grads, Tensor<float> master,
+                         Tensor<float> momentum, const SgdUpdate& h) {
+  detail::cuda_optimizer_updates::sgd_master(be, params, grads, master, momentum, h);
+}
+
+//! The same from fp32 gradients of bf16 parameters (TrainerOptions::fp32_gradients).
+template <class T>
+  requires is_narrow_storage<T>
+void sgd_momentum_update(const cuda& be, Tensor<T> params, Tensor<const float> grads, Tensor<float> master,
+                         Tensor<float> momentum, const SgdUpdate& h) {
+  detail::cuda_optimizer_updates::sgd_master(be, params, grads, master, momentum, h);
 }
 
 //! One AdamW step on a flat range, PyTorch's formula (decoupled weight decay): p -= lr wd p;
