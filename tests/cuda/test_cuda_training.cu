@@ -368,6 +368,61 @@ TEST_CASE("bf16 with fp32 master weights on one GPU, and ZeRO-3 on two ranks sha
   CHECK(weights[1] == weights[0]);
 }
 
+TEST_CASE("bf16 with fp32 gradients on one GPU (micro-batches of one), and DDP and ZeRO-2 on two ranks sharing it, "
+          "track fp32, the two ranks as the one GPU") {
+  // TrainerOptions::fp32_gradients: drain_into after every layer's backward, fp32 reductions,
+  // AdamW from the fp32 sums. On the CPU every layout gives one rank's bits
+  // (tests/unit/test_fp32_gradients.cpp); here the two-rank runs must give one GPU's.
+  if (!have_gpu()) return;
+  using Bf = gpt2::Model<loom::cuda, bf16>;
+  const ParityRun& fp32 = reference(0.0);
+  const TrainerOptions options{.micro_batch_size = 1, .seed = 5, .fp32_gradients = true};
+  const auto train = [&](auto& trainer, std::vector<double>& losses, std::vector<bf16>& weights) {
+    for (int s = 0; s < parity_steps; ++s)
+      losses.push_back(trainer.step(make_batch(s, global_batch, seq, small_test_config().vocab_size)).loss);
+    weights = trainer.gather_parameters();
+  };
+  std::vector<double> one_losses;
+  std::vector<bf16> one_weights;
+  {
+    loom::cuda be(0);
+    Trainer<Bf, AdamW> trainer(be, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(), options);
+    REQUIRE(trainer.fp32_gradients() != nullptr);
+    train(trainer, one_losses, one_weights);
+  }
+  REQUIRE(one_losses.size() == fp32.losses.size());
+  for (std::size_t s = 0; s < one_losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(one_losses[s] - fp32.losses[s]) <= 1e-2 * fp32.losses[s]);
+  }
+  std::vector<float> wide;
+  for (const bf16 w : one_weights) wide.push_back(static_cast<float>(w));
+  CHECK(relative_difference(wide.data(), fp32.weights.data(), static_cast<std::int64_t>(wide.size())) <= 1e-2);
+  const auto on_two_ranks = [&](auto strategy) {
+    std::vector<std::vector<double>> losses(2);
+    std::vector<std::vector<bf16>> weights(2);
+    const std::vector<std::string> failures = rank_failures(2, [&](threads::Communicator& world) {
+      loom::cuda be(gpu_of(world.rank()));
+      StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
+      Trainer<Bf, AdamW, GradientAccumulation, decltype(strategy)> trainer(
+          be, staged, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(), options, strategy);
+      const auto r = static_cast<std::size_t>(world.rank());
+      train(trainer, losses[r], weights[r]);
+      return std::string();
+    });
+    CHECK_MESSAGE(failures.empty(), joined(failures));
+    // The same bf16 terms summed in fp32 in another order: one GPU's weights, or within 1e-3.
+    std::vector<float> a, b;
+    for (const bf16 w : weights[0]) a.push_back(static_cast<float>(w));
+    for (const bf16 w : one_weights) b.push_back(static_cast<float>(w));
+    CHECK(relative_difference(a.data(), b.data(), static_cast<std::int64_t>(a.size())) <= 1e-3);
+    CHECK(losses[1] == losses[0]);
+    CHECK(weights[1] == weights[0]);
+  };
+  on_two_ranks(DataParallel{.bucket_bytes = 4096});
+  on_two_ranks(Zero<2>{.bucket_bytes = 2048});
+}
+
 TEST_CASE("a device batch is checked on the host before its copy") {
   if (!have_gpu()) return;
   loom::cuda be(0);

@@ -14,6 +14,7 @@
 #include "loom/loom.hpp"
 #include "support/parity_check.hpp"
 #include "support/training.hpp"
+#include "support/weight_runs.hpp"
 
 using namespace loom;
 using namespace loom::test;
@@ -24,19 +25,11 @@ using Bf = gpt2::Model<cpu, bf16>;
 using Fp = gpt2::Model<cpu, float>;
 constexpr std::int64_t global_batch = 8, seq = 16;
 
-//! Losses per step and the final weights (widened to float) of one rank.
-struct Run {
-  std::vector<double> losses;
-  std::vector<float> weights;
-};
+using Run = WeightRun;
 
 template <class Tr>
 Run train(Tr& trainer, int steps) {
-  Run run;
-  for (int s = 0; s < steps; ++s)
-    run.losses.push_back(trainer.step(make_batch(s, global_batch, seq, small_test_config().vocab_size)).loss);
-  for (const auto w : trainer.gather_parameters()) run.weights.push_back(static_cast<float>(w));
-  return run;
+  return train_run(trainer, global_batch, seq, steps);
 }
 
 template <class M, class St = SingleRank, class S = GradientAccumulation>
@@ -59,25 +52,7 @@ Run data_parallel(int ranks, std::int64_t micro_batch, St strategy = {}) {
                                                          {.micro_batch_size = micro_batch, .seed = 5}, strategy);
     runs[static_cast<std::size_t>(comm.rank())] = train(trainer, parity_steps);
   });
-  for (int r = 1; r < ranks; ++r) {
-    CAPTURE(r);
-    CHECK(runs[static_cast<std::size_t>(r)].losses == runs[0].losses);
-    CHECK(runs[static_cast<std::size_t>(r)].weights == runs[0].weights);
-  }
-  return runs[0];
-}
-
-//! Each step's loss within `tolerance` relative of the reference's, and the weights within
-//! `tolerance` in relative L2 norm.
-void check_close(const Run& run, const Run& reference, double tolerance) {
-  REQUIRE(run.losses.size() == reference.losses.size());
-  for (std::size_t s = 0; s < run.losses.size(); ++s) {
-    CAPTURE(s);
-    CHECK(std::abs(run.losses[s] - reference.losses[s]) <= tolerance * std::abs(reference.losses[s]));
-  }
-  REQUIRE(run.weights.size() == reference.weights.size());
-  CHECK(relative_difference(run.weights.data(), reference.weights.data(),
-                            static_cast<std::int64_t>(run.weights.size())) <= tolerance);
+  return same_on_every_rank(runs);
 }
 
 }  // namespace

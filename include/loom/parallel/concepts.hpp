@@ -24,6 +24,8 @@ struct EngineContext {
   //! Per layer, the layout ranges it reads (Model::layer_parameters), for strategies that
   //! gather parameters per layer.
   const std::vector<std::vector<ElementRange>>& layer_parameters;
+  //! Accumulate and reduce the gradients of bf16 parameters in fp32 (TrainerOptions::fp32_gradients).
+  bool fp32_gradients = false;
 };
 
 //! A Strategy is a type (`SingleRank`, `DataParallel`, later `Zero<N>`) whose value carries its

@@ -71,7 +71,9 @@ inline std::vector<GradientBucket> gradient_buckets(const ParameterLayout& layou
 }
 
 //! Data parallelism (PyTorch DDP's algorithm): replicated parameters and optimizer state,
-//! gradients summed over the group in buckets of `bucket_bytes`. With `overlap`, a bucket's
+//! gradients summed over the group in buckets of `bucket_bytes` (of fp32 gradients where the
+//! engine keeps them: TrainerOptions::fp32_gradients, as Megatron-LM's
+//! accumulate_allreduce_grads_in_fp32). With `overlap`, a bucket's
 //! all-reduce starts during the last micro-batch's backward as soon as its layers are done and
 //! the optimizer waits only for what is still in flight; without it, all buckets are reduced
 //! after backward (the baseline the overlap benchmark compares with). Earlier micro-batches of
@@ -94,7 +96,11 @@ struct DataParallel {
         : detail::ReplicatedEngine<B, T>(context),
           group_(context.data_parallel),
           overlap_(settings.overlap),
-          buckets_(gradient_buckets(context.layout, sizeof(T), settings.bucket_bytes)),
+          buckets_(gradient_buckets(context.layout,
+                                    detail::ReplicatedEngine<B, T>::fp32_gradients_held(context)
+                                        ? sizeof(typename detail::ReplicatedEngine<B, T>::wide_type)
+                                        : sizeof(T),
+                                    settings.bucket_bytes)),
           in_flight_(buckets_.size()) {}
 
     //! The buckets, in the order their all-reduces start.
@@ -108,6 +114,7 @@ struct DataParallel {
     //! After `layer`'s backward: on the last micro-batch, start every bucket whose layers are
     //! now all done, and let in-flight ones progress (MPI moves data only inside its calls).
     void on_backward(int layer, bool last_micro_batch) {
+      this->drain(layer);
       if (!last_micro_batch || group_.size() == 1) return;
       for (std::size_t b = 0; b < next_bucket_; ++b) in_flight_[b].test();
       if (!overlap_) return;
@@ -130,8 +137,11 @@ struct DataParallel {
    private:
     void start(std::size_t b) {
       const GradientBucket& bucket = buckets_[b];
-      std::span<T> range(this->grads() + bucket.begin, static_cast<std::size_t>(bucket.end - bucket.begin));
-      in_flight_[b] = group_.all_reduce_async(range, ReduceOp::sum);
+      const auto count = static_cast<std::size_t>(bucket.end - bucket.begin);
+      if (auto* wide = this->fp32_grads())
+        in_flight_[b] = group_.all_reduce_async(std::span(wide + bucket.begin, count), ReduceOp::sum);
+      else
+        in_flight_[b] = group_.all_reduce_async(std::span<T>(this->grads() + bucket.begin, count), ReduceOp::sum);
     }
 
     CommunicatorRef group_;

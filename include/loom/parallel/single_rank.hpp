@@ -22,14 +22,24 @@ namespace detail {
 //! What SingleRank and DataParallel share: the full flat parameter, gradient and
 //! optimizer-state buffers of the layout on this rank (DESIGN.md invariant 4), parameters
 //! initialised from the seed (invariant 1), every layer seeing the whole buffers.
+//!
+//! With fp32 gradients (bf16 parameters and EngineContext::fp32_gradients), the layers still
+//! write bf16 gradients into the flat buffer, but after each layer's backward the elements it
+//! reads are drained into an fp32 buffer (sum += part, part = 0): every layer's contribution of
+//! every micro-batch is added in fp32 (a tied embedding's two uses too), and the reduction, the
+//! norm and the optimizer read the fp32 sums.
 template <class B, class T>
 class ReplicatedEngine {
  public:
+  using wide_type = accumulate_t<T>;
+
   ReplicatedEngine(EngineContext<B> context)
       : backend_(&context.backend),
         layout_(&context.layout),
         params_(context.backend, context.layout.total(), MemoryCategory::parameters),
         grads_(context.backend, context.layout.total(), MemoryCategory::gradients),
+        wide_(context.backend, fp32_gradients_held(context) ? context.layout.total() : 0, MemoryCategory::gradients),
+        drained_(fp32_gradients_held(context) ? context.layer_parameters : std::vector<std::vector<ElementRange>>{}),
         state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state),
         master_(context.backend, context.layout.total()),
         state_slots_(context.state_slots),
@@ -40,37 +50,70 @@ class ReplicatedEngine {
     context.backend.copy_from_host(params_.data(), host.data(), params_.bytes());
     master_.initialize(context.layout, 0, 0, context.layout.total(), context.seed);
     grads_.zero();
+    wide_.zero();
     state_.zero();
   }
+
+  //! Whether an engine built from `context` keeps fp32 gradients: bf16 parameters (float ones
+  //! have them already) and EngineContext::fp32_gradients.
+  static bool fp32_gradients_held(const EngineContext<B>& context) noexcept {
+    return is_narrow_storage<T> && context.fp32_gradients;
+  }
+  //! Whether this engine keeps fp32 gradients.
+  bool fp32_gradients() const noexcept { return wide_.size() > 0; }
 
   //! The full parameters and gradients, in layout order.
   const T* params() const noexcept { return params_.data(); }
   T* mutable_params() noexcept { return params_.data(); }
   T* grads() noexcept { return grads_.data(); }
+  //! The fp32 gradient sums (null unless fp32_gradients()).
+  wide_type* fp32_grads() noexcept { return fp32_gradients() ? wide_.data() : nullptr; }
+  //! The same as a view (every layer sees the whole buffer).
+  ParameterView<wide_type> fp32_grads_view(int /*layer*/) noexcept { return ParameterView<wide_type>(fp32_grads()); }
 
   ParameterView<const T> forward_params(int /*layer*/) const noexcept { return ParameterView<const T>(params_.data()); }
   void after_forward(int /*layer*/) noexcept {}
   ParameterView<const T> backward_params(int /*layer*/) const noexcept { return ParameterView<const T>(params_.data()); }
   ParameterView<T> backward_grads(int /*layer*/) noexcept { return ParameterView<T>(grads_.data()); }
 
-  void begin_step() { grads_.zero(); }
+  void begin_step() {
+    grads_.zero();
+    wide_.zero();
+  }
+  //! With fp32 gradients: moves the gradients of the elements `layer` reads from the bf16 buffer
+  //! into the fp32 sums. Called after each of the layer's backwards; a contribution that comes
+  //! later (the weight pass of a split backward) waits in the bf16 buffer for the next call. A
+  //! layer reads only parameters of its own or of earlier layers, whose reductions have not begun.
+  void drain(int layer) {
+    if (!fp32_gradients() || layer >= static_cast<int>(drained_.size())) return;
+    for (const ElementRange& r : drained_[static_cast<std::size_t>(layer)])
+      drain_into<T>(*backend_, Tensor<wide_type>(wide_.data() + r.begin, Shape{r.end - r.begin}),
+                    Tensor<T>(grads_.data() + r.begin, Shape{r.end - r.begin}));
+  }
   //! Every rank holds the whole (reduced) gradient, so the local sum counts each element once;
   //! parameters replicated over tensor parallelism only when `count_replicated`.
   double grad_sum_of_squares(bool count_replicated = true) const {
     const std::int64_t total = layout_->total();
-    return gradient_sum_of_squares(*backend_, *layout_,
-                                   FlatRange<T>{.begin = 0, .end = total, .grads = grads_.data()}, count_replicated);
+    return gradient_sum_of_squares(
+        *backend_, *layout_, FlatRange<T>{.begin = 0, .end = total, .grads = grads_.data(), .fp32_grads = wide_data()},
+        count_replicated);
   }
 
   //! Scales the gradients by `grad_scale` (clipping) and applies `optimizer` to every
   //! parameter at learning rate `lr` for step `step` (from 1).
   template <Optimizer O>
   void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
-    if (grad_scale != 1.0) scale<T>(*backend_, grads_.view(), grad_scale);
+    if (grad_scale != 1.0) {
+      if (fp32_gradients())
+        scale<wide_type>(*backend_, wide_.view(), grad_scale);
+      else
+        scale<T>(*backend_, grads_.view(), grad_scale);
+    }
     const std::int64_t total = layout_->total();
     apply_optimizer(optimizer, *backend_, *layout_,
                     FlatRange<T>{.begin = 0, .end = total, .params = params_.data(), .grads = grads_.data(),
-                                 .state = state_.data(), .state_stride = total, .master = master_.data()},
+                                 .fp32_grads = wide_data(), .state = state_.data(), .state_stride = total,
+                                 .master = master_.data()},
                     lr, step);
   }
 
@@ -126,9 +169,13 @@ class ReplicatedEngine {
   Buffer<T, B>& gradient_buffer() noexcept { return grads_; }
 
  private:
+  const wide_type* wide_data() const noexcept { return wide_.size() > 0 ? wide_.data() : nullptr; }
+
   B* backend_;
   const ParameterLayout* layout_;
   Buffer<T, B> params_, grads_;
+  Buffer<wide_type, B> wide_;  // empty unless fp32 gradients
+  std::vector<std::vector<ElementRange>> drained_;  // per layer, what it reads (fp32 gradients only)
   Buffer<accumulate_t<T>, B> state_;
   MasterWeights<B, T> master_;
   int state_slots_;
@@ -150,7 +197,7 @@ struct SingleRank {
     Engine(const SingleRank&, EngineContext<B> context)
         : detail::ReplicatedEngine<B, T>((check_group(context.data_parallel), context)) {}
 
-    void on_backward(int /*layer*/, bool /*last_micro_batch*/) noexcept {}
+    void on_backward(int layer, bool /*last_micro_batch*/) { this->drain(layer); }
     void finish_gradients() noexcept {}
     double global_sum(double local) const noexcept { return local; }
 

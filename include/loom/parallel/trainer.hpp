@@ -53,6 +53,13 @@ struct TrainerOptions {
   int recompute_layers = 0;
   //! recompute_layers for every layer it applies to.
   static constexpr int all_layers = std::numeric_limits<int>::max();
+  //! For bf16 models: add the micro-batches' gradients up, reduce them over the data-parallel
+  //! group, clip them and step the optimizer from them in fp32 (Megatron-LM's
+  //! accumulate_allreduce_grads_in_fp32, its default for bf16), instead of in bf16 (llm.c's
+  //! way, the default here). Costs 4 bytes of gradient per parameter more (docs/mixed_precision.md
+  //! has each strategy's figure), and twice the bytes in each gradient reduction. Float models
+  //! already do all of it in fp32; every strategy and schedule takes it.
+  bool fp32_gradients = false;
 
   friend bool operator==(const TrainerOptions&, const TrainerOptions&) = default;
   friend std::ostream& operator<<(std::ostream& out, const TrainerOptions& o) {
@@ -60,7 +67,7 @@ struct TrainerOptions {
         << ", seed=" << o.seed << ", recompute_layers=";
     if (o.recompute_layers == all_layers) out << "all";
     else out << o.recompute_layers;
-    return out << "}";
+    return out << ", fp32_gradients=" << o.fp32_gradients << "}";
   }
 };
 
@@ -371,10 +378,18 @@ class Trainer {
     return engine_.mutable_params();
   }
   //! The flat gradients of the last step (after clipping), where the strategy holds them whole.
+  //! With TrainerOptions::fp32_gradients (bf16 models) they are in fp32_gradients() instead.
   const scalar_type* gradients() noexcept
     requires requires(Engine& e) { e.grads(); }
   {
     return engine_.grads();
+  }
+  //! The flat fp32 gradients of the last step (after clipping) where TrainerOptions::fp32_gradients
+  //! keeps them (bf16 models); null otherwise.
+  const accumulate_t<scalar_type>* fp32_gradients() noexcept
+    requires requires(Engine& e) { e.fp32_grads(); }
+  {
+    return engine_.fp32_grads();
   }
   const MemoryTracker& memory() const noexcept { return backend_->memory(); }
   const TrainerOptions& options() const noexcept { return options_; }
@@ -433,7 +448,8 @@ class Trainer {
                                                        .layout = stage_.layout(),
                                                        .state_slots = O::state_slots,
                                                        .seed = options.seed,
-                                                       .layer_parameters = layer_parameters_}),
+                                                       .layer_parameters = layer_parameters_,
+                                                       .fp32_gradients = options.fp32_gradients}),
         mailbox_pool_(backend, MemoryCategory::communication) {}
 
   //! This rank's layers: the model's layers cut into pp × chunks virtual stages balanced by
@@ -934,12 +950,16 @@ class Trainer {
         stage_.backward(*backend_, l, params, engine_.backward_grads(l), a);
         notify(l, completes);
       } else {
-        if constexpr (SplitBackwardModel<M>)
+        if constexpr (SplitBackwardModel<M>) {
           stage_.backward_input(*backend_, l, params, engine_.backward_grads(l), a,
                                 range(slot.stash, p.stash_offset, j));
-        else
+          // Parameter gradients the input pass makes go into the fp32 sums now, not after other
+          // micro-batches' input passes have added theirs to them in bf16.
+          if constexpr (requires(Engine& e) { e.drain(l); }) engine_.drain(l);
+        } else {
           throw Error("trainer: schedule action", detail::to_text(action),
                       "needs a Model with backward_input and backward_weight");
+        }
       }
       current = 1 - current;
     }
@@ -1013,7 +1033,24 @@ class Trainer {
 
   //! Every holder of a tied parameter ends with the same gradient: the holders' gradients summed
   //! in holder order (so the bits agree on every holder), in pieces of at most 1 Mi elements.
+  //! Where the engine keeps fp32 gradients, local layer 0's last part is drained into them first
+  //! (the engine is told of that layer only after this), and the fp32 sums are exchanged.
   void exchange_tied_gradients() {
+    if constexpr (requires(Engine& e) { e.fp32_grads_view(0); }) {
+      if (engine_.fp32_gradients()) {
+        engine_.drain(0);
+        const ParameterView<accumulate_t<T>> sums = engine_.fp32_grads_view(0);
+        return exchange_tied_gradients([&](std::int64_t offset, std::int64_t n) { return sums.at(offset, n); },
+                                       wide_tied_buffer_, wide_tied_parts_);
+      }
+    }
+    const auto at = [&](std::int64_t offset, std::int64_t n) { return engine_.backward_grads(0).at(offset, n); };
+    exchange_tied_gradients(at, tied_buffer_, tied_parts_);
+  }
+  //! The exchange over gradients of type U: `at(offset, n)` points at n of them from layout
+  //! element `offset`; `buffer` and `parts` are the scratch it keeps between steps.
+  template <class At, class U>
+  void exchange_tied_gradients(At at, Buffer<U, backend_type>& buffer, std::vector<const U*>& parts) {
     constexpr std::int64_t piece = std::int64_t{1} << 20;
     const int me = pipeline_.rank();
     for (std::size_t t = 0; t < stage_.tied().size(); ++t) {
@@ -1021,18 +1058,17 @@ class Trainer {
       const int tag = tied_tag_base + static_cast<int>(t);
       const std::int64_t others = static_cast<std::int64_t>(tied.holders.size()) - 1;
       const std::int64_t length = std::min(piece, tied.numel);
-      if (tied_buffer_.size() < length * (others + 1))
-        tied_buffer_ = Buffer<T, backend_type>(*backend_, length * (others + 1), MemoryCategory::communication);
-      T* grads = engine_.backward_grads(0).at(tied.offset, tied.numel);
+      if (buffer.size() < length * (others + 1))
+        buffer = Buffer<U, backend_type>(*backend_, length * (others + 1), MemoryCategory::communication);
+      U* grads = at(tied.offset, tied.numel);
       for (std::int64_t begin = 0; begin < tied.numel; begin += piece) {
         const std::int64_t n = std::min(piece, tied.numel - begin);
-        const std::span<const T> mine(grads + begin, static_cast<std::size_t>(n));
+        const std::span<const U> mine(grads + begin, static_cast<std::size_t>(n));
         // Each holder's piece, in holder order: ours in place, the others received into the
         // buffer. The exchange goes pair by pair in holder order, each pair's send and receive
         // as one group: two holders that each sent first and then received would deadlock where
         // a send holds up the rank's later work until it is received (NCCL's stream order;
         // test_pipeline_stream_order).
-        std::vector<const T*>& parts = tied_parts_;
         parts.clear();
         std::int64_t received = 0;
         for (int h : tied.holders) {
@@ -1040,18 +1076,18 @@ class Trainer {
             parts.push_back(grads + begin);
             continue;
           }
-          T* into = tied_buffer_.data() + (1 + received++) * length;
-          const std::span<T> theirs(into, static_cast<std::size_t>(n));
+          U* into = buffer.data() + (1 + received++) * length;
+          const std::span<U> theirs(into, static_cast<std::size_t>(n));
           const std::array exchange{pipeline_.send_call(mine, h, tag), pipeline_.recv_call(theirs, h, tag)};
           std::vector<Request> done = pipeline_.start_group(exchange);
           wait_all(done);
           parts.push_back(into);
         }
-        T* sum = tied_buffer_.data();
-        copy<T>(*backend_, Tensor<T>(sum, Shape{n}), Tensor<const T>(parts[0], Shape{n}));
+        U* sum = buffer.data();
+        copy<U>(*backend_, Tensor<U>(sum, Shape{n}), Tensor<const U>(parts[0], Shape{n}));
         for (std::size_t i = 1; i < parts.size(); ++i)
-          add_to<T>(*backend_, Tensor<T>(sum, Shape{n}), Tensor<const T>(parts[i], Shape{n}));
-        copy<T>(*backend_, Tensor<T>(grads + begin, Shape{n}), Tensor<const T>(sum, Shape{n}));
+          add_to<U>(*backend_, Tensor<U>(sum, Shape{n}), Tensor<const U>(parts[i], Shape{n}));
+        copy<U>(*backend_, Tensor<U>(grads + begin, Shape{n}), Tensor<const U>(sum, Shape{n}));
       }
     }
   }
@@ -1176,10 +1212,12 @@ class Trainer {
   std::vector<Slot> slots_;
   std::int64_t slot_elements_ = 0;
   Buffer<T, backend_type> workspace_, hidden_grads_, received_grad_, tied_buffer_;
+  Buffer<accumulate_t<T>, backend_type> wide_tied_buffer_;  // the same with fp32 gradients
   //! The recomputed layers' activations and discarded output (TrainerOptions::recompute_layers).
   Buffer<T, backend_type> recompute_saved_, recompute_output_;
   Buffer<std::int32_t, backend_type> batch_;  //!< the global batch in backend memory (device backends)
   std::vector<const T*> tied_parts_;    // and the holders' pieces it sums
+  std::vector<const accumulate_t<T>*> wide_tied_parts_;
   detail::BufferPool<T, backend_type> mailbox_pool_;
   std::vector<std::pair<int, Buffer<T, backend_type>>> mailbox_;  // messages to this rank's own chunks
   //! Which sends and receives go out together before each action and after the last, for

@@ -47,6 +47,7 @@ struct ShardContext {
   CommunicatorRef group;
   const ShardPlan* plan;
   std::vector<std::vector<int>> layer_units;  //!< units each layer reads (ShardPlan::units_of)
+  std::vector<std::vector<ElementRange>> layer_ranges;  //!< layout ranges each layer reads
 
   int layers() const noexcept { return static_cast<int>(layer_units.size()); }
   const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
@@ -56,6 +57,14 @@ struct ShardContext {
     ParameterView<T> v;
     for (int u : layer_units[static_cast<std::size_t>(layer)]) v.add(unit(u).begin, unit(u).begin + unit(u).size, storage(u));
     return v;
+  }
+  //! Drains the bf16 gradients of the elements `layer` reads, as `part` stores them, into the
+  //! fp32 sums `sum` stores (TrainerOptions::fp32_gradients).
+  template <class T>
+  void drain(int layer, const ParameterView<T>& part, const ParameterView<accumulate_t<T>>& sum) const {
+    for (const ElementRange& r : layer_ranges[static_cast<std::size_t>(layer)])
+      drain_into<T>(*backend, Tensor<accumulate_t<T>>(sum.at(r.begin, r.size()), Shape{r.size()}),
+                    Tensor<T>(part.at(r.begin, r.size()), Shape{r.size()}));
   }
 };
 
@@ -224,23 +233,34 @@ class ShardedParameters {
 };
 
 //! Stage 1: full gradients accumulate over the micro-batches with no communication; in the last
-//! one each unit is reduce-scattered in place as soon as its layers are done.
+//! one each unit is reduce-scattered in place as soon as its layers are done. With fp32
+//! gradients the layers write the bf16 buffer, each layer's part is drained into a full fp32
+//! buffer after its backward, and the fp32 buffer is what is reduce-scattered.
 template <class B, class T>
 class FullGradients {
  public:
-  FullGradients(ShardContext<B>& c, bool overlap)
+  using wide_type = accumulate_t<T>;
+  FullGradients(ShardContext<B>& c, bool overlap, bool fp32)
       : c_(&c), full_(*c.backend, c.plan->padded_total(), MemoryCategory::gradients),
+        wide_(*c.backend, fp32 ? c.plan->padded_total() : 0, MemoryCategory::gradients),
         in_flight_(c.plan->units().size()), overlap_(overlap) {
     full_.zero();
+    wide_.zero();
   }
   void begin_step() {
     full_.zero();
+    wide_.zero();
     next_ = static_cast<int>(c_->plan->units().size()) - 1;
   }
-  ParameterView<T> backward(int layer) {
-    return c_->template view<T>(layer, [&](int u) { return full_.data() + c_->unit(u).padded_offset; });
+  bool fp32() const noexcept { return wide_.size() > 0; }
+  ParameterView<T> backward(int layer) { return view(layer, full_.data()); }
+  //! The fp32 sums of the units `layer` reads (fp32 gradients only).
+  ParameterView<wide_type> fp32_view(int layer) { return view(layer, wide_.data()); }
+  void drain(int layer) {
+    if (fp32()) c_->drain(layer, backward(layer), fp32_view(layer));
   }
   void after_backward(int layer, bool last_micro_batch) {
+    drain(layer);
     if (!last_micro_batch) return;
     for (auto& r : in_flight_) r.test();
     if (overlap_) start_done(layer);
@@ -249,21 +269,34 @@ class FullGradients {
     start_done(0);
     for (auto& r : in_flight_) r.wait();
   }
-  T* owned(const ShardUnit& u) { return full_.data() + u.padded_offset + c_->plan->rank() * u.piece; }
+  T* owned(const ShardUnit& u) { return piece_of(full_.data(), u); }
+  //! This rank's piece of the fp32 sums of unit `u`; null without fp32 gradients.
+  wide_type* owned_fp32(const ShardUnit& u) { return fp32() ? piece_of(wide_.data(), u) : nullptr; }
 
  private:
+  template <class U>
+  ParameterView<U> view(int layer, U* full) {
+    return c_->template view<U>(layer, [&](int u) { return full + c_->unit(u).padded_offset; });
+  }
+  template <class U>
+  U* piece_of(U* full, const ShardUnit& u) const { return full + u.padded_offset + c_->plan->rank() * u.piece; }
   //! Starts the units (from the last) whose first layer is >= `layer`: their gradients are done.
   void start_done(int layer) {
     for (; next_ >= 0 && c_->unit(next_).first_layer >= layer; --next_) {
       const ShardUnit& u = c_->unit(next_);
-      T* unit = full_.data() + u.padded_offset;
-      in_flight_[static_cast<std::size_t>(next_)] = c_->group.reduce_scatter_async(
-          std::span<const T>(unit, static_cast<std::size_t>(u.piece * c_->plan->ranks())),
-          std::span<T>(owned(u), static_cast<std::size_t>(u.piece)), ReduceOp::sum);
+      in_flight_[static_cast<std::size_t>(next_)] =
+          fp32() ? reduce_scatter(wide_.data(), u) : reduce_scatter(full_.data(), u);
     }
+  }
+  template <class U>
+  Request reduce_scatter(U* full, const ShardUnit& u) {
+    return c_->group.reduce_scatter_async(
+        std::span<const U>(full + u.padded_offset, static_cast<std::size_t>(u.piece * c_->plan->ranks())),
+        std::span<U>(piece_of(full, u), static_cast<std::size_t>(u.piece)), ReduceOp::sum);
   }
   ShardContext<B>* c_;
   Buffer<T, B> full_;
+  Buffer<wide_type, B> wide_;  // empty unless fp32 gradients
   std::vector<Request> in_flight_;
   bool overlap_;
   int next_ = -1;
@@ -274,59 +307,93 @@ class FullGradients {
 //! piece is added to the shard — in every micro-batch, so full gradients never outlive their
 //! unit (DeepSpeed ZeRO-2's and FSDP's behaviour under accumulation). At most
 //! `max_reducing` units are being reduced at once (DeepSpeed keeps two reduce buckets): the
-//! working set is the units backward is filling plus those.
+//! working set is the units backward is filling plus those. With fp32 gradients an open unit
+//! has an fp32 buffer beside the bf16 one the layers write; each layer's part is drained into it
+//! after the layer's backward, the fp32 buffer is reduce-scattered, and the shard is fp32.
 template <class B, class T>
 class ShardedGradients {
  public:
+  using wide_type = accumulate_t<T>;
   static constexpr std::size_t max_reducing = 2;
 
-  ShardedGradients(ShardContext<B>& c, bool overlap)
-      : c_(&c), shard_(*c.backend, c.plan->shard_size(), MemoryCategory::gradients),
-        pool_(*c.backend, MemoryCategory::communication), units_(c.plan->units().size()), overlap_(overlap) {
+  ShardedGradients(ShardContext<B>& c, bool overlap, bool fp32)
+      : c_(&c), fp32_(fp32), shard_(*c.backend, fp32 ? 0 : c.plan->shard_size(), MemoryCategory::gradients),
+        wide_shard_(*c.backend, fp32 ? c.plan->shard_size() : 0, MemoryCategory::gradients),
+        pool_(*c.backend, MemoryCategory::communication), wide_pool_(*c.backend, MemoryCategory::communication),
+        units_(c.plan->units().size()), overlap_(overlap) {
     shard_.zero();
+    wide_shard_.zero();
   }
-  void begin_step() { shard_.zero(); }
+  void begin_step() {
+    shard_.zero();
+    wide_shard_.zero();
+  }
+  bool fp32() const noexcept { return fp32_; }
   ParameterView<T> backward(int layer) {
     for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) {
       Unit& s = units_[static_cast<std::size_t>(u)];
       if (s.state != State::idle) continue;
       while (reducing_.size() >= max_reducing) accumulate_oldest();
       const std::int64_t length = c_->unit(u).piece * c_->plan->ranks();
-      s.buffer = pool_.acquire(length);
-      backend_zero(s.buffer.data(), length);
+      s.buffer = acquire_zeroed(pool_, length);
+      if (fp32_) s.wide = acquire_zeroed(wide_pool_, length);
       s.state = State::open;
     }
     return c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); });
   }
+  //! Drains what `layer` wrote: its units are open (a layer reads no unit of a later layer).
+  void drain(int layer) {
+    if (!fp32_) return;
+    c_->drain(layer, c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); }),
+              c_->template view<wide_type>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].wide.data(); }));
+  }
   void after_backward(int layer, bool /*last_micro_batch*/) {
+    drain(layer);
     while (!reducing_.empty() && units_[static_cast<std::size_t>(reducing_.front())].request.test()) accumulate_oldest();
     if (overlap_ || layer == 0) start_done(layer);
-    if (layer == 0) drain();  // the micro-batch's backward is over
+    if (layer == 0) drain_reductions();  // the micro-batch's backward is over
   }
-  void finish() { drain(); }
-  T* owned(const ShardUnit& u) { return shard_.data() + u.shard_offset; }
+  void finish() { drain_reductions(); }
+  T* owned(const ShardUnit& u) { return fp32_ ? nullptr : shard_.data() + u.shard_offset; }
+  //! This rank's piece of the fp32 gradient shard of unit `u`; null without fp32 gradients.
+  wide_type* owned_fp32(const ShardUnit& u) { return fp32_ ? wide_shard_.data() + u.shard_offset : nullptr; }
 
  private:
   enum class State { idle, open, reducing };
   struct Unit {
     Buffer<T, B> buffer;
+    Buffer<wide_type, B> wide;  // fp32 gradients only
     Request request;
     State state = State::idle;
   };
-  void backend_zero(T* data, std::int64_t n) { c_->backend->fill_zero(data, sizeof(T) * static_cast<std::size_t>(n)); }
-  //! Starts the open units (from the last) whose layers are all done.
+  template <class U>
+  Buffer<U, B> acquire_zeroed(BufferPool<U, B>& pool, std::int64_t length) {
+    Buffer<U, B> b = pool.acquire(length);
+    c_->backend->fill_zero(b.data(), sizeof(U) * static_cast<std::size_t>(length));
+    return b;
+  }
+  //! Starts the open units (from the last) whose layers are all done. With fp32 gradients the
+  //! bf16 buffer holds nothing more (drained) and goes back to the pool at once.
   void start_done(int layer) {
     for (int u = static_cast<int>(units_.size()) - 1; u >= 0; --u) {
       Unit& s = units_[static_cast<std::size_t>(u)];
       if (s.state != State::open || c_->unit(u).first_layer < layer) continue;
       const ShardUnit& unit = c_->unit(u);
-      s.request = c_->group.reduce_scatter_async(
-          std::span<const T>(s.buffer.data(), static_cast<std::size_t>(unit.piece * c_->plan->ranks())),
-          std::span<T>(s.buffer.data() + c_->plan->rank() * unit.piece, static_cast<std::size_t>(unit.piece)),
-          ReduceOp::sum);
+      if (fp32_) {
+        pool_.release(std::move(s.buffer));
+        s.request = reduce_scatter(s.wide.data(), unit);
+      } else {
+        s.request = reduce_scatter(s.buffer.data(), unit);
+      }
       s.state = State::reducing;
       reducing_.push_back(u);
     }
+  }
+  template <class U>
+  Request reduce_scatter(U* full, const ShardUnit& unit) {
+    return c_->group.reduce_scatter_async(
+        std::span<const U>(full, static_cast<std::size_t>(unit.piece * c_->plan->ranks())),
+        std::span<U>(full + c_->plan->rank() * unit.piece, static_cast<std::size_t>(unit.piece)), ReduceOp::sum);
   }
   //! Waits for the oldest reduction, adds this rank's piece to the shard, frees the buffer.
   void accumulate_oldest() {
@@ -335,18 +402,28 @@ class ShardedGradients {
     Unit& s = units_[static_cast<std::size_t>(u)];
     s.request.wait();
     const ShardUnit& unit = c_->unit(u);
-    add_to<T>(*c_->backend, Tensor<T>(owned(unit), Shape{unit.piece}),
-              Tensor<const T>(s.buffer.data() + c_->plan->rank() * unit.piece, Shape{unit.piece}));
-    pool_.release(std::move(s.buffer));
+    const std::int64_t mine = c_->plan->rank() * unit.piece;
+    if (fp32_) {
+      add_to<wide_type>(*c_->backend, Tensor<wide_type>(owned_fp32(unit), Shape{unit.piece}),
+                        Tensor<const wide_type>(s.wide.data() + mine, Shape{unit.piece}));
+      wide_pool_.release(std::move(s.wide));
+    } else {
+      add_to<T>(*c_->backend, Tensor<T>(owned(unit), Shape{unit.piece}),
+                Tensor<const T>(s.buffer.data() + mine, Shape{unit.piece}));
+      pool_.release(std::move(s.buffer));
+    }
     s.state = State::idle;
   }
-  void drain() {
+  void drain_reductions() {
     start_done(0);
     while (!reducing_.empty()) accumulate_oldest();
   }
   ShardContext<B>* c_;
-  Buffer<T, B> shard_;
+  bool fp32_;
+  Buffer<T, B> shard_;                  // empty with fp32 gradients
+  Buffer<wide_type, B> wide_shard_;     // fp32 gradients only
   BufferPool<T, B> pool_;
+  BufferPool<wide_type, B> wide_pool_;  // fp32 gradients only
   std::vector<Unit> units_;
   std::vector<int> reducing_;  // units being reduced, oldest first
   bool overlap_;
@@ -365,7 +442,7 @@ class ZeroEngine {
         state_(context.backend, plan_.shard_size() * context.state_slots, MemoryCategory::optimizer_state),
         master_(context.backend, plan_.shard_size()),
         params_(context_, context.layout, context.seed, args...),
-        grads_(context_, overlap),
+        grads_(context_, overlap, is_narrow_storage<T> && context.fp32_gradients),
         state_slots_(context.state_slots) {
     state_.zero();
     for (const ShardUnit& u : plan_.units()) {
@@ -385,6 +462,17 @@ class ZeroEngine {
   ParameterView<T> backward_grads(int layer) { return grads_.backward(layer); }
 
   void begin_step() { grads_.begin_step(); }
+  //! Whether the gradients are kept in fp32 (bf16 parameters, TrainerOptions::fp32_gradients).
+  bool fp32_gradients() const noexcept { return grads_.fp32(); }
+  //! With fp32 gradients: drains what `layer` wrote into the fp32 sums (done after each of its
+  //! backwards; the Trainer calls it after an input-gradient pass too).
+  void drain(int layer) { grads_.drain(layer); }
+  //! The fp32 sums of the units `layer` reads (stage 1 with fp32 gradients: the tied exchange).
+  ParameterView<accumulate_t<T>> fp32_grads_view(int layer)
+    requires requires(G& g, int l) { g.fp32_view(l); }
+  {
+    return grads_.fp32_view(layer);
+  }
   void on_backward(int layer, bool last_micro_batch) {
     grads_.after_backward(layer, last_micro_batch);
     params_.after_backward(layer);
@@ -403,7 +491,10 @@ class ZeroEngine {
       const std::int64_t begin = plan_.owned_begin(u);
       local += detail::gradient_sum_of_squares(
           *context_.backend, *layout_,
-          detail::FlatRange<T>{.begin = begin, .end = begin + plan_.owned_count(u), .grads = grads_.owned(u)},
+          detail::FlatRange<T>{.begin = begin,
+                               .end = begin + plan_.owned_count(u),
+                               .grads = grads_.owned(u),
+                               .fp32_grads = grads_.owned_fp32(u)},
           count_replicated);
     }
     return global_sum(local);
@@ -416,13 +507,17 @@ class ZeroEngine {
     for (const ShardUnit& u : plan_.units()) {
       const std::int64_t n = plan_.owned_count(u);
       if (n == 0) continue;
-      if (grad_scale != 1.0) scale<T>(*context_.backend, Tensor<T>(grads_.owned(u), Shape{n}), grad_scale);
+      if (grad_scale != 1.0 && fp32_gradients())
+        scale<accumulate_t<T>>(*context_.backend, Tensor<accumulate_t<T>>(grads_.owned_fp32(u), Shape{n}), grad_scale);
+      else if (grad_scale != 1.0)
+        scale<T>(*context_.backend, Tensor<T>(grads_.owned(u), Shape{n}), grad_scale);
       const std::int64_t begin = plan_.owned_begin(u);
       detail::apply_optimizer(optimizer, *context_.backend, *layout_,
                               detail::FlatRange<T>{.begin = begin,
                                                    .end = begin + n,
                                                    .params = params_.owned(u),
                                                    .grads = grads_.owned(u),
+                                                   .fp32_grads = grads_.owned_fp32(u),
                                                    .state = state_.data() + u.shard_offset,
                                                    .state_stride = plan_.shard_size(),
                                                    .master = master_.data() ? master_.data() + u.shard_offset : nullptr},
@@ -507,7 +602,7 @@ class ZeroEngine {
 
  private:
   ShardContext<B> make_context(const EngineContext<B>& c) const {
-    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}};
+    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}, c.layer_parameters};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
     return s;
   }

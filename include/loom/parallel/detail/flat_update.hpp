@@ -20,13 +20,15 @@
 namespace loom::detail {
 
 //! The elements [begin, end) of the flat layout, and where they live on this rank: element
-//! `begin + i` is `params[i]`, `grads[i]`, `master[i]` (fp32 master weights, where T is bf16)
-//! and `state[k * state_stride + i]` for slot k.
+//! `begin + i` is `params[i]`, `grads[i]` (or `fp32_grads[i]`, where the gradients of bf16
+//! parameters are kept in fp32: TrainerOptions::fp32_gradients), `master[i]` (fp32 master
+//! weights, where T is bf16) and `state[k * state_stride + i]` for slot k.
 template <class T>
 struct FlatRange {
   std::int64_t begin = 0, end = 0;
   T* params = nullptr;
   const T* grads = nullptr;
+  const accumulate_t<T>* fp32_grads = nullptr;  //!< used instead of `grads` where set
   accumulate_t<T>* state = nullptr;
   std::int64_t state_stride = 0;
   accumulate_t<T>* master = nullptr;
@@ -103,7 +105,10 @@ void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layo
     const std::int64_t local = first - range.begin, n = last - first;
     OptimizerSegment<T> s;
     s.params = {range.params + local, Shape{n}};
-    s.grads = {range.grads + local, Shape{n}};
+    if (range.fp32_grads != nullptr)
+      s.fp32_grads = {range.fp32_grads + local, Shape{n}};
+    else
+      s.grads = {range.grads + local, Shape{n}};
     for (int k = 0; k < O::state_slots; ++k)
       s.state[k] = {range.state + k * range.state_stride + local, Shape{n}};
     if (range.master != nullptr) s.master = {range.master + local, Shape{n}};
@@ -119,6 +124,10 @@ void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layo
 template <class B, class T>
 double gradient_sum_of_squares(B& backend, const ParameterLayout& layout, const FlatRange<T>& range,
                                bool count_replicated) {
+  if (range.fp32_grads != nullptr) {
+    FlatRange<accumulate_t<T>> wide{.begin = range.begin, .end = range.end, .grads = range.fp32_grads};
+    return gradient_sum_of_squares(backend, layout, wide, count_replicated);
+  }
   // One call over all the ranges: a device backend waits for its stream once, not per parameter.
   std::vector<Tensor<const T>> parts;
   parts.reserve(layout.entries().size());

@@ -1,0 +1,253 @@
+// fp32 gradients of bf16 models (TrainerOptions::fp32_gradients, Megatron-LM's
+// accumulate_allreduce_grads_in_fp32): the kernels that move a micro-batch's bf16 gradient into
+// the fp32 sums and step AdamW and SGD from fp32 gradients; many micro-batches add up closer to
+// fp32 training's gradient than in bf16; DDP, ZeRO 1/2/3 and DP x PP pipelines (the tied
+// embedding's gradient exchanged in fp32) train as one rank; the memory it costs.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "loom/comm/threads.hpp"
+#include "loom/loom.hpp"
+#include "support/parity_check.hpp"
+#include "support/training.hpp"
+#include "support/weight_runs.hpp"
+
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+using Bf = gpt2::Model<cpu, bf16>;
+using Fp = gpt2::Model<cpu, float>;
+constexpr std::int64_t seq = 16;
+
+using Run = WeightRun;
+
+template <class Tr>
+Run train(Tr& trainer, std::int64_t global_batch) {
+  return train_run(trainer, global_batch, seq);
+}
+
+TrainerOptions options(std::int64_t micro_batch, bool fp32_gradients) {
+  return {.micro_batch_size = micro_batch, .seed = 5, .fp32_gradients = fp32_gradients};
+}
+
+//! The flat gradient of one step on one rank, widened to double: `global_batch` sequences in
+//! micro-batches of one.
+template <class M>
+std::vector<double> one_step_gradient(std::int64_t global_batch, bool fp32_gradients) {
+  cpu be(1);
+  Trainer<M, AdamW> trainer(be, M(small_test_config()), AdamW(), ConstantLr{.lr = 0.0}, options(1, fp32_gradients));
+  trainer.step(make_batch(0, global_batch, seq, small_test_config().vocab_size));
+  const auto n = static_cast<std::size_t>(trainer.model().layout().total());
+  std::vector<double> g(n);
+  if constexpr (is_narrow_storage<typename M::scalar_type>) {
+    if (fp32_gradients) {
+      REQUIRE(trainer.fp32_gradients() != nullptr);
+      for (std::size_t i = 0; i < n; ++i) g[i] = trainer.fp32_gradients()[i];
+      return g;
+    }
+    CHECK(trainer.fp32_gradients() == nullptr);
+  }
+  for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<double>(static_cast<float>(trainer.gradients()[i]));
+  return g;
+}
+
+double relative_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+}  // namespace
+
+TEST_CASE("drain_into: sum += part widened, part = 0") {
+  cpu be(1);
+  std::vector<bf16> part = {bf16(1.5f), bf16(-0.25f), bf16(3.0f)};
+  std::vector<float> sum = {1e-3f, 2.0f, -3.0f};
+  drain_into<bf16>(be, Tensor<float>(sum.data(), Shape{3}), Tensor<bf16>(part.data(), Shape{3}));
+  CHECK(sum == std::vector<float>{1.5f + 1e-3f, 1.75f, 0.0f});
+  for (const bf16 p : part) CHECK(static_cast<float>(p) == 0.0f);
+  CHECK_THROWS_AS(drain_into<bf16>(be, Tensor<float>(sum.data(), Shape{2}), Tensor<bf16>(part.data(), Shape{3})),
+                  Error);
+}
+
+TEST_CASE("AdamW and SGD step bf16 parameters from fp32 gradients as from the same values in bf16") {
+  // Gradients that bf16 holds exactly: the fp32 overloads must give the bits of the bf16 ones.
+  cpu be(1);
+  constexpr std::int64_t n = 37;
+  std::vector<bf16> params(n), grads(n);
+  std::vector<float> wide(n), master(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    master[static_cast<std::size_t>(i)] = 0.01f * static_cast<float>(i - 18);
+    params[static_cast<std::size_t>(i)] = bf16(master[static_cast<std::size_t>(i)]);
+    grads[static_cast<std::size_t>(i)] = bf16(0.003f * static_cast<float>((i * 7) % 11) - 0.015f);
+    wide[static_cast<std::size_t>(i)] = static_cast<float>(grads[static_cast<std::size_t>(i)]);
+  }
+  const auto t = [](auto& v) { return Tensor<std::remove_reference_t<decltype(v[0])>>(v.data(), Shape{n}); };
+  const auto c = [](const auto& v) { return Tensor<const std::remove_cvref_t<decltype(v[0])>>(v.data(), Shape{n}); };
+  {
+    std::vector<bf16> p1 = params, p2 = params;
+    std::vector<float> master1 = master, master2 = master, m1(n), v1(n), m2(n), v2(n);
+    const AdamWUpdate h{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 3};
+    adamw_update<bf16>(be, t(p1), c(grads), t(master1), t(m1), t(v1), h);
+    adamw_update<bf16>(be, t(p2), c(wide), t(master2), t(m2), t(v2), h);
+    CHECK(master2 == master1);
+    CHECK(m2 == m1);
+    CHECK(v2 == v1);
+    for (std::int64_t i = 0; i < n; ++i) CHECK(p2[static_cast<std::size_t>(i)] == p1[static_cast<std::size_t>(i)]);
+    CHECK(master1 != master);
+  }
+  {
+    std::vector<bf16> p1 = params, p2 = params;
+    std::vector<float> master1 = master, master2 = master, b1(n), b2(n);
+    const SgdUpdate h{.lr = 1e-2, .momentum = 0.9, .weight_decay = 0.1, .nesterov = true};
+    sgd_momentum_update<bf16>(be, t(p1), c(grads), t(master1), t(b1), h);
+    sgd_momentum_update<bf16>(be, t(p2), c(wide), t(master2), t(b2), h);
+    CHECK(master2 == master1);
+    CHECK(b2 == b1);
+    CHECK(master1 != master);
+  }
+}
+
+TEST_CASE("fp32 gradients: 32 micro-batches add up closer to fp32 training's gradient than in bf16") {
+  // Each micro-batch's bf16 gradient is the same either way; what differs is the sum. Added in
+  // bf16, the running sum of 32 terms keeps 8 significant bits, so each term loses the bits
+  // below the sum's: errors of 2^-9 of the sum per addition. Added in fp32, only each term's own
+  // rounding remains. Measured on this model (relative L2 from fp32 training's gradient): 7.2e-3
+  // summed in bf16, 3.4e-3 in fp32.
+  constexpr std::int64_t micro_batches = 32;
+  const std::vector<double> reference = one_step_gradient<Fp>(micro_batches, false);
+  const double in_bf16 = relative_l2(one_step_gradient<Bf>(micro_batches, false), reference);
+  const double in_fp32 = relative_l2(one_step_gradient<Bf>(micro_batches, true), reference);
+  MESSAGE("relative L2 from fp32 training's gradient: bf16 sums ", in_bf16, ", fp32 sums ", in_fp32);
+  CHECK(in_fp32 < 0.75 * in_bf16);
+  CHECK(in_fp32 < 1e-2);
+}
+
+//! `ranks` data-parallel thread ranks with strategy `St` and fp32 gradients; rank 0's run,
+//! after checking that every rank has the same losses and weights.
+template <class St>
+Run data_parallel(int ranks, std::int64_t global_batch, St strategy) {
+  std::vector<Run> runs(static_cast<std::size_t>(ranks));
+  threads::run(ranks, [&](threads::Communicator& comm) {
+    cpu be(1);
+    Trainer<Bf, AdamW, GradientAccumulation, St> trainer(be, comm, Bf(small_test_config()), AdamW({.weight_decay = 0.1}),
+                                                         parity_lr(), options(1, true), strategy);
+    runs[static_cast<std::size_t>(comm.rank())] = train(trainer, global_batch);
+  });
+  return same_on_every_rank(runs);
+}
+
+TEST_CASE("fp32 gradients: DDP on 2 and 3 ranks trains as one rank") {
+  // Each micro-batch's bf16 gradient is bit-for-bit the same on any number of ranks; only the
+  // order of the fp32 sums differs (each rank's micro-batches, then the all-reduce), and sums of
+  // a few bf16 values are mostly exact in fp32. Measured: the same weights (relative difference
+  // 0); allowed 1e-3, as against 1e-2 for bf16 gradients.
+  constexpr std::int64_t global_batch = 12;
+  cpu one(1);
+  Trainer<Bf, AdamW> single(one, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                            options(1, true));
+  const Run reference = train(single, global_batch);
+  CHECK(reference.losses.back() < reference.losses.front());
+  for (const int ranks : {2, 3}) {
+    CAPTURE(ranks);
+    check_close(data_parallel(ranks, global_batch, DataParallel{.bucket_bytes = 4096}), reference, 1e-3);
+  }
+}
+
+TEST_CASE("fp32 gradients: ZeRO 1, 2 and 3 train as DDP") {
+  // ZeRO-1 reduce-scatters the fp32 sums DDP all-reduces. ZeRO-2 and 3 drain each layer into an
+  // fp32 buffer per unit, reduce-scatter it in every micro-batch and add the pieces up in an fp32
+  // shard: the same terms, summed in another order. Measured: the same weights as DDP.
+  constexpr std::int64_t global_batch = 8;
+  const Run ddp = data_parallel(2, global_batch, DataParallel{.bucket_bytes = 4096});
+  check_close(data_parallel(2, global_batch, Zero<1>{.bucket_bytes = 2048}), ddp, 1e-3);
+  check_close(data_parallel(2, global_batch, Zero<2>{.bucket_bytes = 2048}), ddp, 1e-3);
+  check_close(data_parallel(2, global_batch, Zero<2>{.bucket_bytes = 2048, .overlap = false}), ddp, 1e-3);
+  check_close(data_parallel(3, global_batch + 4, Zero<3>{}), data_parallel(3, global_batch + 4, DataParallel{}), 1e-3);
+}
+
+TEST_CASE_TEMPLATE("fp32 gradients: DP 2 x PP 2 pipelines, the tied embedding exchanged in fp32, train as one rank",
+                   S, OneFOneB, ZeroBubbleH1, Interleaved1F1B) {
+  // One rank drains the tied embedding's gradient after the head's backward and again after the
+  // embedding's, so both uses of every micro-batch add up in fp32, as the two stages' sums do
+  // (exchanged in fp32). Under ZeroBubbleH1 the weight passes come after other micro-batches'
+  // work: what they add waits in bf16 for the layer's next drain. Measured: the same weights.
+  constexpr std::int64_t global_batch = 8;
+  cpu one(1);
+  Trainer<Bf, AdamW> single(one, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                            options(1, true));
+  const Run reference = train(single, global_batch);
+  std::vector<Run> runs(4);
+  threads::run(4, [&](threads::Communicator& world) {
+    Mesh<threads::Communicator> mesh(world, {.dp = 2, .tp = 1, .pp = 2});
+    cpu be(1);
+    // Zero<1> under 1F1B (its full fp32 buffer is padded: the tied exchange reads it through a view).
+    if constexpr (std::is_same_v<S, OneFOneB>) {
+      Trainer<Bf, AdamW, S, Zero<1>> trainer(be, mesh, Bf(small_test_config(), mesh.tensor_parallel()),
+                                             AdamW({.weight_decay = 0.1}), parity_lr(), options(1, true),
+                                             Zero<1>{.bucket_bytes = 2048});
+      runs[static_cast<std::size_t>(world.rank())] = train(trainer, global_batch);
+    } else {
+      Trainer<Bf, AdamW, S, DataParallel> trainer(be, mesh, Bf(small_test_config(), mesh.tensor_parallel()),
+                                                  AdamW({.weight_decay = 0.1}), parity_lr(), options(1, true));
+      runs[static_cast<std::size_t>(world.rank())] = train(trainer, global_batch);
+    }
+  });
+  check_close(same_on_every_rank(runs), reference, 1e-3);
+}
+
+TEST_CASE("fp32 gradients: memory per rank under ZeRO (fp32 gradient shards; stage 1 keeps the bf16 buffer too)") {
+  for (int n = 1; n <= 3; ++n) {
+    CAPTURE(n);
+    const auto N = static_cast<std::size_t>(n);
+    const auto check = [&](auto strategy, auto formula) {
+      threads::run(n, [&](threads::Communicator& comm) {
+        cpu be(1);
+        Trainer<Bf, AdamW, GradientAccumulation, decltype(strategy)> trainer(
+            be, comm, Bf(small_test_config()), AdamW(), ConstantLr{.lr = 1e-3}, options(1, true), strategy);
+        const std::size_t padded = N * static_cast<std::size_t>(trainer.engine().plan().shard_size());
+        formula(padded, be.memory());
+      });
+    };
+    check(Zero<1>{.bucket_bytes = 2048}, [&](std::size_t padded, const MemoryTracker& m) {
+      CHECK(m.current(MemoryCategory::parameters) == 2 * padded);
+      CHECK(m.current(MemoryCategory::gradients) == 6 * padded);  // bf16 + fp32, full
+      CHECK(m.current(MemoryCategory::optimizer_state) == 12 * padded / N);
+    });
+    check(Zero<2>{.bucket_bytes = 2048}, [&](std::size_t padded, const MemoryTracker& m) {
+      CHECK(m.current(MemoryCategory::parameters) == 2 * padded);
+      CHECK(m.current(MemoryCategory::gradients) == 4 * padded / N);  // an fp32 shard
+    });
+    check(Zero<3>{}, [&](std::size_t padded, const MemoryTracker& m) {
+      CHECK(m.current(MemoryCategory::parameters) + m.current(MemoryCategory::gradients) +
+                m.current(MemoryCategory::optimizer_state) ==
+            18 * padded / N);
+    });
+  }
+}
+
+TEST_CASE("fp32 gradients: 4 more bytes of gradient per parameter on one rank; nothing for float models") {
+  const auto psi = static_cast<std::size_t>(small_test_config().stored_parameter_count());
+  {
+    cpu be(1);
+    Trainer<Bf, AdamW> trainer(be, Bf(small_test_config()), AdamW(), ConstantLr{.lr = 1e-3}, options(1, true));
+    CHECK(be.memory().current(MemoryCategory::parameters) == 2 * psi);
+    CHECK(be.memory().current(MemoryCategory::gradients) == 6 * psi);  // bf16 part + fp32 sums
+    CHECK(be.memory().current(MemoryCategory::optimizer_state) == 12 * psi);
+  }
+  {
+    // Float gradients are fp32 already: the option changes nothing.
+    cpu be(1);
+    Trainer<Fp, AdamW> trainer(be, Fp(small_test_config()), AdamW(), ConstantLr{.lr = 1e-3}, options(1, true));
+    CHECK(be.memory().current(MemoryCategory::gradients) == 4 * psi);
+    CHECK(trainer.fp32_gradients() == nullptr);
+  }
+}
