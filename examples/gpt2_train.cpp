@@ -123,11 +123,15 @@ int main(int argc, char** argv) {
                  "float, or bf16: parameters, gradients and activations in bf16, fp32 arithmetic, "
                  "master weights and AdamW moments (mixed precision; adamw only)")
       ->capture_default_str()->check(CLI::IsMember({"float", "bf16"}));
+  app.add_flag("--fp32-gradients", o.fp32_gradients,
+               "With --dtype bf16: add the micro-batches' gradients up, all-reduce and clip them in fp32 (Megatron-LM's "
+               "--accumulate-allreduce-grads-in-fp32), not in bf16; 4 more bytes a parameter, twice the all-reduce "
+               "bytes. Every strategy and schedule");
   app.add_option("--attention", o.attention,
                  "stored: keep the attention probabilities (B x heads x seq^2 per block) for the backward; "
                  "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM); "
                  "auto: recompute where the tiled (flash) kernels run it (--device cuda, --dtype bf16, sm_80 or "
-                 "newer, head size 32, 64 or 128, no --attention-dropout or --pad-min), else stored")
+                 "newer, head size 32, 64 or 128; padding and attention dropout included), else stored")
       ->capture_default_str()->check(CLI::IsMember({"stored", "recompute", "auto"}));
   app.add_option("--recompute-layers", o.recompute_layers,
                  "Full activation recomputation: in each pipeline chunk, the first N layers that keep activations "

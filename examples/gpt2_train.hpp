@@ -88,6 +88,7 @@ struct Options {
   double attention_dropout = 0.0;  // --attention-dropout
   std::string optimizer = "adamw";
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
+  bool fp32_gradients = false;  // bf16: micro-batches' gradients added up, reduced and clipped in fp32
   std::string attention = "auto";  // stored (probabilities), recompute (log-sum-exp only), or auto
   std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
@@ -378,16 +379,20 @@ std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shap
 
 //! The ZeRO formula for this rank's parameters + gradients + optimizer state (sizeof(T) bytes
 //! for each parameter and gradient, 4 per optimizer slot and, for bf16, 4 of fp32 master
-//! weights), beside what it holds; padding and the working set apart.
+//! weights; with fp32 gradients the gradients held are fp32, and stage 1 keeps the bf16 ones
+//! too), beside what it holds; padding and the working set apart.
 template <class T, class Strategy>
-void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots) {
+void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots,
+                       bool fp32_gradients) {
   using loom::MemoryCategory;
   const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
   const double bytes = sizeof(T), state = 4.0 * slots + (loom::is_narrow_storage<T> ? 4.0 : 0.0);
+  const bool wide = fp32_gradients && loom::is_narrow_storage<T>;
+  const double grad_bytes = wide ? 4.0 : bytes;
   const int stage = std::is_same_v<Strategy, loom::Zero<1>> ? 1 : std::is_same_v<Strategy, loom::Zero<2>> ? 2 : 3;
-  const double formula = stage == 1 ? 2 * bytes * psi + state * psi / n
-                       : stage == 2 ? bytes * psi + (bytes + state) * psi / n
-                                    : (2 * bytes + state) * psi / n;
+  const double formula = stage == 1 ? (bytes + grad_bytes + (wide ? bytes : 0.0)) * psi + state * psi / n
+                       : stage == 2 ? bytes * psi + (grad_bytes + state) * psi / n
+                                    : (bytes + grad_bytes + state) * psi / n;
   const double held = static_cast<double>(m.current(MemoryCategory::parameters) + m.current(MemoryCategory::gradients) +
                                           m.current(MemoryCategory::optimizer_state));
   std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots), "
@@ -440,7 +445,11 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   Trainer<family::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
       backend, mesh,
       family::Model<Backend, T>(config, mesh.tensor_parallel(), attention_choice<T>(o, backend, config)), optimizer, lr,
-      {.micro_batch_size = micro, .clip_grad_norm = o.clip, .seed = o.seed, .recompute_layers = recompute_layers_of(o)},
+      {.micro_batch_size = micro,
+       .clip_grad_norm = o.clip,
+       .seed = o.seed,
+       .recompute_layers = recompute_layers_of(o),
+       .fp32_gradients = o.fp32_gradients},
       strategy, schedule);
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) {
@@ -483,7 +492,10 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   std::printf("  parameters %lld (stored %lld) in %s, %s, batch %lld x seq %lld, micro-batch %lld (%lld per step per %s), attention %s, recompute layers %s\n",
               static_cast<long long>(config.parameter_count()),
               static_cast<long long>(config.stored_parameter_count()),
-              is_narrow_storage<T> ? "bf16 (fp32 master weights and moments)" : "float", describe_backend(backend).c_str(),
+              !is_narrow_storage<T> ? "float"
+              : o.fp32_gradients    ? "bf16 (fp32 master weights, moments and gradients)"
+                                    : "bf16 (fp32 master weights and moments)",
+              describe_backend(backend).c_str(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
               static_cast<long long>(micro), static_cast<long long>(o.batch / split),
               stages > 1 ? "pipeline" : "rank", loom::name(trainer.model().attention()), o.recompute_layers.c_str());
@@ -562,7 +574,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     if (s == first_step && world.size() > 1)
       print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
     if constexpr (requires { trainer.engine().plan(); })
-      if (s == first_step && lead) print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots);
+      if (s == first_step && lead) print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots,
+                                                     o.fp32_gradients);
     if (metrics.is_open()) {
       nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
                           {"grad_norm", m.grad_norm}, {"tokens", m.tokens},

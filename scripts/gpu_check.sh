@@ -121,6 +121,11 @@ run() {
             --peak-tflops 989.4
     run_one best_bert_base_512_bf16 ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \
             --lr 1e-4 --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
+    # What --fp32-gradients costs (a drain of each layer's bf16 gradient into fp32 sums after every
+    # micro-batch's backward; AdamW and the norm read fp32): 4 micro-batches of 4, with and without.
+    run_one best_bf16_micro4 "${small[@]}" --batch 16 --micro-batch 4 --dtype bf16 --peak-tflops 989.4
+    run_one best_bf16_micro4_fp32_gradients "${small[@]}" --batch 16 --micro-batch 4 --dtype bf16 --fp32-gradients \
+            --peak-tflops 989.4
     # Padded batches (rows of 64 to 512 tokens): the tiled attention, which reads the lengths since
     # 2026-11-25, against the probabilities kept (the cuBLAS kernels).
     run_one best_bert_base_512_bf16_padded ./bert_train --device cuda --model base --seq 512 --steps 8 --log-every 1 \

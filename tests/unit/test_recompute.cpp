@@ -267,6 +267,7 @@ TEST_CASE("a head with chunked logits keeps its 3 doubles a row but not the logi
                          {.tokens = batch.tokens_view(),
                           .targets = batch.targets_view(),
                           .input = Tensor<const float>(input.data(), {2, seq, gpt.channels}),
+                          .output = {},  // the head's forward ends in the loss
                           .saved = flat(saved),
                           .workspace = scratch});
   };
