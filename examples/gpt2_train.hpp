@@ -652,6 +652,10 @@ int with_dtype(const Options& o, Fn&& fn) {
     LOOM_CHECK(o.optimizer == "adamw", "--optimizer", o.optimizer, "--dtype bf16 trains with adamw");
     return fn(loom::bf16{});
   }
+  // A float model's gradients are fp32 already: the flag would change nothing, so a run that
+  // names it has most likely lost its --dtype bf16.
+  LOOM_CHECK(!o.fp32_gradients, "--fp32-gradients with --dtype", o.dtype,
+             "needs --dtype bf16 (a float model's gradients are fp32 already)");
   return fn(float{});
 }
 
