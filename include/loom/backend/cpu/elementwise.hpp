@@ -24,7 +24,7 @@ void add_to(const cpu& be, Tensor<T> dst, Tensor<const T> src) {
   T* d = dst.data();
   const T* s = src.data();
   const std::int64_t n = dst.numel();
-#pragma omp parallel for simd num_threads(be.threads()) if (n > (1 << 16))
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n > (1 << 16))
   for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(to_accumulate(d[i]) + to_accumulate(s[i]));
 }
 
@@ -36,7 +36,7 @@ void drain_into(const cpu& be, Tensor<accumulate_t<T>> sum, Tensor<T> part) {
   accumulate_t<T>* s = sum.data();
   T* p = part.data();
   const std::int64_t n = part.numel();
-#pragma omp parallel for simd num_threads(be.threads()) if (n > (1 << 16))
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n > (1 << 16))
   for (std::int64_t i = 0; i < n; ++i) {
     s[i] += to_accumulate(p[i]);
     p[i] = T(0.0f);

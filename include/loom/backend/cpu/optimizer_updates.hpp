@@ -83,7 +83,7 @@ void sgd_range(const cpu& be, A* p, const G* g, A* buf, std::int64_t n, const Sg
   const A lr = static_cast<A>(h.lr), mu = static_cast<A>(h.momentum);
   const A wd = static_cast<A>(h.weight_decay);
   if (h.nesterov) {
-#pragma omp parallel for simd num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
     for (std::int64_t i = 0; i < n; ++i) {
       const A gd = to_accumulate(g[i]) + wd * p[i];
       const A b = mu * buf[i] + gd;
@@ -91,7 +91,7 @@ void sgd_range(const cpu& be, A* p, const G* g, A* buf, std::int64_t n, const Sg
       p[i] -= lr * (gd + mu * b);
     }
   } else {
-#pragma omp parallel for simd num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
     for (std::int64_t i = 0; i < n; ++i) {
       const A b = mu * buf[i] + (to_accumulate(g[i]) + wd * p[i]);
       buf[i] = b;
@@ -119,7 +119,7 @@ void adamw_range(const cpu& be, A* p, const G* g, A* m, A* v, R* rounded, std::i
 //! params = master rounded once to T.
 template <class T>
 void round_params(const cpu& be, T* params, const accumulate_t<T>* master, std::int64_t n) {
-#pragma omp parallel for simd num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (n >= parallel_min_elements)
   for (std::int64_t i = 0; i < n; ++i) params[i] = static_cast<T>(master[i]);
 }
 

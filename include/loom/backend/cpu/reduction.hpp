@@ -92,7 +92,7 @@ void scale(const cpu& be, Tensor<T> x, double factor) {
   const std::int64_t n = x.numel();
   const accumulate_t<T> f = static_cast<accumulate_t<T>>(factor);
   T* data = x.data();
-#pragma omp parallel for simd num_threads(be.threads()) schedule(static) \
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
     if (n >= detail::reduction::parallel_min_elements)
   for (std::int64_t i = 0; i < n; ++i) data[i] = static_cast<T>(to_accumulate(data[i]) * f);
 }

@@ -25,7 +25,7 @@ void residual_forward(const cpu& be, Tensor<T> out, Tensor<const T> a, Tensor<co
   T* o = out.data();
   const T* x = a.data();
   const T* y = b.data();
-#pragma omp parallel for simd num_threads(be.threads()) schedule(static) \
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
     if (n >= detail::residual::parallel_min_elements)
   for (std::int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(to_accumulate(x[i]) + to_accumulate(y[i]));
 }
@@ -39,7 +39,7 @@ void residual_backward(const cpu& be, Tensor<T> da, Tensor<T> db, Tensor<const T
   T* ga = da.data();
   T* gb = db.data();
   const T* g = dout.data();
-#pragma omp parallel for simd num_threads(be.threads()) schedule(static) \
+#pragma omp parallel for num_threads(be.threads()) schedule(static) \
     if (n >= detail::residual::parallel_min_elements)
   for (std::int64_t i = 0; i < n; ++i) {
     const accumulate_t<T> gi = to_accumulate(g[i]);
