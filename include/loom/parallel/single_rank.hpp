@@ -68,6 +68,7 @@ class ReplicatedEngine {
   T* grads() noexcept { return grads_.data(); }
   //! The fp32 gradient sums (null unless fp32_gradients()).
   wide_type* fp32_grads() noexcept { return fp32_gradients() ? wide_.data() : nullptr; }
+  const wide_type* fp32_grads() const noexcept { return fp32_gradients() ? wide_.data() : nullptr; }
   //! The same as a view (every layer sees the whole buffer).
   ParameterView<wide_type> fp32_grads_view(int /*layer*/) noexcept { return ParameterView<wide_type>(fp32_grads()); }
 
@@ -86,16 +87,15 @@ class ReplicatedEngine {
   //! layer reads only parameters of its own or of earlier layers, whose reductions have not begun.
   void drain(int layer) {
     if (!fp32_gradients() || layer >= static_cast<int>(drained_.size())) return;
-    for (const ElementRange& r : drained_[static_cast<std::size_t>(layer)])
-      drain_into<T>(*backend_, Tensor<wide_type>(wide_.data() + r.begin, Shape{r.end - r.begin}),
-                    Tensor<T>(grads_.data() + r.begin, Shape{r.end - r.begin}));
+    drain_ranges(*backend_, drained_[static_cast<std::size_t>(layer)], ParameterView<T>(grads_.data()),
+                 ParameterView<wide_type>(wide_.data()));
   }
   //! Every rank holds the whole (reduced) gradient, so the local sum counts each element once;
   //! parameters replicated over tensor parallelism only when `count_replicated`.
   double grad_sum_of_squares(bool count_replicated = true) const {
     const std::int64_t total = layout_->total();
     return gradient_sum_of_squares(
-        *backend_, *layout_, FlatRange<T>{.begin = 0, .end = total, .grads = grads_.data(), .fp32_grads = wide_data()},
+        *backend_, *layout_, FlatRange<T>{.begin = 0, .end = total, .grads = grads_.data(), .fp32_grads = fp32_grads()},
         count_replicated);
   }
 
@@ -112,7 +112,7 @@ class ReplicatedEngine {
     const std::int64_t total = layout_->total();
     apply_optimizer(optimizer, *backend_, *layout_,
                     FlatRange<T>{.begin = 0, .end = total, .params = params_.data(), .grads = grads_.data(),
-                                 .fp32_grads = wide_data(), .state = state_.data(), .state_stride = total,
+                                 .fp32_grads = fp32_grads(), .state = state_.data(), .state_stride = total,
                                  .master = master_.data()},
                     lr, step);
   }
@@ -169,8 +169,6 @@ class ReplicatedEngine {
   Buffer<T, B>& gradient_buffer() noexcept { return grads_; }
 
  private:
-  const wide_type* wide_data() const noexcept { return wide_.size() > 0 ? wide_.data() : nullptr; }
-
   B* backend_;
   const ParameterLayout* layout_;
   Buffer<T, B> params_, grads_;

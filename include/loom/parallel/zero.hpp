@@ -62,9 +62,7 @@ struct ShardContext {
   //! fp32 sums `sum` stores (TrainerOptions::fp32_gradients).
   template <class T>
   void drain(int layer, const ParameterView<T>& part, const ParameterView<accumulate_t<T>>& sum) const {
-    for (const ElementRange& r : layer_ranges[static_cast<std::size_t>(layer)])
-      drain_into<T>(*backend, Tensor<accumulate_t<T>>(sum.at(r.begin, r.size()), Shape{r.size()}),
-                    Tensor<T>(part.at(r.begin, r.size()), Shape{r.size()}));
+    drain_ranges(*backend, layer_ranges[static_cast<std::size_t>(layer)], part, sum);
   }
 };
 

@@ -13,11 +13,23 @@
 #include "loom/core/buffer.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
+#include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
 #include "loom/optim/concepts.hpp"
 
 namespace loom::detail {
+
+//! Moves the bf16 gradients of the layout elements `ranges`, where `part` stores them, into the
+//! fp32 sums `sum` stores (sum += part, part = 0; TrainerOptions::fp32_gradients): what the
+//! strategies do with the ranges a layer reads after its backward.
+template <class B, class T>
+void drain_ranges(B& backend, const std::vector<ElementRange>& ranges, const ParameterView<T>& part,
+                  const ParameterView<accumulate_t<T>>& sum) {
+  for (const ElementRange& r : ranges)
+    drain_into<T>(backend, Tensor<accumulate_t<T>>(sum.at(r.begin, r.size()), Shape{r.size()}),
+                  Tensor<T>(part.at(r.begin, r.size()), Shape{r.size()}));
+}
 
 //! The elements [begin, end) of the flat layout, and where they live on this rank: element
 //! `begin + i` is `params[i]`, `grads[i]` (or `fp32_grads[i]`, where the gradients of bf16
