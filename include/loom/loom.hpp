@@ -19,6 +19,7 @@
 #include "loom/models/bert/model.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/models/gpt2/model.hpp"
+#include "loom/optim/adafactor.hpp"
 #include "loom/optim/adamw.hpp"
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/optim/sgd.hpp"

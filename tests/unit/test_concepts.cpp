@@ -72,6 +72,10 @@ TEST_CASE("Schedule concept") {
 TEST_CASE("Optimizer concept") {
   CHECK(Optimizer<AdamW>);
   CHECK(Optimizer<SgdMomentum>);
+  CHECK(Optimizer<Adafactor>);
+  CHECK(TensorwiseOptimizer<Adafactor>);
+  CHECK_FALSE(TensorwiseOptimizer<AdamW>);
+  CHECK_FALSE(TensorwiseOptimizer<SgdMomentum>);
   CHECK_FALSE(Optimizer<UntaggedOptimizer>);
   CHECK_FALSE(Optimizer<TooMuchState>);
 }

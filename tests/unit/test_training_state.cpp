@@ -119,15 +119,6 @@ void check_close(const Leg<V>& resumed, const Leg<V>& reference, double toleranc
   }
 }
 
-void flip_byte(const std::filesystem::path& path, std::uint64_t offset) {
-  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(static_cast<std::streamoff>(offset));
-  char c = 0;
-  f.read(&c, 1);
-  c = static_cast<char>(c ^ 0x10);
-  f.seekp(static_cast<std::streamoff>(offset));
-  f.write(&c, 1);
-}
 
 //! A one-rank float trainer of `config`, for the error cases.
 template <class O = AdamW>
@@ -345,23 +336,32 @@ TEST_CASE("an fp32 state loads into a double model, and the values are the file'
   }
 }
 
-//! Rewrites the version-2 state file at `path` as version 1 wrote it: the version field, and
-//! FNV-1a checksums of the header and of each array (3 arrays of `scalar_bytes`-byte scalars).
-void make_version_1(const std::filesystem::path& path) {
+//! Rewrites the current-version state file at `path` (an AdamW state: 3 arrays of
+//! `scalar_bytes`-byte scalars, no per-tensor state) as version `version` (1 or 2) wrote it:
+//! the version field, no per-tensor state count in the header nor its checksum in the trailer,
+//! and for version 1 FNV-1a checksums of each array.
+void make_version(const std::filesystem::path& path, std::uint32_t version) {
   std::ifstream in(path, std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   in.close();
   const io::TrainingStateInfo info = io::read_training_state_info(path);
+  REQUIRE(info.tensor_elements == 0);
   const std::size_t array_bytes = static_cast<std::size_t>(info.elements) * static_cast<std::size_t>(info.scalar_bytes);
-  const std::size_t trailer = bytes.size() - (8 * (2 + info.state_slots) + 8);
-  const std::size_t header = trailer - 3 * array_bytes;
-  const std::uint32_t version = 1;
-  std::memcpy(bytes.data() + 8, &version, 4);
-  std::vector<std::uint64_t> sums{io::detail::checksum(bytes.data(), header)};
+  const std::size_t trailer = bytes.size() - (8 * (3 + info.state_slots) + 8);
+  const std::size_t arrays = trailer - 3 * array_bytes;
+  std::vector<std::uint64_t> stored(static_cast<std::size_t>(2 + info.state_slots));
+  std::memcpy(stored.data(), bytes.data() + trailer, 8 * stored.size());
+  // The header without its last field (the per-tensor state's count), then the arrays.
+  std::string old = bytes.substr(0, arrays - 8) + bytes.substr(arrays, 3 * array_bytes);
+  std::memcpy(old.data() + 8, &version, 4);
+  const std::size_t header = arrays - 8;
+  std::vector<std::uint64_t> sums{io::detail::checksum(old.data(), header)};
   for (std::size_t a = 0; a < 3; ++a)
-    sums.push_back(io::detail::checksum(bytes.data() + header + a * array_bytes, array_bytes));
-  std::memcpy(bytes.data() + trailer, sums.data(), 8 * sums.size());
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    sums.push_back(version == 1 ? io::detail::checksum(old.data() + header + a * array_bytes, array_bytes)
+                                : stored[1 + a]);
+  old.append(reinterpret_cast<const char*>(sums.data()), 8 * sums.size());
+  old.append(io::detail::training_state_magic.data(), io::detail::training_state_magic.size());
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << old;
 }
 
 //! The errors of the ranks of `shape` (Zero<3>) that failed to load `path`.
@@ -379,25 +379,32 @@ std::vector<std::string> zero3_load_errors(MeshShape shape, const std::filesyste
   return errors;
 }
 
-TEST_CASE("a version 1 file (FNV-1a array checksums) still loads on one rank and on a mesh, and a flip is found") {
+TEST_CASE("version 1 (FNV-1a array checksums) and 2 (no per-tensor state) files still load on one rank and on a mesh") {
   const auto reference = uninterrupted();
-  TempPath file("state_v1");
-  train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
-  make_version_1(file.path);
-  CHECK(io::read_training_state_info(file.path).version == 1);
-  const auto resumed =
-      train_leg<GradientAccumulation, SingleRank>(one_rank, saved_at, total_steps, file.str(), "", {}, {}, 99);
-  CHECK(resumed.state == reference.state);
-  // ZeRO-3 ranks read only their shards: the first rank reads the arrays through for their sums.
-  check_close(train_leg<GradientAccumulation, Zero<3>>({.dp = 2, .tp = 2, .pp = 1}, saved_at, total_steps, file.str(),
-                                                       ""),
-              reference, 1e-5);
-  flip_byte(file.path, std::filesystem::file_size(file.path) - 200);
-  const std::vector<std::string> errors = zero3_load_errors({.dp = 2, .tp = 1, .pp = 1}, file.path);
-  REQUIRE(errors.size() == 2);
-  const bool named = errors[0].find("checksum of array 2") != std::string::npos ||
-                     errors[1].find("checksum of array 2") != std::string::npos;
-  CHECK(named);
+  for (const std::uint32_t version : {1u, 2u}) {
+    CAPTURE(version);
+    TempPath file("state_v" + std::to_string(version));
+    train_leg<GradientAccumulation, SingleRank>(one_rank, 0, saved_at, "", file.str());
+    make_version(file.path, version);
+    const io::TrainingStateInfo info = io::read_training_state_info(file.path);
+    CHECK(info.version == static_cast<int>(version));
+    CHECK(info.tensor_elements == 0);
+    const auto resumed =
+        train_leg<GradientAccumulation, SingleRank>(one_rank, saved_at, total_steps, file.str(), "", {}, {}, 99);
+    CHECK(resumed.state == reference.state);
+    // ZeRO-3 ranks read only their shards (version 1: the first rank reads the arrays through
+    // for their sums).
+    check_close(train_leg<GradientAccumulation, Zero<3>>({.dp = 2, .tp = 2, .pp = 1}, saved_at, total_steps,
+                                                         file.str(), ""),
+                reference, 1e-5);
+    if (version != 1) continue;
+    flip_byte(file.path, std::filesystem::file_size(file.path) - 200);
+    const std::vector<std::string> errors = zero3_load_errors({.dp = 2, .tp = 1, .pp = 1}, file.path);
+    REQUIRE(errors.size() == 2);
+    const bool named = errors[0].find("checksum of array 2") != std::string::npos ||
+                       errors[1].find("checksum of array 2") != std::string::npos;
+    CHECK(named);
+  }
 }
 
 TEST_CASE("a flipped byte is found by the ranks together, each adding up the elements it owns") {

@@ -13,6 +13,7 @@
 #include "loom/core/error.hpp"
 #include "loom/core/rng.hpp"
 #include "loom/core/tensor.hpp"
+#include "loom/core/whole_index.hpp"
 
 namespace loom {
 
@@ -361,6 +362,28 @@ void gather_from_whole(const ParameterLayout& layout, const T* values, const Par
   std::vector<WholeRun> runs;
   append_whole_runs(layout, whole, 0, layout.total(), 0, true, runs);
   for (const WholeRun& r : runs) std::copy_n(values + r.whole, r.count, local + r.local);
+}
+
+//! The WholeIndex of the run of `spec`'s slice that starts at its flat element `first`.
+inline WholeIndex whole_index(const ParameterSpec& spec, std::int64_t first) {
+  WholeIndex w;
+  w.first = first;
+  w.cols = matrix_view(spec.whole_shape()).cols;
+  if (spec.partition == Partition::replicated || spec.shard.ranks == 1) return w;
+  const Shape& whole = spec.whole_shape();
+  const int axis = spec.partition == Partition::split_rows ? 0 : 1;
+  w.block = whole[axis] / spec.shard.groups;
+  w.piece = w.block / spec.shard.ranks;
+  w.rank = spec.shard.rank;
+  if (spec.partition == Partition::split_rows) {
+    w.kind = WholeIndex::split_rows;
+    w.local_inner = spec.shape[0] == 0 ? 1 : spec.shape.numel() / spec.shape[0];
+  } else {
+    w.kind = WholeIndex::split_cols;
+    w.local_inner = spec.shape[1];
+    w.whole_cols = whole[1];
+  }
+  return w;
 }
 
 }  // namespace loom

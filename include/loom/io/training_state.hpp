@@ -6,17 +6,21 @@
 //!
 //! The file (little-endian):
 //!
-//!     "LOOMSTAT" u32 version=2 u32 scalar_bytes (4: fp32, 8: double) i64 steps i32 state_slots
+//!     "LOOMSTAT" u32 version=3 u32 scalar_bytes (4: fp32, 8: double) i64 steps i32 state_slots
 //!     i32 0  string optimizer  string meta  u64 parameters, each: string name, u32 rank,
-//!     i64 extents[rank]  i64 elements
+//!     i64 extents[rank]  i64 elements  i64 tensor_elements
 //!     then 1 + state_slots arrays of `elements` scalars (the parameters, then each state slot)
-//!     then the trailer: u64 checksum of the header, u64 checksum of each array, "LOOMSTAT"
+//!     then the per-tensor optimizer state: `tensor_elements` doubles (Adafactor's row and column
+//!     moments, parameter after parameter; none for element-wise optimizers)
+//!     then the trailer: u64 checksum of the header, u64 checksum of each array, u64 checksum of
+//!     the per-tensor state, "LOOMSTAT"
 //!
 //! where a string is a u64 byte count and the bytes. The header's checksum is 64-bit FNV-1a over
 //! 8-byte words. An array's checksum is the sum, mod 2^64, of one term per element that mixes
 //! the element's bits with its index (element_term), so that a flipped, moved or truncated byte
 //! is found before anything is loaded from it, and so that ranks can each add up their own
-//! elements. Version 1 files, whose array checksums were FNV-1a too, are still read.
+//! elements. Version 1 files, whose array checksums were FNV-1a too, and version 2 files, which
+//! have no per-tensor state (nor its count and checksum), are still read.
 //!
 //! Every rank writes the elements it owns into their places in the file, and reads the elements
 //! it holds (Trainer::owned_state_runs, needed_state_runs): no rank gathers the whole model, and
@@ -56,14 +60,16 @@ struct TrainingStateInfo {
   std::string meta;        //!< the saving program's text about the run (gpt2_train: JSON of the model config)
   std::vector<std::pair<std::string, Shape>> parameters;  //!< names and whole shapes, in layout order
   std::int64_t elements = 0;  //!< of each array
-  int version = 2;            //!< of the format: 1 (FNV-1a array checksums) or 2
+  //! Numbers (doubles) of the optimizer's per-tensor state (Trainer::whole_tensor_state_size).
+  std::int64_t tensor_elements = 0;
+  int version = 3;  //!< of the format: 1 (FNV-1a array checksums), 2, or 3 (per-tensor state)
 };
 
 namespace detail {
 
 inline constexpr std::array<char, 8> training_state_magic{'L', 'O', 'O', 'M', 'S', 'T', 'A', 'T'};
 //! The version this loom writes; it reads 1 as well.
-inline constexpr std::uint32_t training_state_version = 2;
+inline constexpr std::uint32_t training_state_version = 3;
 
 //! 64-bit FNV-1a over 8-byte words (a final partial word zero-padded), continuing from `hash`.
 inline std::uint64_t checksum(const void* data, std::size_t bytes,
@@ -183,8 +189,10 @@ class HeaderReader {
   std::vector<char> bytes_;
 };
 
-inline std::uint64_t trailer_bytes(int state_slots) {
-  return 8 * (2 + static_cast<std::uint64_t>(state_slots)) + training_state_magic.size();
+//! Bytes of the trailer: the checksums (the header's, each array's, and from version 3 the
+//! per-tensor state's), then the closing magic.
+inline std::uint64_t trailer_bytes(int state_slots, int version = training_state_version) {
+  return 8 * (2 + static_cast<std::uint64_t>(state_slots) + (version >= 3 ? 1 : 0)) + training_state_magic.size();
 }
 
 //! Eight bytes as text where they are printable, else as hex ("4c 4f ...").
@@ -241,7 +249,7 @@ inline TrainingStateInfo read_training_state_header(BinaryFile& file, std::vecto
     throw Error(file.name() + ": magic", printable(magic),
                 "expected LOOMSTAT (a loom training-state checkpoint; llm.c weight files are read by --init)");
   const auto version = in.get<std::uint32_t>("version");
-  LOOM_CHECK(version == 1 || version == training_state_version, file.name() + ": version", version,
+  LOOM_CHECK(version >= 1 && version <= training_state_version, file.name() + ": version", version,
              "this loom reads versions 1 to " + loom::detail::to_text(training_state_version));
   TrainingStateInfo info;
   info.version = static_cast<int>(version);
@@ -276,20 +284,26 @@ inline TrainingStateInfo read_training_state_header(BinaryFile& file, std::vecto
   info.elements = in.get<std::int64_t>("elements");
   LOOM_CHECK(info.elements == elements, file.name() + ": elements", info.elements,
              "the parameters' shapes add up to " + loom::detail::to_text(elements) + ": corrupt");
+  if (info.version >= 3) {
+    info.tensor_elements = in.get<std::int64_t>("tensor elements");
+    LOOM_CHECK(info.tensor_elements >= 0 && static_cast<std::uint64_t>(info.tensor_elements) <= size / 8,
+               file.name() + ": tensor elements", info.tensor_elements, "more than the file can hold: corrupt");
+  }
   const std::uint64_t header_sum = in.hash();
   const std::uint64_t arrays = 1 + static_cast<std::uint64_t>(info.state_slots);
   const std::uint64_t expected =
       in.bytes_read() + arrays * static_cast<std::uint64_t>(elements) * static_cast<std::uint64_t>(info.scalar_bytes) +
-      trailer_bytes(info.state_slots);
+      8 * static_cast<std::uint64_t>(info.tensor_elements) + trailer_bytes(info.state_slots, info.version);
   LOOM_CHECK(size == expected, file.name() + ": size", loom::detail::to_text(size) + " bytes",
              "expected " + loom::detail::to_text(expected) + " for its header (" +
                  (size < expected ? "the file is truncated: an interrupted copy?" : "extra bytes at the end") + ")");
   const std::uint64_t arrays_begin = in.bytes_read();
-  file.seek(size - trailer_bytes(info.state_slots));
+  file.seek(size - trailer_bytes(info.state_slots, info.version));
   std::uint64_t stored_header_sum = 0;
   file.read(&stored_header_sum, 8, "header checksum");
-  array_sums.assign(arrays, 0);
-  file.read(array_sums.data(), 8 * arrays, "array checksums");
+  // The per-tensor state's checksum (0 before version 3, which had none) after the arrays'.
+  array_sums.assign(arrays + 1, 0);
+  file.read(array_sums.data(), 8 * (arrays + (info.version >= 3 ? 1 : 0)), "array checksums");
   std::array<char, 8> end{};
   file.read(end.data(), end.size(), "closing magic");
   LOOM_CHECK(end == training_state_magic, file.name() + ": closing magic", printable(end),
@@ -476,6 +490,7 @@ HeaderBytes training_state_header(const Trainer& trainer, std::string_view meta)
     for (int d = 0; d < e.spec.shape.rank(); ++d) h.put(static_cast<std::int64_t>(e.spec.shape[d]));
   }
   h.put(static_cast<std::int64_t>(layout.total()));
+  h.put(static_cast<std::int64_t>(trainer.whole_tensor_state_size()));
   return h;
 }
 
@@ -508,10 +523,12 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
   const detail::HeaderBytes header = detail::training_state_header(trainer, meta);
   const std::uint64_t header_bytes = header.bytes().size();
   const std::uint64_t array_bytes = static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V);
-  const std::uint64_t trailer = header_bytes + arrays * array_bytes;
+  const std::uint64_t tensor_begin = header_bytes + arrays * array_bytes;
+  const std::uint64_t trailer = tensor_begin + 8 * static_cast<std::uint64_t>(trainer.whole_tensor_state_size());
   // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
-  // failed, so that none goes on alone; the others carry the checksums' limbs.
-  std::vector<double> shared(1 + arrays * detail::limbs);
+  // failed, so that none goes on alone; the others carry the checksums' limbs (each array's,
+  // then the per-tensor state's).
+  std::vector<double> shared(1 + (arrays + 1) * detail::limbs);
   const auto remove_tmp = [&] {
     if (!creator) return;
     std::error_code ignored;
@@ -530,7 +547,9 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
   });
   phase(true, [&] {
     const std::vector<WholeRun> runs = trainer.owned_state_runs();
-    if (runs.empty()) return;  // a DDP replica other than the first: it need not see the file
+    const std::vector<WholeRun> tensor_runs = trainer.owned_tensor_state_runs();
+    // A DDP replica other than the first: it need not see the file.
+    if (runs.empty() && tensor_runs.empty()) return;
     detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
     for (int array = 0; array < arrays; ++array) {
       const std::vector<V> values = trainer.copy_owned_state(array);
@@ -543,10 +562,20 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
       }
       detail::put_limbs(sum, shared.data() + 1 + array * detail::limbs);
     }
+    if (!tensor_runs.empty()) {
+      const std::vector<double> values = trainer.copy_tensor_state();
+      std::uint64_t sum = 0;
+      for (const WholeRun& r : tensor_runs) {
+        file.write_at(tensor_begin + static_cast<std::uint64_t>(r.whole) * 8, values.data() + r.local,
+                      static_cast<std::size_t>(r.count) * 8, "per-tensor optimizer state");
+        sum += detail::elements_checksum(values.data() + r.local, 8, r.whole, r.count);
+      }
+      detail::put_limbs(sum, shared.data() + 1 + arrays * detail::limbs);
+    }
     file.close();
   });
   std::vector<std::uint64_t> sums{detail::checksum(header.bytes().data(), header_bytes)};
-  for (int array = 0; array < arrays; ++array)
+  for (int array = 0; array <= arrays; ++array)
     sums.push_back(detail::get_limbs(shared.data() + 1 + array * detail::limbs));
   phase(creator, [&] {
     detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
@@ -602,7 +631,12 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
                "the trainer's is " + optimizer + " (" + loom::detail::to_text(O::state_slots) +
                    "); an optimizer's state means nothing to another");
     const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * info.scalar_bytes;
-    arrays_begin = header.size() - detail::trailer_bytes(info.state_slots) - arrays * array_bytes;
+    LOOM_CHECK(info.tensor_elements == trainer.whole_tensor_state_size(), header.name() + ": per-tensor state",
+               loom::detail::to_text(info.tensor_elements) + " numbers",
+               "the trainer's optimizer keeps " + loom::detail::to_text(trainer.whole_tensor_state_size()) +
+                   " for this model: corrupt");
+    arrays_begin = header.size() - detail::trailer_bytes(info.state_slots, info.version) - arrays * array_bytes -
+                   8 * static_cast<std::uint64_t>(info.tensor_elements);
     for (int array = 0; array < arrays; ++array)
       runs[static_cast<std::size_t>(array)] = trainer.needed_state_runs(array);
     if (info.version != 1 || !first_rank) return;
@@ -671,6 +705,31 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
     }
     trainer.load_needed_state(array, values);
   }
+  // The per-tensor state (doubles after the arrays): every rank reads its stage's and adds up
+  // the checksum terms of what it owns, as for the arrays.
+  const std::vector<WholeRun> tensor_needed = trainer.needed_tensor_state_runs();
+  const std::vector<WholeRun> tensor_owned = trainer.owned_tensor_state_runs();
+  std::vector<double> tensor_values;
+  phase([&] {
+    std::int64_t numbers = 0;
+    for (const WholeRun& r : tensor_needed) numbers = std::max(numbers, r.local + r.count);
+    tensor_values.resize(static_cast<std::size_t>(numbers));
+    const std::uint64_t begin = arrays_begin + static_cast<std::uint64_t>(arrays) * array_bytes;
+    for (const WholeRun& r : tensor_needed)
+      file->read_at(begin + static_cast<std::uint64_t>(r.whole) * 8, tensor_values.data() + r.local,
+                    static_cast<std::size_t>(r.count) * 8, "per-tensor optimizer state");
+    std::uint64_t sum = 0;
+    detail::for_each_held(tensor_owned, tensor_needed, [&](std::int64_t local, std::int64_t whole, std::int64_t count) {
+      sum += detail::elements_checksum(tensor_values.data() + local, 8, whole, count);
+    });
+    detail::put_limbs(sum, shared.data() + 1);
+  });
+  const std::uint64_t tensor_sum = detail::get_limbs(shared.data() + 1);
+  LOOM_CHECK(tensor_sum == sums[static_cast<std::size_t>(arrays)],
+             "training state " + detail::quoted(path) + ": checksum of the per-tensor optimizer state", tensor_sum,
+             "the trailer records " + loom::detail::to_text(sums[static_cast<std::size_t>(arrays)]) +
+                 ": the file is corrupt");
+  trainer.load_tensor_state(tensor_values);
   trainer.set_steps(info.steps);
   return info;
 }

@@ -7,6 +7,7 @@
 
 #include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
+#include "loom/core/whole_index.hpp"
 
 namespace loom {
 
@@ -38,5 +39,22 @@ concept Optimizer = requires { typename O::loom_optimizer; typename O::Options; 
                       requires O::state_slots >= 0 && O::state_slots <= max_optimizer_state_slots;
                       { o.options() } -> std::convertible_to<typename O::Options>;
                     };
+
+//! A segment of one parameter, for optimizers whose update of an element depends on statistics
+//! of the whole tensor (Adafactor): the elements, which parameter of the layout they belong to,
+//! and where they lie in the whole (tensor-parallel global) tensor.
+template <class T>
+struct TensorSegment {
+  OptimizerSegment<T> elements;
+  int parameter = 0;  //!< index into ParameterLayout::entries()
+  WholeIndex index{};
+};
+
+//! An Optimizer that updates whole tensors rather than independent elements: it keeps state per
+//! tensor (`State<B, T>`, built from the backend and the parameter layout, held by the Trainer)
+//! and its update reduces statistics over the ranks that share each tensor. Opt in with
+//! `static constexpr bool tensorwise = true;`.
+template <class O>
+concept TensorwiseOptimizer = Optimizer<O> && requires { requires O::tensorwise; };
 
 }  // namespace loom

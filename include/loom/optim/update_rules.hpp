@@ -23,4 +23,11 @@ struct SgdUpdate {
   bool nesterov = false;
 };
 
+//! The element-wise part of one Adafactor update, its per-tensor factors computed on the host:
+//! p = p * decay - step * u, where u is the gradient over the root of its factored second moment.
+struct AdafactorUpdate {
+  double decay = 1.0;  //!< 1 - rho * weight_decay (decoupled weight decay)
+  double step = 0.0;   //!< the step size over the update-clipping divisor
+};
+
 }  // namespace loom

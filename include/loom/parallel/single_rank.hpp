@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,10 +100,10 @@ class ReplicatedEngine {
         count_replicated);
   }
 
-  //! Scales the gradients by `grad_scale` (clipping) and applies `optimizer` to every
-  //! parameter at learning rate `lr` for step `step` (from 1).
-  template <Optimizer O>
-  void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
+  //! Scales the gradients by `grad_scale` (clipping), then calls `apply` with the ranges this
+  //! rank updates (std::span<const FlatRange<T>>): the whole layout, in one range.
+  template <class F>
+  void update(double grad_scale, F&& apply) {
     if (grad_scale != 1.0) {
       if (fp32_gradients())
         scale<wide_type>(*backend_, wide_.view(), grad_scale);
@@ -110,12 +111,14 @@ class ReplicatedEngine {
         scale<T>(*backend_, grads_.view(), grad_scale);
     }
     const std::int64_t total = layout_->total();
-    apply_optimizer(optimizer, *backend_, *layout_,
-                    FlatRange<T>{.begin = 0, .end = total, .params = params_.data(), .grads = grads_.data(),
-                                 .fp32_grads = fp32_grads(), .state = state_.data(), .state_stride = total,
-                                 .master = master_.data()},
-                    lr, step);
+    const FlatRange<T> range{.begin = 0, .end = total, .params = params_.data(), .grads = grads_.data(),
+                             .fp32_grads = fp32_grads(), .state = state_.data(), .state_stride = total,
+                             .master = master_.data()};
+    apply(std::span<const FlatRange<T>>(&range, 1));
   }
+  //! Sums `values` computed over the elements this rank updates into the values over all
+  //! elements: nothing to do, every replica updates every element.
+  void reduce_updated(std::span<double> /*values*/) const noexcept {}
 
   //! Copies the parameters, in layout order, to host memory `out` (layout().total() elements).
   void copy_parameters_to(T* out) const { backend_->copy_to_host(out, params_.data(), params_.bytes()); }

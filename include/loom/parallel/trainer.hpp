@@ -97,6 +97,19 @@ struct StepMetrics {
 //! (PipelineStage: layers balanced by Model::layer_cost, `chunks_per_rank(schedule)` chunks per
 //! rank) and executes the schedule's actions for its stage, moving activations forward and
 //! their gradients backward with send/recv on `mesh.pipeline()`.
+namespace detail {
+//! A TensorwiseOptimizer's per-tensor state type on backend B for parameters of T; an empty
+//! type for element-wise optimizers, whose state is in the strategy's flat buffers.
+template <class O, class B, class T>
+struct TensorStateOf {
+  struct type {};
+};
+template <TensorwiseOptimizer O, class B, class T>
+struct TensorStateOf<O, B, T> {
+  using type = typename O::template State<B, T>;
+};
+}  // namespace detail
+
 template <Model M, Optimizer O, Schedule S = GradientAccumulation, Strategy St = SingleRank>
 class Trainer {
  public:
@@ -211,7 +224,7 @@ class Trainer {
     if (options_.clip_grad_norm > 0 && m.grad_norm > options_.clip_grad_norm)
       grad_scale = options_.clip_grad_norm / (m.grad_norm + 1e-6);
     m.lr = lr_(step_);
-    engine_.update(optimizer_, m.lr, step_ + 1, grad_scale);
+    engine_.update(grad_scale, [&](std::span<const detail::FlatRange<T>> ranges) { apply_optimizer(ranges, m.lr); });
     backend_->synchronize();
     ++step_;
 
@@ -342,6 +355,45 @@ class Trainer {
     for (const WholeRun& r : runs) std::copy_n(values.data() + r.whole, r.count, mine.data() + r.local);
     load_needed_state(array, mine);
   }
+  //! Numbers of the optimizer's per-tensor state (a TensorwiseOptimizer's: Adafactor's row and
+  //! column moments) for the whole model, parameter after parameter of whole_layout(); 0 for
+  //! element-wise optimizers, whose state is in the arrays. Checkpoints keep it as one array of
+  //! doubles after the others.
+  std::int64_t whole_tensor_state_size() const { return whole_tensor_state_offsets().back(); }
+  //! Where the per-tensor state this rank writes goes in that array (`local` counting in
+  //! copy_tensor_state()): its stage's parameters on the rank at data-parallel and
+  //! tensor-parallel position 0 (every rank that holds part of a tensor keeps the same state of
+  //! the whole tensor), tied copies on their owning stage only; nothing elsewhere.
+  std::vector<WholeRun> owned_tensor_state_runs() const { return tensor_state_runs(true); }
+  //! Where the per-tensor state load_tensor_state() takes comes from: every parameter of the
+  //! stage, tied copies included.
+  std::vector<WholeRun> needed_tensor_state_runs() const { return tensor_state_runs(false); }
+  //! Bytes of the optimizer's per-tensor state this rank holds (0 for element-wise optimizers);
+  //! counted under MemoryCategory::optimizer_state.
+  std::int64_t tensor_state_bytes() const noexcept {
+    if constexpr (TensorwiseOptimizer<O>)
+      return tensor_state_.bytes();
+    else
+      return 0;
+  }
+  //! This rank's per-tensor state, in host memory (empty for element-wise optimizers).
+  std::vector<double> copy_tensor_state() const {
+    if constexpr (TensorwiseOptimizer<O>)
+      return tensor_state_.moments();
+    else
+      return {};
+  }
+  //! Replaces this rank's per-tensor state with `values`, laid out as copy_tensor_state()'s.
+  //! Not collective.
+  void load_tensor_state(std::span<const double> values) {
+    if constexpr (TensorwiseOptimizer<O>) {
+      forget_unfinished_step();
+      tensor_state_.load_moments(values);
+    } else {
+      LOOM_CHECK(values.empty(), "load_tensor_state: values", values.size(),
+                 "the optimizer keeps no per-tensor state, so there must be none");
+    }
+  }
   //! True on every rank when `flag` is true on any rank of the mesh (collective over the
   //! data-parallel, tensor-parallel and pipeline groups): how ranks agree that one of them failed,
   //! so that all stop together instead of waiting for it.
@@ -450,7 +502,61 @@ class Trainer {
                                                        .seed = options.seed,
                                                        .layer_parameters = layer_parameters_,
                                                        .fp32_gradients = options.fp32_gradients}),
+        tensor_state_(make_tensor_state(backend, stage_.layout())),
         mailbox_pool_(backend, MemoryCategory::communication) {}
+
+  //! The optimizer's per-tensor state (a TensorwiseOptimizer's State), or nothing.
+  using TensorState = typename detail::TensorStateOf<O, backend_type, T>::type;
+  static TensorState make_tensor_state(backend_type& backend, const ParameterLayout& layout) {
+    if constexpr (TensorwiseOptimizer<O>)
+      return TensorState(backend, layout);
+    else
+      return {};
+  }
+
+  //! Where each parameter of whole_layout() starts in the whole per-tensor state, and its end.
+  std::vector<std::int64_t> whole_tensor_state_offsets() const {
+    std::vector<std::int64_t> offsets{0};
+    for (const auto& e : whole_layout_.entries()) {
+      std::int64_t n = 0;
+      if constexpr (TensorwiseOptimizer<O>) n = TensorState::numbers(e.spec.whole_shape());
+      offsets.push_back(offsets.back() + n);
+    }
+    return offsets;
+  }
+  //! owned_tensor_state_runs (owned) or needed_tensor_state_runs.
+  std::vector<WholeRun> tensor_state_runs(bool owned) const {
+    std::vector<WholeRun> runs;
+    if constexpr (TensorwiseOptimizer<O>) {
+      if (owned && (group_.rank() != 0 || tensor_parallel_.rank() != 0)) return runs;
+      const std::vector<std::int64_t> whole = whole_tensor_state_offsets();
+      const auto stage = stage_.layout().entries();
+      const auto entries = whole_layout_.entries();
+      for (std::size_t p = 0; p < stage.size(); ++p) {
+        if (owned && stage[p].spec.tied_copy) continue;
+        const auto w = static_cast<std::size_t>(&whole_layout_.find(stage[p].spec.name) - entries.data());
+        runs.push_back({.local = tensor_state_.offset(p), .whole = whole[w], .count = whole[w + 1] - whole[w]});
+      }
+    }
+    return runs;
+  }
+
+  //! Steps the optimizer over the ranges the strategy hands this rank (step_ + 1, from 1).
+  void apply_optimizer(std::span<const detail::FlatRange<T>> ranges, double lr) {
+    const ParameterLayout& layout = stage_.layout();
+    if constexpr (TensorwiseOptimizer<O>) {
+      // A tensor's pieces are on the data-parallel ranks that shard it (the strategy sums over
+      // them) and its slices on the tensor-parallel group; each stage holds its own tensors.
+      optimizer_.update(*backend_, layout, std::span<const TensorSegment<T>>(detail::tensor_segments(layout, ranges)),
+                        tensor_state_, lr, step_ + 1, tensor_parallel_.rank() == 0, [&](std::span<double> values) {
+                          engine_.reduce_updated(values);
+                          if (tensor_parallel_.size() > 1) tensor_parallel_.all_reduce(values, ReduceOp::sum);
+                        });
+    } else {
+      for (const detail::FlatRange<T>& range : ranges)
+        detail::apply_optimizer(optimizer_, *backend_, layout, range, lr, step_ + 1);
+    }
+  }
 
   //! This rank's layers: the model's layers cut into pp × chunks virtual stages balanced by
   //! layer_cost, of which this rank runs stage, stage + pp, ...
@@ -1201,6 +1307,7 @@ class Trainer {
   TrainerOptions options_;
   std::vector<std::vector<ElementRange>> layer_parameters_;
   Engine engine_;
+  TensorState tensor_state_;
   std::int64_t step_ = 0;
   std::int64_t first_row_ = 0;  // this rank's first row of the global batch
 

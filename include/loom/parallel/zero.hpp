@@ -498,10 +498,12 @@ class ZeroEngine {
     return global_sum(local);
   }
 
-  //! Scales this rank's gradient pieces by `grad_scale`, updates its parameter pieces with its
-  //! optimizer state, and lets the parameter holding share them.
-  template <Optimizer O>
-  void update(const O& optimizer, double lr, std::int64_t step, double grad_scale) {
+  //! Scales this rank's gradient pieces by `grad_scale`, calls `apply` with them and its
+  //! parameter pieces and optimizer state (std::span<const detail::FlatRange<T>>, a range per
+  //! unit it owns part of), and lets the parameter holding share the updated pieces.
+  template <class F>
+  void update(double grad_scale, F&& apply) {
+    std::vector<detail::FlatRange<T>> ranges;
     for (const ShardUnit& u : plan_.units()) {
       const std::int64_t n = plan_.owned_count(u);
       if (n == 0) continue;
@@ -510,18 +512,22 @@ class ZeroEngine {
       else if (grad_scale != 1.0)
         scale<T>(*context_.backend, Tensor<T>(grads_.owned(u), Shape{n}), grad_scale);
       const std::int64_t begin = plan_.owned_begin(u);
-      detail::apply_optimizer(optimizer, *context_.backend, *layout_,
-                              detail::FlatRange<T>{.begin = begin,
-                                                   .end = begin + n,
-                                                   .params = params_.owned(u),
-                                                   .grads = grads_.owned(u),
-                                                   .fp32_grads = grads_.owned_fp32(u),
-                                                   .state = state_.data() + u.shard_offset,
-                                                   .state_stride = plan_.shard_size(),
-                                                   .master = master_.data() ? master_.data() + u.shard_offset : nullptr},
-                              lr, step);
+      ranges.push_back(detail::FlatRange<T>{.begin = begin,
+                                            .end = begin + n,
+                                            .params = params_.owned(u),
+                                            .grads = grads_.owned(u),
+                                            .fp32_grads = grads_.owned_fp32(u),
+                                            .state = state_.data() + u.shard_offset,
+                                            .state_stride = plan_.shard_size(),
+                                            .master = master_.data() ? master_.data() + u.shard_offset : nullptr});
     }
+    apply(std::span<const detail::FlatRange<T>>(ranges));
     params_.after_update();
+  }
+  //! Sums `values` computed over the elements this rank updates (its pieces) into the values
+  //! over all elements: over the data-parallel group, whose pieces are disjoint.
+  void reduce_updated(std::span<double> values) {
+    if (context_.group.size() > 1) context_.group.all_reduce(values, ReduceOp::sum);
   }
 
   //! The layout ranges of the training state this rank owns: its piece of every unit, in unit

@@ -1,6 +1,7 @@
 #pragma once
 //! \file Every CPU kernel (loom::kernels overloads taking `const cpu&`).
 
+#include "loom/backend/cpu/adafactor.hpp"
 #include "loom/backend/cpu/attention.hpp"
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/dropout.hpp"

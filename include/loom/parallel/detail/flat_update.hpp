@@ -16,6 +16,7 @@
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 #include "loom/core/tensor.hpp"
+#include "loom/core/whole_index.hpp"
 #include "loom/optim/concepts.hpp"
 
 namespace loom::detail {
@@ -105,12 +106,14 @@ class MasterWeights {
   Buffer<A, B> buffer_;
 };
 
-//! Applies `optimizer` at learning rate `lr` for step `step` to every parameter element of
-//! `range` (elements past the layout's total, padding, are left alone).
-template <class O, class B, class T>
-void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layout,
-                     const FlatRange<T>& range, double lr, std::int64_t step) {
-  for (const auto& e : layout.entries()) {
+//! Calls f(parameter, first, segment) for each parameter of `layout` that `range` holds elements
+//! of (padding past the layout's total is left out): the parameter's index in the layout, the
+//! flat index in the parameter of the segment's first element, and the segment, with its first
+//! `slots` state slots.
+template <class T, class F>
+void for_each_segment(const ParameterLayout& layout, const FlatRange<T>& range, int slots, F&& f) {
+  for (std::size_t p = 0; p < layout.entries().size(); ++p) {
+    const auto& e = layout.entries()[p];
     const std::int64_t first = std::max(range.begin, e.offset);
     const std::int64_t last = std::min(range.end, e.offset + e.numel());
     if (first >= last) continue;
@@ -121,12 +124,34 @@ void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layo
       s.fp32_grads = {range.fp32_grads + local, Shape{n}};
     else
       s.grads = {range.grads + local, Shape{n}};
-    for (int k = 0; k < O::state_slots; ++k)
+    for (int k = 0; k < slots; ++k)
       s.state[k] = {range.state + k * range.state_stride + local, Shape{n}};
     if (range.master != nullptr) s.master = {range.master + local, Shape{n}};
     s.weight_decay = e.spec.weight_decay;
-    optimizer.update(backend, s, lr, step);
+    f(p, first - e.offset, s);
   }
+}
+
+//! Applies element-wise `optimizer` at learning rate `lr` for step `step` to every parameter
+//! element of `range` (elements past the layout's total, padding, are left alone).
+template <class O, class B, class T>
+void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layout,
+                     const FlatRange<T>& range, double lr, std::int64_t step) {
+  for_each_segment(layout, range, O::state_slots, [&](std::size_t, std::int64_t, const OptimizerSegment<T>& s) {
+    optimizer.update(backend, s, lr, step);
+  });
+}
+
+//! The segments of `ranges` as TensorSegments (for a TensorwiseOptimizer), in range order.
+template <class T>
+std::vector<TensorSegment<T>> tensor_segments(const ParameterLayout& layout, std::span<const FlatRange<T>> ranges) {
+  std::vector<TensorSegment<T>> out;
+  for (const FlatRange<T>& range : ranges)
+    for_each_segment(layout, range, 0, [&](std::size_t p, std::int64_t first, const OptimizerSegment<T>& s) {
+      out.push_back(
+          {.elements = s, .parameter = static_cast<int>(p), .index = whole_index(layout.entries()[p].spec, first)});
+    });
+  return out;
 }
 
 //! The sum of squares of the gradients of `range` (parameter elements only), skipping the
