@@ -18,7 +18,7 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$root/build-gpu"
 programs=(test_cuda_backend test_cuda_kernels test_cuda_gemm_epilogues test_cuda_attention test_cuda_flash_attention test_cuda_vocab_parallel
-          test_cuda_bf16 test_nccl test_cuda_training)
+          test_cuda_adafactor test_cuda_bf16 test_nccl test_cuda_training)
 
 build() {
   local arch="${1:-90}" build_dir="$root/build/gpu"

@@ -3,14 +3,20 @@
 // communicator staged through host memory, then NCCL (a world of one GPU, and 2 ranks where
 // there are 2 GPUs); BERT (bidirectional attention, masked-LM head) on one GPU and on meshes
 // sharing it; dropout (hidden and attention) drawing the CPU's masks; and full activation
-// recomputation giving the bits of storing, and the head computing its logits in chunks.
+// recomputation giving the bits of storing, and the head computing its logits in chunks; and
+// Adafactor (per-tensor statistics, reduced over the ranks) on one GPU, float and bf16, and under
+// DDP and ZeRO-2 on two ranks sharing it.
 //
 // Tolerance: 1e-4 relative on losses, gradient norms and weights after 5 AdamW steps, with TF32
 // off (full fp32 products). The CPU meshes agree with one rank to 1e-5; the GPU kernels add
 // other summation orders (warp and block reductions, cuBLAS's blocking), each within a few
 // float ulps, which AdamW's normalised steps can amplify on near-zero gradient elements by up to
 // ~10x over 5 steps. A wrong kernel, a missing collective or a lost micro-batch is off by 1e-2 or
-// more. TF32 products (the default) are checked separately at 2e-2 on the losses.
+// more. TF32 products (the default) are checked separately at 2e-2 on the losses. Adafactor is
+// held to the same 1e-4: it normalises a vector's update per element as AdamW does, and a
+// matrix's only by its row and column averages, which amplify less. Its steps are smaller (the
+// weights move 1.5% in 5 steps, against AdamW's 14%), so its errors show less: a step size 10%
+// off is 1.5e-3 in the weights (measured on the CPU).
 //
 // Without a GPU nothing runs: the program reports skipped (exit 77).
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -30,6 +36,7 @@
 #include "loom/comm/threads.hpp"
 #include "loom/models/bert/model.hpp"
 #include "loom/models/gpt2/model.hpp"
+#include "loom/optim/adafactor.hpp"
 #include "loom/optim/adamw.hpp"
 #include "loom/parallel/data_parallel.hpp"
 #include "loom/parallel/mesh.hpp"
@@ -47,6 +54,7 @@
 #include "support/masked_lm_training.hpp"
 #include "support/parity_check.hpp"
 #include "support/temp_path.hpp"
+#include "support/weight_runs.hpp"
 #include "training_reference.hpp"
 
 using namespace loom;
@@ -63,6 +71,18 @@ constexpr std::int64_t global_batch = 4, seq = 16;
 const ParityRun& reference(double clip) {
   static const ParityRun without = cpu_reference_run(global_batch, seq, 0.0);
   static const ParityRun with = cpu_reference_run(global_batch, seq, 0.05);
+  return clip > 0 ? with : without;
+}
+
+// As tests/unit/test_adafactor.cpp's parity options: eps1 = 1e-12, not the paper's 1e-30, so
+// that the key bias's gradient (zero in exact arithmetic, so rounding noise that differs between
+// the CPU's and the GPU's summation orders) is not normalised into +-1 updates of either sign.
+const Adafactor::Options adafactor_options{.eps1 = 1e-12, .weight_decay = 0.1};
+
+//! The one-rank CPU reference for `clip` with Adafactor(adafactor_options), computed once.
+const ParityRun& adafactor_reference(double clip) {
+  static const ParityRun without = adafactor_cpu_reference_run(global_batch, seq, 0.0, adafactor_options);
+  static const ParityRun with = adafactor_cpu_reference_run(global_batch, seq, 0.05, adafactor_options);
   return clip > 0 ? with : without;
 }
 
@@ -421,6 +441,87 @@ TEST_CASE("bf16 with fp32 gradients on one GPU (micro-batches of one), and DDP a
   };
   on_two_ranks(DataParallel{.bucket_bytes = 4096});
   on_two_ranks(Zero<2>{.bucket_bytes = 2048});
+}
+
+TEST_CASE("Adafactor: one GPU trains as one CPU rank, and DDP and ZeRO-2 on two ranks sharing it as the one GPU") {
+  // Each rank adds its part of every tensor's row and column sums and update norm, and the
+  // trainer sums them over the ranks (host memory, through the staged communicator).
+  if (!have_gpu()) return;
+  const ParameterLayout global_layout = Gpt(small_test_config()).layout();
+  for (double clip : {0.0, 0.05}) {
+    CAPTURE(clip);
+    ParityRun one_gpu;
+    {
+      loom::cuda be(0);
+      be.set_tf32(false);
+      Trainer<Gpt, Adafactor> trainer(be, Gpt(small_test_config()), Adafactor(adafactor_options), parity_lr(),
+                                      {.micro_batch_size = global_batch, .clip_grad_norm = clip, .seed = 5});
+      one_gpu = train_steps(trainer, global_batch, seq);
+    }
+    check_parity(one_gpu, adafactor_reference(clip), gpu_tolerance);
+    const auto on_two_ranks = [&](const char* name, auto strategy) {
+      CAPTURE(name);
+      const std::vector<std::string> failures = rank_failures(2, [&](threads::Communicator& world) {
+        loom::cuda be(gpu_of(world.rank()));
+        be.set_tf32(false);
+        StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
+        Trainer<Gpt, Adafactor, GradientAccumulation, decltype(strategy)> trainer(
+            be, staged, Gpt(small_test_config()), Adafactor(adafactor_options), parity_lr(),
+            {.micro_batch_size = 1, .clip_grad_norm = clip, .seed = 5}, strategy);
+        const ParityRun run = train_steps(trainer, global_batch, seq);
+        return parity_failures(trainer, run, one_gpu, global_layout, gpu_tolerance);
+      });
+      CHECK_MESSAGE(failures.empty(), joined(failures));
+    };
+    on_two_ranks("DDP", DataParallel{.bucket_bytes = 4096});
+    on_two_ranks("ZeRO-2", Zero<2>{.bucket_bytes = 2048});
+  }
+}
+
+TEST_CASE("Adafactor on bf16 with fp32 master weights, with and without fp32 gradients: one GPU tracks fp32, and "
+          "DDP and ZeRO-2 on two ranks sharing it the one GPU") {
+  // The one GPU as the AdamW cases have it (the whole batch at once, or micro-batches of one with
+  // fp32 gradients), within 5e-3 of the fp32 CPU run, not AdamW's 1e-2: Adafactor's small steps
+  // (see the top) leave a bf16 run with half the step size within 8e-3 of fp32's. The CPU's bf16
+  // run is at 1.7e-3 (mostly the rounding of the stored weights). Two ranks within 1e-3 of the
+  // one GPU with fp32 gradients (the same bf16 terms summed in fp32 in another order: on the CPU
+  // the same bits), 5e-3 without (each rank adds its two micro-batches' gradients in bf16 before
+  // the reduction, the one GPU rounds the whole batch's once: 4.4e-4 apart on the CPU).
+  if (!have_gpu()) return;
+  using Bf = gpt2::Model<loom::cuda, bf16>;
+  const ParityRun& fp32 = adafactor_reference(0.0);
+  const WeightRun fp32_run{.losses = fp32.losses, .weights = fp32.weights};
+  for (bool fp32_gradients : {false, true}) {
+    CAPTURE(fp32_gradients);
+    WeightRun one_gpu;
+    {
+      loom::cuda be(0);
+      Trainer<Bf, Adafactor> trainer(
+          be, Bf(small_test_config()), Adafactor(adafactor_options), parity_lr(),
+          {.micro_batch_size = fp32_gradients ? 1 : global_batch, .seed = 5, .fp32_gradients = fp32_gradients});
+      REQUIRE((trainer.fp32_gradients() != nullptr) == fp32_gradients);
+      one_gpu = train_run(trainer, global_batch, seq);
+    }
+    check_close(one_gpu, fp32_run, 5e-3);
+    const auto on_two_ranks = [&](const char* name, auto strategy) {
+      CAPTURE(name);
+      std::vector<WeightRun> runs(2);
+      const std::vector<std::string> failures = rank_failures(2, [&](threads::Communicator& world) {
+        loom::cuda be(gpu_of(world.rank()));
+        StagedCommunicator<threads::Communicator, loom::cuda> staged(world.split(0, world.rank()), be);
+        Trainer<Bf, Adafactor, GradientAccumulation, decltype(strategy)> trainer(
+            be, staged, Bf(small_test_config()), Adafactor(adafactor_options), parity_lr(),
+            {.micro_batch_size = 1, .seed = 5, .fp32_gradients = fp32_gradients}, strategy);
+        runs[static_cast<std::size_t>(world.rank())] = train_run(trainer, global_batch, seq);
+        return std::string();
+      });
+      CHECK_MESSAGE(failures.empty(), joined(failures));
+      if (!failures.empty()) return;
+      check_close(same_on_every_rank(runs), one_gpu, fp32_gradients ? 1e-3 : 5e-3);
+    };
+    on_two_ranks("DDP", DataParallel{.bucket_bytes = 4096});
+    on_two_ranks("ZeRO-2", Zero<2>{.bucket_bytes = 2048});
+  }
 }
 
 TEST_CASE("a device batch is checked on the host before its copy") {

@@ -11,6 +11,15 @@ ParityRun cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double 
   return single_rank_run(global_batch, seq, clip);
 }
 
+ParityRun adafactor_cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double clip,
+                                      const Adafactor::Options& options) {
+  using Gpt = gpt2::Model<cpu, float>;
+  cpu be(1);
+  Trainer<Gpt, Adafactor> trainer(be, Gpt(small_test_config()), Adafactor(options), parity_lr(),
+                                  {.micro_batch_size = global_batch, .clip_grad_norm = clip, .seed = 5});
+  return train_steps(trainer, global_batch, seq);
+}
+
 ParityRun cpu_dropout_reference_run(std::int64_t global_batch, std::int64_t seq, double rate) {
   using Gpt = gpt2::Model<cpu, float>;
   gpt2::Config config = small_test_config();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "loom/optim/adafactor.hpp"
 #include "support/parity_check.hpp"
 
 namespace loom::test {
@@ -12,6 +13,10 @@ namespace loom::test {
 //! parity_steps AdamW steps of small_test_config() on one CPU rank, the whole global batch in
 //! one micro-batch (parity.hpp's single_rank_run).
 ParityRun cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double clip);
+
+//! cpu_reference_run with Adafactor(options) in place of AdamW.
+ParityRun adafactor_cpu_reference_run(std::int64_t global_batch, std::int64_t seq, double clip,
+                                      const Adafactor::Options& options);
 
 //! cpu_reference_run (no clipping) with the config's hidden and attention dropout at `rate`: the
 //! masks the GPU must draw too.

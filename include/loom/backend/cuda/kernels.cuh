@@ -3,6 +3,7 @@
 //! CUB (which the vocabulary-parallel kernels use) declares a global namespace `cuda`: code that
 //! says `using namespace loom;` writes the backend as `loom::cuda`.
 
+#include "loom/backend/cuda/adafactor.cuh"
 #include "loom/backend/cuda/attention.cuh"
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/elementwise.cuh"
