@@ -117,11 +117,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0 = off)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--optimizer", o.optimizer, "adamw or sgd (momentum 0.9)")
-      ->capture_default_str()->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--optimizer", o.optimizer,
+                 "adamw, sgd (momentum 0.9; float only) or adafactor (factored second moments, update clipping, "
+                 "relative step: --lr caps the step, try 1e-2)")
+      ->capture_default_str()->check(CLI::IsMember({"adamw", "sgd", "adafactor"}));
   app.add_option("--dtype", o.dtype,
                  "float, or bf16: parameters, gradients and activations in bf16, fp32 arithmetic, "
-                 "master weights and AdamW moments (mixed precision; adamw only)")
+                 "master weights and optimizer state (mixed precision; adamw or adafactor)")
       ->capture_default_str()->check(CLI::IsMember({"float", "bf16"}));
   app.add_flag("--fp32-gradients", o.fp32_gradients,
                "With --dtype bf16: add the micro-batches' gradients up, all-reduce and clip them in fp32 (Megatron-LM's "

@@ -38,6 +38,7 @@
 #include "loom/models/bert/config.hpp"
 #include "loom/models/bert/model.hpp"
 #endif
+#include "loom/optim/adafactor.hpp"
 #include "loom/optim/adamw.hpp"
 #include "loom/optim/lr_schedule.hpp"
 #include "loom/optim/sgd.hpp"
@@ -380,25 +381,30 @@ std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shap
 //! The ZeRO formula for this rank's parameters + gradients + optimizer state (sizeof(T) bytes
 //! for each parameter and gradient, 4 per optimizer slot and, for bf16, 4 of fp32 master
 //! weights; with fp32 gradients the gradients held are fp32, and stage 1 keeps the bf16 ones
-//! too), beside what it holds; padding and the working set apart.
+//! too), plus the optimizer's per-tensor state (Adafactor's moments, held whole on every rank),
+//! beside what it holds; padding and the working set apart.
 template <class T, class Strategy>
 void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots,
-                       bool fp32_gradients) {
+                       bool fp32_gradients, std::int64_t tensor_state_bytes) {
   using loom::MemoryCategory;
   const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
   const double bytes = sizeof(T), state = 4.0 * slots + (loom::is_narrow_storage<T> ? 4.0 : 0.0);
   const bool wide = fp32_gradients && loom::is_narrow_storage<T>;
   const double grad_bytes = wide ? 4.0 : bytes;
   const int stage = std::is_same_v<Strategy, loom::Zero<1>> ? 1 : std::is_same_v<Strategy, loom::Zero<2>> ? 2 : 3;
-  const double formula = stage == 1 ? (bytes + grad_bytes + (wide ? bytes : 0.0)) * psi + state * psi / n
-                       : stage == 2 ? bytes * psi + (grad_bytes + state) * psi / n
-                                    : (bytes + grad_bytes + state) * psi / n;
+  const double formula = (stage == 1 ? (bytes + grad_bytes + (wide ? bytes : 0.0)) * psi + state * psi / n
+                         : stage == 2 ? bytes * psi + (grad_bytes + state) * psi / n
+                                      : (bytes + grad_bytes + state) * psi / n) +
+                         static_cast<double>(tensor_state_bytes);
   const double held = static_cast<double>(m.current(MemoryCategory::parameters) + m.current(MemoryCategory::gradients) +
                                           m.current(MemoryCategory::optimizer_state));
-  std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots), "
+  const std::string per_tensor =
+      tensor_state_bytes > 0 ? ", per-tensor state " + std::to_string(tensor_state_bytes) + " bytes" : "";
+  std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots%s), "
               "held %.2f MiB, of which padding %.2f MiB (%lld elements); working set (communication, peak) %.2f MiB\n",
-              stage, formula / (1 << 20), psi, plan.ranks(), slots, held / (1 << 20), (held - formula) / (1 << 20),
-              static_cast<long long>(plan.padding()), loom::MemoryTracker::mib(m.peak(MemoryCategory::communication)));
+              stage, formula / (1 << 20), psi, plan.ranks(), slots, per_tensor.c_str(), held / (1 << 20),
+              (held - formula) / (1 << 20), static_cast<long long>(plan.padding()),
+              loom::MemoryTracker::mib(m.peak(MemoryCategory::communication)));
 }
 
 //! What rank 0 computes on: "4 threads per rank" (cpu) or "GPU 0 for rank 0" (cuda).
@@ -574,8 +580,9 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     if (s == first_step && world.size() > 1)
       print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
     if constexpr (requires { trainer.engine().plan(); })
-      if (s == first_step && lead) print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots,
-                                                     o.fp32_gradients);
+      if (s == first_step && lead)
+        print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots, o.fp32_gradients,
+                             trainer.tensor_state_bytes());
     if (metrics.is_open()) {
       nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
                           {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
@@ -644,12 +651,12 @@ int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
   }
 }
 
-//! Calls `fn` with the element type of --dtype: float, or loom::bf16 (with AdamW only, which
-//! keeps the instantiations few).
+//! Calls `fn` with the element type of --dtype: float, or loom::bf16 (with AdamW or Adafactor,
+//! which keeps the instantiations few).
 template <class Fn>
 int with_dtype(const Options& o, Fn&& fn) {
   if (o.dtype == "bf16") {
-    LOOM_CHECK(o.optimizer == "adamw", "--optimizer", o.optimizer, "--dtype bf16 trains with adamw");
+    LOOM_CHECK(o.optimizer != "sgd", "--optimizer", o.optimizer, "--dtype bf16 trains with adamw or adafactor");
     return fn(loom::bf16{});
   }
   // A float model's gradients are fp32 already: the flag would change nothing, so a run that
@@ -659,10 +666,12 @@ int with_dtype(const Options& o, Fn&& fn) {
   return fn(float{});
 }
 
-//! Calls `fn` with the optimizer of --optimizer.
-template <class Fn>
+//! Calls `fn` with the optimizer of --optimizer (SGD only for float models).
+template <class T, class Fn>
 int with_optimizer(const Options& o, Fn&& fn) {
-  if (o.optimizer == "sgd") return fn(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
+  if (o.optimizer == "adafactor") return fn(loom::Adafactor({.weight_decay = o.weight_decay}));
+  if constexpr (std::is_same_v<T, float>)
+    if (o.optimizer == "sgd") return fn(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
   return fn(loom::AdamW({.weight_decay = o.weight_decay}));
 }
 
@@ -677,10 +686,7 @@ int train_on(const Options& o, Backend& backend, Group& world) {
     return with_strategy<decltype(schedule)>(o, mesh.data_parallel().size(), [&](auto strategy) {
       return with_dtype(o, [&](auto element) {
         using T = decltype(element);
-        if constexpr (std::is_same_v<T, float>)
-          return with_optimizer(o, [&](auto optimizer) { return train<T>(o, backend, mesh, optimizer, strategy, schedule); });
-        else
-          return train<T>(o, backend, mesh, loom::AdamW({.weight_decay = o.weight_decay}), strategy, schedule);
+        return with_optimizer<T>(o, [&](auto optimizer) { return train<T>(o, backend, mesh, optimizer, strategy, schedule); });
       });
     });
   });
