@@ -108,6 +108,9 @@ class Adafactor {
       sums_ = Buffer<double, B>(backend, total, MemoryCategory::optimizer_state);
       scales_ = Buffer<A, B>(backend, total, MemoryCategory::optimizer_state);
       moments_.zero();
+      host_sums_.resize(static_cast<std::size_t>(total) + layout.entries().size());
+      host_moments_.resize(static_cast<std::size_t>(total));
+      host_scales_.resize(static_cast<std::size_t>(total));
     }
 
     //! Numbers of moments of a parameter of whole shape `whole`: rows + cols of its matrix view.
@@ -144,6 +147,10 @@ class Adafactor {
     std::vector<MatrixView> views_;
     Buffer<double, B> moments_, sums_;
     Buffer<A, B> scales_;
+    // Host copies the update works on between the reductions, allocated once: the sums (then
+    // each tensor's sum(P²)), the moments and the scales.
+    std::vector<double> host_sums_, host_moments_;
+    std::vector<A> host_scales_;
   };
 
   //! Updates every segment of `segments` (this rank's pieces of the parameters of `layout`) at
@@ -176,14 +183,15 @@ class Adafactor {
       if (options_.scale_parameter) params_squared[p] += sum_of_squares(backend, weights(s));
     }
     // 2. The whole tensors' sums, on every rank that shares them: one reduction.
-    std::vector<double> sums(static_cast<std::size_t>(state.size()) + tensors);
+    std::vector<double>& sums = state.host_sums_;
     if (state.size() > 0) backend.copy_to_host(sums.data(), state.sums_.data(), state.sums_.bytes());
     std::copy(params_squared.begin(), params_squared.end(), sums.begin() + state.size());
     reduce(std::span<double>(sums));
 
     // 3. The moments and the scales of every tensor (the same on every rank that holds it).
-    std::vector<double> moments = state.moments();
-    std::vector<A> scales(static_cast<std::size_t>(state.size()));
+    std::vector<double>& moments = state.host_moments_;
+    if (state.size() > 0) backend.copy_to_host(moments.data(), state.moments_.data(), state.moments_.bytes());
+    std::vector<A>& scales = state.host_scales_;
     const double beta2 = 1.0 - std::pow(static_cast<double>(step), -options_.decay_rate);
     for (std::size_t p = 0; p < tensors; ++p) {
       const MatrixView& v = state.view(p);
