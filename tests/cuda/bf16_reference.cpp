@@ -43,14 +43,14 @@ void layernorm_backward(Vec& din, Vec& dweight, Vec& dbias, const Vec& dout, con
                                     Tensor<const float>(rstd.data(), {N}));
 }
 
-void gelu_forward(Vec& out, const Vec& in) {
+void gelu_forward(Vec& out, const Vec& in, Gelu kind) {
   const auto n = static_cast<std::int64_t>(in.size());
-  kernels::gelu_forward<bf16>(backend(), t(out, {n}), c(in, {n}));
+  kernels::gelu_forward<bf16>(backend(), t(out, {n}), c(in, {n}), kind);
 }
 
-void gelu_backward(Vec& din, const Vec& in, const Vec& dout) {
+void gelu_backward(Vec& din, const Vec& in, const Vec& dout, Gelu kind) {
   const auto n = static_cast<std::int64_t>(in.size());
-  kernels::gelu_backward<bf16>(backend(), t(din, {n}), c(in, {n}), c(dout, {n}));
+  kernels::gelu_backward<bf16>(backend(), t(din, {n}), c(in, {n}), c(dout, {n}), kind);
 }
 
 void residual_forward(Vec& out, const Vec& a, const Vec& b) {

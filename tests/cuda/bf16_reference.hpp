@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "loom/backend/gelu.hpp"
 #include "loom/core/bf16.hpp"
 #include "loom/optim/update_rules.hpp"
 
@@ -25,8 +26,8 @@ void layernorm_forward(Vec& out, Floats& mean, Floats& rstd, const Vec& in, cons
                        std::int64_t N, std::int64_t C);
 void layernorm_backward(Vec& din, Vec& dweight, Vec& dbias, const Vec& dout, const Vec& in, const Vec& weight,
                         const Floats& mean, const Floats& rstd, std::int64_t N, std::int64_t C);
-void gelu_forward(Vec& out, const Vec& in);
-void gelu_backward(Vec& din, const Vec& in, const Vec& dout);
+void gelu_forward(Vec& out, const Vec& in, Gelu kind = Gelu::tanh);
+void gelu_backward(Vec& din, const Vec& in, const Vec& dout, Gelu kind = Gelu::tanh);
 void residual_forward(Vec& out, const Vec& a, const Vec& b);
 void residual_backward(Vec& da, Vec& db, const Vec& dout);
 //! qkv [B, T, 3C], att [B, NH, T, T], out [B, T, C].

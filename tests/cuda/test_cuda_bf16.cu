@@ -37,6 +37,7 @@
 using namespace loom::cuda_test;
 using loom::bf16;
 using loom::Buffer;
+using loom::Gelu;
 using loom::MemoryCategory;
 using loom::Shape;
 using loom::Tensor;
@@ -211,17 +212,22 @@ TEST_CASE("bf16: gelu, residual, add_to and scale") {
     CAPTURE(n);
     const auto x = random_bf16(n, 21, -5.0f, 5.0f), g = random_bf16(n, 22), acc0 = random_bf16(n, 23);
     std::vector<bf16> out(n), din = acc0, db = acc0;
-    const Device<bf16> d_x(be, x, {n}), d_g(be, g, {n}), d_out(be, std::vector<bf16>(n), {n}),
-        d_din(be, acc0, {n}), d_db(be, acc0, {n});
+    const Device<bf16> d_x(be, x, {n}), d_g(be, g, {n}), d_out(be, std::vector<bf16>(n), {n}), d_db(be, acc0, {n});
 
-    ref::gelu_forward(out, x);
-    loom::kernels::gelu_forward<bf16>(be, d_out.view(), d_x.cview());
-    check_bf16(d_out.to_host(be), out, {.term = 5.0}, "gelu out");
-    ref::gelu_backward(din, x, g);
-    loom::kernels::gelu_backward<bf16>(be, d_din.view(), d_x.cview(), d_g.cview());
-    // Each side's tanh is a few float ulps off (CUDA's tanhf, glibc's tanh), and the derivative
-    // multiplies th's error by up to |0.5 - x th sqrt(2/pi) (1 + 0.134 x^2)| ~ 18 at |x| = 5.
-    check_bf16(d_din.to_host(be), din, {.term = 40.0}, "gelu din");
+    for (const Gelu kind : {Gelu::tanh, Gelu::erf}) {
+      CAPTURE(std::string(loom::gelu_name(kind)));
+      ref::gelu_forward(out, x, kind);
+      loom::kernels::gelu_forward<bf16>(be, d_out.view(), d_x.cview(), kind);
+      check_bf16(d_out.to_host(be), out, {.term = 5.0}, "gelu out");
+      din = acc0;
+      const Device<bf16> d_din(be, acc0, {n});
+      ref::gelu_backward(din, x, g, kind);
+      loom::kernels::gelu_backward<bf16>(be, d_din.view(), d_x.cview(), d_g.cview(), kind);
+      // Each side's tanh is a few float ulps off (CUDA's tanhf, glibc's tanh), and the derivative
+      // multiplies th's error by up to |0.5 - x th sqrt(2/pi) (1 + 0.134 x^2)| ~ 18 at |x| = 5;
+      // the erf form's derivative adds erf's few ulps of 1 to a well-conditioned x exp(-x^2 / 2).
+      check_bf16(d_din.to_host(be), din, {.term = 40.0}, "gelu din");
+    }
 
     ref::residual_forward(out, x, g);
     loom::kernels::residual_forward<bf16>(be, d_out.view(), d_x.cview(), d_g.cview());

@@ -26,6 +26,11 @@
 // GPT-2's tanh GELU from the erf one in loom's own forward (they differ by up to 2e-4 near
 // |x| = 2).
 //
+// The exact GELU (Gelu::erf) runs every case too: cuBLASLt's GELU epilogues are the tanh form, so
+// it must never fuse them (only the bias and the bias gradient may fuse), and its results are
+// loom's element-wise kernel's, with loom's deltas (erff's error is a few float ulps of 1, as
+// tanhf's is, and its derivative is better conditioned than the tanh form's).
+//
 // Without a GPU the host case runs and the program exits with 77 (ctest: skipped).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -47,8 +52,14 @@ namespace {
 
 const double sqrt_2_over_pi = std::sqrt(2.0 / std::acos(-1.0));
 
-double gelu(double x) { return 0.5 * x * (1.0 + std::tanh(sqrt_2_over_pi * (x + 0.044715 * x * x * x))); }
-double gelu_derivative(double x) {
+//! GELU(x) of the form `kind`: x Φ(x) with std::erf, or GPT-2's tanh approximation.
+double gelu(Gelu kind, double x) {
+  if (kind == Gelu::erf) return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+  return 0.5 * x * (1.0 + std::tanh(sqrt_2_over_pi * (x + 0.044715 * x * x * x)));
+}
+double gelu_derivative(Gelu kind, double x) {
+  if (kind == Gelu::erf)
+    return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) * sqrt_2_over_pi / 2;
   const double u = sqrt_2_over_pi * (x + 0.044715 * x * x * x);
   const double sech = 1.0 / std::cosh(u);
   return 0.5 * (1.0 + std::tanh(u)) + 0.5 * x * sech * sech * sqrt_2_over_pi * (1.0 + 3.0 * 0.044715 * x * x);
@@ -120,7 +131,7 @@ struct References {
 References reference_results(const Case& k, const std::vector<float>& in_pre, const std::vector<float>& in,
                              const std::vector<float>& weight, const std::vector<float>& bias,
                              const std::vector<float>& dout, const std::vector<float>& dweight0,
-                             const std::vector<float>& dbias0) {
+                             const std::vector<float>& dbias0, Gelu kind) {
   References r;
   const auto n_out = static_cast<std::size_t>(k.N * k.OC), n_in = static_cast<std::size_t>(k.N * k.C);
   r.pre.resize(n_out);
@@ -139,8 +150,8 @@ References reference_results(const Case& k, const std::vector<float>& in_pre, co
       const std::size_t j = n * k.OC + o;
       r.pre[j] = sum;
       r.pre_scale[j] = mag;
-      r.out[j] = gelu(sum);
-      r.out_scale[j] = mag * std::abs(gelu_derivative(sum));
+      r.out[j] = gelu(kind, sum);
+      r.out_scale[j] = mag * std::abs(gelu_derivative(kind, sum));
       r.out_absolute[j] = std::abs(sum);
     }
   // Backward of out = in_gelu · weight^T + bias with in_gelu = GELU(in_pre) (the stored `in`).
@@ -155,7 +166,7 @@ References reference_results(const Case& k, const std::vector<float>& in_pre, co
         sum += term;
         mag += std::abs(term);
       }
-      const double g = gelu_derivative(in_pre[n * k.C + i]);
+      const double g = gelu_derivative(kind, in_pre[n * k.C + i]);
       r.dpre[n * k.C + i] = sum * g;
       r.dpre_scale[n * k.C + i] = mag * std::abs(g);
       r.dpre_absolute[n * k.C + i] = std::abs(sum) * gelu_derivative_scale(in_pre[n * k.C + i]);
@@ -180,7 +191,8 @@ References reference_results(const Case& k, const std::vector<float>& in_pre, co
 }
 
 //! One case's inputs, stored as E. Inputs in [-2, 2] reach the part of GELU where its tanh and
-//! erf forms differ most.
+//! erf forms differ most. `in` (the linear layer's input) is the tanh GELU of `in_pre` for either
+//! form: the backward's formulas do not depend on how it was made.
 template <class E>
 struct Inputs {
   std::vector<E> in_pre, in, weight, bias, dout, dweight0, dbias0;
@@ -192,16 +204,18 @@ struct Inputs {
         dout(random_values<E>(k.N * k.OC, 4, -1.0f, 1.0f)),
         dweight0(random_values<E>(k.OC * k.C, 5, -1.0f, 1.0f)),
         dbias0(random_values<E>(k.OC, 6, -1.0f, 1.0f)) {
-    for (const E x : in_pre) in.push_back(static_cast<E>(static_cast<float>(gelu(static_cast<float>(x)))));
+    for (const E x : in_pre)
+      in.push_back(static_cast<E>(static_cast<float>(gelu(Gelu::tanh, static_cast<float>(x)))));
   }
-  References references(const Case& k) const {
+  References references(const Case& k, Gelu kind) const {
     return reference_results(k, as_floats(in_pre), as_floats(in), as_floats(weight), as_floats(bias),
-                             as_floats(dout), as_floats(dweight0), as_floats(dbias0));
+                             as_floats(dout), as_floats(dweight0), as_floats(dbias0), kind);
   }
 };
 
 template <class E>
-void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool epilogues) {
+void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool epilogues, Gelu kind) {
+  CAPTURE(std::string(loom::gelu_name(kind)));
   CAPTURE(k.N);
   CAPTURE(k.C);
   CAPTURE(k.OC);
@@ -231,6 +245,8 @@ void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool 
     }
   };
   const bool fusable = k.fusable;
+  // cuBLASLt's GELU and DGELU are the tanh form's: the erf form never tries them.
+  const bool tanh_form = kind == Gelu::tanh;
 
   const DeviceArray<E> out(be, garbage_out, Shape{k.N, k.OC});
   path("matmul_forward", 1, fusable ? 1 : 0,
@@ -238,12 +254,13 @@ void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool 
   check(out.to_host(be), r.pre, r.pre_scale, "matmul_forward with bias");
 
   const DeviceArray<E> gelu_out(be, garbage_out, Shape{k.N, k.OC}), pre(be, garbage_out, Shape{k.N, k.OC});
-  // Where GELU cannot fuse, matmul_forward then tries the bias epilogue: two attempts.
-  path("matmul_gelu_forward", fusable ? 1 : 2, fusable ? 1 : 0, [&] {
-    matmul_gelu_forward<E>(be, gelu_out.view(), pre.view(), d_in.cview(), d_weight.cview(), d_bias.cview());
+  // Where GELU cannot fuse, matmul_forward then tries the bias epilogue: two attempts (the erf
+  // form: that one alone).
+  path("matmul_gelu_forward", tanh_form ? (fusable ? 1 : 2) : 1, fusable ? 1 : 0, [&] {
+    matmul_gelu_forward<E>(be, gelu_out.view(), pre.view(), d_in.cview(), d_weight.cview(), d_bias.cview(), kind);
   });
   check(pre.to_host(be), r.pre, r.pre_scale, "matmul_gelu_forward pre");
-  const bool gelu_fused = epilogues && fusable;
+  const bool gelu_fused = epilogues && fusable && tanh_form;
   const std::vector<E> gelu_got = gelu_out.to_host(be);
   MESSAGE("GELU " << std::string(gelu_fused ? "(cuBLASLt)" : "(loom)")
                   << " error / |x|: " << worst_relative_to(gelu_got, r.out, r.out_absolute));
@@ -254,9 +271,9 @@ void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool 
   // to fuse (it may fall back to the column sums); DGELU is, where the shape allows.
   const DeviceArray<E> dpre(be, garbage_in, Shape{k.N, k.C}), dweight(be, dweight0, Shape{k.OC, k.C}),
       dbias(be, dbias0, Shape{k.OC});
-  path("gelu_matmul_backward", 2, fusable ? 1 : 0, [&] {
+  path("gelu_matmul_backward", tanh_form ? 2 : 1, fusable && tanh_form ? 1 : 0, [&] {
     gelu_matmul_backward<E>(be, dpre.view(), dweight.view(), dbias.view(), d_dout.cview(), d_in.cview(),
-                            d_weight.cview(), d_in_pre.cview());
+                            d_weight.cview(), d_in_pre.cview(), kind);
   });
   const std::vector<E> dpre_got = dpre.to_host(be);
   MESSAGE("GELU' " << std::string(gelu_fused ? "(cuBLASLt DGELU)" : "(loom)") << " error / scale: "
@@ -270,9 +287,9 @@ void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool 
   // weight pass (matmul_backward without din) gives the same dweight and dbias bits.
   const DeviceArray<E> split(be, garbage_in, Shape{k.N, k.C}), split_dweight(be, dweight0, Shape{k.OC, k.C}),
       split_dbias(be, dbias0, Shape{k.OC});
-  path("gelu_matmul_backward, input pass", 1, fusable ? 1 : 0, [&] {
+  path("gelu_matmul_backward, input pass", tanh_form ? 1 : 0, fusable && tanh_form ? 1 : 0, [&] {
     gelu_matmul_backward<E>(be, split.view(), Tensor<E>{}, Tensor<E>{}, d_dout.cview(), d_in.cview(),
-                            d_weight.cview(), d_in_pre.cview());
+                            d_weight.cview(), d_in_pre.cview(), kind);
   });
   CHECK(as_floats(split.to_host(be)) == as_floats(dpre.to_host(be)));
   path("matmul_backward, weight pass", 1, 0, [&] {
@@ -311,13 +328,17 @@ TEST_CASE("a GEMM plan key tells every field apart") {
   CHECK(hash(other) != hash(key));
 }
 
-TEST_CASE_TEMPLATE("fused epilogues compute the separate kernels' results", E, float, bf16) {
+TEST_CASE_TEMPLATE("fused epilogues compute the separate kernels' results; the erf GELU never fuses", E, float,
+                   bf16) {
   if (!have_gpu()) return;
   for (const Case& k : cases) {
-    // The double references once per case (GPT-2's shapes take seconds), both paths against them.
+    // The double references once per case and form (GPT-2's shapes take seconds), both paths
+    // against them.
     const Inputs<E> inputs(k);
-    const References r = inputs.references(k);
-    for (const bool epilogues : {false, true}) run_case<E>(k, inputs, r, epilogues);
+    for (const Gelu kind : {Gelu::tanh, Gelu::erf}) {
+      const References r = inputs.references(k, kind);
+      for (const bool epilogues : {false, true}) run_case<E>(k, inputs, r, epilogues, kind);
+    }
   }
 }
 

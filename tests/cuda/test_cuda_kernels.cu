@@ -204,27 +204,53 @@ TEST_CASE("the cuBLAS GEMM plans compute the row-major products (host emulation 
   }
 }
 
-TEST_CASE("the element formulas of GELU match the tanh form and its derivative") {
-  namespace d = detail::cuda_gelu;
+namespace {
+
+//! GELU(x) of the form `kind` in double: x Φ(x) with std::erf, or GPT-2's tanh approximation.
+double gelu_reference(Gelu kind, double x) {
+  if (kind == Gelu::erf) return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
   const double s = 0.7978845608028654, k = 0.044715;
+  return 0.5 * x * (1 + std::tanh(s * (x + k * x * x * x)));
+}
+
+//! d GELU / dx of the form `kind` in double: Φ(x) + x φ(x), or the chain rule through tanh.
+double gelu_derivative_reference(Gelu kind, double x) {
+  if (kind == Gelu::erf)
+    return 0.5 * (1 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2 * std::acos(-1.0));
+  const double s = 0.7978845608028654, k = 0.044715, th = std::tanh(s * (x + k * x * x * x));
+  return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * s * (1 + 3 * k * x * x);
+}
+
+}  // namespace
+
+TEST_CASE("the element formulas of GELU match both forms and their derivatives") {
+  namespace d = detail::gelu;
   const std::vector<float> xs = random_floats(1001, 21, -5.0f, 5.0f);
-  std::vector<float> forward, backward;
-  std::vector<double> forward_ref, backward_ref;
-  for (float xf : xs) {
-    const double x = xf, th = std::tanh(s * (x + k * x * x * x));
-    forward.push_back(d::gelu(xf));
-    backward.push_back(d::gelu_derivative(xf));
-    forward_ref.push_back(0.5 * x * (1 + th));
-    backward_ref.push_back(0.5 * (1 + th) + 0.5 * x * (1 - th * th) * s * (1 + 3 * k * x * x));
+  for (const Gelu kind : {Gelu::tanh, Gelu::erf}) {
+    CAPTURE(std::string(loom::gelu_name(kind)));
+    std::vector<float> forward, backward;
+    std::vector<double> forward_ref, backward_ref;
+    for (float xf : xs) {
+      forward.push_back(kind == Gelu::erf ? d::value<Gelu::erf>(xf) : d::value<Gelu::tanh>(xf));
+      backward.push_back(kind == Gelu::erf ? d::derivative<Gelu::erf>(xf) : d::derivative<Gelu::tanh>(xf));
+      forward_ref.push_back(gelu_reference(kind, xf));
+      backward_ref.push_back(gelu_derivative_reference(kind, xf));
+    }
+    check_close(forward, forward_ref, float_tolerance, "gelu");
+    check_close(backward, backward_ref, float_tolerance, "gelu_derivative");
   }
-  check_close(forward, forward_ref, float_tolerance, "gelu");
-  check_close(backward, backward_ref, float_tolerance, "gelu_derivative");
-  CHECK(d::gelu(0.0f) == 0.0f);
-  CHECK(d::gelu(1.0f) == doctest::Approx(0.8411920).epsilon(1e-6));
-  CHECK(d::gelu(-1.0f) == doctest::Approx(-0.1588080).epsilon(1e-5));
-  CHECK(d::gelu(20.0f) == 20.0f);
-  CHECK(d::gelu(-20.0f) == 0.0f);
-  CHECK(d::gelu_derivative(0.0f) == 0.5f);
+  CHECK(d::value<Gelu::tanh>(0.0f) == 0.0f);
+  CHECK(d::value<Gelu::tanh>(1.0f) == doctest::Approx(0.8411920).epsilon(1e-6));
+  CHECK(d::value<Gelu::tanh>(-1.0f) == doctest::Approx(-0.1588080).epsilon(1e-5));
+  CHECK(d::value<Gelu::tanh>(20.0f) == 20.0f);
+  CHECK(d::value<Gelu::tanh>(-20.0f) == 0.0f);
+  CHECK(d::derivative<Gelu::tanh>(0.0f) == 0.5f);
+  CHECK(d::value<Gelu::erf>(0.0f) == 0.0f);
+  CHECK(d::value<Gelu::erf>(1.0f) == doctest::Approx(0.8413447).epsilon(1e-6));
+  CHECK(d::value<Gelu::erf>(-1.0f) == doctest::Approx(-0.1586553).epsilon(1e-5));
+  CHECK(d::value<Gelu::erf>(20.0f) == 20.0f);
+  CHECK(d::value<Gelu::erf>(-20.0f) == 0.0f);
+  CHECK(d::derivative<Gelu::erf>(0.0f) == 0.5f);
 }
 
 //! torch.optim.AdamW, one element, in double.
@@ -585,29 +611,30 @@ TEST_CASE("layernorm kernels reject wrong shapes, naming the argument") {
                        doctest::Contains("layernorm_backward: argument rstd element count: got 3"), Error);
 }
 
-TEST_CASE("gelu_forward and gelu_backward (accumulating) match the tanh form") {
+TEST_CASE("gelu_forward and gelu_backward (accumulating) match both forms") {
   if (!have_gpu()) return;
   loom::cuda be(0);
-  const double s = 0.7978845608028654, k = 0.044715;
-  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{70001},
-                               std::int64_t{1} << 21}) {
-    CAPTURE(n);
-    const std::vector<float> x = random_floats(n, 500, -5.0f, 5.0f), g = random_floats(n, 501),
-                             din0 = random_floats(n, 502);
-    std::vector<double> out_ref(x.size()), din_ref(x.size()), din_mag(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      const double xi = x[i], th = std::tanh(s * (xi + k * xi * xi * xi));
-      out_ref[i] = 0.5 * xi * (1 + th);
-      const double term = g[i] * (0.5 * (1 + th) + 0.5 * xi * (1 - th * th) * s * (1 + 3 * k * xi * xi));
-      din_ref[i] = din0[i] + term;
-      din_mag[i] = std::abs(din0[i]) + std::abs(term);
+  for (const Gelu kind : {Gelu::tanh, Gelu::erf}) {
+    for (const std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{1001}, std::int64_t{70001},
+                                 std::int64_t{1} << 21}) {
+      CAPTURE(std::string(loom::gelu_name(kind)));
+      CAPTURE(n);
+      const std::vector<float> x = random_floats(n, 500, -5.0f, 5.0f), g = random_floats(n, 501),
+                               din0 = random_floats(n, 502);
+      std::vector<double> out_ref(x.size()), din_ref(x.size()), din_mag(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        out_ref[i] = gelu_reference(kind, x[i]);
+        const double term = g[i] * gelu_derivative_reference(kind, x[i]);
+        din_ref[i] = din0[i] + term;
+        din_mag[i] = std::abs(din0[i]) + std::abs(term);
+      }
+      const DeviceTensor in(be, x, Shape{n}), dout(be, g, Shape{n}), din(be, din0, Shape{n});
+      const DeviceTensor out(be, std::vector<float>(x.size(), 99.0f), Shape{n});
+      gelu_forward<float>(be, out.view(), in.cview(), kind);
+      gelu_backward<float>(be, din.view(), in.cview(), dout.cview(), kind);
+      check_close(out.to_host(be), out_ref, float_tolerance, "out");
+      check_close(din.to_host(be), din_ref, din_mag, float_tolerance, "din");
     }
-    const DeviceTensor in(be, x, Shape{n}), dout(be, g, Shape{n}), din(be, din0, Shape{n});
-    const DeviceTensor out(be, std::vector<float>(x.size(), 99.0f), Shape{n});
-    gelu_forward<float>(be, out.view(), in.cview());
-    gelu_backward<float>(be, din.view(), in.cview(), dout.cview());
-    check_close(out.to_host(be), out_ref, float_tolerance, "out");
-    check_close(din.to_host(be), din_ref, din_mag, float_tolerance, "din");
   }
   Buffer<float, loom::cuda> buffer(be, 16, MemoryCategory::workspace);
   CHECK_THROWS_WITH_AS(gelu_forward<float>(be, Tensor<float>(buffer.data(), Shape{3}),
@@ -665,23 +692,26 @@ TEST_CASE("gelu_forward and gelu_backward give the same bits at any alignment (v
   auto part = [n](const std::vector<float>& v, std::int64_t offset) {
     return std::vector<float>(v.begin() + offset, v.begin() + offset + n);
   };
-  for (const std::int64_t offset : {1, 2, 3}) {
-    CAPTURE(offset);
-    const DeviceTensor in(be, x, Shape{n + 3}), dout(be, g, Shape{n + 3}), din(be, din0, Shape{n + 3});
-    const DeviceTensor out(be, std::vector<float>(x.size(), 99.0f), Shape{n + 3});
-    auto at = [&](const DeviceTensor& t) { return Tensor<float>(t.view().data() + offset, Shape{n}); };
-    gelu_forward<float>(be, at(out), Tensor<const float>(at(in)));
-    gelu_backward<float>(be, at(din), Tensor<const float>(at(in)), Tensor<const float>(at(dout)));
-    const DeviceTensor in_own(be, part(x, offset), Shape{n}), dout_own(be, part(g, offset), Shape{n}),
-        din_own(be, part(din0, offset), Shape{n}), out_own(be, std::vector<float>(n, 0.0f), Shape{n});
-    gelu_forward<float>(be, out_own.view(), in_own.cview());
-    gelu_backward<float>(be, din_own.view(), in_own.cview(), dout_own.cview());
-    const std::vector<float> got_out = out.to_host(be), got_din = din.to_host(be);
-    CHECK(part(got_out, offset) == out_own.to_host(be));
-    CHECK(part(got_din, offset) == din_own.to_host(be));
-    // Nothing outside the view is written.
-    CHECK(got_out[offset - 1] == 99.0f);
-    CHECK(got_din[offset - 1] == din0[offset - 1]);
+  for (const Gelu kind : {Gelu::tanh, Gelu::erf}) {
+    for (const std::int64_t offset : {1, 2, 3}) {
+      CAPTURE(std::string(loom::gelu_name(kind)));
+      CAPTURE(offset);
+      const DeviceTensor in(be, x, Shape{n + 3}), dout(be, g, Shape{n + 3}), din(be, din0, Shape{n + 3});
+      const DeviceTensor out(be, std::vector<float>(x.size(), 99.0f), Shape{n + 3});
+      auto at = [&](const DeviceTensor& t) { return Tensor<float>(t.view().data() + offset, Shape{n}); };
+      gelu_forward<float>(be, at(out), Tensor<const float>(at(in)), kind);
+      gelu_backward<float>(be, at(din), Tensor<const float>(at(in)), Tensor<const float>(at(dout)), kind);
+      const DeviceTensor in_own(be, part(x, offset), Shape{n}), dout_own(be, part(g, offset), Shape{n}),
+          din_own(be, part(din0, offset), Shape{n}), out_own(be, std::vector<float>(n, 0.0f), Shape{n});
+      gelu_forward<float>(be, out_own.view(), in_own.cview(), kind);
+      gelu_backward<float>(be, din_own.view(), in_own.cview(), dout_own.cview(), kind);
+      const std::vector<float> got_out = out.to_host(be), got_din = din.to_host(be);
+      CHECK(part(got_out, offset) == out_own.to_host(be));
+      CHECK(part(got_din, offset) == din_own.to_host(be));
+      // Nothing outside the view is written.
+      CHECK(got_out[offset - 1] == 99.0f);
+      CHECK(got_din[offset - 1] == din0[offset - 1]);
+    }
   }
 }
 

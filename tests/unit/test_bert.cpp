@@ -1,8 +1,9 @@
 // bert::Model: its parameter count against the published one, a double-precision gradient check
 // of the whole model (stored and recomputed attention), the split backward against the combined
 // one, the masked-LM batch source, and parity with one-rank training (DESIGN.md invariant 3) for
-// DDP, ZeRO-1/2/3, tensor parallelism, DP x TP, and 1F1B, zero-bubble and interleaved pipelines;
-// then that it learns the synthetic masked-LM task, in float and in bf16.
+// DDP, ZeRO-1/2/3, tensor parallelism, DP x TP, and 1F1B, zero-bubble and interleaved pipelines
+// (with the exact erf GELU too); then that it learns the synthetic masked-LM task, in float and
+// in bf16.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -41,9 +42,10 @@ bert::Config test_config() { return bert_test_config(); }
 
 //! The gradient of the whole model in double against central differences, at a few elements of
 //! every parameter tensor.
-void check_gradient(bert::Attention attention, bool logits_at_every_position = false) {
+void check_gradient(bert::Attention attention, bool logits_at_every_position = false, Gelu gelu = Gelu::tanh) {
   const bert::Config c{.max_seq_len = 6, .vocab_size = 11, .padded_vocab_size = 12, .num_layers = 2,
-                       .num_heads = 2, .channels = 8, .logits_at_every_position = logits_at_every_position};
+                       .num_heads = 2, .channels = 8, .logits_at_every_position = logits_at_every_position,
+                       .gelu = gelu};
   const bert::Model<cpu, double> model(c, attention);
   const auto source = io::MaskedLm(io::SyntheticMarkov({.vocab_size = 10, .seed = 3}), {.select_probability = 0.4});
   check_model_gradient(model, noisy_parameters<double>(model.layout()), source.batch_at(0, 2, 5));
@@ -285,6 +287,10 @@ TEST_CASE("BERT's gradient matches central differences in double (logits at ever
   check_gradient(bert::Attention::stored, true);
 }
 
+TEST_CASE("BERT's gradient matches central differences in double (the exact erf GELU)") {
+  check_gradient(bert::Attention::stored, false, Gelu::erf);
+}
+
 TEST_CASE_TEMPLATE("BERT's split backward accumulates the same bits as its combined backward", T, float, double) {
   for (const bool every_position : {false, true}) {
     CAPTURE(every_position);
@@ -456,6 +462,40 @@ TEST_CASE("BERT with recomputed attention trains as with stored attention, and s
   const std::vector<std::string> none;
   CHECK(mesh_failures<OneFOneB, DataParallel>({.dp = 1, .tp = 2, .pp = 2}, recompute, {}, {},
                                               bert::Attention::recompute) == none);
+}
+
+TEST_CASE("BERT's GELU is a config value: tanh by default (loom's), erf for BERT's own weights") {
+  CHECK(bert::base().gelu == Gelu::tanh);
+  const bert::Config exact{.gelu = Gelu::erf};
+  CHECK(detail::to_text(exact).find("gelu=erf") != std::string::npos);
+  CHECK_THROWS_WITH_AS(bert::Config{.gelu = static_cast<Gelu>(2)}.validate(),
+                       doctest::Contains("bert config: gelu: got 2; must be Gelu::tanh or Gelu::erf"), Error);
+}
+
+TEST_CASE("BERT with the exact (erf) GELU trains on DP x TP as one rank does, and is not the tanh model") {
+  bert::Config exact = test_config();
+  exact.gelu = Gelu::erf;
+  const ParityRun reference = one_rank_run(exact), tanh_form = one_rank_run();
+  const std::vector<std::string> none;
+  CHECK(mesh_failures<GradientAccumulation, DataParallel>({.dp = 2, .tp = 2, .pp = 1}, reference, {}, {},
+                                                          bert::Attention::stored, exact) == none);
+  // The option reaches the kernels: a first step of another loss, close to the tanh model's (the
+  // two GELUs differ by at most 4.7e-4). At init the pre-activations are small (|x| ~ 0.2), where
+  // the forms differ by ~3e-4 x^4, so the losses differ in the eighth digit; with noisy weights
+  // (|x| ~ 1) in the sixth.
+  CAPTURE(tanh_form.losses[0]);
+  CAPTURE(reference.losses[0] - tanh_form.losses[0]);
+  CHECK(reference.losses[0] != tanh_form.losses[0]);
+  CHECK(std::abs(reference.losses[0] - tanh_form.losses[0]) < 1e-2 * tanh_form.losses[0]);
+  const bert::Model<cpu, double> exact_model(exact), tanh_model(test_config());
+  cpu be(1);
+  const std::vector<double> params = noisy_parameters<double>(exact_model.layout());
+  const io::Batch batch = test_source().batch_at(1, 2, seq);
+  const double exact_loss = loss_and_gradient(exact_model, be, params, batch, nullptr),
+               tanh_loss = loss_and_gradient(tanh_model, be, params, batch, nullptr);
+  CAPTURE(exact_loss - tanh_loss);
+  CHECK(std::abs(exact_loss - tanh_loss) > 1e-7 * tanh_loss);
+  CHECK(std::abs(exact_loss - tanh_loss) < 1e-2 * tanh_loss);
 }
 
 TEST_CASE_TEMPLATE("BERT learns the synthetic masked-LM task", T, float, bf16) {

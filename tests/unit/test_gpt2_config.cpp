@@ -1,5 +1,8 @@
 #include <doctest/doctest.h>
 
+#include <sstream>
+#include <string>
+
 #include "loom/core/parameters.hpp"
 #include "loom/models/gpt2/config.hpp"
 
@@ -42,6 +45,21 @@ TEST_CASE("GPT-2 config validation names the value and the rule") {
   CHECK_THROWS_AS(c.validate(), Error);
   CHECK_THROWS_WITH_AS(gpt2::config_by_name("huge"), doctest::Contains("huge"), Error);
   CHECK(gpt2::pad_vocab(50257) == 50304);
+}
+
+TEST_CASE("GPT-2's GELU is a config value: tanh by default, compared, printed and validated") {
+  gpt2::Config c = gpt2::small();
+  CHECK(c.gelu == Gelu::tanh);
+  gpt2::Config exact = c;
+  exact.gelu = Gelu::erf;
+  CHECK(exact != c);
+  std::ostringstream out;
+  out << exact;
+  CHECK(out.str().find("gelu=erf") != std::string::npos);
+  exact.validate();
+  exact.gelu = static_cast<Gelu>(7);
+  CHECK_THROWS_WITH_AS(exact.validate(), doctest::Contains("gpt2 config: gelu: got 7; must be Gelu::tanh or Gelu::erf"),
+                       Error);
 }
 
 TEST_CASE("GPT-2 parameter specs: names, layers, decay") {

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "loom/backend/cpu/kernels.hpp"
@@ -131,19 +132,22 @@ TEST_CASE("bf16: sum_of_squares and sum_elements accumulate in double") {
   CHECK(loom::kernels::sum_elements<bf16>(two, Tensor<const bf16>(ones.data(), {(1 << 24) + 1})) == 16777217.0);
 }
 
-TEST_CASE("bf16: gelu forward and backward") {
+TEST_CASE("bf16: gelu forward and backward, both forms") {
   const cpu one(1), two(2);
-  for (std::int64_t n : {7, 3 * 1025, 70001}) {
-    CAPTURE(n);
-    const Values x(static_cast<std::size_t>(n), 21, -5.0, 5.0), dout(static_cast<std::size_t>(n), 22);
-    for (const cpu* be : {&one, &two}) {
-      Values out(static_cast<std::size_t>(n), 23), din(static_cast<std::size_t>(n), 24);
-      loom::kernels::gelu_forward<bf16>(*be, out.bf({n}), x.cbf({n}));
-      loom::kernels::gelu_forward<float>(*be, out.fl({n}), x.cfl({n}));
-      check_close(out.narrow, out.wide, 5.0);  // Eigen's float tanh: a few float ulps of 5
-      loom::kernels::gelu_backward<bf16>(*be, din.bf({n}), x.cbf({n}), dout.cbf({n}));
-      loom::kernels::gelu_backward<float>(*be, din.fl({n}), x.cfl({n}), dout.cfl({n}));
-      check_close(din.narrow, din.wide, 2.0);
+  for (const loom::Gelu kind : {loom::Gelu::tanh, loom::Gelu::erf}) {
+    for (std::int64_t n : {7, 3 * 1025, 70001}) {
+      CAPTURE(std::string(loom::gelu_name(kind)));
+      CAPTURE(n);
+      const Values x(static_cast<std::size_t>(n), 21, -5.0, 5.0), dout(static_cast<std::size_t>(n), 22);
+      for (const cpu* be : {&one, &two}) {
+        Values out(static_cast<std::size_t>(n), 23), din(static_cast<std::size_t>(n), 24);
+        loom::kernels::gelu_forward<bf16>(*be, out.bf({n}), x.cbf({n}), kind);
+        loom::kernels::gelu_forward<float>(*be, out.fl({n}), x.cfl({n}), kind);
+        check_close(out.narrow, out.wide, 5.0);  // Eigen's float tanh and erf: a few float ulps of 5
+        loom::kernels::gelu_backward<bf16>(*be, din.bf({n}), x.cbf({n}), dout.cbf({n}), kind);
+        loom::kernels::gelu_backward<float>(*be, din.fl({n}), x.cfl({n}), dout.cfl({n}), kind);
+        check_close(din.narrow, din.wide, 2.0);
+      }
     }
   }
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "loom/io/padded.hpp"
@@ -107,22 +108,25 @@ double check_gradient_by_differences(Trainer& trainer, const Batch& batch) {
 
 }  // namespace
 
-TEST_CASE("whole-model gradient check in double against finite differences") {
-  cpu be(1);
-  const gpt2::Config c{.max_seq_len = 5, .vocab_size = 11, .padded_vocab_size = 16, .num_layers = 2,
-                       .num_heads = 2, .channels = 8};
-  // lr 0: the step computes gradients and leaves the weights where they are.
-  Trainer<gpt2::Model<cpu, double>, SgdMomentum> trainer(be, gpt2::Model<cpu, double>(c),
-                                                         SgdMomentum({.momentum = 0.0}),
-                                                         ConstantLr{.lr = 0.0}, {.micro_batch_size = 1});
-  TestBatch batch = make_batch(0, 2, 5, c.vocab_size);
-  batch.targets[3] = -1;  // an ignored target takes no part in the loss
-  const double worst = check_gradient_by_differences(trainer, batch);
-  MESSAGE("worst relative gradient error: " << worst);
-  // Padded vocabulary rows get no gradient.
-  const auto& wte = trainer.model().layout().find("wte");
-  const double* grads = trainer.gradients();
-  for (std::int64_t i = c.vocab_size * c.channels; i < wte.numel(); ++i) CHECK(grads[wte.offset + i] == 0.0);
+TEST_CASE("whole-model gradient check in double against finite differences, either GELU") {
+  for (const Gelu gelu : {Gelu::tanh, Gelu::erf}) {
+    CAPTURE(std::string(gelu_name(gelu)));
+    cpu be(1);
+    const gpt2::Config c{.max_seq_len = 5, .vocab_size = 11, .padded_vocab_size = 16, .num_layers = 2,
+                         .num_heads = 2, .channels = 8, .gelu = gelu};
+    // lr 0: the step computes gradients and leaves the weights where they are.
+    Trainer<gpt2::Model<cpu, double>, SgdMomentum> trainer(be, gpt2::Model<cpu, double>(c),
+                                                           SgdMomentum({.momentum = 0.0}),
+                                                           ConstantLr{.lr = 0.0}, {.micro_batch_size = 1});
+    TestBatch batch = make_batch(0, 2, 5, c.vocab_size);
+    batch.targets[3] = -1;  // an ignored target takes no part in the loss
+    const double worst = check_gradient_by_differences(trainer, batch);
+    MESSAGE("worst relative gradient error (" << std::string(gelu_name(gelu)) << " GELU): " << worst);
+    // Padded vocabulary rows get no gradient.
+    const auto& wte = trainer.model().layout().find("wte");
+    const double* grads = trainer.gradients();
+    for (std::int64_t i = c.vocab_size * c.channels; i < wte.numel(); ++i) CHECK(grads[wte.offset + i] == 0.0);
+  }
 }
 
 TEST_CASE("the loss is the mean over the global batch's target tokens; init is near ln(vocab)") {

@@ -76,7 +76,8 @@ class cuda {
   bool flash_attention() const noexcept { return flash_attention_; }
   void set_flash_attention(bool enabled) noexcept { flash_attention_ = enabled; }
   //! Whether GEMMs fuse what follows them into cuBLASLt epilogues: matmul_forward's bias,
-  //! matmul_gelu_forward's bias and GELU, gelu_matmul_backward's GELU gradient, and
+  //! matmul_gelu_forward's bias and GELU, gelu_matmul_backward's GELU gradient (Gelu::tanh only:
+  //! cuBLASLt's GELU is the tanh approximation), and
   //! matmul_backward's bias gradient (from the dweight GEMM). Off (the
   //! default) runs the same operations as separate kernels. A GEMM that cuBLASLt cannot fuse
   //! falls back to them either way (detail::LtEpilogueCounts counts both). Off by default until

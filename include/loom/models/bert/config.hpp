@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/backend/gelu.hpp"
 #include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
@@ -48,6 +49,11 @@ struct Config {
   //! the same volume (docs/tensor_parallel.md). The micro-batch's tokens must be a multiple of
   //! tp. No effect with one rank. The same model to rounding.
   bool sequence_parallel = false;
+  //! The GELU of the MLPs and the masked-LM head's transform: Gelu::erf is BERT's (Hugging Face
+  //! BERT's hidden_act "gelu"; give it to reproduce those weights' outputs); Gelu::tanh is GPT-2's
+  //! approximation ("gelu_new"), loom's default, so that existing runs are unchanged. The two
+  //! differ by at most 4.7e-4 (at x = ±2.7).
+  Gelu gelu = Gelu::tanh;
 
   friend bool operator==(const Config&, const Config&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Config& c) {
@@ -58,7 +64,8 @@ struct Config {
                << ", logits_chunk_rows=" << c.logits_chunk_rows
                << ", logits_at_every_position=" << (c.logits_at_every_position ? "true" : "false")
                << ", max_predictions_per_seq=" << c.max_predictions_per_seq
-               << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << "}";
+               << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << ", gelu=" << c.gelu
+               << "}";
   }
 
   //! Parameters without the vocabulary padding: the embeddings and their layernorm
@@ -92,6 +99,8 @@ struct Config {
     LOOM_CHECK(max_predictions_per_seq == 0 || !logits_at_every_position, "bert config: max_predictions_per_seq",
                max_predictions_per_seq, "must be 0 with logits_at_every_position: the head then runs on every row");
     LOOM_CHECK(layernorm_eps > 0, "bert config: layernorm_eps", layernorm_eps, "must be > 0");
+    LOOM_CHECK(gelu == Gelu::tanh || gelu == Gelu::erf, "bert config: gelu", static_cast<int>(gelu),
+               "must be Gelu::tanh or Gelu::erf");
   }
 
   //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):

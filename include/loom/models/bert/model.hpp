@@ -456,7 +456,7 @@ class Model {
                          eps());
     // MLP: column-parallel fc with GELU, then row-parallel proj.
     matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, split_.gather(b.h, whole), param(p, o.fc_w, {F, C}),
-                           param(p, o.fc_b, {F}));
+                           param(p, o.fc_b, {F}), config_.gelu);
     const Tensor<T> mlp_sums = split_.split() ? whole : b.r2;
     matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
     split_.reduce(mlp_sums, b.r2);
@@ -617,7 +617,7 @@ class Model {
       mlp_out = d.mlp_out;
     }
     gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, split_.gather(mlp_out, d.mlp_whole), b.fch_gelu,
-                            param(p, o.fcproj_w, {C, F}), b.fch);
+                            param(p, o.fcproj_w, {C, F}), b.fch, config_.gelu);
     // f backward: the ranks' shares of the MLP branch sum to its whole gradient (this rank's rows
     // of it under sequence parallelism); then the residual's.
     const Tensor<T> dh = split ? d.partial : d.h;
@@ -792,7 +792,8 @@ class Model {
       detail::transformer::gather_rows<T>(be, h.t, input, h.row_ids);
       x = h.t;
     }
-    matmul_gelu_forward<T>(be, h.act, h.pre, x, param(p, dense_weight_, {C, C}), param(p, dense_bias_, {C}));
+    matmul_gelu_forward<T>(be, h.act, h.pre, x, param(p, dense_weight_, {C, C}), param(p, dense_bias_, {C}),
+                           config_.gelu);
     layernorm_forward<T>(be, h.t, h.mean, h.rstd, h.act, param(p, lnm_weight_, {C}), param(p, lnm_bias_, {C}),
                          eps());
     if (chunked_logits()) {
@@ -854,7 +855,7 @@ class Model {
     // dt is spent: it becomes the gradient w.r.t. pre.
     const Tensor<T> dpre = dt;
     zero<T>(be, dpre);
-    gelu_backward<T>(be, dpre, h.pre, dact);
+    gelu_backward<T>(be, dpre, h.pre, dact, config_.gelu);
     // Under sequence parallelism the whole input gradient, the same on every rank, lands in
     // scratch, and this rank adds its rows of it.
     Buffer<T, B> unused;

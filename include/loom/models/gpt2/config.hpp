@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/backend/gelu.hpp"
 #include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
@@ -38,6 +39,9 @@ struct Config {
   //! of 3·C (docs/tensor_parallel.md). The micro-batch's tokens must be a multiple of tp. No
   //! effect with one rank. The same model to rounding.
   bool sequence_parallel = false;
+  //! The MLP's GELU: Gelu::tanh (the default) is GPT-2's approximation, Hugging Face GPT-2's
+  //! activation_function "gelu_new"; Gelu::erf is the exact form (Hugging Face's "gelu").
+  Gelu gelu = Gelu::tanh;
 
   friend bool operator==(const Config&, const Config&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Config& c) {
@@ -46,7 +50,8 @@ struct Config {
                << ", num_heads=" << c.num_heads << ", channels=" << c.channels
                << ", hidden_dropout=" << c.hidden_dropout << ", attention_dropout=" << c.attention_dropout
                << ", logits_chunk_rows=" << c.logits_chunk_rows
-               << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << "}";
+               << ", sequence_parallel=" << (c.sequence_parallel ? "true" : "false") << ", gelu=" << c.gelu
+               << "}";
   }
 
   //! The published parameter count l·(12h² + 13h) + v·h + s·h + 2h (no vocabulary padding).
@@ -73,6 +78,8 @@ struct Config {
     check_dropout_rate(attention_dropout, "gpt2 config: attention_dropout");
     LOOM_CHECK(logits_chunk_rows >= 0, "gpt2 config: logits_chunk_rows", logits_chunk_rows,
                "must be >= 0 (0: the head keeps its probabilities)");
+    LOOM_CHECK(gelu == Gelu::tanh || gelu == Gelu::erf, "gpt2 config: gelu", static_cast<int>(gelu),
+               "must be Gelu::tanh or Gelu::erf");
   }
 
   //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):

@@ -408,7 +408,7 @@ class Model {
     layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
     // MLP: column-parallel fc, then row-parallel proj.
     matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, split_.gather(b.ln2, whole), param(p, o.fc_w, {F, C}),
-                           param(p, o.fc_b, {F}));
+                           param(p, o.fc_b, {F}), config_.gelu);
     const Tensor<T> mlp_sums = split_.split() ? whole : output;
     matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
     split_.reduce(mlp_sums, output);
@@ -582,7 +582,7 @@ class Model {
     // (replicated) row-parallel bias gradient is already the whole one.
     copy<T>(be, d.res2, a.output_grad);
     gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, split_.gather(d.mlp_out, d.mlp_whole), b.fch_gelu,
-                            param(p, o.fcproj_w, {C, F}), b.fch);
+                            param(p, o.fcproj_w, {C, F}), b.fch, config_.gelu);
     if (split_.split()) zero<T>(be, dln2);
     matmul_backward<T>(be, dln2, w.fc_w, w.fc_b, d.fch, split_.gather(b.ln2, d.ln2_whole), param(p, o.fc_w, {F, C}));
     split_.reduce(dln2, d.ln2);
