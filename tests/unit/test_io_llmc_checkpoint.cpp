@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
 #include <algorithm>
@@ -29,19 +30,8 @@ using loom::gpt2::Config;
 
 using loom::test::TempPath;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using loom::test::contains;
+using loom::test::error_of;
 
 //! L=2, C=8, 2 heads, V=10 padded to 16, T=4.
 Config tiny_config() {

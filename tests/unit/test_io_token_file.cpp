@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
 #include <atomic>
@@ -22,6 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using loom::io::Batch;
 using loom::io::TokenFile;
+using loom::test::error_of;
 
 //! A unique path under the temp directory, removed (with anything at path + ".tmp") at scope end.
 using loom::test::TempPath;
@@ -42,17 +44,6 @@ void write_raw_token_file(const fs::path& path, std::int32_t magic, std::int32_t
   out.write(reinterpret_cast<const char*>(header.data()), 1024);
   out.write(reinterpret_cast<const char*>(tokens.data()),
             static_cast<std::streamsize>(tokens.size() * 2));
-}
-
-//! The message of the loom::Error that `f` throws ("" if it throws nothing).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 std::vector<std::uint16_t> iota_tokens(std::size_t n) {
