@@ -5,6 +5,8 @@
 //   gpt2_train --demo                                   # the README demo: < 2 minutes on 2 cores
 //   gpt2_train --model small --data tokens.bin --batch 8 --micro-batch 4 --seq 1024 --steps 100
 //   gpt2_train --init gpt2_124M.bin --data tokens.bin --save tuned.bin --metrics run.jsonl
+//   gpt2_train --init-hf ./gpt2 --data tokens.bin --save-hf ./tuned  # Hugging Face directories
+//   bert_train --init-hf ./bert-base-uncased --data tokens.bin --mask-token 103
 //   gpt2_train --demo --dp 4                            # DDP over 4 thread ranks, one process
 //   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
 //   gpt2_train --demo --dp 2 --zero 3                   # ZeRO-3 (FSDP FULL_SHARD) over 2 ranks
@@ -197,6 +199,16 @@ int main(int argc, char** argv) {
                  "get a new id after their vocabulary)");
   app.add_option("--init", o.init, "Start from an llm.c GPT-2 checkpoint (its header sets the model config)");
   app.add_option("--save", o.save, "Write the trained weights as an llm.c checkpoint");
+  app.add_option("--init-hf", o.init_hf,
+                 "Start from a Hugging Face model: the directory save_pretrained writes (config.json and "
+                 "model.safetensors), or its .safetensors file; its config sets the model, the flags set dropout");
+  app.add_option("--save-hf", o.save_hf,
+                 "Write the trained weights to this directory as a Hugging Face model (config.json, "
+                 "model.safetensors) that transformers' from_pretrained loads");
+  app.add_option("--gelu", o.gelu,
+                 "The MLP's GELU: tanh (the approximation GPT-2 uses) or erf (the exact form BERT uses); default: "
+                 "tanh, or what the --init-hf config says")
+      ->check(CLI::IsMember({"tanh", "erf"}));
   app.add_option("--save-state", o.save_state,
                  "Write a loom training-state checkpoint (parameters, optimizer state, steps done) at the end, "
                  "and every --save-every steps; any mesh and strategy can --resume it");

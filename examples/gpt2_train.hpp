@@ -26,6 +26,7 @@
 #include "loom/comm/self.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
+#include "loom/io/hugging_face.hpp"
 #include "loom/io/llmc_checkpoint.hpp"
 #include "loom/io/masked_lm.hpp"
 #include "loom/io/padded.hpp"
@@ -63,12 +64,20 @@ inline constexpr const char* program = "bert_train";
 //! BERT trains on masked-LM batches of the data's token sequences.
 template <class S>
 using Data = loom::io::MaskedLm<S>;
+//! A Hugging Face BertForMaskedLM's config, weights into a whole layout, and weights out.
+inline family::Config read_hf_config(const std::string& path) { return loom::io::read_hf_bert_config(path); }
+constexpr auto load_hf = [](const auto&... a) { return loom::io::load_hf_bert(a...); };
+constexpr auto save_hf = [](const auto&... a) { loom::io::save_hf_bert(a...); };
 #else
 namespace family = loom::gpt2;
 inline constexpr const char* program = "gpt2_train";
 //! GPT-2 trains on the data's next-token batches as they are.
 template <class S>
 using Data = S;
+//! A Hugging Face GPT2LMHeadModel's config, weights into a whole layout, and weights out.
+inline family::Config read_hf_config(const std::string& path) { return loom::io::read_hf_gpt2_config(path); }
+constexpr auto load_hf = [](const auto&... a) { return loom::io::load_hf_gpt2(a...); };
+constexpr auto save_hf = [](const auto&... a) { loom::io::save_hf_gpt2(a...); };
 #endif
 
 //! Every command-line option (main fills it in).
@@ -108,6 +117,9 @@ struct Options {
   std::string metrics;
   std::string init;
   std::string save;
+  std::string init_hf;  // a Hugging Face model directory (config.json, model.safetensors) to start from
+  std::string save_hf;  // a directory to write the trained weights to, in Hugging Face's format
+  std::string gelu;     // tanh or erf (empty: the model's default, or the --init-hf config's)
   std::string save_state;  // a loom training-state checkpoint, written at the end and every save_every steps
   std::int64_t save_every = 0;
   std::string resume;  // a training-state checkpoint to go on from
@@ -177,13 +189,17 @@ inline std::int64_t source_vocab(const Source& s) {
 inline void check_family_options(const Options& o) {
 #if LOOM_EXAMPLE_BERT
   LOOM_CHECK(o.init.empty() && o.save.empty(), "--init/--save", o.init.empty() ? o.save : o.init,
-             "--init and --save read and write llm.c GPT-2 weight files; bert_train saves and resumes with "
-             "--save-state and --resume");
+             "--init and --save read and write llm.c GPT-2 weight files; bert_train starts from and writes "
+             "Hugging Face weights with --init-hf and --save-hf, and saves and resumes with --save-state and "
+             "--resume");
   LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
              o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
 #else
   LOOM_CHECK(o.mask_token < 0, "--mask-token", o.mask_token, "only bert_train masks tokens");
 #endif
+  LOOM_CHECK(o.init.empty() || o.init_hf.empty(), "--init-hf", o.init_hf,
+             "give --init (llm.c) or --init-hf (Hugging Face), not both");
+  if (!o.gelu.empty()) loom::gelu_from_name(o.gelu, "--gelu");
 }
 
 inline family::Config model_config(const Options& o) {
@@ -207,6 +223,8 @@ inline family::Config model_config(const Options& o) {
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) c = loom::io::read_llmc_config(o.init);
 #endif
+  if (!o.init_hf.empty()) c = read_hf_config(o.init_hf);  // its architecture; dropout below is the flags'
+  if (!o.gelu.empty()) c.gelu = loom::gelu_from_name(o.gelu, "--gelu");
   c.hidden_dropout = o.hidden_dropout;
   c.attention_dropout = o.attention_dropout;
   c.logits_chunk_rows = o.logits_chunk_rows;
@@ -467,6 +485,18 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     trainer.load_state(0, std::vector<typename decltype(trainer)::state_type>(weights.begin(), weights.end()));
   }
 #endif
+  if (!o.init_hf.empty()) {
+    // As --init: every rank reads the whole tensors and keeps its part.
+    std::vector<float> weights(static_cast<std::size_t>(trainer.whole_layout().total()));
+    const io::HfLoadReport report = load_hf(std::filesystem::path(o.init_hf), config, trainer.whole_layout(), weights.data());
+    if (lead) {
+      std::printf("loaded Hugging Face weights %s", o.init_hf.c_str());
+      if (!report.ignored.empty()) std::printf(" (%zu tensors with no place in loom's model ignored, first %s)",
+                                               report.ignored.size(), report.ignored.front().c_str());
+      std::printf("\n");
+    }
+    trainer.load_state(0, std::vector<typename decltype(trainer)::state_type>(weights.begin(), weights.end()));
+  }
   std::int64_t first_step = 0;
   double resume_seconds = 0;
   io::TrainingStateInfo resumed;
@@ -615,6 +645,15 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     }
   }
 #endif
+  if (!o.save_hf.empty()) {
+    // Collective, as --save: every rank gathers the whole tensors, rank 0 writes.
+    const auto whole = trainer.gather_state(0);
+    const std::vector<float> weights(whole.begin(), whole.end());
+    if (lead) {
+      save_hf(std::filesystem::path(o.save_hf), config, trainer.whole_layout(), weights.data());
+      std::printf("saved Hugging Face model %s\n", o.save_hf.c_str());
+    }
+  }
   return 0;
 }
 
