@@ -279,6 +279,10 @@ TEST_CASE("a model in safetensors shards, named by model.safetensors.index.json,
   io::save_safetensors(dir.path / "part-1.safetensors", shards[1]);
   std::ofstream(dir.path / "model.safetensors.index.json") << "{\"metadata\": {}, \"weight_map\": {" << map << "}}";
   CHECK(load_whole<Gpt2Family>(dir.path, config) == whole);
+  // An index may name only files beside it.
+  std::ofstream(dir.path / "model.safetensors.index.json") << R"({"weight_map": {"wte.weight": "../x.safetensors"}})";
+  CHECK(loom::test::contains(error_of([&] { load_whole<Gpt2Family>(dir.path, config); }),
+                             "must be a file name beside the index"));
 }
 
 TEST_CASE("Hugging Face files loom cannot load are refused, naming the key or tensor and why") {

@@ -172,8 +172,13 @@ class HfWeights {
       const Json* map = index.find("weight_map");
       if (map == nullptr) throw Error(who + ": weight_map", "absent", "an index names each tensor's shard");
       std::set<std::string> shards;
-      for (const auto& [tensor, shard] : map->object(who + ": weight_map"))
-        shards.insert(shard.string(who + ": weight_map." + tensor));
+      for (const auto& [tensor, shard] : map->object(who + ": weight_map")) {
+        const std::string& file = shard.string(who + ": weight_map." + tensor);
+        // A shard lies beside its index: a name with a directory in it could reach any file.
+        LOOM_CHECK(!file.empty() && file.find_first_of("/\\") == std::string::npos && file != "." && file != "..",
+                   who + ": weight_map." + tensor, file, "must be a file name beside the index");
+        shards.insert(file);
+      }
       for (const std::string& shard : shards) files_.push_back(std::make_unique<SafetensorsReader>(weights.parent_path() / shard));
     } else {
       files_.push_back(std::make_unique<SafetensorsReader>(weights));
