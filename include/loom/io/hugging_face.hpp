@@ -215,10 +215,7 @@ class HfWeights {
 
   //! The values of tensor `name`, whose shape must be `shape`.
   std::vector<float> read(const std::string& name, const std::vector<std::int64_t>& shape) {
-    const auto [file, entry] = locate(name);
-    if (entry->shape != shape)
-      throw Error(this->name() + ": shape of " + name, shape_text(entry->shape),
-                  "expected " + shape_text(shape) + " for the config in config.json");
+    const auto [file, entry] = checked(name, shape);
     std::vector<float> values(static_cast<std::size_t>(entry->numel()));
     file->read(*entry, values.data());
     used_.insert(name);
@@ -231,6 +228,16 @@ class HfWeights {
     for (const std::string& name : names_)
       if (used_.count(name) == 0) names.push_back(name);
     return names;
+  }
+
+  //! The file holding tensor `name` and its entry, refused where absent or not of `shape`.
+  std::pair<const SafetensorsReader*, const SafetensorsEntry*> checked(const std::string& name,
+                                                                      const std::vector<std::int64_t>& shape) const {
+    const auto found = locate(name);
+    if (found.second->shape != shape)
+      throw Error(this->name() + ": shape of " + name, shape_text(found.second->shape),
+                  "expected " + shape_text(shape) + " for the config in config.json");
+    return found;
   }
 
  private:
@@ -271,9 +278,9 @@ class WholeParameters {
 };
 
 //! out[c, r] = in[r, c] for an in of [rows, cols]: Conv1D's [in, out] to loom's [out, in].
-inline void transpose_into(const std::vector<float>& in, std::int64_t rows, std::int64_t cols, float* out) {
+inline void transpose_into(const float* in, std::int64_t rows, std::int64_t cols, float* out) {
   for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) out[c * rows + r] = in[static_cast<std::size_t>(r * cols + c)];
+    for (std::int64_t c = 0; c < cols; ++c) out[c * rows + r] = in[r * cols + c];
 }
 
 //! One tensor of a Hugging Face file and where its values live in a loom parameter. A model's
@@ -301,10 +308,16 @@ F* place_of(const HfTensor& t, const WholeParameters& params, F* flat, const std
   return flat + offset + t.at;
 }
 
-//! Reads `tensors` from `weights` into `flat`. Each loom parameter named is zeroed first, so
-//! that the vocabulary's padding rows (which no file tensor covers) are zero.
+//! Reads `tensors` from `weights` into `flat`, once every one is found with its shape. Each loom
+//! parameter named is zeroed first, so that the vocabulary's padding rows (which no file tensor
+//! covers) are zero.
 inline void load_tensors(HfWeights& weights, const std::vector<HfTensor>& tensors, const WholeParameters& params,
                          float* flat) {
+  // Every tensor is there with its shape, and fits its parameter, before anything is written.
+  for (const HfTensor& t : tensors) {
+    weights.checked(weights.resolve(t.file), t.shape);
+    place_of(t, params, flat, weights.name());
+  }
   for (const HfTensor& t : tensors) {
     const auto [offset, count] = params.place(t.loom);
     std::fill(flat + offset, flat + offset + count, 0.0f);
@@ -313,7 +326,7 @@ inline void load_tensors(HfWeights& weights, const std::vector<HfTensor>& tensor
     const std::vector<float> values = weights.read(weights.resolve(t.file), t.shape);
     float* out = place_of(t, params, flat, weights.name());
     if (t.transposed)
-      transpose_into(values, t.shape[0], t.shape[1], out);
+      transpose_into(values.data(), t.shape[0], t.shape[1], out);
     else
       std::copy(values.begin(), values.end(), out);
   }
@@ -333,7 +346,7 @@ inline void save_tensors(const std::filesystem::path& directory, const std::vect
     const std::int64_t n = numel_of(t.shape);
     if (t.transposed) {  // loom's [cols, rows] back to the file's [rows, cols]
       values.emplace_back(static_cast<std::size_t>(n));
-      transpose_into(std::vector<float>(in, in + n), t.shape[1], t.shape[0], values.back().data());
+      transpose_into(in, t.shape[1], t.shape[0], values.back().data());
     } else {
       values.emplace_back(in, in + n);
     }
@@ -459,8 +472,8 @@ inline std::vector<HfTensor> hf_gpt2_tensors(const gpt2::Config& c, const std::s
 
 //! Loads the Hugging Face GPT-2 at `path` into `flat`, a buffer laid out by `layout` (the whole
 //! layout of gpt2::parameter_specs(config); other parameters in it are left alone). Every
-//! tensor's shape is checked against `config` before its values are used; an `lm_head.weight`
-//! that differs from `wte` is refused.
+//! tensor is found and its shape checked against `config` before any value is written; an
+//! `lm_head.weight` that differs from `wte` is refused.
 inline HfLoadReport load_hf_gpt2(const std::filesystem::path& path, const gpt2::Config& config,
                                  const ParameterLayout& layout, float* flat) {
   detail::HfWeights weights(hf_model_files(path).weights);
