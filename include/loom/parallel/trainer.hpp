@@ -239,12 +239,15 @@ class Trainer {
   }
 
   //! Mean loss on a batch without changing anything (forward only; collective like step()).
+  //! Throws where no target is >= 0. validation_loss (parallel/validation.hpp) takes many.
   template <class Batch>
   double evaluate(const Batch& global) {
     const Inputs given{global.tokens_view(), global.targets_view(), lengths_of(global)};
     forget_unfinished_step();
     plan(given.tokens, given.targets, given.lengths);
     const std::int64_t target_tokens = count_targets(given.targets);
+    LOOM_CHECK(target_tokens > 0, "trainer evaluate: target tokens", target_tokens,
+               "a batch needs at least one target >= 0 to have a mean loss");
     const Inputs batch = place_batch(given);
     double loss_sum = 0;
     // Micro-batch by micro-batch through the chunks in order: every receive has its send ahead.
