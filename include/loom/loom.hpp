@@ -18,6 +18,7 @@
 #include "loom/models/bert/config.hpp"
 #include "loom/models/bert/model.hpp"
 #include "loom/models/gpt2/config.hpp"
+#include "loom/models/gpt2/generate.hpp"
 #include "loom/models/gpt2/model.hpp"
 #include "loom/optim/adafactor.hpp"
 #include "loom/optim/adamw.hpp"

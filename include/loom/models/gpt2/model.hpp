@@ -197,6 +197,28 @@ class Model {
     return 0.0;
   }
 
+  //! The next-token logits of `hidden`'s rows, the head's input [n, C] (what the last block
+  //! outputs): ln_f, then the tied unembedding, into `logits` [n, vocab_rows()], as the head's
+  //! forward computes them but without a loss, for any rows (sampling needs the last token's
+  //! alone; gpt2/generate.hpp). The whole model only: one rank, no tensor parallelism.
+  void head_logits(B& be, ParameterView<const T> params, Tensor<const T> hidden, Tensor<T> logits) const {
+    LOOM_CHECK(tensor_parallel_size_ == 1, "gpt2 head_logits: tensor-parallel ranks", tensor_parallel_size_,
+               "must be 1: gather the whole model onto one rank first");
+    const std::int64_t C = config_.channels;
+    LOOM_CHECK(hidden.shape().rank() == 2 && hidden.extent(1) == C, "gpt2 head_logits: hidden", hidden.shape(),
+               "must be [rows, " + detail::to_text(C) + "]");
+    const std::int64_t n = hidden.extent(0);
+    LOOM_CHECK(logits.shape().rank() == 2 && logits.extent(0) == n && logits.extent(1) == vocab_rows_,
+               "gpt2 head_logits: logits", logits.shape(),
+               "must be [" + detail::to_text(n) + ", " + detail::to_text(vocab_rows_) + "] (the hidden rows x the padded vocabulary)");
+    Buffer<T, B> lnf(be, n * C, MemoryCategory::workspace);
+    Buffer<A, B> stats(be, 2 * n, MemoryCategory::workspace);
+    const Tensor<T> normed{lnf.data(), Shape{n, C}};
+    layernorm_forward<T>(be, normed, Tensor<A>{stats.data(), Shape{n}}, Tensor<A>{stats.data() + n, Shape{n}}, hidden,
+                         param(params, lnf_weight_, {C}), param(params, lnf_bias_, {C}));
+    matmul_forward<T>(be, logits, Tensor<const T>(normed), param(params, wte_, {vocab_rows_, C}), Tensor<const T>{});
+  }
+
   //! Runs `layer` backward: parameter gradients into `grads` (+=), input gradient (+=).
   void backward(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
                 const BackwardArgs<T>& a) const {

@@ -1,0 +1,174 @@
+#pragma once
+//! \file Text generation with a trained GPT-2: the next token's logits after a context, and
+//! sampling from them (greedy, temperature, top-k), on one rank of a host backend.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <ostream>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "loom/backend/concepts.hpp"
+#include "loom/core/buffer.hpp"
+#include "loom/core/error.hpp"
+#include "loom/core/parameter_view.hpp"
+#include "loom/core/rng.hpp"
+#include "loom/core/tensor.hpp"
+#include "loom/models/concepts.hpp"
+#include "loom/models/gpt2/model.hpp"
+
+namespace loom::gpt2 {
+
+//! How Generator::generate picks each next token.
+struct SamplingOptions {
+  std::int64_t max_new_tokens = 64;  //!< tokens to add after the prompt (fewer if stop_token comes)
+  //! Divides the logits before the softmax: below 1 sharpens, above 1 flattens; 0 takes the
+  //! most likely token (greedy; ties go to the lowest id) and draws nothing.
+  double temperature = 1.0;
+  std::int64_t top_k = 0;       //!< draw among the k most likely tokens only; 0: the whole vocabulary
+  std::uint64_t seed = 0;       //!< keys the draws: draw i is CounterRng(seed, "gpt2.sample") at the token's position
+  std::int32_t stop_token = -1;  //!< stop once this token is generated (GPT-2's <|endoftext|> is 50256); -1: none
+
+  //! Throws loom::Error naming the first value out of range.
+  void validate() const {
+    LOOM_CHECK(max_new_tokens >= 0, "sampling: max_new_tokens", max_new_tokens, "must be >= 0");
+    LOOM_CHECK(std::isfinite(temperature) && temperature >= 0, "sampling: temperature", temperature,
+               "must be finite and >= 0 (0 = greedy)");
+    LOOM_CHECK(top_k >= 0, "sampling: top_k", top_k, "must be >= 0 (0 = the whole vocabulary)");
+    LOOM_CHECK(stop_token >= -1, "sampling: stop_token", stop_token, "must be a token id, or -1 for none");
+  }
+  friend std::ostream& operator<<(std::ostream& out, const SamplingOptions& o) {
+    return out << "{max_new_tokens=" << o.max_new_tokens << ", temperature=" << o.temperature
+               << ", top_k=" << o.top_k << ", seed=" << o.seed << ", stop_token=" << o.stop_token << "}";
+  }
+};
+
+//! The token `logits` (one per vocabulary entry) give under `options`' temperature and top_k,
+//! for a uniform draw `u` in (0, 1): the inverse of the cumulative distribution of
+//! softmax(logits / temperature) over the top_k largest logits (all where top_k is 0 or at
+//! least the vocabulary), with the tokens in order of decreasing logit (ties: lower id first).
+//! Temperature 0 returns the largest logit's token and ignores `u`.
+inline std::int32_t sample_token(std::span<const double> logits, const SamplingOptions& options, double u) {
+  options.validate();
+  LOOM_CHECK(!logits.empty(), "sample_token: logits", logits.size(), "must hold at least one token's");
+  LOOM_CHECK(u > 0 && u < 1, "sample_token: u", u, "must be in (0, 1)");
+  const auto n = static_cast<std::int64_t>(logits.size());
+  for (std::int64_t i = 0; i < n; ++i)
+    LOOM_CHECK(std::isfinite(logits[static_cast<std::size_t>(i)]), "sample_token: logit of token " + std::to_string(i),
+               logits[static_cast<std::size_t>(i)], "must be finite");
+  if (options.temperature == 0)
+    return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  const std::int64_t k = options.top_k == 0 ? n : std::min(options.top_k, n);
+  std::vector<std::int32_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  const auto before = [&](std::int32_t a, std::int32_t b) {
+    const double la = logits[static_cast<std::size_t>(a)], lb = logits[static_cast<std::size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  };
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), before);
+  // Weights relative to the largest logit, in double: exp(0) = 1 for the first, so the sum is
+  // >= 1 and no weight overflows.
+  const double top = logits[static_cast<std::size_t>(order[0])];
+  std::vector<double> weights(static_cast<std::size_t>(k));
+  double sum = 0;
+  for (std::int64_t i = 0; i < k; ++i) {
+    weights[static_cast<std::size_t>(i)] =
+        std::exp((logits[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] - top) / options.temperature);
+    sum += weights[static_cast<std::size_t>(i)];
+  }
+  const double target = u * sum;
+  double cumulative = 0;
+  for (std::int64_t i = 0; i < k; ++i) {
+    cumulative += weights[static_cast<std::size_t>(i)];
+    if (target < cumulative) return order[static_cast<std::size_t>(i)];
+  }
+  return order[static_cast<std::size_t>(k - 1)];  // u * sum rounded up to the last boundary
+}
+
+//! Generates text with a whole GPT-2 on one rank of a host backend: `model` built without
+//! tensor parallelism, `params` its layout's values (a trainer's gather_state(0), or weights
+//! loaded from a file). Each token runs the forward pass over its whole context (the last
+//! max_seq_len tokens), as llm.c's sampling does: there is no key/value cache.
+template <Backend B, class T>
+  requires host_addressable<B>
+class Generator {
+ public:
+  Generator(B& backend, const Model<B, T>& model, ParameterView<const T> params)
+      : backend_(&backend), model_(&model), params_(params) {
+    LOOM_CHECK(model.tensor_parallel_size() == 1, "generator: tensor-parallel ranks", model.tensor_parallel_size(),
+               "must be 1: gather the whole model onto one rank first");
+  }
+
+  //! The logits of the token after `context` (its last max_seq_len tokens are read), one per
+  //! vocabulary entry (vocab_size of them; the padded rows are left out).
+  std::vector<double> next_logits(std::span<const std::int32_t> context) {
+    const Config& config = model_->config();
+    LOOM_CHECK(!context.empty(), "generator: context tokens", context.size(), "must be at least one");
+    const std::span<const std::int32_t> window =
+        context.size() > static_cast<std::size_t>(config.max_seq_len) ? context.last(static_cast<std::size_t>(config.max_seq_len))
+                                                                      : context;
+    const MicroBatchShape shape{1, static_cast<std::int64_t>(window.size())};
+    const std::vector<std::int32_t> targets(window.size(), -1);
+    const Tensor<const std::int32_t> tokens{window.data(), Shape{1, shape.seq}};
+    std::int64_t saved_elements = 0;
+    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer)
+      saved_elements = std::max(saved_elements, model_->activation_elements(layer, shape));
+    const std::int64_t hidden = model_->hidden_elements(shape);
+    Buffer<T, B> a(*backend_, hidden, MemoryCategory::activations), b(*backend_, hidden, MemoryCategory::activations),
+        saved(*backend_, saved_elements, MemoryCategory::activations);
+    const Shape hidden_shape{1, shape.seq, config.channels};
+    // Every layer but the head, each reading the last one's output; nothing is kept between them.
+    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
+      const ForwardArgs<T> args{.tokens = tokens,
+                                .targets = {targets.data(), Shape{1, shape.seq}},
+                                .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), hidden_shape},
+                                .output = {b.data(), hidden_shape},
+                                .saved = {saved.data(), Shape{model_->activation_elements(layer, shape)}}};
+      model_->forward(*backend_, layer, params_, args);
+      a.swap(b);
+    }
+    const std::int64_t vocab_rows = model_->vocab_rows();
+    std::vector<T> row(static_cast<std::size_t>(vocab_rows));
+    const Tensor<const T> last{a.data() + (shape.seq - 1) * config.channels, Shape{1, config.channels}};
+    model_->head_logits(*backend_, params_, last, Tensor<T>{row.data(), Shape{1, vocab_rows}});
+    std::vector<double> out(static_cast<std::size_t>(config.vocab_size));
+    // Through float for bf16, whose conversion is explicit and to float only.
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if constexpr (std::is_floating_point_v<T>) out[i] = row[i];
+      else out[i] = static_cast<float>(row[i]);
+    }
+    return out;
+  }
+
+  //! `prompt` followed by up to options.max_new_tokens tokens, each drawn by sample_token from
+  //! next_logits of everything before it with u = CounterRng(seed, "gpt2.sample").uniform(p),
+  //! p its position: the same prompt, model and options give the same tokens.
+  std::vector<std::int32_t> generate(std::span<const std::int32_t> prompt, const SamplingOptions& options) {
+    options.validate();
+    const Config& config = model_->config();
+    LOOM_CHECK(!prompt.empty(), "generator: prompt tokens", prompt.size(), "must be at least one");
+    for (std::size_t i = 0; i < prompt.size(); ++i)
+      LOOM_CHECK(prompt[i] >= 0 && prompt[i] < config.vocab_size, "generator: prompt token " + std::to_string(i),
+                 prompt[i], "must be in [0, vocab_size = " + detail::to_text(config.vocab_size) + ")");
+    const CounterRng rng(options.seed, "gpt2.sample");
+    std::vector<std::int32_t> out(prompt.begin(), prompt.end());
+    for (std::int64_t i = 0; i < options.max_new_tokens; ++i) {
+      const std::vector<double> logits = next_logits(out);
+      const std::int32_t next = sample_token(logits, options, rng.uniform(out.size()));
+      out.push_back(next);
+      if (next == options.stop_token) break;
+    }
+    return out;
+  }
+
+ private:
+  B* backend_;
+  const Model<B, T>* model_;
+  ParameterView<const T> params_;
+};
+
+}  // namespace loom::gpt2

@@ -1,0 +1,171 @@
+// GPT-2 generation: sample_token's distribution at known draws, next_logits against the loss the
+// Trainer computes, greedy generation of a learned chain, draws keyed by seed and position, and
+// bad input refused.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include "loom/comm/threads.hpp"
+#include "loom/io/synthetic.hpp"
+#include "loom/loom.hpp"
+#include "loom/models/gpt2/generate.hpp"
+#include "support/error_of.hpp"
+#include "support/training.hpp"
+
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+using Gpt = gpt2::Model<cpu, double>;
+
+//! Draws `n` evenly spaced u in (0, 1) and counts the tokens sample_token gives.
+std::vector<std::int64_t> counts_over_grid(std::span<const double> logits, const gpt2::SamplingOptions& o, int n) {
+  std::vector<std::int64_t> counts(logits.size(), 0);
+  for (int i = 0; i < n; ++i) ++counts[static_cast<std::size_t>(gpt2::sample_token(logits, o, (i + 0.5) / n))];
+  return counts;
+}
+
+}  // namespace
+
+TEST_CASE("sample_token: greedy, temperature and top-k as the inverse of the softmax's distribution") {
+  const std::vector<double> logits{1, 3, 2, 3};
+  // Order by logit, ties to the lower id: 1, 3, 2, 0; weights 1, 1, e^-1, e^-2.
+  const double sum = 2 + std::exp(-1.0) + std::exp(-2.0);
+  SUBCASE("temperature 0 takes the largest logit, the lower id on a tie") {
+    CHECK(gpt2::sample_token(logits, {.temperature = 0}, 0.999) == 1);
+  }
+  SUBCASE("temperature 1: each token over its share of (0, 1)") {
+    CHECK(gpt2::sample_token(logits, {}, 0.5 / sum) == 1);
+    CHECK(gpt2::sample_token(logits, {}, 1.5 / sum) == 3);
+    CHECK(gpt2::sample_token(logits, {}, 2.2 / sum) == 2);
+    CHECK(gpt2::sample_token(logits, {}, 0.9999) == 0);
+    const int n = 100000;
+    const auto counts = counts_over_grid(logits, {}, n);
+    const std::vector<double> p{std::exp(-2.0) / sum, 1 / sum, std::exp(-1.0) / sum, 1 / sum};
+    for (std::size_t t = 0; t < p.size(); ++t) CHECK(double(counts[t]) / n == doctest::Approx(p[t]).epsilon(1e-4));
+  }
+  SUBCASE("temperature 2 flattens, 0.5 sharpens") {
+    const int n = 100000;
+    for (double temperature : {0.5, 2.0}) {
+      CAPTURE(temperature);
+      const auto counts = counts_over_grid(logits, {.temperature = temperature}, n);
+      double z = 0;
+      for (double l : logits) z += std::exp(l / temperature);
+      for (std::size_t t = 0; t < logits.size(); ++t)
+        CHECK(double(counts[t]) / n == doctest::Approx(std::exp(logits[t] / temperature) / z).epsilon(1e-3));
+    }
+  }
+  SUBCASE("top_k keeps the k largest logits") {
+    const auto two = counts_over_grid(logits, {.top_k = 2}, 1000);
+    CHECK(two[0] == 0);
+    CHECK(two[2] == 0);
+    CHECK(two[1] == 500);
+    CHECK(two[3] == 500);
+    CHECK(counts_over_grid(logits, {.top_k = 1}, 1000)[1] == 1000);
+    CHECK(counts_over_grid(logits, {.top_k = 99}, 1000) == counts_over_grid(logits, {}, 1000));
+  }
+  SUBCASE("bad input names the value") {
+    CHECK(contains(error_of([&] { (void)gpt2::sample_token(logits, {.temperature = -1}, 0.5); }),
+                   "sampling: temperature: got -1; must be finite and >= 0"));
+    CHECK(contains(error_of([&] { (void)gpt2::sample_token(logits, {.top_k = -2}, 0.5); }),
+                   "sampling: top_k: got -2; must be >= 0"));
+    CHECK(contains(error_of([&] { (void)gpt2::sample_token(logits, {}, 1.0); }), "sample_token: u: got 1; must be in (0, 1)"));
+    const std::vector<double> bad{0, std::numeric_limits<double>::quiet_NaN()};
+    CHECK(contains(error_of([&] { (void)gpt2::sample_token(bad, {}, 0.5); }), "sample_token: logit of token 1"));
+    CHECK(contains(error_of([&] { (void)gpt2::sample_token(std::span<const double>{}, {}, 0.5); }),
+                   "sample_token: logits: got 0"));
+  }
+}
+
+TEST_CASE("next_logits: each next token's log-probability gives the loss the Trainer computes") {
+  const gpt2::Config config = small_test_config();
+  cpu be(1);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(config), AdamW(), ConstantLr{.lr = 1e-2}, {.micro_batch_size = 1, .seed = 3});
+  for (std::int64_t s = 0; s < 3; ++s) trainer.step(make_batch(s, 2, config.max_seq_len, config.vocab_size));
+  const std::vector<double> whole = trainer.gather_parameters();
+  const Gpt one(config);
+  gpt2::Generator<cpu, double> generator(be, one, ParameterView<const double>(whole.data()));
+
+  const TestBatch sequence = make_batch(9, 1, 13, config.vocab_size);
+  double loss = 0;
+  for (std::size_t t = 0; t < sequence.tokens.size(); ++t) {
+    const std::vector<double> logits = generator.next_logits(std::span(sequence.tokens).first(t + 1));
+    REQUIRE(logits.size() == static_cast<std::size_t>(config.vocab_size));
+    double top = logits[0];
+    for (double l : logits) top = std::max(top, l);
+    double z = 0;
+    for (double l : logits) z += std::exp(l - top);
+    loss += top + std::log(z) - logits[static_cast<std::size_t>(sequence.targets[t])];
+  }
+  loss /= static_cast<double>(sequence.tokens.size());
+  CHECK(loss == doctest::Approx(trainer.evaluate(sequence)).epsilon(1e-11));
+
+  // A context longer than max_seq_len is read from its last max_seq_len tokens.
+  const TestBatch longer = make_batch(4, 1, 40, config.vocab_size);
+  CHECK(generator.next_logits(longer.tokens) ==
+        generator.next_logits(std::span(longer.tokens).last(static_cast<std::size_t>(config.max_seq_len))));
+}
+
+TEST_CASE("greedy generation follows the chain a trained model learned; draws are keyed by seed and position") {
+  gpt2::Config config = small_test_config();
+  const io::SyntheticMarkov chain({.vocab_size = config.vocab_size, .jump_probability = 0.0, .seed = 21});
+  cpu be(1);
+  Trainer<Gpt, AdamW> trainer(be, Gpt(config), AdamW(), ConstantLr{.lr = 1e-2}, {.micro_batch_size = 8, .seed = 3});
+  double loss = 0;
+  for (std::int64_t s = 0; s < 150; ++s) loss = trainer.step(chain.batch_at(s, 8, config.max_seq_len)).loss;
+  CHECK(loss < 0.05);
+  const std::vector<double> whole = trainer.gather_parameters();
+  const Gpt one(config);
+  gpt2::Generator<cpu, double> generator(be, one, ParameterView<const double>(whole.data()));
+  const auto next = chain.permutation();
+
+  // 30 new tokens: past max_seq_len (16), so the last ones are read from a cropped context.
+  const std::vector<std::int32_t> prompt{7};
+  const std::vector<std::int32_t> greedy = generator.generate(prompt, {.max_new_tokens = 30, .temperature = 0});
+  REQUIRE(greedy.size() == 31);
+  for (std::size_t i = 1; i < greedy.size(); ++i) CHECK(greedy[i] == next[static_cast<std::size_t>(greedy[i - 1])]);
+  // top_k 1 draws from one token: greedy's.
+  CHECK(generator.generate(prompt, {.max_new_tokens = 30, .top_k = 1, .seed = 5}) == greedy);
+  // stop_token ends the text once generated.
+  const std::int32_t third = greedy[3];
+  const auto stopped = generator.generate(prompt, {.max_new_tokens = 30, .temperature = 0, .stop_token = third});
+  CHECK(stopped == std::vector<std::int32_t>(greedy.begin(), greedy.begin() + 4));
+
+  // Temperature 3 flattens the learned chain enough that two seeds part; one seed repeats.
+  const gpt2::SamplingOptions hot{.max_new_tokens = 12, .temperature = 3.0, .seed = 1};
+  const auto a = generator.generate(prompt, hot);
+  CHECK(generator.generate(prompt, hot) == a);
+  gpt2::SamplingOptions other = hot;
+  other.seed = 2;
+  CHECK(generator.generate(prompt, other) != a);
+  // Draw i depends on the position alone: the text from a prompt that is a's first 5 tokens
+  // goes on as a did.
+  CHECK(generator.generate(std::span(a).first(5), {.max_new_tokens = 8, .temperature = 3.0, .seed = 1}) == a);
+}
+
+TEST_CASE("generation refuses a tensor-parallel slice, an empty prompt and tokens outside the vocabulary") {
+  const gpt2::Config config = small_test_config();
+  cpu be(1);
+  const Gpt one(config);
+  std::vector<double> params(static_cast<std::size_t>(one.layout().total()), 0.0);
+  gpt2::Generator<cpu, double> generator(be, one, ParameterView<const double>(params.data()));
+  CHECK(contains(error_of([&] { (void)generator.generate(std::vector<std::int32_t>{}, {}); }),
+                 "generator: prompt tokens: got 0; must be at least one"));
+  CHECK(contains(error_of([&] { (void)generator.generate(std::vector<std::int32_t>{3, 50}, {}); }),
+                 "generator: prompt token 1: got 50; must be in [0, vocab_size = 50)"));
+  CHECK(contains(error_of([&] { (void)generator.generate(std::vector<std::int32_t>{3}, {.max_new_tokens = -1}); }),
+                 "sampling: max_new_tokens: got -1; must be >= 0"));
+  CHECK(generator.generate(std::vector<std::int32_t>{3, 4}, {.max_new_tokens = 0}) == std::vector<std::int32_t>{3, 4});
+  std::vector<std::string> messages(2);
+  threads::run(2, [&](threads::Communicator& tp) {
+    const Gpt slice(config, tp);
+    messages[static_cast<std::size_t>(tp.rank())] =
+        error_of([&] { gpt2::Generator<cpu, double>(be, slice, ParameterView<const double>(params.data())); });
+  });
+  for (const std::string& m : messages) CHECK(contains(m, "generator: tensor-parallel ranks: got 2; must be 1"));
+}
