@@ -5,6 +5,7 @@
 //   gpt2_train --demo                                   # the README demo: < 2 minutes on 2 cores
 //   gpt2_train --model small --data tokens.bin --batch 8 --micro-batch 4 --seq 1024 --steps 100
 //   gpt2_train --init gpt2_124M.bin --data tokens.bin --save tuned.bin --metrics run.jsonl
+//   gpt2_train --data train.bin --val-data val.bin --eval-every 250   # held-out loss as it trains
 //   gpt2_train --init-hf ./gpt2 --data tokens.bin --save-hf ./tuned  # Hugging Face directories
 //   bert_train --init-hf ./bert-base-uncased --data tokens.bin --mask-token 103
 //   gpt2_train --demo --dp 4                            # DDP over 4 thread ranks, one process
@@ -35,6 +36,57 @@
 #include "loom/comm/mpi.hpp"
 #endif
 #include "gpt2_train.hpp"
+
+#if !LOOM_EXAMPLE_BERT
+#include <chrono>
+
+#include "loom/models/gpt2/generate.hpp"
+
+namespace gpt2_example {
+
+namespace {
+//! Bytes as text, with control bytes other than newline and tab escaped (\xNN).
+std::string printable(std::span<const std::int32_t> bytes) {
+  std::string out;
+  for (std::int32_t b : bytes) {
+    if (b == '\n' || b == '\t' || (b >= 32 && b != 127)) out.push_back(static_cast<char>(b));
+    else {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", static_cast<unsigned>(b));
+      out += hex;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+void print_sample(const Options& o, int threads, const family::Config& config, std::span<const float> whole,
+                  const Source& data) {
+  loom::cpu backend(threads);
+  const loom::gpt2::Model<loom::cpu, float> model(config);
+  LOOM_CHECK(model.layout().total() == static_cast<std::int64_t>(whole.size()), "--sample-tokens: weights",
+             whole.size(), "must fill the one-rank model's layout (" + std::to_string(model.layout().total()) + ")");
+  loom::gpt2::Generator<loom::cpu, float> generator(backend, model, loom::ParameterView<const float>(whole.data()));
+  const std::vector<std::int32_t> prompt = prompt_tokens(o, data);
+  const loom::gpt2::SamplingOptions options{
+      .max_new_tokens = o.sample_tokens, .temperature = o.temperature, .top_k = o.top_k, .seed = o.seed};
+  const auto begin = std::chrono::steady_clock::now();
+  const std::vector<std::int32_t> text = generator.generate(prompt, options);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  std::printf("sample: %zu tokens after the prompt's %zu, temperature %g, top-k %lld, seed %llu (%.2f s on the CPU):\n",
+              text.size() - prompt.size(), prompt.size(), o.temperature, static_cast<long long>(o.top_k),
+              static_cast<unsigned long long>(o.seed), seconds);
+  if (o.data.starts_with("bytes:")) {
+    std::printf("%s\n", printable(text).c_str());
+  } else {
+    for (std::size_t i = 0; i < text.size(); ++i) std::printf("%s%d", i == 0 ? "" : i == prompt.size() ? " | " : " ", text[i]);
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace gpt2_example
+#endif
 
 namespace {
 
@@ -193,10 +245,36 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--pad-token", o.pad_token, "The token id padded positions read (with --pad-min)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--metrics", o.metrics, "Write one JSON object per step to this file (JSON Lines)");
+  app.add_option("--metrics", o.metrics,
+                 "Write one JSON object per step to this file (JSON Lines); with --val-data, val_loss where it "
+                 "was taken, and a first line with the loss before the first step");
+  app.add_option("--val-data", o.val_data,
+                 "Held-out data for a validation loss (forward only, no dropout, the same batches each time): an "
+                 "llm.c token file or bytes:FILE, read from its start; or synthetic (with --data synthetic): the "
+                 "task's sequences after the run's last step, which training never reads. Padded and masked as "
+                 "--data is");
+  app.add_option("--eval-every", o.eval_every,
+                 "With --val-data: the validation loss every N steps, besides before the first step and after the "
+                 "last (0 = only those two)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-batches", o.eval_batches,
+                 "With --val-data: batches of --batch sequences each validation reads (the loss is the mean over "
+                 "all their targets)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--mask-token", o.mask_token,
                  "bert_train: the data's [MASK] token id (a token file needs it; synthetic and bytes: data "
                  "get a new id after their vocabulary)");
+  app.add_option("--sample-tokens", o.sample_tokens,
+                 "gpt2_train: after training, generate this many tokens on the CPU from the trained weights and "
+                 "print them (text with bytes: data, token ids otherwise); 0 = none")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--prompt", o.prompt,
+                 "With --sample-tokens: what the sample follows: text with bytes: data, token ids separated by "
+                 "commas otherwise (default: the data's first token)");
+  app.add_option("--temperature", o.temperature, "With --sample-tokens: divides the logits (0 = greedy)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--top-k", o.top_k, "With --sample-tokens: draw among the k most likely tokens (0 = all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--init", o.init, "Start from an llm.c GPT-2 checkpoint (its header sets the model config)");
   app.add_option("--save", o.save, "Write the trained weights as an llm.c checkpoint");
   app.add_option("--init-hf", o.init_hf,
@@ -304,6 +382,16 @@ int main(int argc, char** argv) {
     gpt2_example::check_family_options(o);
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
+    if (o.sample_tokens == 0 && (app.count("--prompt") > 0 || app.count("--temperature") > 0 || app.count("--top-k") > 0))
+      throw loom::Error("--prompt/--temperature/--top-k", "given", "they shape the sample --sample-tokens N asks for");
+    if (o.val_data.empty() && (app.count("--eval-every") > 0 || app.count("--eval-batches") > 0))
+      throw loom::Error(app.count("--eval-every") > 0 ? "--eval-every" : "--eval-batches",
+                        std::to_string(app.count("--eval-every") > 0 ? o.eval_every : o.eval_batches),
+                        "needs --val-data (the held-out data to validate on)");
+    if (o.val_data == "synthetic" && o.data != "synthetic")
+      throw loom::Error("--val-data", o.val_data,
+                        "synthetic validation holds out the synthetic task's own sequences, and --data is " + o.data +
+                            ": give a held-out file of the same tokenizer");
     if ((o.comm == "nccl" || o.comm == "mpi-nccl") && o.device != "cuda")
       throw loom::Error("--comm", o.comm, "NCCL moves GPU buffers: it needs --device cuda");
     return o.device == "cuda" ? gpt2_example::run_cuda(o, argc, argv) : run_cpu(o, argc, argv);

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -47,6 +48,7 @@
 #include "loom/parallel/mesh.hpp"
 #include "loom/parallel/single_rank.hpp"
 #include "loom/parallel/trainer.hpp"
+#include "loom/parallel/validation.hpp"
 #include "loom/parallel/zero.hpp"
 #include "loom/schedule/gpipe.hpp"
 #include "loom/schedule/gradient_accumulation.hpp"
@@ -115,6 +117,13 @@ struct Options {
   std::int64_t pad_min = 0;     // sequences of drawn lengths in [pad_min, seq], padded (0: all full-length)
   std::int32_t pad_token = 0;   // the token padded positions read
   std::string metrics;
+  std::string val_data;           // held-out data for the validation loss (empty: none)
+  std::int64_t eval_every = 0;    // validation every N steps (0: before the first and after the last only)
+  std::int64_t eval_batches = 4;  // batches of --batch sequences each validation reads
+  std::int64_t sample_tokens = 0;  // gpt2_train: tokens to generate after training (0: none)
+  std::string prompt;              // what they follow: text with bytes: data, else token ids "a,b,c"
+  double temperature = 1.0;        // sampling temperature (0: greedy)
+  std::int64_t top_k = 0;          // draw among the k most likely tokens (0: all)
   std::string init;
   std::string save;
   std::string init_hf;  // a Hugging Face model directory (config.json, model.safetensors) to start from
@@ -146,9 +155,10 @@ struct Options {
 using Source =
     std::variant<Data<loom::io::Padded<loom::io::SyntheticMarkov>>, Data<loom::io::Padded<loom::io::TokenFile>>>;
 
-//! The data --data names, for a model of `model_vocab` tokens. bert_train's masked-LM batches
-//! take a new mask id after the data's vocabulary unless --mask-token names the data's own.
-inline Source open_data(const Options& o, std::int64_t model_vocab) {
+//! The data `name` names (--data or --val-data), for a model of `model_vocab` tokens, padded and
+//! (bert_train) masked as the options say. bert_train's masked-LM batches take a new mask id
+//! after the data's vocabulary unless --mask-token names the data's own.
+inline Source open_data(const Options& o, const std::string& name, std::int64_t model_vocab) {
   const auto wrap = [&](auto sequences) -> Source {
     // --pad-min 0: min_length seq, nothing padded.
     loom::io::Padded padded(std::move(sequences), {.min_length = o.pad_min > 0 ? o.pad_min : o.seq,
@@ -167,12 +177,46 @@ inline Source open_data(const Options& o, std::int64_t model_vocab) {
 #else
   const std::int64_t data_vocab = model_vocab;
 #endif
-  if (o.data == "synthetic")
+  if (name == "synthetic")
     return wrap(loom::io::SyntheticMarkov({.vocab_size = data_vocab, .jump_probability = o.jump_probability,
                                            .seed = o.seed + 1}));
-  if (o.data.starts_with("bytes:")) return wrap(loom::io::TokenFile::bytes(o.data.substr(6)));
-  return wrap(loom::io::TokenFile::open(o.data, data_vocab));
+  if (name.starts_with("bytes:")) return wrap(loom::io::TokenFile::bytes(name.substr(6)));
+  return wrap(loom::io::TokenFile::open(name, data_vocab));
 }
+
+#if !LOOM_EXAMPLE_BERT
+//! The tokens --prompt names: its bytes with bytes: data, else token ids separated by commas;
+//! with no --prompt, the data's first token.
+inline std::vector<std::int32_t> prompt_tokens(const Options& o, const Source& data) {
+  if (o.prompt.empty())
+    return {std::visit([](const auto& src) { return src.batch_at(0, 1, 1).tokens[0]; }, data)};
+  std::vector<std::int32_t> tokens;
+  if (o.data.starts_with("bytes:")) {
+    for (unsigned char byte : o.prompt) tokens.push_back(byte);
+    return tokens;
+  }
+  std::string_view rest = o.prompt;
+  while (true) {
+    const std::string_view item = rest.substr(0, rest.find(','));
+    std::int32_t id = 0;
+    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), id);
+    if (item.empty() || error != std::errc{} || end != item.data() + item.size())
+      throw loom::Error("--prompt", o.prompt,
+                        "with token data it is token ids separated by commas (e.g. 15496,11); text is read only "
+                        "with bytes: data");
+    tokens.push_back(id);
+    if (item.size() == rest.size()) return tokens;
+    rest.remove_prefix(item.size() + 1);
+  }
+}
+
+//! Rank 0's --sample-tokens after training: tokens generated on `threads` CPU threads from
+//! `whole` (the trained weights in whole_layout order, fp32 for either dtype), printed as text
+//! for bytes: data and as token ids otherwise. Defined in gpt2_train.cpp, so that the CUDA
+//! translation unit compiles no CPU kernels.
+void print_sample(const Options& o, int threads, const family::Config& config, std::span<const float> whole,
+                  const Source& data);
+#endif
 
 //! The token source under `s`: under the padding and (BERT) the masking.
 template <class S>
@@ -194,6 +238,8 @@ inline void check_family_options(const Options& o) {
              "--resume");
   LOOM_CHECK(o.mask_token >= 0 || o.data == "synthetic" || o.data.starts_with("bytes:"), "--mask-token",
              o.mask_token, "a token file needs its tokenizer's [MASK] id (103 in BERT's uncased WordPiece)");
+  LOOM_CHECK(o.sample_tokens == 0, "--sample-tokens", o.sample_tokens,
+             "bert_train's masked LM does not generate text left to right; gpt2_train does");
 #else
   LOOM_CHECK(o.mask_token < 0, "--mask-token", o.mask_token, "only bert_train masks tokens");
 #endif
@@ -447,7 +493,23 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   const bool lead = world.rank() == 0;
   const int stages = mesh.shape().pp;
   const family::Config config = model_config(o);
-  const Source data = open_data(o, config.vocab_size);
+  const Source data = open_data(o, o.data, config.vocab_size);
+  // Held-out batches: a file's from its start, or the synthetic task's after the run's last
+  // step's (training reads batches 0 .. steps - 1, so never these).
+  const std::optional<Source> val_data =
+      o.val_data.empty() ? std::nullopt : std::optional<Source>(open_data(o, o.val_data, config.vocab_size));
+  if (val_data)
+    LOOM_CHECK(source_vocab(*val_data) <= config.vocab_size, "--val-data vocabulary", source_vocab(*val_data),
+               "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
+#if !LOOM_EXAMPLE_BERT
+  // The prompt is read and checked before the first step, not after the last.
+  if (o.sample_tokens > 0)
+    for (std::int32_t token : prompt_tokens(o, data))
+      LOOM_CHECK(token >= 0 && token < config.vocab_size, "--prompt: token", token,
+                 "must be in [0, vocab_size = " + std::to_string(config.vocab_size) + ")");
+#endif
+  const ValidationOptions val_options{.first = o.val_data == "synthetic" ? o.steps : 0,
+                                      .batches = o.eval_batches, .batch = o.batch, .seq = o.seq};
   LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
              "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
   LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
@@ -558,6 +620,14 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   if (o.pad_min > 0 && o.pad_min < o.seq)
     std::printf("  data: each sequence %lld to %lld tokens (drawn), padded with token %d that no query attends to\n",
                 static_cast<long long>(o.pad_min), static_cast<long long>(o.seq), static_cast<int>(o.pad_token));
+  if (val_data) {
+    std::printf("  validation: %s, batches %lld..%lld of %lld x %lld, ", o.val_data.c_str(),
+                static_cast<long long>(val_options.first),
+                static_cast<long long>(val_options.first + val_options.batches - 1),
+                static_cast<long long>(val_options.batch), static_cast<long long>(val_options.seq));
+    if (o.eval_every > 0) std::printf("every %lld steps, ", static_cast<long long>(o.eval_every));
+    std::printf("before the first step and after the last\n");
+  }
   }
   if (stages > 1) {
     if (lead) std::printf("  pipeline: %d layers (embedding, %lld blocks, head) in %d stages x %d chunk(s):\n",
@@ -587,6 +657,30 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   };
   double first_loss = 0, last_loss = 0;
   const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  // Collective: every rank runs the forward passes, rank 0 prints.
+  std::optional<ValidationLoss> first_val, last_val;
+  const auto validate = [&](std::int64_t after_step) {
+    const auto begin = std::chrono::steady_clock::now();
+    const ValidationLoss v =
+        std::visit([&](const auto& src) { return validation_loss(trainer, src, val_options); }, *val_data);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (!first_val) first_val = v;
+    last_val = v;
+    if (lead) {
+      std::printf("step %5lld | val loss %.4f | perplexity %.2f | %lld targets in %.2f s\n",
+                  static_cast<long long>(after_step), v.loss, v.perplexity(), static_cast<long long>(v.targets),
+                  seconds);
+      std::fflush(stdout);
+    }
+    return v;
+  };
+  if (val_data) {
+    const ValidationLoss v = validate(first_step);
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"step", first_step}, {"val_loss", v.loss}}.dump() << '\n';
+      metrics.flush();
+    }
+  }
   for (std::int64_t s = first_step; s < last_step; ++s) {
     // The batch of step s does not depend on where the run started: a resumed run sees the
     // batches the uninterrupted one would have.
@@ -606,6 +700,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
                   MemoryTracker::mib(mem.peak_total()));
       std::fflush(stdout);
     }
+    std::optional<ValidationLoss> val;
+    if (val_data && ((o.eval_every > 0 && m.step % o.eval_every == 0) || s + 1 == last_step)) val = validate(m.step);
     if (s == first_step && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
     if (s == first_step && world.size() > 1)
       print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
@@ -620,6 +716,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
                           {"tflops", tflops}, {"memory", memory_json(mem)}};
       if (o.peak_tflops > 0) j["mfu"] = tflops / o.peak_tflops;
       if (stages > 1) j["pipeline_wait_seconds"] = m.pipeline_wait_seconds;
+      if (val) j["val_loss"] = val->loss;
       metrics << j.dump() << '\n';
       metrics.flush();
     }
@@ -631,6 +728,9 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
                 static_cast<long long>(first_step + 1), static_cast<long long>(last_step),
                 static_cast<long long>(o.steps));
+  if (lead && first_val)
+    std::printf("val loss %.4f -> %.4f (perplexity %.2f -> %.2f)\n", first_val->loss, last_val->loss,
+                first_val->perplexity(), last_val->perplexity());
   if (!o.save_state.empty()) save_state();
 #if !LOOM_EXAMPLE_BERT
   if (!o.save.empty()) {
@@ -643,6 +743,17 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
       io::save_llmc_checkpoint(o.save, config, trainer.whole_layout(), weights.data());
       std::printf("saved %s\n", o.save.c_str());
     }
+  }
+#endif
+#if !LOOM_EXAMPLE_BERT
+  if (o.sample_tokens > 0) {
+    // Collective, as --save: every rank gathers the whole tensors; rank 0 generates.
+    const auto whole = trainer.gather_state(0);
+    // On the CPU the threads rank 0 trained with: thread ranks share the cores, and one rank
+    // taking them all while the others' OpenMP teams still hold theirs runs many times slower.
+    int threads = o.threads;
+    if constexpr (std::is_same_v<Backend, loom::cpu>) threads = backend.threads();
+    if (lead) print_sample(o, threads, config, std::vector<float>(whole.begin(), whole.end()), data);
   }
 #endif
   if (!o.save_hf.empty()) {
