@@ -85,6 +85,10 @@ run() {
   fi
   local small=(./gpt2_train --device cuda --model small --seq 1024 --steps 8 --log-every 1 --lr 6e-4)
   if want train; then
+    # The demo on the GPU with validation on held-out batches and a greedy sample after it (the
+    # sample runs on the CPU from the gathered weights): the val loss should fall as on the CPU.
+    run_one gpt2_train_demo_validation ./gpt2_train --device cuda --demo --steps 60 --log-every 20 --dtype bf16 \
+            --val-data synthetic --eval-every 20 --sample-tokens 16 --temperature 0
     # GPT-2 small at sequence 1024 on one GPU (float, TF32); MFU against the H100 SXM's dense
     # TF32 peak, 494.7 TFLOP/s (NVIDIA's datasheet: 989 with sparsity).
     run_one gpt2_train_small_1024 "${small[@]}" --batch 8 --micro-batch 8 --peak-tflops 494.7

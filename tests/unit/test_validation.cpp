@@ -1,6 +1,6 @@
 // validation_loss: the held-out loss is the mean over every target of every batch (as one batch
-// holding them all gives), it is the same on every mesh as on one rank, it changes nothing, and
-// batches without targets are skipped or refused.
+// holding them all gives), it is the same on every mesh (ZeRO-3 included) as on one rank, it
+// changes nothing, and batches without targets are skipped or refused.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -99,15 +99,15 @@ TEST_CASE("validation_loss on DP x TP x PP meshes: every rank gets one rank's lo
   cpu be(1);
   Trainer<Gpt, AdamW> one(be, Gpt(small_test_config()), AdamW(), ConstantLr{}, {.micro_batch_size = 1, .seed = 4});
   const ValidationLoss want = validation_loss(one, source, opts);
-  const auto check = [&]<class S>(MeshShape shape, S schedule) {
+  const auto check = [&]<class S, class Strategy = DataParallel>(MeshShape shape, S schedule, Strategy strategy = {}) {
     CAPTURE(shape);
     std::vector<ValidationLoss> got(static_cast<std::size_t>(shape.size()));
     threads::run(shape.size(), [&](threads::Communicator& world) {
       Mesh<threads::Communicator> mesh(world, shape);
       cpu rank_be(1);
-      Trainer<Gpt, AdamW, S, DataParallel> trainer(rank_be, mesh, Gpt(small_test_config(), mesh.tensor_parallel()),
-                                                   AdamW(), ConstantLr{}, {.micro_batch_size = 1, .seed = 4}, {},
-                                                   schedule);
+      Trainer<Gpt, AdamW, S, Strategy> trainer(rank_be, mesh, Gpt(small_test_config(), mesh.tensor_parallel()),
+                                               AdamW(), ConstantLr{}, {.micro_batch_size = 1, .seed = 4}, strategy,
+                                               schedule);
       got[static_cast<std::size_t>(world.rank())] = validation_loss(trainer, source, opts);
     });
     for (const ValidationLoss& v : got) {
@@ -119,6 +119,8 @@ TEST_CASE("validation_loss on DP x TP x PP meshes: every rank gets one rank's lo
   check(MeshShape{.dp = 2, .tp = 2, .pp = 1}, GradientAccumulation{});
   check(MeshShape{.dp = 2, .tp = 1, .pp = 2}, OneFOneB{});
   check(MeshShape{.dp = 1, .tp = 2, .pp = 2}, GPipe{});
+  // ZeRO-3 gathers each layer's parameters for the forward passes too.
+  check(MeshShape{.dp = 2, .tp = 2, .pp = 1}, GradientAccumulation{}, Zero<3>{});
 }
 
 TEST_CASE("batches without targets: skipped by validation_loss on every rank, refused alone") {
