@@ -60,8 +60,8 @@ std::string printable(std::span<const std::int32_t> bytes) {
 }
 }  // namespace
 
-void print_sample(const Options& o, int threads, const family::Config& config, std::span<const float> whole,
-                  const Source& data) {
+void print_sample(const Options& o, std::int64_t after_step, int threads, const family::Config& config,
+                  std::span<const float> whole, const Source& data) {
   loom::cpu backend(threads);
   const loom::gpt2::Model<loom::cpu, float> model(config);
   LOOM_CHECK(model.layout().total() == static_cast<std::int64_t>(whole.size()), "--sample-tokens: weights",
@@ -73,8 +73,9 @@ void print_sample(const Options& o, int threads, const family::Config& config, s
   const auto begin = std::chrono::steady_clock::now();
   const std::vector<std::int32_t> text = generator.generate(prompt, options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-  std::printf("sample: %zu tokens after the prompt's %zu, temperature %g, top-k %lld, seed %llu (%.2f s on the CPU):\n",
-              text.size() - prompt.size(), prompt.size(), o.temperature, static_cast<long long>(o.top_k),
+  std::printf("sample after step %lld: %zu tokens after the prompt's %zu, temperature %g, top-k %lld, seed %llu "
+              "(%.2f s on the CPU):\n",
+              static_cast<long long>(after_step), text.size() - prompt.size(), prompt.size(), o.temperature, static_cast<long long>(o.top_k),
               static_cast<unsigned long long>(o.seed), seconds);
   if (o.data.starts_with("bytes:")) {
     std::printf("%s\n", printable(text).c_str());
@@ -268,6 +269,10 @@ int main(int argc, char** argv) {
                  "gpt2_train: after training, generate this many tokens on the CPU from the trained weights and "
                  "print them (text with bytes: data, token ids otherwise); 0 = none")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--sample-every", o.sample_every,
+                 "With --sample-tokens: also sample after every N steps, with the same draws each time (0 = after "
+                 "the last step only)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--prompt", o.prompt,
                  "With --sample-tokens: what the sample follows: text with bytes: data, token ids separated by "
                  "commas otherwise (default: the data's first token)");
@@ -382,8 +387,10 @@ int main(int argc, char** argv) {
     gpt2_example::check_family_options(o);
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
-    if (o.sample_tokens == 0 && (app.count("--prompt") > 0 || app.count("--temperature") > 0 || app.count("--top-k") > 0))
-      throw loom::Error("--prompt/--temperature/--top-k", "given", "they shape the sample --sample-tokens N asks for");
+    for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every"})
+      if (o.sample_tokens == 0 && app.count(flag) > 0)
+        throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
+                          "it shapes the sample that --sample-tokens N asks for, and there is none");
     if (o.val_data.empty() && (app.count("--eval-every") > 0 || app.count("--eval-batches") > 0))
       throw loom::Error(app.count("--eval-every") > 0 ? "--eval-every" : "--eval-batches",
                         std::to_string(app.count("--eval-every") > 0 ? o.eval_every : o.eval_batches),

@@ -121,6 +121,7 @@ struct Options {
   std::int64_t eval_every = 0;    // validation every N steps (0: before the first and after the last only)
   std::int64_t eval_batches = 4;  // batches of --batch sequences each validation reads
   std::int64_t sample_tokens = 0;  // gpt2_train: tokens to generate after training (0: none)
+  std::int64_t sample_every = 0;   // also after every N steps (0: after the last only)
   std::string prompt;              // what they follow: text with bytes: data, else token ids "a,b,c"
   double temperature = 1.0;        // sampling temperature (0: greedy)
   std::int64_t top_k = 0;          // draw among the k most likely tokens (0: all)
@@ -210,12 +211,12 @@ inline std::vector<std::int32_t> prompt_tokens(const Options& o, const Source& d
   }
 }
 
-//! Rank 0's --sample-tokens after training: tokens generated on `threads` CPU threads from
-//! `whole` (the trained weights in whole_layout order, fp32 for either dtype), printed as text
-//! for bytes: data and as token ids otherwise. Defined in gpt2_train.cpp, so that the CUDA
+//! Rank 0's --sample-tokens after step `after_step`: tokens generated on `threads` CPU threads
+//! from `whole` (the weights in whole_layout order, fp32 for either dtype), printed as text for
+//! bytes: data and as token ids otherwise. Defined in gpt2_train.cpp, so that the CUDA
 //! translation unit compiles no CPU kernels.
-void print_sample(const Options& o, int threads, const family::Config& config, std::span<const float> whole,
-                  const Source& data);
+void print_sample(const Options& o, std::int64_t after_step, int threads, const family::Config& config,
+                  std::span<const float> whole, const Source& data);
 #endif
 
 //! The token source under `s`: under the padding and (BERT) the masking.
@@ -674,6 +675,17 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     }
     return v;
   };
+#if !LOOM_EXAMPLE_BERT
+  // Collective, as --save: every rank gathers the whole tensors; rank 0 generates, on the CPU
+  // with the threads it trained with (thread ranks share the cores, and one rank taking them all
+  // while the others' OpenMP teams still hold theirs runs many times slower).
+  const auto sample = [&](std::int64_t after_step) {
+    const auto whole = trainer.gather_state(0);
+    int threads = o.threads;
+    if constexpr (std::is_same_v<Backend, loom::cpu>) threads = backend.threads();
+    if (lead) print_sample(o, after_step, threads, config, std::vector<float>(whole.begin(), whole.end()), data);
+  };
+#endif
   if (val_data) {
     const ValidationLoss v = validate(first_step);
     if (metrics.is_open()) {
@@ -702,6 +714,10 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     }
     std::optional<ValidationLoss> val;
     if (val_data && ((o.eval_every > 0 && m.step % o.eval_every == 0) || s + 1 == last_step)) val = validate(m.step);
+#if !LOOM_EXAMPLE_BERT
+    if (o.sample_tokens > 0 && o.sample_every > 0 && m.step % o.sample_every == 0 && s + 1 < last_step)
+      sample(m.step);
+#endif
     if (s == first_step && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
     if (s == first_step && world.size() > 1)
       print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
@@ -746,15 +762,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   }
 #endif
 #if !LOOM_EXAMPLE_BERT
-  if (o.sample_tokens > 0) {
-    // Collective, as --save: every rank gathers the whole tensors; rank 0 generates.
-    const auto whole = trainer.gather_state(0);
-    // On the CPU the threads rank 0 trained with: thread ranks share the cores, and one rank
-    // taking them all while the others' OpenMP teams still hold theirs runs many times slower.
-    int threads = o.threads;
-    if constexpr (std::is_same_v<Backend, loom::cpu>) threads = backend.threads();
-    if (lead) print_sample(o, threads, config, std::vector<float>(whole.begin(), whole.end()), data);
-  }
+  if (o.sample_tokens > 0) sample(trainer.steps());
 #endif
   if (!o.save_hf.empty()) {
     // Collective, as --save: every rank gathers the whole tensors, rank 0 writes.
