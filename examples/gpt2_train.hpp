@@ -494,14 +494,18 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   const bool lead = world.rank() == 0;
   const int stages = mesh.shape().pp;
   const family::Config config = model_config(o);
-  const Source data = open_data(o, o.data, config.vocab_size);
+  // The data `name` names, whose vocabulary must fit the model's; `flag` names it in the error.
+  const auto open_for_model = [&](const std::string& name, const std::string& flag) {
+    Source source = open_data(o, name, config.vocab_size);
+    LOOM_CHECK(source_vocab(source) <= config.vocab_size, flag + " vocabulary", source_vocab(source),
+               "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
+    return source;
+  };
+  const Source data = open_for_model(o.data, "--data");
   // Held-out batches: a file's from its start, or the synthetic task's after the run's last
   // step's (training reads batches 0 .. steps - 1, so never these).
   const std::optional<Source> val_data =
-      o.val_data.empty() ? std::nullopt : std::optional<Source>(open_data(o, o.val_data, config.vocab_size));
-  if (val_data)
-    LOOM_CHECK(source_vocab(*val_data) <= config.vocab_size, "--val-data vocabulary", source_vocab(*val_data),
-               "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
+      o.val_data.empty() ? std::nullopt : std::optional<Source>(open_for_model(o.val_data, "--val-data"));
 #if !LOOM_EXAMPLE_BERT
   // The prompt is read and checked before the first step, not after the last.
   if (o.sample_tokens > 0)
@@ -511,8 +515,6 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
 #endif
   const ValidationOptions val_options{.first = o.val_data == "synthetic" ? o.steps : 0,
                                       .batches = o.eval_batches, .batch = o.batch, .seq = o.seq};
-  LOOM_CHECK(source_vocab(data) <= config.vocab_size, "--data vocabulary", source_vocab(data),
-             "must be <= the model's vocab_size (" + std::to_string(config.vocab_size) + ")");
   LOOM_CHECK(o.seq >= 1 && o.seq <= config.max_seq_len, "--seq", o.seq,
              "must be in [1, max_seq_len = " + std::to_string(config.max_seq_len) + "]");
   // --micro-batch 0: each rank's whole slice in one micro-batch, or, under a pipeline schedule,
