@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <span>
 #include <vector>
 
@@ -22,6 +23,14 @@ using namespace loom::test;
 namespace {
 
 using Gpt = gpt2::Model<cpu, double>;
+
+//! The largest |a[i] - b[i]|.
+double max_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
 
 //! Draws `n` evenly spaced u in (0, 1) and counts the tokens sample_token gives.
 std::vector<std::int64_t> counts_over_grid(std::span<const double> logits, const gpt2::SamplingOptions& o, int n) {
@@ -105,10 +114,111 @@ TEST_CASE("next_logits: each next token's log-probability gives the loss the Tra
   loss /= static_cast<double>(sequence.tokens.size());
   CHECK(loss == doctest::Approx(trainer.evaluate(sequence)).epsilon(1e-11));
 
-  // A context longer than max_seq_len is read from its last max_seq_len tokens.
+  // A context longer than max_seq_len is read from its last max_seq_len tokens (bit for bit
+  // without the cache; with it the second call runs one position against the cache, whose GEMM
+  // shapes round differently).
   const TestBatch longer = make_batch(4, 1, 40, config.vocab_size);
-  CHECK(generator.next_logits(longer.tokens) ==
-        generator.next_logits(std::span(longer.tokens).last(static_cast<std::size_t>(config.max_seq_len))));
+  const auto last = std::span(longer.tokens).last(static_cast<std::size_t>(config.max_seq_len));
+  gpt2::Generator<cpu, double> full(be, one, ParameterView<const double>(whole.data()), gpt2::Decoding::full_context);
+  CHECK(full.next_logits(longer.tokens) == full.next_logits(last));
+  CHECK(max_difference(generator.next_logits(longer.tokens), generator.next_logits(last)) < 1e-12);
+}
+
+namespace {
+
+//! The two decodings' next_logits over a run of contexts, and the largest difference between
+//! them relative to the largest logit.
+template <class T>
+struct DecodingPair {
+  gpt2::Model<cpu, T> model;
+  std::vector<T> params;
+  cpu be{2};
+  gpt2::Generator<cpu, T> cached, full;
+
+  DecodingPair(const gpt2::Config& config, std::uint64_t seed)
+      : model(config),
+        params(initial_parameters(model, seed)),
+        cached(be, model, ParameterView<const T>(params.data())),
+        full(be, model, ParameterView<const T>(params.data()), gpt2::Decoding::full_context) {}
+
+  static std::vector<T> initial_parameters(const gpt2::Model<cpu, T>& m, std::uint64_t seed) {
+    std::vector<T> p(static_cast<std::size_t>(m.layout().total()));
+    m.layout().initialize(p.data(), seed);
+    return p;
+  }
+  double relative_difference(std::span<const std::int32_t> context) {
+    const std::vector<double> a = cached.next_logits(context), b = full.next_logits(context);
+    double top = 0;
+    for (double x : b) top = std::max(top, std::abs(x));
+    return max_difference(a, b) / top;
+  }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("the key/value cache gives the whole context's logits, whatever the last call ran", T, double, float,
+                   bf16) {
+  gpt2::Config config = small_test_config();
+  config.max_seq_len = 24;
+  DecodingPair<T> pair(config, 11);
+  // Rounding: double's, float's over a few layers (GEMMs of other shapes sum in other orders),
+  // and bf16's (a rounding is up to 2^-9 relative).
+  const double tolerance = std::is_same_v<T, double> ? 1e-13 : std::is_same_v<T, float> ? 2e-6 : 1e-2;
+  const TestBatch text = make_batch(2, 1, 60, config.vocab_size);
+  const std::span<const std::int32_t> tokens(text.tokens);
+  double worst = 0;
+  // Growing by one token a call, past max_seq_len (where the window slides and runs whole).
+  for (std::size_t t = 1; t <= tokens.size(); ++t) worst = std::max(worst, pair.relative_difference(tokens.first(t)));
+  CHECK(worst < tolerance);
+  worst = 0;
+  // The same context twice; a shorter one; one that parts from the cached tokens after 9; one
+  // that grows by 5 at once; one that starts anew.
+  std::vector<std::int32_t> branch(tokens.begin(), tokens.begin() + 12);
+  branch[9] = (branch[9] + 1) % static_cast<std::int32_t>(config.vocab_size);
+  for (const std::span<const std::int32_t> context :
+       {tokens.first(20), tokens.first(20), tokens.first(7), std::span<const std::int32_t>(branch), tokens.first(17),
+        tokens.subspan(30, 10)})
+    worst = std::max(worst, pair.relative_difference(context));
+  CHECK(worst < tolerance);
+  if constexpr (std::is_same_v<T, double>) {
+    // The same text, greedy and drawn.
+    const std::vector<std::int32_t> prompt(tokens.begin(), tokens.begin() + 3);
+    for (const gpt2::SamplingOptions& o : {gpt2::SamplingOptions{.max_new_tokens = 40, .temperature = 0},
+                                           gpt2::SamplingOptions{.max_new_tokens = 40, .temperature = 1.5, .seed = 4}})
+      CHECK(pair.cached.generate(prompt, o) == pair.full.generate(prompt, o));
+  }
+}
+
+TEST_CASE("Model::decode refuses the head, positions past max_seq_len and mis-shaped caches") {
+  const gpt2::Config config = small_test_config();
+  cpu be(1);
+  const Gpt one(config);
+  std::vector<double> params(static_cast<std::size_t>(one.layout().total()), 0.0);
+  const ParameterView<const double> view(params.data());
+  const std::int64_t C = config.channels, T_max = config.max_seq_len;
+  std::vector<double> input(2 * C), output(2 * C), keys(T_max * C), values(T_max * C);
+  const std::vector<std::int32_t> tokens{1, 2};
+  const gpt2::DecodeArgs<double> ok{.past = 3,
+                                    .tokens = {tokens.data(), Shape{2}},
+                                    .input = {input.data(), Shape{2, C}},
+                                    .output = {output.data(), Shape{2, C}},
+                                    .keys = {keys.data(), Shape{T_max, C}},
+                                    .values = {values.data(), Shape{T_max, C}}};
+  CHECK(error_of([&] { one.decode(be, 1, view, ok); }).empty());
+  CHECK(error_of([&] { one.decode(be, 0, view, ok); }).empty());
+  CHECK(contains(error_of([&] { one.decode(be, one.num_layers() - 1, view, ok); }),
+                 "gpt2 decode: layer: got 3; must be the embedding (0) or a block (1..2)"));
+  gpt2::DecodeArgs<double> late = ok;
+  late.past = T_max - 1;
+  CHECK(contains(error_of([&] { one.decode(be, 1, view, late); }),
+                 "gpt2 decode: past: got 15; must be >= 0 and leave room for the 2 new positions in max_seq_len = 16"));
+  gpt2::DecodeArgs<double> short_cache = ok;
+  short_cache.values = {values.data(), Shape{T_max - 1, C}};
+  CHECK(contains(error_of([&] { one.decode(be, 1, view, short_cache); }), "gpt2 decode: argument values"));
+  const std::vector<std::int32_t> bad{1, 50};
+  gpt2::DecodeArgs<double> bad_token = ok;
+  bad_token.tokens = {bad.data(), Shape{2}};
+  CHECK(contains(error_of([&] { one.decode(be, 0, view, bad_token); }), "got 50"));
 }
 
 TEST_CASE("greedy generation follows the chain a trained model learned; draws are keyed by seed and position") {

@@ -3,6 +3,7 @@
 
 #include "loom/backend/cpu/adafactor.hpp"
 #include "loom/backend/cpu/attention.hpp"
+#include "loom/backend/cpu/attention_decode.hpp"
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/dropout.hpp"
 #include "loom/backend/cpu/elementwise.hpp"

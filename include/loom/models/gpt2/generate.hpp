@@ -1,6 +1,7 @@
 #pragma once
-//! \file Text generation with a trained GPT-2: the next token's logits after a context, and
-//! sampling from them (greedy, temperature, top-k), on one rank of a host backend.
+//! \file Text generation with a trained GPT-2: the next token's logits after a context (with a
+//! key/value cache, or over the whole context), and sampling from them (greedy, temperature,
+//! top-k), on one rank of a host backend.
 
 #include <algorithm>
 #include <cmath>
@@ -89,51 +90,51 @@ inline std::int32_t sample_token(std::span<const double> logits, const SamplingO
   return order[static_cast<std::size_t>(k - 1)];  // u * sum rounded up to the last boundary
 }
 
+//! How Generator computes each next token's logits.
+enum class Decoding {
+  //! Each block keeps the keys and values of the positions it has run (Model::decode), so a
+  //! token costs the work of its own position only: the text's cost grows linearly with its
+  //! length, up to max_seq_len tokens of context. Past that, each token's context window starts
+  //! one position later, every position's embedding changes, and the window runs whole again.
+  key_value_cache,
+  //! Each token runs the forward pass over its whole context, as llm.c's sampling does (no
+  //! cache to hold; the cost grows with the square of the length). The reference the cache is
+  //! tested against.
+  full_context,
+};
+
 //! Generates text with a whole GPT-2 on one rank of a host backend: `model` built without
 //! tensor parallelism, `params` its layout's values (a trainer's gather_state(0), or weights
-//! loaded from a file). Each token runs the forward pass over its whole context (the last
-//! max_seq_len tokens), as llm.c's sampling does: there is no key/value cache.
+//! loaded from a file). With Decoding::key_value_cache (the default) it holds 2·L·max_seq_len·C
+//! elements of T for the cache (MemoryCategory::activations), allocated on first use.
 template <Backend B, class T>
   requires host_addressable<B>
 class Generator {
  public:
-  Generator(B& backend, const Model<B, T>& model, ParameterView<const T> params)
-      : backend_(&backend), model_(&model), params_(params) {
+  Generator(B& backend, const Model<B, T>& model, ParameterView<const T> params,
+            Decoding decoding = Decoding::key_value_cache)
+      : backend_(&backend), model_(&model), params_(params), decoding_(decoding) {
     LOOM_CHECK(model.tensor_parallel_size() == 1, "generator: tensor-parallel ranks", model.tensor_parallel_size(),
                "must be 1: gather the whole model onto one rank first");
   }
 
+  Decoding decoding() const noexcept { return decoding_; }
+
   //! The logits of the token after `context` (its last max_seq_len tokens are read), one per
-  //! vocabulary entry (vocab_size of them; the padded rows are left out).
+  //! vocabulary entry (vocab_size of them; the padded rows are left out). With the cache, only
+  //! the positions after the longest prefix `context`'s window shares with the last call's run
+  //! (at least the last one), so a context that grows by a token costs one position's work.
   std::vector<double> next_logits(std::span<const std::int32_t> context) {
     const Config& config = model_->config();
     LOOM_CHECK(!context.empty(), "generator: context tokens", context.size(), "must be at least one");
     const std::span<const std::int32_t> window =
         context.size() > static_cast<std::size_t>(config.max_seq_len) ? context.last(static_cast<std::size_t>(config.max_seq_len))
                                                                       : context;
-    const MicroBatchShape shape{1, static_cast<std::int64_t>(window.size())};
-    const std::vector<std::int32_t> targets(window.size(), -1);
-    const Tensor<const std::int32_t> tokens{window.data(), Shape{1, shape.seq}};
-    std::int64_t saved_elements = 0;
-    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer)
-      saved_elements = std::max(saved_elements, model_->activation_elements(layer, shape));
-    const std::int64_t hidden = model_->hidden_elements(shape);
-    Buffer<T, B> a(*backend_, hidden, MemoryCategory::activations), b(*backend_, hidden, MemoryCategory::activations),
-        saved(*backend_, saved_elements, MemoryCategory::activations);
-    const Shape hidden_shape{1, shape.seq, config.channels};
-    // Every layer but the head, each reading the last one's output; nothing is kept between them.
-    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
-      const ForwardArgs<T> args{.tokens = tokens,
-                                .targets = {targets.data(), Shape{1, shape.seq}},
-                                .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), hidden_shape},
-                                .output = {b.data(), hidden_shape},
-                                .saved = {saved.data(), Shape{model_->activation_elements(layer, shape)}}};
-      model_->forward(*backend_, layer, params_, args);
-      a.swap(b);
-    }
     const std::int64_t vocab_rows = model_->vocab_rows();
     std::vector<T> row(static_cast<std::size_t>(vocab_rows));
-    const Tensor<const T> last{a.data() + (shape.seq - 1) * config.channels, Shape{1, config.channels}};
+    const Buffer<T, B> hidden = decoding_ == Decoding::key_value_cache ? decode(window) : forward(window);
+    const std::int64_t last_row = hidden.size() / config.channels - 1;
+    const Tensor<const T> last{hidden.data() + last_row * config.channels, Shape{1, config.channels}};
     model_->head_logits(*backend_, params_, last, Tensor<T>{row.data(), Shape{1, vocab_rows}});
     std::vector<double> out(static_cast<std::size_t>(config.vocab_size));
     // Through float for bf16, whose conversion is explicit and to float only.
@@ -166,9 +167,70 @@ class Generator {
   }
 
  private:
+  //! The last block's output [T, C] for the whole window: every layer but the head, each reading
+  //! the last one's output; nothing is kept between calls.
+  Buffer<T, B> forward(std::span<const std::int32_t> window) {
+    const Config& config = model_->config();
+    const MicroBatchShape shape{1, static_cast<std::int64_t>(window.size())};
+    const std::vector<std::int32_t> targets(window.size(), -1);
+    const Tensor<const std::int32_t> tokens{window.data(), Shape{1, shape.seq}};
+    std::int64_t saved_elements = 0;
+    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer)
+      saved_elements = std::max(saved_elements, model_->activation_elements(layer, shape));
+    const std::int64_t hidden = model_->hidden_elements(shape);
+    Buffer<T, B> a(*backend_, hidden, MemoryCategory::activations), b(*backend_, hidden, MemoryCategory::activations),
+        saved(*backend_, saved_elements, MemoryCategory::activations);
+    const Shape hidden_shape{1, shape.seq, config.channels};
+    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
+      const ForwardArgs<T> args{.tokens = tokens,
+                                .targets = {targets.data(), Shape{1, shape.seq}},
+                                .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), hidden_shape},
+                                .output = {b.data(), hidden_shape},
+                                .saved = {saved.data(), Shape{model_->activation_elements(layer, shape)}}};
+      model_->forward(*backend_, layer, params_, args);
+      a.swap(b);
+    }
+    return a;
+  }
+
+  //! The last block's output [n, C] for the window's positions after those the cache already
+  //! holds: the longest prefix the window shares with the cached tokens, less at least one
+  //! position (whose output the head needs). Those positions' keys and values join the cache.
+  Buffer<T, B> decode(std::span<const std::int32_t> window) {
+    const Config& config = model_->config();
+    const std::int64_t C = config.channels, T_max = config.max_seq_len, blocks = model_->num_layers() - 2;
+    if (cache_.size() == 0) cache_ = Buffer<T, B>(*backend_, 2 * blocks * T_max * C, MemoryCategory::activations);
+    const std::size_t shared = std::min(
+        static_cast<std::size_t>(std::mismatch(cached_.begin(), cached_.end(), window.begin(), window.end()).first -
+                                 cached_.begin()),
+        window.size() - 1);
+    const std::int64_t past = static_cast<std::int64_t>(shared), n = static_cast<std::int64_t>(window.size()) - past;
+    // Until this call's blocks have run, the cache holds the shared prefix only.
+    cached_.resize(shared);
+    Buffer<T, B> a(*backend_, n * C, MemoryCategory::activations), b(*backend_, n * C, MemoryCategory::activations);
+    const Shape rows{n, C}, cache_shape{T_max, C};
+    const Tensor<const std::int32_t> tokens{window.data() + past, Shape{n}};
+    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
+      T* keys = layer == 0 ? nullptr : cache_.data() + 2 * (layer - 1) * T_max * C;
+      const DecodeArgs<T> args{.past = past,
+                               .tokens = tokens,
+                               .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), rows},
+                               .output = {b.data(), rows},
+                               .keys = layer == 0 ? Tensor<T>{} : Tensor<T>{keys, cache_shape},
+                               .values = layer == 0 ? Tensor<T>{} : Tensor<T>{keys + T_max * C, cache_shape}};
+      model_->decode(*backend_, layer, params_, args);
+      a.swap(b);
+    }
+    cached_.assign(window.begin(), window.end());
+    return a;
+  }
+
   B* backend_;
   const Model<B, T>* model_;
   ParameterView<const T> params_;
+  Decoding decoding_;
+  Buffer<T, B> cache_;                 //!< per block: keys [max_seq_len, C], then values
+  std::vector<std::int32_t> cached_;   //!< the tokens whose keys and values the cache holds, from position 0
 };
 
 }  // namespace loom::gpt2

@@ -38,6 +38,19 @@ namespace loom::gpt2 {
 using Attention = AttentionStorage;
 using loom::name;
 
+//! What Model::decode reads and writes: `rows` new positions [past, past + rows) of one
+//! sequence, run through one layer with the keys and values of the earlier positions kept.
+template <class T>
+struct DecodeArgs {
+  std::int64_t past = 0;               //!< positions before the new ones (their keys and values are cached)
+  Tensor<const std::int32_t> tokens;   //!< [rows] the new positions' tokens: the embedding's input
+  Tensor<const T> input;               //!< [rows, C] a block's input: the last layer's output
+  Tensor<T> output;                    //!< [rows, C] for the next layer
+  //! A block's cache, [max_seq_len, C] each: rows [0, past) hold the earlier positions' keys and
+  //! values; the block writes the new positions' into rows [past, past + rows).
+  Tensor<T> keys, values;
+};
+
 //! GPT-2 on backend `B` with scalar `T`: float to train, double for gradient checks, bf16 for
 //! mixed precision as llm.c trains (bf16 parameters, gradients and activations; arithmetic,
 //! per-row statistics and losses in float, `accumulate_t<T>`, kept inside the bf16 ranges).
@@ -217,6 +230,44 @@ class Model {
     layernorm_forward<T>(be, normed, Tensor<A>{stats.data(), Shape{n}}, Tensor<A>{stats.data() + n, Shape{n}}, hidden,
                          param(params, lnf_weight_, {C}), param(params, lnf_bias_, {C}));
     matmul_forward<T>(be, logits, Tensor<const T>(normed), param(params, wte_, {vocab_rows_, C}), Tensor<const T>{});
+  }
+
+  //! Text generation's incremental forward (gpt2/generate.hpp): `layer`, the embedding or a
+  //! block (the head's is head_logits), on new positions [a.past, a.past + rows) of one sequence,
+  //! whose earlier positions' keys and values each block keeps in a.keys and a.values (it adds the
+  //! new ones). A position's output is what forward gives at that position of the whole sequence,
+  //! up to rounding, without the earlier positions' work: attention_decode in place of the
+  //! attention over the whole context. No dropout, no padding; the whole model only (one rank,
+  //! no tensor parallelism), on a backend the host can address.
+  void decode(B& be, int layer, ParameterView<const T> params, const DecodeArgs<T>& a) const
+    requires host_addressable<B>
+  {
+    LOOM_CHECK(tensor_parallel_size_ == 1, "gpt2 decode: tensor-parallel ranks", tensor_parallel_size_,
+               "must be 1: gather the whole model onto one rank first");
+    LOOM_CHECK(layer >= embedding_layer && layer < head_layer(config_), "gpt2 decode: layer", layer,
+               "must be the embedding (0) or a block (1.." + detail::to_text(config_.num_layers) +
+                   "); the head's logits come from head_logits");
+    const std::int64_t C = config_.channels;
+    if (layer != embedding_layer)
+      LOOM_CHECK(a.input.shape().rank() == 2, "gpt2 decode: input", a.input.shape(), "must be [rows, C]");
+    const std::int64_t n = layer == embedding_layer ? a.tokens.numel() : a.input.extent(0);
+    LOOM_CHECK(a.past >= 0 && a.past + n <= config_.max_seq_len, "gpt2 decode: past", a.past,
+               "must be >= 0 and leave room for the " + detail::to_text(n) + " new positions in max_seq_len = " +
+                   detail::to_text(config_.max_seq_len));
+    check_shape(a.output, Shape{n, C}, "gpt2 decode", "output");
+    if (layer == embedding_layer) {
+      const Tensor<const std::int32_t> tokens{a.tokens.data(), Shape{1, n}};
+      check_tokens(tokens);
+      // Row t's position is past + t: the position table from row `past` on.
+      vocab_parallel_embedding_forward<T>(
+          be, a.output.reshape({1, n, C}), tokens, param(params, wte_, {vocab_rows_, C}), vocab_begin_,
+          param(params, wpe_ + a.past * C, {config_.max_seq_len - a.past, C}));
+      return;
+    }
+    check_shape(a.input, Shape{n, C}, "gpt2 decode", "input");
+    check_shape(a.keys, Shape{config_.max_seq_len, C}, "gpt2 decode", "keys");
+    check_shape(a.values, Shape{config_.max_seq_len, C}, "gpt2 decode", "values");
+    block_decode(be, blocks_[static_cast<std::size_t>(layer - 1)], params, a, n);
   }
 
   //! Runs `layer` backward: parameter gradients into `grads` (+=), input gradient (+=).
@@ -436,6 +487,34 @@ class Model {
     split_.reduce(mlp_sums, output);
     split_.drop(be, output, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
     add_to<T>(be, output, b.res2);
+  }
+
+  //! block_forward's arithmetic on `n` new rows of one sequence (Model::decode), with the
+  //! attention against the cache; the scratch lives for the call only.
+  void block_decode(B& be, const BlockOffsets& o, ParameterView<const T> p, const DecodeArgs<T>& a,
+                    std::int64_t n) const {
+    const std::int64_t C = config_.channels, F = mlp_channels_;
+    Buffer<T, B> scratch(be, n * (5 * C + 2 * F), MemoryCategory::workspace);
+    Buffer<A, B> stats(be, 2 * n, MemoryCategory::workspace);
+    T* at = scratch.data();
+    const auto take = [&at](std::int64_t columns, std::int64_t rows) {
+      const Tensor<T> t{at, Shape{rows, columns}};
+      at += rows * columns;
+      return t;
+    };
+    const Tensor<T> ln1 = take(C, n), qkv = take(3 * C, n), res2 = take(C, n), fch = take(F, n), fch_gelu = take(F, n);
+    const Tensor<T> atty = ln1, ln2{qkv.data(), Shape{n, C}};  // ln1 and qkv are dead by then
+    const Tensor<A> mean{stats.data(), Shape{n}}, rstd{stats.data() + n, Shape{n}};
+    layernorm_forward<T>(be, ln1, mean, rstd, a.input, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}));
+    matmul_forward<T>(be, qkv, Tensor<const T>(ln1), param(p, o.qkv_w, {3 * C, C}), param(p, o.qkv_b, {3 * C}));
+    attention_decode<T>(be, atty, Tensor<const T>(qkv), a.keys, a.values, a.past, static_cast<int>(heads_));
+    matmul_forward<T>(be, res2, Tensor<const T>(atty), param(p, o.proj_w, {C, C}), param(p, o.proj_b, {C}));
+    add_to<T>(be, res2, a.input);
+    layernorm_forward<T>(be, ln2, mean, rstd, Tensor<const T>(res2), param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
+    matmul_gelu_forward<T>(be, fch_gelu, fch, Tensor<const T>(ln2), param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}),
+                           config_.gelu);
+    matmul_forward<T>(be, a.output, Tensor<const T>(fch_gelu), param(p, o.fcproj_w, {C, F}), param(p, o.fcproj_b, {C}));
+    add_to<T>(be, a.output, Tensor<const T>(res2));
   }
 
   //! A row-parallel linear layer's bias: on the first rank only (see block_forward).
