@@ -39,16 +39,19 @@
 
 #if !LOOM_EXAMPLE_BERT
 #include <chrono>
+#include <optional>
+#include <string_view>
 
+#include "loom/io/token_decoder.hpp"
 #include "loom/models/gpt2/generate.hpp"
 
 namespace gpt2_example {
 
 namespace {
 //! Bytes as text, with control bytes other than newline and tab escaped (\xNN).
-std::string printable(std::span<const std::int32_t> bytes) {
+std::string printable(std::string_view bytes) {
   std::string out;
-  for (std::int32_t b : bytes) {
+  for (const unsigned char b : bytes) {
     if (b == '\n' || b == '\t' || (b >= 32 && b != 127)) out.push_back(static_cast<char>(b));
     else {
       char hex[8];
@@ -60,6 +63,18 @@ std::string printable(std::span<const std::int32_t> bytes) {
 }
 }  // namespace
 
+//! --tokenizer, checked before any rank starts: token data (bytes: data prints as text already),
+//! a file that reads, and a vocabulary that covers every id the model can generate.
+void check_tokenizer(const Options& o) {
+  if (o.data.starts_with("bytes:"))
+    throw loom::Error("--tokenizer", o.tokenizer,
+                      "bytes: data prints its samples as text already; a tokenizer decodes token data");
+  const loom::io::TokenDecoder decoder = loom::io::TokenDecoder::read(o.tokenizer);
+  const std::int64_t vocab = model_config(o).vocab_size;
+  LOOM_CHECK(decoder.size() >= vocab, "--tokenizer " + o.tokenizer + ": tokens", decoder.size(),
+             "must cover the model's vocab_size (" + std::to_string(vocab) + "): every id it can generate");
+}
+
 void print_sample(const Options& o, std::int64_t after_step, int threads, const family::Config& config,
                   std::span<const float> whole, const Source& data) {
   loom::cpu backend(threads);
@@ -68,17 +83,25 @@ void print_sample(const Options& o, std::int64_t after_step, int threads, const 
              whole.size(), "must fill the one-rank model's layout (" + std::to_string(model.layout().total()) + ")");
   loom::gpt2::Generator<loom::cpu, float> generator(backend, model, loom::ParameterView<const float>(whole.data()));
   const std::vector<std::int32_t> prompt = prompt_tokens(o, data);
-  const loom::gpt2::SamplingOptions options{
-      .max_new_tokens = o.sample_tokens, .temperature = o.temperature, .top_k = o.top_k, .seed = o.seed};
+  // Read again for each sample: it was checked before the first step, and is small.
+  const std::optional<loom::io::TokenDecoder> decoder =
+      o.tokenizer.empty() ? std::nullopt : std::optional(loom::io::TokenDecoder::read(o.tokenizer));
+  const loom::gpt2::SamplingOptions options{.max_new_tokens = o.sample_tokens,
+                                            .temperature = o.temperature,
+                                            .top_k = o.top_k,
+                                            .seed = o.seed,
+                                            .stop_token = decoder ? decoder->end_of_text() : -1};
   const auto begin = std::chrono::steady_clock::now();
   const std::vector<std::int32_t> text = generator.generate(prompt, options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   std::printf("sample after step %lld: %zu tokens after the prompt's %zu, temperature %g, top-k %lld, seed %llu "
-              "(%.2f s on the CPU):\n",
+              "(%.2f s on the CPU, key/value cache):\n",
               static_cast<long long>(after_step), text.size() - prompt.size(), prompt.size(), o.temperature, static_cast<long long>(o.top_k),
               static_cast<unsigned long long>(o.seed), seconds);
   if (o.data.starts_with("bytes:")) {
-    std::printf("%s\n", printable(text).c_str());
+    std::printf("%s\n", printable(std::string(text.begin(), text.end())).c_str());
+  } else if (decoder) {
+    std::printf("%s\n", printable(decoder->decode(text)).c_str());
   } else {
     for (std::size_t i = 0; i < text.size(); ++i) std::printf("%s%d", i == 0 ? "" : i == prompt.size() ? " | " : " ", text[i]);
     std::printf("\n");
@@ -276,6 +299,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", o.prompt,
                  "With --sample-tokens: what the sample follows: text with bytes: data, token ids separated by "
                  "commas otherwise (default: the data's first token)");
+  app.add_option("--tokenizer", o.tokenizer,
+                 "With --sample-tokens and token data: print the sample as text, decoded through llm.c's "
+                 "tokenizer file (gpt2_tokenizer.bin) or a Hugging Face vocab.json; generation stops at its "
+                 "end-of-text token");
   app.add_option("--temperature", o.temperature, "With --sample-tokens: divides the logits (0 = greedy)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", o.top_k, "With --sample-tokens: draw among the k most likely tokens (0 = all)")
@@ -387,10 +414,13 @@ int main(int argc, char** argv) {
     gpt2_example::check_family_options(o);
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
-    for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every"})
+    for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every", "--tokenizer"})
       if (o.sample_tokens == 0 && app.count(flag) > 0)
         throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
                           "it shapes the sample that --sample-tokens N asks for, and there is none");
+#if !LOOM_EXAMPLE_BERT
+    if (!o.tokenizer.empty()) gpt2_example::check_tokenizer(o);
+#endif
     if (o.val_data.empty() && (app.count("--eval-every") > 0 || app.count("--eval-batches") > 0))
       throw loom::Error(app.count("--eval-every") > 0 ? "--eval-every" : "--eval-batches",
                         std::to_string(app.count("--eval-every") > 0 ? o.eval_every : o.eval_batches),

@@ -125,6 +125,7 @@ struct Options {
   std::string prompt;              // what they follow: text with bytes: data, else token ids "a,b,c"
   double temperature = 1.0;        // sampling temperature (0: greedy)
   std::int64_t top_k = 0;          // draw among the k most likely tokens (0: all)
+  std::string tokenizer;           // token data's ids to text: llm.c's tokenizer file or a vocab.json (empty: ids)
   std::string init;
   std::string save;
   std::string init_hf;  // a Hugging Face model directory (config.json, model.safetensors) to start from
