@@ -109,12 +109,21 @@ TEST_CASE_TEMPLATE("attention_decode: each row is attention_forward's row of the
   }
 }
 
-TEST_CASE("attention_decode: the bits depend neither on the thread count nor on how the positions are chunked") {
+TEST_CASE("attention_decode: the bits depend neither on the thread count nor on how later positions are chunked") {
   const std::vector<float> qkv = random_qkv<float>(9);
   const Decoded<float> one = decode_in_chunks(qkv, std::vector<std::int64_t>(T_len, 1), 1);
   CHECK(decode_in_chunks(qkv, std::vector<std::int64_t>(T_len, 1), 3).out == one.out);
-  CHECK(decode_in_chunks(qkv, {T_len}, 4).out == one.out);
-  CHECK(decode_in_chunks(qkv, {7, 30}, 2).out == one.out);
+  CHECK(decode_in_chunks(qkv, {1, 36}, 4).out == one.out);
+  CHECK(decode_in_chunks(qkv, {1, 6, 30}, 2).out == one.out);
+  // A prompt into an empty cache is attention_forward_lse's, bit for bit, on any thread count.
+  cpu be(2);
+  std::vector<float> out(static_cast<std::size_t>(T_len * C)), lse(static_cast<std::size_t>(heads * T_len));
+  attention_forward_lse<float>(be, Tensor<float>{out.data(), Shape{1, T_len, C}}, Tensor<float>{lse.data(), Shape{1, heads, T_len}},
+                               Tensor<const float>{qkv.data(), Shape{1, T_len, 3 * C}}, heads);
+  CHECK(decode_in_chunks(qkv, {T_len}, 1).out == out);
+  CHECK(decode_in_chunks(qkv, {T_len}, 3).out == out);
+  // A prompt, then more rows: the same bits on 1 and 3 threads.
+  CHECK(decode_in_chunks(qkv, {7, 30}, 3).out == decode_in_chunks(qkv, {7, 30}, 1).out);
 }
 
 TEST_CASE("attention_decode: a bad argument is refused by name") {
