@@ -101,7 +101,7 @@ void attention_decode(const cpu& be, Tensor<T> out, Tensor<const T> qkv, Tensor<
                              qkv.reshape({1, rows, 3 * C}), num_heads);
     return;
   }
-  const A scale = A(1) / std::sqrt(static_cast<A>(hs));
+  const A scale = detail::attention::softmax_scale<A>(hs);
   const int threads = std::max(1, be.threads());
   // Per thread: one row's scores over every key it may see, and its query and output in A.
   const std::int64_t per_thread = seen_max + 2 * hs;
