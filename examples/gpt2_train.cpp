@@ -297,12 +297,12 @@ int main(int argc, char** argv) {
                  "the last step only)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--prompt", o.prompt,
-                 "With --sample-tokens: what the sample follows: text with bytes: data, token ids separated by "
-                 "commas otherwise (default: the data's first token)");
+                 "With --sample-tokens: what the sample follows: text with bytes: data or with --tokenizer, token "
+                 "ids separated by commas otherwise (default: the data's first token)");
   app.add_option("--tokenizer", o.tokenizer,
                  "With --sample-tokens and token data: print the sample as text, decoded through llm.c's "
-                 "tokenizer file (gpt2_tokenizer.bin) or a Hugging Face vocab.json; generation stops at its "
-                 "end-of-text token");
+                 "tokenizer file (gpt2_tokenizer.bin) or a Hugging Face vocab.json, and read --prompt as text "
+                 "encoded through it (GPT-2's byte-level BPE); generation stops at its end-of-text token");
   app.add_option("--temperature", o.temperature, "With --sample-tokens: divides the logits (0 = greedy)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", o.top_k, "With --sample-tokens: draw among the k most likely tokens (0 = all)")

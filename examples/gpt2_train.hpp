@@ -33,6 +33,7 @@
 #include "loom/io/padded.hpp"
 #include "loom/io/synthetic.hpp"
 #include "loom/io/token_file.hpp"
+#include "loom/io/token_encoder.hpp"
 #include "loom/io/training_state.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/models/gpt2/model.hpp"
@@ -122,7 +123,7 @@ struct Options {
   std::int64_t eval_batches = 4;  // batches of --batch sequences each validation reads
   std::int64_t sample_tokens = 0;  // gpt2_train: tokens to generate after training (0: none)
   std::int64_t sample_every = 0;   // also after every N steps (0: after the last only)
-  std::string prompt;              // what they follow: text with bytes: data, else token ids "a,b,c"
+  std::string prompt;              // what they follow: text with bytes: data or --tokenizer, else ids "a,b,c"
   double temperature = 1.0;        // sampling temperature (0: greedy)
   std::int64_t top_k = 0;          // draw among the k most likely tokens (0: all)
   std::string tokenizer;           // token data's ids to text: llm.c's tokenizer file or a vocab.json (empty: ids)
@@ -187,8 +188,9 @@ inline Source open_data(const Options& o, const std::string& name, std::int64_t 
 }
 
 #if !LOOM_EXAMPLE_BERT
-//! The tokens --prompt names: its bytes with bytes: data, else token ids separated by commas;
-//! with no --prompt, the data's first token.
+//! The tokens --prompt names: its bytes with bytes: data, its text encoded through --tokenizer
+//! where one is given, else token ids separated by commas; with no --prompt, the data's first
+//! token.
 inline std::vector<std::int32_t> prompt_tokens(const Options& o, const Source& data) {
   if (o.prompt.empty())
     return {std::visit([](const auto& src) { return src.batch_at(0, 1, 1).tokens[0]; }, data)};
@@ -197,6 +199,14 @@ inline std::vector<std::int32_t> prompt_tokens(const Options& o, const Source& d
     for (unsigned char byte : o.prompt) tokens.push_back(byte);
     return tokens;
   }
+  if (!o.tokenizer.empty()) {
+    try {
+      return loom::io::TokenEncoder(loom::io::TokenDecoder::read(o.tokenizer)).encode(o.prompt);
+    } catch (const loom::Error& e) {
+      throw loom::Error("--prompt (text, encoded through --tokenizer " + o.tokenizer + "): " + e.subject(), e.value(),
+                        e.rule());
+    }
+  }
   std::string_view rest = o.prompt;
   while (true) {
     const std::string_view item = rest.substr(0, rest.find(','));
@@ -204,8 +214,8 @@ inline std::vector<std::int32_t> prompt_tokens(const Options& o, const Source& d
     const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), id);
     if (item.empty() || error != std::errc{} || end != item.data() + item.size())
       throw loom::Error("--prompt", o.prompt,
-                        "with token data it is token ids separated by commas (e.g. 15496,11); text is read only "
-                        "with bytes: data");
+                        "with token data it is token ids separated by commas (e.g. 15496,11); text is read with "
+                        "bytes: data, or with --tokenizer");
     tokens.push_back(id);
     if (item.size() == rest.size()) return tokens;
     rest.remove_prefix(item.size() + 1);

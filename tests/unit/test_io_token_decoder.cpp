@@ -13,31 +13,13 @@
 
 #include "loom/io/token_decoder.hpp"
 #include "support/error_of.hpp"
+#include "support/llmc_tokenizer.hpp"
 #include "support/temp_path.hpp"
 
 using namespace loom;
 using namespace loom::test;
 
 namespace {
-
-//! An llm.c tokenizer file: the header {magic, version, count, end}, then each token's length
-//! byte and bytes, then `trailing` extra bytes.
-void write_llmc(const fs::path& path, const std::vector<std::string>& tokens, std::int32_t version = 2,
-                std::int32_t end = -1, std::int32_t magic = io::llmc_tokenizer_magic, std::int32_t count = -1,
-                const std::string& trailing = "") {
-  std::array<std::int32_t, 256> header{};
-  header[0] = magic;
-  header[1] = version;
-  header[2] = count >= 0 ? count : static_cast<std::int32_t>(tokens.size());
-  header[3] = end;
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(header.data()), sizeof header);
-  for (const std::string& t : tokens) {
-    out.put(static_cast<char>(t.size()));
-    out.write(t.data(), static_cast<std::streamsize>(t.size()));
-  }
-  out << trailing;
-}
 
 void write_text(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
@@ -73,7 +55,7 @@ TEST_CASE("GPT-2's byte-to-character table maps 256 characters onto the 256 byte
 TEST_CASE("llm.c's tokenizer file: each id's bytes, the end-of-text id, and text across split characters") {
   const TempPath file("tokenizer");
   const std::vector<std::string> tokens{"Hello", " world", "\n", e_acute.substr(0, 1), e_acute.substr(1), "<|endoftext|>"};
-  write_llmc(file.path, tokens, 2, 5);
+  write_llmc_tokenizer(file.path, tokens, 2, 5);
   const io::TokenDecoder decoder = io::TokenDecoder::read_llmc(file.path);
   CHECK(decoder.size() == 6);
   CHECK(decoder.end_of_text() == 5);
@@ -82,7 +64,7 @@ TEST_CASE("llm.c's tokenizer file: each id's bytes, the end-of-text id, and text
   CHECK(io::TokenDecoder::read(file.path).decode(std::vector<std::int32_t>{4, 3}) == "\xa9\xc3");
   CHECK(contains(error_of([&] { (void)decoder.bytes(6); }), "token decoder: token id: got 6; must be in [0, 6)"));
 
-  write_llmc(file.path, tokens, 1, 99);  // version 1 has no end-of-text word
+  write_llmc_tokenizer(file.path, tokens, 1, 99);  // version 1 has no end-of-text word
   CHECK(io::TokenDecoder::read_llmc(file.path).end_of_text() == -1);
 }
 
@@ -90,24 +72,24 @@ TEST_CASE("llm.c's tokenizer file: a malformed file is refused by name") {
   const TempPath file("tokenizer");
   const std::vector<std::string> tokens{"a", "bc"};
   const auto message = [&] { return error_of([&] { (void)io::TokenDecoder::read_llmc(file.path); }); };
-  write_llmc(file.path, tokens, 2, -1, 20240326);
+  write_llmc_tokenizer(file.path, tokens, 2, -1, 20240326);
   CHECK(contains(message(), "magic number: got 20240326; expected 20240328 (llm.c's tokenizer file); this is an llm.c "
                             "model checkpoint"));
-  write_llmc(file.path, tokens, 3);
+  write_llmc_tokenizer(file.path, tokens, 3);
   CHECK(contains(message(), "version: got 3; expected 1, or 2 (with the end-of-text id)"));
-  write_llmc(file.path, tokens, 2, -1, io::llmc_tokenizer_magic, 3);
+  write_llmc_tokenizer(file.path, tokens, 2, -1, io::llmc_tokenizer_magic, 3);
   CHECK(contains(message(), "token 2: got no length byte; the file ends before it does (the header says 3 tokens)"));
-  write_llmc(file.path, {"a", "bc"}, 2, -1, io::llmc_tokenizer_magic, -1, "x");
+  write_llmc_tokenizer(file.path, {"a", "bc"}, 2, -1, io::llmc_tokenizer_magic, -1, "x");
   CHECK(contains(message(), "size: got 1030 bytes; expected the file to end after its 2 tokens, at byte 1029"));
-  write_llmc(file.path, tokens, 2, 2);
+  write_llmc_tokenizer(file.path, tokens, 2, 2);
   CHECK(contains(message(), "end-of-text id: got 2; must be a token id below 2"));
-  write_llmc(file.path, tokens, 2, -1, io::llmc_tokenizer_magic, 0);
+  write_llmc_tokenizer(file.path, tokens, 2, -1, io::llmc_tokenizer_magic, 0);
   CHECK(contains(message(), "vocabulary size: got 0; must be >= 1"));
   write_text(file.path, "short");
   CHECK(contains(message(), "too short for the 1024-byte header"));
   // A length byte that runs past the end.
   {
-    write_llmc(file.path, {"a"}, 2, -1, io::llmc_tokenizer_magic, 2, std::string(1, '\x05') + "xy");
+    write_llmc_tokenizer(file.path, {"a"}, 2, -1, io::llmc_tokenizer_magic, 2, std::string(1, '\x05') + "xy");
     CHECK(contains(message(), "token 1: got 5 bytes; the file ends before it does"));
   }
 }

@@ -1,8 +1,7 @@
 #pragma once
 //! \file Token ids back to text for GPT-2's byte-level BPE: each id's bytes, read from llm.c's
-//! tokenizer file (`gpt2_tokenizer.bin`) or from a Hugging Face `vocab.json`. Decoding only:
-//! turning text into ids needs GPT-2's merges and its pre-tokenizing regular expression, which
-//! loom does not have.
+//! tokenizer file (`gpt2_tokenizer.bin`) or from a Hugging Face `vocab.json`. TokenEncoder
+//! (token_encoder.hpp) turns text into ids with the same table.
 //!
 //! llm.c's format: a header of 256 little-endian int32 {20240328, version, vocab_size,
 //! end-of-text id (version 2), 0...}, then for each id its length in bytes (one uint8) and the

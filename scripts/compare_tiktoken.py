@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Checks loom_tokenize against OpenAI's tiktoken on GPT-2's vocabulary.
+
+    pip install tiktoken
+    scripts/compare_tiktoken.py --ranks gpt2.tiktoken --tool build/release/examples/loom_tokenize FILE...
+
+--ranks is GPT-2's merge ranks in tiktoken's format (base64 bytes, rank; one token a line), as
+tiktoken's r50k_base and openai-whisper's whisper/assets/gpt2.tiktoken hold them. The script
+writes them as an llm.c tokenizer file (ids = ranks, <|endoftext|> = 50256), encodes each FILE
+(and a set of built-in strings that exercise the pattern: contractions, runs of white space,
+letters and digits of other scripts, invalid UTF-8) with both, and prints where they differ."""
+import argparse
+import base64
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import tiktoken
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+STRINGS = [
+    "Hello, I'm a language model,",
+    "It's they're we've I'm you'll he'd 'S 'twas rock'n'roll ''s",
+    "a  b   c\t\td \n\n e\r\nf   ",
+    "   leading and trailing   ",
+    "naïve café — “quoted” ‘single’ … ½ ² ③ Ⅻ",
+    "日本語のテキストと中文文本，한국어 텍스트",
+    "Ελληνικά, кириллица, עברית, العربية ١٢٣ ٤٥",
+    "emoji 👋🏽🙂 and ZWJ 👨‍👩‍👧 sequences",
+    "numbers 3.14159 1,000,000 0x1F 2026-11-27 १२३",
+    "code: for (int i = 0; i < n; ++i) { x[i] *= 2; }  // comment",
+    "no\u00a0break\u2003em\u3000ideographic\u2028line\u2029para\u0085nel",
+    "<|endoftext|>The end<|endoftext|><|endoftext|>",
+    "x" * 300 + " " + "ab" * 200,
+    " " * 50 + "\n" * 20,
+]
+INVALID = [b"bad \xff\xfe utf-8 \xc3", b"\xe2\x82 cut \xf0\x9f\x98", b"\xed\xa0\x80 surrogate \xc0\xaf overlong"]
+
+
+def read_ranks(path):
+    ranks = {}
+    for line in Path(path).read_text().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def write_llmc_tokenizer(ranks, path):
+    tokens = sorted(ranks, key=ranks.get)
+    assert [ranks[t] for t in tokens] == list(range(len(tokens))), "ranks must be 0..n-1"
+    tokens.append(b"<|endoftext|>")
+    header = [20240328, 2, len(tokens), len(tokens) - 1] + [0] * 252
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *header))
+        for t in tokens:
+            f.write(bytes([len(t)]) + t)
+
+
+def loom_ids(tool, tokenizer, data, scratch):
+    scratch.write_bytes(data)
+    out = subprocess.run([tool, "--tokenizer", tokenizer, str(scratch)], check=True, capture_output=True)
+    text = out.stdout.decode().strip()
+    return [int(x) for x in text.split(",")] if text else []
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", required=True)
+    parser.add_argument("--tool", required=True)
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="also N random strings of assigned code points from every plane, spaces and digits")
+    parser.add_argument("files", nargs="*")
+    args = parser.parse_args()
+    ranks = read_ranks(args.ranks)
+    enc = tiktoken.Encoding("gpt2-check", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": len(ranks)})
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = str(Path(tmp) / "gpt2_tokenizer.bin")
+        write_llmc_tokenizer(ranks, tokenizer)
+        cases = [(f"string {i}", s.encode()) for i, s in enumerate(STRINGS)]
+        cases += [(f"invalid {i}", b) for i, b in enumerate(INVALID)]
+        cases += [(f, Path(f).read_bytes()) for f in args.files]
+        draw = random.Random(20261127)
+        pool = [c for c in range(0x20000) if not 0xD800 <= c <= 0xDFFF]
+        for i in range(args.random):
+            chars = [chr(draw.choice(pool)) if draw.random() < 0.5 else draw.choice(" \n'sa1. ") for _ in range(200)]
+            cases.append((f"random {i}", "".join(chars).encode()))
+        same = differ = tokens = 0
+        for name, data in cases:
+            ours = loom_ids(args.tool, tokenizer, data, Path(tmp) / "input")
+            if name.startswith("invalid"):
+                # tiktoken takes str: its bytes are encoded piece by piece from the ranks alone;
+                # compare only the round trip, which is what loom promises for invalid UTF-8.
+                ok = b"".join(enc.decode_single_token_bytes(t) for t in ours) == data
+            else:
+                ok = ours == enc.encode(data.decode(), allowed_special={"<|endoftext|>"})
+            tokens += len(ours)
+            same += ok
+            differ += not ok
+            if not ok:
+                print(f"DIFFERS: {name}", file=sys.stderr)
+        print(f"{same} of {same + differ} inputs encode to the same ids as tiktoken ({tokens} tokens)")
+        return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
