@@ -1,9 +1,12 @@
 // loom_generate_bench: text generation with a GPT-2 on the CPU, with the key/value cache
 // (gpt2::Decoding::key_value_cache, Generator's default) against a forward pass over the whole
 // context for every token (Decoding::full_context, llm.c's sampling): new tokens a second, the
-// cache's speed-up and memory, and whether the two greedy texts agree.
+// cache's speed-up and memory, and whether the two greedy texts agree. With --batch S, also S
+// texts generated together (Generator::generate_batch: one GEMM a weight for all S each step)
+// against one text at a time with the cache.
 //
 //   loom_generate_bench                              # GPT-2 small, float, 16 + 64 tokens, 2 threads
+//   loom_generate_bench --batch 8                    # and 8 texts together
 //   loom_generate_bench --model tiny --prompt 200 --tokens 300 --json generate.json
 //
 // The weights are the model's initialization (the time does not depend on what they say). The
@@ -30,13 +33,15 @@ struct Options {
   std::int64_t tokens = 64;
   int threads = 2;
   int calls = 3;  // timed calls per decoding
+  std::int64_t batch = 1;  // texts generated together, beside one at a time
   std::string json;
 };
 
-//! One decoding's median seconds for the whole text, and its (last) text.
+//! One decoding's seconds for the whole text (or texts), and its (last) first text.
 struct Timed {
-  const char* name;
+  std::string name;
   loom::gpt2::Decoding decoding;
+  std::int64_t texts;  // generated together
   std::vector<double> seconds;
   std::vector<std::int32_t> text;
 };
@@ -67,13 +72,16 @@ int run(const Options& o) {
                 static_cast<long long>(config.max_seq_len));
 
   loom::cpu be(o.threads);
-  std::vector<Timed> runs{{"key/value cache", loom::gpt2::Decoding::key_value_cache, {}, {}},
-                          {"full context", loom::gpt2::Decoding::full_context, {}, {}}};
+  std::vector<Timed> runs{{"key/value cache", loom::gpt2::Decoding::key_value_cache, 1, {}, {}},
+                          {"full context", loom::gpt2::Decoding::full_context, 1, {}, {}}};
+  if (o.batch > 1)
+    runs.push_back({"cache, " + std::to_string(o.batch) + " together", loom::gpt2::Decoding::key_value_cache, o.batch, {}, {}});
   for (int c = 0; c < o.calls; ++c)
     for (Timed& r : runs) {
       // A generator a call, so that each call starts with an empty cache.
       loom::gpt2::Generator<loom::cpu, T> generator(be, model, loom::ParameterView<const T>(params.data()), r.decoding);
-      r.seconds.push_back(loom::bench::time_seconds([&] { r.text = generator.generate(prompt, sampling); }));
+      const std::vector<std::vector<std::int32_t>> prompts(static_cast<std::size_t>(r.texts), prompt);
+      r.seconds.push_back(loom::bench::time_seconds([&] { r.text = generator.generate_batch(prompts, sampling)[0]; }));
     }
 
   std::size_t agree = 0;
@@ -90,14 +98,25 @@ int run(const Options& o) {
                            {"same_text", same},
                            {"machine", loom::bench::machine_json(o.threads, load)},
                            {"decodings", nlohmann::json::array()}};
-  std::printf("\n%-18s %12s %14s %14s %12s\n", "decoding", "median s", "new tokens/s", "ms per token", "speed-up");
-  const double full = loom::bench::summarize(runs[1].seconds).median;
+  std::printf("\n%-22s %12s %14s %14s %12s\n", "decoding", "median s", "new tokens/s", "ms per token", "speed-up");
+  // Speed-ups in new tokens a second, over the full context's.
+  const double full_rate = static_cast<double>(o.tokens) / loom::bench::summarize(runs[1].seconds).median;
   for (const Timed& r : runs) {
     const double median = loom::bench::summarize(r.seconds).median;
-    const double rate = static_cast<double>(o.tokens) / median;
-    std::printf("%-18s %12.3f %14.1f %14.2f %11.2fx\n", r.name, median, rate, 1e3 / rate, full / median);
-    report["decodings"].push_back(
-        {{"decoding", r.name}, {"median_s", median}, {"new_tokens_per_s", rate}, {"speedup_over_full_context", full / median}});
+    const double rate = static_cast<double>(o.tokens * r.texts) / median;
+    std::printf("%-22s %12.3f %14.1f %14.2f %11.2fx\n", r.name.c_str(), median, rate, 1e3 / rate, rate / full_rate);
+    report["decodings"].push_back({{"decoding", r.name},
+                                   {"texts", r.texts},
+                                   {"median_s", median},
+                                   {"new_tokens_per_s", rate},
+                                   {"speedup_over_full_context", rate / full_rate}});
+  }
+  if (o.batch > 1) {
+    const double one = static_cast<double>(o.tokens) / loom::bench::summarize(runs[0].seconds).median;
+    const double together = static_cast<double>(o.tokens * o.batch) / loom::bench::summarize(runs[2].seconds).median;
+    std::printf("\n%lld texts together: %.2fx the new tokens a second of one text at a time with the cache\n",
+                static_cast<long long>(o.batch), together / one);
+    report["batch_speedup_over_one_at_a_time"] = together / one;
   }
   std::printf("\ncache: %.1f MiB (2 x %lld layers x %lld positions x %lld channels)\n",
               static_cast<double>(cache_bytes) / (1 << 20), static_cast<long long>(config.num_layers),
@@ -122,6 +141,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", o.tokens, "New tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--threads", o.threads, "Threads")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--calls", o.calls, "Timed calls per decoding (the median is reported)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch", o.batch, "Also time this many texts generated together (1: none)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--json", o.json, "Also write the results to this JSON file");

@@ -92,19 +92,31 @@ void print_sample(const Options& o, std::int64_t after_step, int threads, const 
                                             .seed = o.seed,
                                             .stop_token = decoder ? decoder->end_of_text() : -1};
   const auto begin = std::chrono::steady_clock::now();
-  const std::vector<std::int32_t> text = generator.generate(prompt, options);
+  const std::vector<std::vector<std::int32_t>> texts =
+      generator.generate_batch(std::vector<std::vector<std::int32_t>>(static_cast<std::size_t>(o.samples), prompt), options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-  std::printf("sample after step %lld: %zu tokens after the prompt's %zu, temperature %g, top-k %lld, seed %llu "
-              "(%.2f s on the CPU, key/value cache):\n",
-              static_cast<long long>(after_step), text.size() - prompt.size(), prompt.size(), o.temperature, static_cast<long long>(o.top_k),
-              static_cast<unsigned long long>(o.seed), seconds);
-  if (o.data.starts_with("bytes:")) {
-    std::printf("%s\n", printable(std::string(text.begin(), text.end())).c_str());
-  } else if (decoder) {
-    std::printf("%s\n", printable(decoder->decode(text)).c_str());
-  } else {
-    for (std::size_t i = 0; i < text.size(); ++i) std::printf("%s%d", i == 0 ? "" : i == prompt.size() ? " | " : " ", text[i]);
-    std::printf("\n");
+  if (o.samples == 1)
+    std::printf("sample after step %lld: %zu tokens after the prompt's %zu, temperature %g, top-k %lld, seed %llu "
+                "(%.2f s on the CPU, key/value cache):\n",
+                static_cast<long long>(after_step), texts[0].size() - prompt.size(), prompt.size(), o.temperature,
+                static_cast<long long>(o.top_k), static_cast<unsigned long long>(o.seed), seconds);
+  else
+    std::printf("sample after step %lld: %lld texts of up to %lld tokens after the prompt's %zu, temperature %g, top-k "
+                "%lld, seed %llu (%.2f s on the CPU, key/value cache, generated together):\n",
+                static_cast<long long>(after_step), static_cast<long long>(o.samples),
+                static_cast<long long>(o.sample_tokens), prompt.size(), o.temperature, static_cast<long long>(o.top_k),
+                static_cast<unsigned long long>(o.seed), seconds);
+  for (std::size_t k = 0; k < texts.size(); ++k) {
+    const std::vector<std::int32_t>& text = texts[k];
+    if (o.samples > 1) std::printf("[%zu] ", k + 1);
+    if (o.data.starts_with("bytes:")) {
+      std::printf("%s\n", printable(std::string(text.begin(), text.end())).c_str());
+    } else if (decoder) {
+      std::printf("%s\n", printable(decoder->decode(text)).c_str());
+    } else {
+      for (std::size_t i = 0; i < text.size(); ++i) std::printf("%s%d", i == 0 ? "" : i == prompt.size() ? " | " : " ", text[i]);
+      std::printf("\n");
+    }
   }
   std::fflush(stdout);
 }
@@ -296,6 +308,10 @@ int main(int argc, char** argv) {
                  "With --sample-tokens: also sample after every N steps, with the same draws each time (0 = after "
                  "the last step only)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--samples", o.samples,
+                 "With --sample-tokens: this many texts from the same prompt, each with its own draws, generated "
+                 "together (each step's GEMMs read the weights once for all)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--prompt", o.prompt,
                  "With --sample-tokens: what the sample follows: text with bytes: data or with --tokenizer, token "
                  "ids separated by commas otherwise (default: the data's first token)");
@@ -414,7 +430,7 @@ int main(int argc, char** argv) {
     gpt2_example::check_family_options(o);
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
-    for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every", "--tokenizer"})
+    for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every", "--tokenizer", "--samples"})
       if (o.sample_tokens == 0 && app.count(flag) > 0)
         throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
                           "it shapes the sample that --sample-tokens N asks for, and there is none");

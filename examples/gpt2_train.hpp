@@ -123,6 +123,7 @@ struct Options {
   std::int64_t eval_batches = 4;  // batches of --batch sequences each validation reads
   std::int64_t sample_tokens = 0;  // gpt2_train: tokens to generate after training (0: none)
   std::int64_t sample_every = 0;   // also after every N steps (0: after the last only)
+  std::int64_t samples = 1;        // texts from the same prompt, generated together
   std::string prompt;              // what they follow: text with bytes: data or --tokenizer, else ids "a,b,c"
   double temperature = 1.0;        // sampling temperature (0: greedy)
   std::int64_t top_k = 0;          // draw among the k most likely tokens (0: all)

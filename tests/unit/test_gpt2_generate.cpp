@@ -189,6 +189,93 @@ TEST_CASE_TEMPLATE("the key/value cache gives the whole context's logits, whatev
   }
 }
 
+TEST_CASE_TEMPLATE("texts that grow together get each one's whole-context logits, and the texts each gets alone", T,
+                   double, float, bf16) {
+  gpt2::Config config = small_test_config();
+  config.max_seq_len = 24;
+  DecodingPair<T> pair(config, 11);
+  const double tolerance = std::is_same_v<T, double> ? 1e-13 : std::is_same_v<T, float> ? 2e-6 : 1e-2;
+  // Four texts of 40 tokens, the fourth the first again; each starts from a prompt of its own
+  // length (3, 1, 7, 3), so they reach max_seq_len (and slide) on different calls.
+  std::vector<std::vector<std::int32_t>> texts;
+  for (std::uint64_t seed : {2, 3, 4, 2}) texts.push_back(make_batch(static_cast<std::int64_t>(seed), 1, 40, config.vocab_size).tokens);
+  const std::vector<std::size_t> prompt_lengths{3, 1, 7, 3};
+  double worst = 0;
+  const auto compare = [&](const std::vector<std::vector<std::int32_t>>& contexts) {
+    const std::vector<std::vector<double>> together = pair.cached.next_logits_batch(contexts);
+    REQUIRE(together.size() == contexts.size());
+    for (std::size_t s = 0; s < contexts.size(); ++s) {
+      const std::vector<double> alone = pair.full.next_logits(contexts[s]);
+      double top = 0;
+      for (double x : alone) top = std::max(top, std::abs(x));
+      worst = std::max(worst, max_difference(together[s], alone) / top);
+    }
+  };
+  for (std::size_t t = 0; t + 7 <= 40; ++t) {
+    std::vector<std::vector<std::int32_t>> contexts;
+    for (std::size_t s = 0; s < texts.size(); ++s)
+      contexts.emplace_back(texts[s].begin(), texts[s].begin() + static_cast<std::ptrdiff_t>(prompt_lengths[s] + t));
+    compare(contexts);
+  }
+  // One context branches while the others grow: it runs alone, they together; then fewer
+  // contexts than sequences, and the same ones in another order.
+  std::vector<std::vector<std::int32_t>> mixed{std::vector<std::int32_t>(texts[0].begin(), texts[0].begin() + 5),
+                                               std::vector<std::int32_t>(texts[1].begin(), texts[1].begin() + 12),
+                                               std::vector<std::int32_t>(texts[2].begin(), texts[2].begin() + 9)};
+  compare(mixed);
+  for (auto& context : mixed) context.push_back(context.front());
+  mixed[1][4] = (mixed[1][4] + 1) % static_cast<std::int32_t>(config.vocab_size);
+  compare(mixed);
+  compare({mixed[2], mixed[0]});
+  CHECK(worst < tolerance);
+
+  if constexpr (std::is_same_v<T, double>) {
+    std::vector<std::vector<std::int32_t>> prompts;
+    for (std::size_t s = 0; s < texts.size(); ++s)
+      prompts.emplace_back(texts[s].begin(), texts[s].begin() + static_cast<std::ptrdiff_t>(prompt_lengths[s]));
+    // Greedy: each text is the one it gets alone, with the cache or without; past max_seq_len.
+    const gpt2::SamplingOptions greedy{.max_new_tokens = 30, .temperature = 0};
+    const auto greedy_texts = pair.cached.generate_batch(prompts, greedy);
+    REQUIRE(greedy_texts.size() == 4);
+    for (std::size_t s = 0; s < prompts.size(); ++s) {
+      CHECK(greedy_texts[s] == pair.full.generate(prompts[s], greedy));
+      CHECK(greedy_texts[s].size() == prompts[s].size() + 30);
+    }
+    // Drawn: text s draws from lane s, the same with the cache or without; text 0 as generate
+    // draws; the fourth, from the first's prompt, draws apart from it.
+    const gpt2::SamplingOptions drawn{.max_new_tokens = 30, .temperature = 1.5, .seed = 4};
+    const auto drawn_texts = pair.cached.generate_batch(prompts, drawn);
+    CHECK(drawn_texts == pair.full.generate_batch(prompts, drawn));
+    CHECK(drawn_texts[0] == pair.full.generate(prompts[0], drawn));
+    CHECK(drawn_texts[3] != drawn_texts[0]);
+    // A text that generates stop_token stops alone; the others go on as they would alone.
+    const std::int32_t stop = greedy_texts[1][prompts[1].size() + 2];
+    gpt2::SamplingOptions stopping = greedy;
+    stopping.stop_token = stop;
+    const auto stopped = pair.cached.generate_batch(prompts, stopping);
+    CHECK(stopped[1].size() <= prompts[1].size() + 3);
+    CHECK(stopped[1].back() == stop);
+    for (std::size_t s = 0; s < prompts.size(); ++s) CHECK(stopped[s] == pair.full.generate(prompts[s], stopping));
+  }
+}
+
+TEST_CASE("generate_batch and next_logits_batch refuse empty lists and name the text at fault") {
+  const gpt2::Config config = small_test_config();
+  cpu be(1);
+  const Gpt one(config);
+  std::vector<double> params(static_cast<std::size_t>(one.layout().total()), 0.0);
+  gpt2::Generator<cpu, double> generator(be, one, ParameterView<const double>(params.data()));
+  const std::vector<std::vector<std::int32_t>> none;
+  CHECK(contains(error_of([&] { (void)generator.generate_batch(none, {}); }), "generator: prompts: got 0; must be at least one"));
+  CHECK(contains(error_of([&] { (void)generator.next_logits_batch(none); }), "generator: contexts: got 0; must be at least one"));
+  const std::vector<std::vector<std::int32_t>> bad{{1, 2}, {3, 50}};
+  CHECK(contains(error_of([&] { (void)generator.generate_batch(bad, {}); }),
+                 "generator: prompt 1 token 1: got 50; must be in [0, vocab_size = 50)"));
+  const std::vector<std::vector<std::int32_t>> empty_second{{1}, {}};
+  CHECK(contains(error_of([&] { (void)generator.next_logits_batch(empty_second); }),
+                 "generator: context 1 tokens: got 0; must be at least one"));
+}
+
 TEST_CASE("Model::decode refuses the head, positions past max_seq_len and mis-shaped caches") {
   const gpt2::Config config = small_test_config();
   cpu be(1);
@@ -219,6 +306,32 @@ TEST_CASE("Model::decode refuses the head, positions past max_seq_len and mis-sh
   gpt2::DecodeArgs<double> bad_token = ok;
   bad_token.tokens = {bad.data(), Shape{2}};
   CHECK(contains(error_of([&] { one.decode(be, 0, view, bad_token); }), "got 50"));
+
+  // Several sequences: one row each here; the rows must split evenly, each past must leave room,
+  // and each cache must be [max_seq_len, C].
+  std::vector<double> keys2(T_max * C), values2(T_max * C);
+  std::vector<gpt2::DecodeSequence<double>> two{{.past = 3, .keys = {keys.data(), Shape{T_max, C}}, .values = {values.data(), Shape{T_max, C}}},
+                                               {.past = 9, .keys = {keys2.data(), Shape{T_max, C}}, .values = {values2.data(), Shape{T_max, C}}}};
+  gpt2::DecodeArgs<double> pair_args{.tokens = {tokens.data(), Shape{2}},
+                                     .input = {input.data(), Shape{2, C}},
+                                     .output = {output.data(), Shape{2, C}},
+                                     .sequences = two};
+  CHECK(error_of([&] { one.decode(be, 1, view, pair_args); }).empty());
+  CHECK(error_of([&] { one.decode(be, 0, view, pair_args); }).empty());
+  const std::vector<std::int32_t> three_tokens{1, 2, 3};
+  std::vector<double> input3(3 * C), output3(3 * C);
+  gpt2::DecodeArgs<double> uneven = pair_args;
+  uneven.tokens = {three_tokens.data(), Shape{3}};
+  uneven.input = {input3.data(), Shape{3, C}};
+  uneven.output = {output3.data(), Shape{3, C}};
+  CHECK(contains(error_of([&] { one.decode(be, 1, view, uneven); }),
+                 "gpt2 decode: rows: got 3; must split evenly over the 2 sequences"));
+  two[1].past = T_max;
+  CHECK(contains(error_of([&] { one.decode(be, 1, view, pair_args); }),
+                 "gpt2 decode: past of sequence 1: got 16; must be >= 0 and leave room for the 1 new positions"));
+  two[1].past = 9;
+  two[0].keys = {keys.data(), Shape{T_max - 1, C}};
+  CHECK(contains(error_of([&] { one.decode(be, 1, view, pair_args); }), "gpt2 decode: argument keys"));
 }
 
 TEST_CASE("greedy generation follows the chain a trained model learned; draws are keyed by seed and position") {

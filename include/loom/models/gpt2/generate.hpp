@@ -105,8 +105,10 @@ enum class Decoding {
 
 //! Generates text with a whole GPT-2 on one rank of a host backend: `model` built without
 //! tensor parallelism, `params` its layout's values (a trainer's gather_state(0), or weights
-//! loaded from a file). With Decoding::key_value_cache (the default) it holds 2·L·max_seq_len·C
-//! elements of T for the cache (MemoryCategory::activations), allocated on first use.
+//! loaded from a file). Several texts can grow at once (generate_batch): each step's GEMMs then
+//! read the weights once for all of them. With Decoding::key_value_cache (the default) it holds
+//! 2·L·max_seq_len·C elements of T per sequence for the cache (MemoryCategory::activations),
+//! allocated on first use for as many sequences as a call asks for.
 template <Backend B, class T>
   requires host_addressable<B>
 class Generator {
@@ -125,48 +127,131 @@ class Generator {
   //! the positions after the longest prefix `context`'s window shares with the last call's run
   //! (at least the last one), so a context that grows by a token costs one position's work.
   std::vector<double> next_logits(std::span<const std::int32_t> context) {
-    const Config& config = model_->config();
-    LOOM_CHECK(!context.empty(), "generator: context tokens", context.size(), "must be at least one");
-    const std::span<const std::int32_t> window =
-        context.size() > static_cast<std::size_t>(config.max_seq_len) ? context.last(static_cast<std::size_t>(config.max_seq_len))
-                                                                      : context;
-    const std::int64_t vocab_rows = model_->vocab_rows();
-    std::vector<T> row(static_cast<std::size_t>(vocab_rows));
-    const Buffer<T, B> hidden = decoding_ == Decoding::key_value_cache ? decode(window) : forward(window);
-    const std::int64_t last_row = hidden.size() / config.channels - 1;
-    const Tensor<const T> last{hidden.data() + last_row * config.channels, Shape{1, config.channels}};
-    model_->head_logits(*backend_, params_, last, Tensor<T>{row.data(), Shape{1, vocab_rows}});
-    std::vector<double> out(static_cast<std::size_t>(config.vocab_size));
-    // Through float for bf16, whose conversion is explicit and to float only.
-    for (std::size_t i = 0; i < out.size(); ++i) {
-      if constexpr (std::is_floating_point_v<T>) out[i] = row[i];
-      else out[i] = static_cast<float>(row[i]);
-    }
-    return out;
+    const std::vector<std::int32_t> one(context.begin(), context.end());
+    return std::move(next_logits_batch(std::span(&one, 1))[0]);
+  }
+
+  //! next_logits of each of `contexts` at once, context s kept in the cache's sequence s. A
+  //! context that grew by one token since the last call for its sequence costs one position, and
+  //! all such contexts run their blocks together: one GEMM a weight for all of them. Others (new,
+  //! changed, or past max_seq_len, whose window slides) run on their own from where they part.
+  std::vector<std::vector<double>> next_logits_batch(std::span<const std::vector<std::int32_t>> contexts) {
+    std::vector<std::int64_t> sequences(contexts.size());
+    std::iota(sequences.begin(), sequences.end(), std::int64_t{0});
+    return logits_in(contexts, sequences);
   }
 
   //! `prompt` followed by up to options.max_new_tokens tokens, each drawn by sample_token from
   //! next_logits of everything before it with u = CounterRng(seed, "gpt2.sample").uniform(p),
   //! p its position: the same prompt, model and options give the same tokens.
   std::vector<std::int32_t> generate(std::span<const std::int32_t> prompt, const SamplingOptions& options) {
+    const std::vector<std::int32_t> one(prompt.begin(), prompt.end());
+    return std::move(generate_batch(std::span(&one, 1), options)[0]);
+  }
+
+  //! Each of `prompts` followed by up to options.max_new_tokens tokens, the texts growing
+  //! together (next_logits_batch). Text s draws from lane s of the same counter,
+  //! u = CounterRng(seed, "gpt2.sample").uniform(p, s): text 0 draws as generate does (its logits
+  //! agree with generate's up to rounding, since a GEMM over more rows may add in another order),
+  //! the others independently of it; a text that reaches stop_token stops alone.
+  std::vector<std::vector<std::int32_t>> generate_batch(std::span<const std::vector<std::int32_t>> prompts,
+                                                        const SamplingOptions& options) {
     options.validate();
     const Config& config = model_->config();
-    LOOM_CHECK(!prompt.empty(), "generator: prompt tokens", prompt.size(), "must be at least one");
-    for (std::size_t i = 0; i < prompt.size(); ++i)
-      LOOM_CHECK(prompt[i] >= 0 && prompt[i] < config.vocab_size, "generator: prompt token " + std::to_string(i),
-                 prompt[i], "must be in [0, vocab_size = " + detail::to_text(config.vocab_size) + ")");
+    LOOM_CHECK(!prompts.empty(), "generator: prompts", prompts.size(), "must be at least one");
+    for (std::size_t s = 0; s < prompts.size(); ++s) {
+      const std::string name = prompts.size() == 1 ? "generator: prompt" : "generator: prompt " + std::to_string(s);
+      LOOM_CHECK(!prompts[s].empty(), name + " tokens", prompts[s].size(), "must be at least one");
+      for (std::size_t i = 0; i < prompts[s].size(); ++i)
+        LOOM_CHECK(prompts[s][i] >= 0 && prompts[s][i] < config.vocab_size, name + " token " + std::to_string(i),
+                   prompts[s][i], "must be in [0, vocab_size = " + detail::to_text(config.vocab_size) + ")");
+    }
     const CounterRng rng(options.seed, "gpt2.sample");
-    std::vector<std::int32_t> out(prompt.begin(), prompt.end());
-    for (std::int64_t i = 0; i < options.max_new_tokens; ++i) {
-      const std::vector<double> logits = next_logits(out);
-      const std::int32_t next = sample_token(logits, options, rng.uniform(out.size()));
-      out.push_back(next);
-      if (next == options.stop_token) break;
+    std::vector<std::vector<std::int32_t>> out(prompts.begin(), prompts.end());
+    std::vector<std::size_t> growing(prompts.size());  // the texts still growing, by index in `out`
+    std::iota(growing.begin(), growing.end(), std::size_t{0});
+    for (std::int64_t i = 0; i < options.max_new_tokens && !growing.empty(); ++i) {
+      // Text s keeps cache sequence s, so a text that stops leaves the others' caches as they are.
+      std::vector<std::vector<std::int32_t>> contexts;
+      std::vector<std::int64_t> sequences;
+      for (const std::size_t s : growing) {
+        contexts.push_back(out[s]);
+        sequences.push_back(static_cast<std::int64_t>(s));
+      }
+      const std::vector<std::vector<double>> logits = logits_in(contexts, sequences);
+      std::vector<std::size_t> still;
+      for (std::size_t k = 0; k < growing.size(); ++k) {
+        std::vector<std::int32_t>& text = out[growing[k]];
+        const std::int32_t next =
+            sample_token(logits[k], options, rng.uniform(text.size(), static_cast<std::uint32_t>(growing[k])));
+        text.push_back(next);
+        if (next != options.stop_token) still.push_back(growing[k]);
+      }
+      growing = std::move(still);
     }
     return out;
   }
 
  private:
+  //! next_logits_batch with context s kept in the cache's sequence sequences[s] (distinct).
+  std::vector<std::vector<double>> logits_in(std::span<const std::vector<std::int32_t>> contexts,
+                                             std::span<const std::int64_t> sequences) {
+    LOOM_CHECK(!contexts.empty(), "generator: contexts", contexts.size(), "must be at least one");
+    for (std::size_t s = 0; s < contexts.size(); ++s)
+      LOOM_CHECK(!contexts[s].empty(),
+                 contexts.size() == 1 ? std::string("generator: context tokens")
+                                      : "generator: context " + std::to_string(s) + " tokens",
+                 contexts[s].size(), "must be at least one");
+    const Config& config = model_->config();
+    const auto S = static_cast<std::int64_t>(contexts.size());
+    const std::int64_t C = config.channels, vocab_rows = model_->vocab_rows();
+    Buffer<T, B> last(*backend_, S * C, MemoryCategory::activations);
+    const auto keep_last_row = [&](std::int64_t s, const Buffer<T, B>& hidden) {
+      const T* row = hidden.data() + hidden.size() - C;
+      std::copy(row, row + C, last.data() + s * C);
+    };
+    if (decoding_ == Decoding::full_context) {
+      for (std::int64_t s = 0; s < S; ++s) keep_last_row(s, forward(window(contexts[static_cast<std::size_t>(s)])));
+    } else {
+      reserve_sequences(*std::max_element(sequences.begin(), sequences.end()) + 1);
+      std::vector<std::int64_t> stepping;  // the contexts one token past their sequence's cache
+      for (std::int64_t s = 0; s < S; ++s) {
+        const std::vector<std::int32_t>& context = contexts[static_cast<std::size_t>(s)];
+        const std::vector<std::int32_t>& cached = cached_[static_cast<std::size_t>(sequences[static_cast<std::size_t>(s)])];
+        if (context.size() <= static_cast<std::size_t>(config.max_seq_len) && cached.size() + 1 == context.size() &&
+            std::equal(cached.begin(), cached.end(), context.begin()))
+          stepping.push_back(s);
+        else
+          keep_last_row(s, decode(sequences[static_cast<std::size_t>(s)], window(context)));
+      }
+      if (!stepping.empty()) {
+        const Buffer<T, B> hidden = step(contexts, sequences, stepping);
+        for (std::size_t j = 0; j < stepping.size(); ++j)
+          std::copy(hidden.data() + static_cast<std::int64_t>(j) * C, hidden.data() + static_cast<std::int64_t>(j + 1) * C,
+                    last.data() + stepping[j] * C);
+      }
+    }
+    std::vector<T> rows(static_cast<std::size_t>(S * vocab_rows));
+    model_->head_logits(*backend_, params_, Tensor<const T>{last.data(), Shape{S, C}},
+                        Tensor<T>{rows.data(), Shape{S, vocab_rows}});
+    std::vector<std::vector<double>> out(static_cast<std::size_t>(S), std::vector<double>(static_cast<std::size_t>(config.vocab_size)));
+    for (std::int64_t s = 0; s < S; ++s)
+      for (std::int64_t i = 0; i < config.vocab_size; ++i) {
+        // Through float for bf16, whose conversion is explicit and to float only.
+        const T logit = rows[static_cast<std::size_t>(s * vocab_rows + i)];
+        if constexpr (std::is_floating_point_v<T>) out[static_cast<std::size_t>(s)][static_cast<std::size_t>(i)] = logit;
+        else out[static_cast<std::size_t>(s)][static_cast<std::size_t>(i)] = static_cast<float>(logit);
+      }
+    return out;
+  }
+
+  //! The last max_seq_len tokens of `context`: what the model can read.
+  std::span<const std::int32_t> window(const std::vector<std::int32_t>& context) const {
+    const auto max = static_cast<std::size_t>(model_->config().max_seq_len);
+    const std::span<const std::int32_t> all(context);
+    return all.size() > max ? all.last(max) : all;
+  }
+
   //! The last block's output [T, C] for the whole window: every layer but the head, each reading
   //! the last one's output; nothing is kept between calls.
   Buffer<T, B> forward(std::span<const std::int32_t> window) {
@@ -193,35 +278,86 @@ class Generator {
     return a;
   }
 
-  //! The last block's output [n, C] for the window's positions after those the cache already
-  //! holds: the longest prefix the window shares with the cached tokens, less at least one
-  //! position (whose output the head needs). Those positions' keys and values join the cache.
-  Buffer<T, B> decode(std::span<const std::int32_t> window) {
+  //! Room in the cache for `sequences` sequences. Growing it starts every sequence empty.
+  void reserve_sequences(std::int64_t sequences) {
+    if (sequences <= sequences_) return;
     const Config& config = model_->config();
-    const std::int64_t C = config.channels, T_max = config.max_seq_len, blocks = model_->num_layers() - 2;
-    if (cache_.size() == 0) cache_ = Buffer<T, B>(*backend_, 2 * blocks * T_max * C, MemoryCategory::activations);
+    const std::int64_t blocks = model_->num_layers() - 2;
+    cache_ = Buffer<T, B>();  // the old cache goes before the new one comes
+    cache_ = Buffer<T, B>(*backend_, 2 * blocks * sequences * config.max_seq_len * config.channels,
+                          MemoryCategory::activations);
+    sequences_ = sequences;
+    cached_.assign(static_cast<std::size_t>(sequences), {});
+  }
+
+  //! Block `layer`'s cache of sequence `s`: its keys, or with `values` its values, [max_seq_len, C].
+  Tensor<T> cache_of(int layer, std::int64_t s, bool values) {
+    const Config& config = model_->config();
+    const std::int64_t rows = config.max_seq_len * config.channels;
+    T* base = cache_.data() + 2 * (layer - 1) * sequences_ * rows;
+    return Tensor<T>{base + ((values ? sequences_ : 0) + s) * rows, Shape{config.max_seq_len, config.channels}};
+  }
+
+  //! Sequence `s`'s last block output [n, C] for the window's positions after those its cache
+  //! already holds: the longest prefix the window shares with the cached tokens, less at least
+  //! one position (whose output the head needs). Those positions' keys and values join the cache.
+  Buffer<T, B> decode(std::int64_t s, std::span<const std::int32_t> window) {
+    const std::int64_t C = model_->config().channels;
+    std::vector<std::int32_t>& cached = cached_[static_cast<std::size_t>(s)];
     const std::size_t shared = std::min(
-        static_cast<std::size_t>(std::mismatch(cached_.begin(), cached_.end(), window.begin(), window.end()).first -
-                                 cached_.begin()),
+        static_cast<std::size_t>(std::mismatch(cached.begin(), cached.end(), window.begin(), window.end()).first -
+                                 cached.begin()),
         window.size() - 1);
     const std::int64_t past = static_cast<std::int64_t>(shared), n = static_cast<std::int64_t>(window.size()) - past;
     // Until this call's blocks have run, the cache holds the shared prefix only.
-    cached_.resize(shared);
+    cached.resize(shared);
     Buffer<T, B> a(*backend_, n * C, MemoryCategory::activations), b(*backend_, n * C, MemoryCategory::activations);
-    const Shape rows{n, C}, cache_shape{T_max, C};
+    const Shape rows{n, C};
     const Tensor<const std::int32_t> tokens{window.data() + past, Shape{n}};
     for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
-      T* keys = layer == 0 ? nullptr : cache_.data() + 2 * (layer - 1) * T_max * C;
       const DecodeArgs<T> args{.past = past,
                                .tokens = tokens,
                                .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), rows},
                                .output = {b.data(), rows},
-                               .keys = layer == 0 ? Tensor<T>{} : Tensor<T>{keys, cache_shape},
-                               .values = layer == 0 ? Tensor<T>{} : Tensor<T>{keys + T_max * C, cache_shape}};
+                               .keys = layer == 0 ? Tensor<T>{} : cache_of(layer, s, false),
+                               .values = layer == 0 ? Tensor<T>{} : cache_of(layer, s, true)};
       model_->decode(*backend_, layer, params_, args);
       a.swap(b);
     }
-    cached_.assign(window.begin(), window.end());
+    cached.assign(window.begin(), window.end());
+    return a;
+  }
+
+  //! The last block's output [n, C] for the last token of each of the n `contexts[stepping[j]]`,
+  //! whose cache sequence (`cache_sequences[stepping[j]]`) holds all the others: one
+  //! Model::decode call a layer for all n.
+  Buffer<T, B> step(std::span<const std::vector<std::int32_t>> contexts, std::span<const std::int64_t> cache_sequences,
+                    const std::vector<std::int64_t>& stepping) {
+    const std::int64_t C = model_->config().channels, n = static_cast<std::int64_t>(stepping.size());
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(n));
+    std::vector<DecodeSequence<T>> sequences(static_cast<std::size_t>(n));
+    for (std::size_t j = 0; j < stepping.size(); ++j) {
+      const std::vector<std::int32_t>& context = contexts[static_cast<std::size_t>(stepping[j])];
+      tokens[j] = context.back();
+      sequences[j].past = static_cast<std::int64_t>(context.size()) - 1;
+    }
+    Buffer<T, B> a(*backend_, n * C, MemoryCategory::activations), b(*backend_, n * C, MemoryCategory::activations);
+    const Shape rows{n, C};
+    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
+      for (std::size_t j = 0; j < stepping.size(); ++j) {
+        const std::int64_t sequence = cache_sequences[static_cast<std::size_t>(stepping[j])];
+        sequences[j].keys = layer == 0 ? Tensor<T>{} : cache_of(layer, sequence, false);
+        sequences[j].values = layer == 0 ? Tensor<T>{} : cache_of(layer, sequence, true);
+      }
+      const DecodeArgs<T> args{.tokens = {tokens.data(), Shape{n}},
+                               .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), rows},
+                               .output = {b.data(), rows},
+                               .sequences = sequences};
+      model_->decode(*backend_, layer, params_, args);
+      a.swap(b);
+    }
+    for (std::size_t j = 0; j < stepping.size(); ++j)
+      cached_[static_cast<std::size_t>(cache_sequences[static_cast<std::size_t>(stepping[j])])].push_back(tokens[j]);
     return a;
   }
 
@@ -229,8 +365,10 @@ class Generator {
   const Model<B, T>* model_;
   ParameterView<const T> params_;
   Decoding decoding_;
-  Buffer<T, B> cache_;                 //!< per block: keys [max_seq_len, C], then values
-  std::vector<std::int32_t> cached_;   //!< the tokens whose keys and values the cache holds, from position 0
+  //! Per block: the keys of each of the `sequences_` sequences [max_seq_len, C], then their values.
+  Buffer<T, B> cache_;
+  std::int64_t sequences_ = 0;
+  std::vector<std::vector<std::int32_t>> cached_;  //!< per sequence, the tokens its cache holds, from position 0
 };
 
 }  // namespace loom::gpt2

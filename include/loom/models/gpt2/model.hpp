@@ -38,17 +38,30 @@ namespace loom::gpt2 {
 using Attention = AttentionStorage;
 using loom::name;
 
+//! One of several sequences that Model::decode runs at once (DecodeArgs::sequences): where its
+//! new positions start, and a block's cache of its earlier ones.
+template <class T>
+struct DecodeSequence {
+  std::int64_t past = 0;  //!< positions before the new ones (their keys and values are cached)
+  Tensor<T> keys{}, values{};  //!< a block's cache, [max_seq_len, C] each, as DecodeArgs::keys and values
+};
+
 //! What Model::decode reads and writes: `rows` new positions [past, past + rows) of one
-//! sequence, run through one layer with the keys and values of the earlier positions kept.
+//! sequence, run through one layer with the keys and values of the earlier positions kept; or
+//! the new positions of several sequences at once (`sequences`).
 template <class T>
 struct DecodeArgs {
   std::int64_t past = 0;               //!< positions before the new ones (their keys and values are cached)
-  Tensor<const std::int32_t> tokens;   //!< [rows] the new positions' tokens: the embedding's input
-  Tensor<const T> input;               //!< [rows, C] a block's input: the last layer's output
-  Tensor<T> output;                    //!< [rows, C] for the next layer
+  Tensor<const std::int32_t> tokens{};  //!< [rows] the new positions' tokens: the embedding's input
+  Tensor<const T> input{};              //!< [rows, C] a block's input: the last layer's output
+  Tensor<T> output{};                   //!< [rows, C] for the next layer
   //! A block's cache, [max_seq_len, C] each: rows [0, past) hold the earlier positions' keys and
   //! values; the block writes the new positions' into rows [past, past + rows).
-  Tensor<T> keys, values;
+  Tensor<T> keys{}, values{};
+  //! Several sequences in one call, in place of `past`, `keys` and `values`: the rows split
+  //! evenly, sequence s's being rows [s·r, (s+1)·r) of tokens, input and output (r = rows / S),
+  //! so that each GEMM reads the weights once for all S. Empty: the one sequence above.
+  std::span<const DecodeSequence<T>> sequences{};
 };
 
 //! GPT-2 on backend `B` with scalar `T`: float to train, double for gradient checks, bf16 for
@@ -251,23 +264,38 @@ class Model {
     if (layer != embedding_layer)
       LOOM_CHECK(a.input.shape().rank() == 2, "gpt2 decode: input", a.input.shape(), "must be [rows, C]");
     const std::int64_t n = layer == embedding_layer ? a.tokens.numel() : a.input.extent(0);
-    LOOM_CHECK(a.past >= 0 && a.past + n <= config_.max_seq_len, "gpt2 decode: past", a.past,
-               "must be >= 0 and leave room for the " + detail::to_text(n) + " new positions in max_seq_len = " +
-                   detail::to_text(config_.max_seq_len));
+    const DecodeSequence<T> one{.past = a.past, .keys = a.keys, .values = a.values};
+    const std::span<const DecodeSequence<T>> sequences = a.sequences.empty() ? std::span(&one, 1) : a.sequences;
+    const auto S = static_cast<std::int64_t>(sequences.size());
+    LOOM_CHECK(n % S == 0, "gpt2 decode: rows", n,
+               "must split evenly over the " + detail::to_text(S) + " sequences (the same new positions each)");
+    const std::int64_t r = n / S;
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t past = sequences[static_cast<std::size_t>(s)].past;
+      LOOM_CHECK(past >= 0 && past + r <= config_.max_seq_len,
+                 S == 1 ? std::string("gpt2 decode: past") : "gpt2 decode: past of sequence " + detail::to_text(s), past,
+                 "must be >= 0 and leave room for the " + detail::to_text(r) + " new positions in max_seq_len = " +
+                     detail::to_text(config_.max_seq_len));
+    }
     check_shape(a.output, Shape{n, C}, "gpt2 decode", "output");
     if (layer == embedding_layer) {
-      const Tensor<const std::int32_t> tokens{a.tokens.data(), Shape{1, n}};
-      check_tokens(tokens);
-      // Row t's position is past + t: the position table from row `past` on.
-      vocab_parallel_embedding_forward<T>(
-          be, a.output.reshape({1, n, C}), tokens, param(params, wte_, {vocab_rows_, C}), vocab_begin_,
-          param(params, wpe_ + a.past * C, {config_.max_seq_len - a.past, C}));
+      check_tokens(Tensor<const std::int32_t>{a.tokens.data(), Shape{1, n}});
+      for (std::int64_t s = 0; s < S; ++s) {
+        // Row t's position is past + t: the position table from row `past` on.
+        const std::int64_t past = sequences[static_cast<std::size_t>(s)].past;
+        vocab_parallel_embedding_forward<T>(
+            be, Tensor<T>{a.output.data() + s * r * C, Shape{1, r, C}},
+            Tensor<const std::int32_t>{a.tokens.data() + s * r, Shape{1, r}}, param(params, wte_, {vocab_rows_, C}),
+            vocab_begin_, param(params, wpe_ + past * C, {config_.max_seq_len - past, C}));
+      }
       return;
     }
     check_shape(a.input, Shape{n, C}, "gpt2 decode", "input");
-    check_shape(a.keys, Shape{config_.max_seq_len, C}, "gpt2 decode", "keys");
-    check_shape(a.values, Shape{config_.max_seq_len, C}, "gpt2 decode", "values");
-    block_decode(be, blocks_[static_cast<std::size_t>(layer - 1)], params, a, n);
+    for (const DecodeSequence<T>& sequence : sequences) {
+      check_shape(sequence.keys, Shape{config_.max_seq_len, C}, "gpt2 decode", "keys");
+      check_shape(sequence.values, Shape{config_.max_seq_len, C}, "gpt2 decode", "values");
+    }
+    block_decode(be, blocks_[static_cast<std::size_t>(layer - 1)], params, a.input, a.output, sequences, n);
   }
 
   //! Runs `layer` backward: parameter gradients into `grads` (+=), input gradient (+=).
@@ -489,10 +517,10 @@ class Model {
     add_to<T>(be, output, b.res2);
   }
 
-  //! block_forward's arithmetic on `n` new rows of one sequence (Model::decode), with the
-  //! attention against the cache; the scratch lives for the call only.
-  void block_decode(B& be, const BlockOffsets& o, ParameterView<const T> p, const DecodeArgs<T>& a,
-                    std::int64_t n) const {
+  //! block_forward's arithmetic on `n` new rows of one or more sequences (Model::decode), with
+  //! each sequence's attention against its cache; the scratch lives for the call only.
+  void block_decode(B& be, const BlockOffsets& o, ParameterView<const T> p, Tensor<const T> input, Tensor<T> output,
+                    std::span<const DecodeSequence<T>> sequences, std::int64_t n) const {
     const std::int64_t C = config_.channels, F = mlp_channels_;
     Buffer<T, B> scratch(be, n * (5 * C + 2 * F), MemoryCategory::workspace);
     Buffer<A, B> stats(be, 2 * n, MemoryCategory::workspace);
@@ -505,16 +533,22 @@ class Model {
     const Tensor<T> ln1 = take(C, n), qkv = take(3 * C, n), res2 = take(C, n), fch = take(F, n), fch_gelu = take(F, n);
     const Tensor<T> atty = ln1, ln2{qkv.data(), Shape{n, C}};  // ln1 and qkv are dead by then
     const Tensor<A> mean{stats.data(), Shape{n}}, rstd{stats.data() + n, Shape{n}};
-    layernorm_forward<T>(be, ln1, mean, rstd, a.input, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}));
+    layernorm_forward<T>(be, ln1, mean, rstd, input, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}));
     matmul_forward<T>(be, qkv, Tensor<const T>(ln1), param(p, o.qkv_w, {3 * C, C}), param(p, o.qkv_b, {3 * C}));
-    attention_decode<T>(be, atty, Tensor<const T>(qkv), a.keys, a.values, a.past, static_cast<int>(heads_));
+    const std::int64_t r = n / static_cast<std::int64_t>(sequences.size());
+    for (std::size_t s = 0; s < sequences.size(); ++s) {
+      const auto first = static_cast<std::int64_t>(s) * r;
+      attention_decode<T>(be, Tensor<T>{atty.data() + first * C, Shape{r, C}},
+                          Tensor<const T>{qkv.data() + first * 3 * C, Shape{r, 3 * C}}, sequences[s].keys,
+                          sequences[s].values, sequences[s].past, static_cast<int>(heads_));
+    }
     matmul_forward<T>(be, res2, Tensor<const T>(atty), param(p, o.proj_w, {C, C}), param(p, o.proj_b, {C}));
-    add_to<T>(be, res2, a.input);
+    add_to<T>(be, res2, input);
     layernorm_forward<T>(be, ln2, mean, rstd, Tensor<const T>(res2), param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
     matmul_gelu_forward<T>(be, fch_gelu, fch, Tensor<const T>(ln2), param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}),
                            config_.gelu);
-    matmul_forward<T>(be, a.output, Tensor<const T>(fch_gelu), param(p, o.fcproj_w, {C, F}), param(p, o.fcproj_b, {C}));
-    add_to<T>(be, a.output, Tensor<const T>(res2));
+    matmul_forward<T>(be, output, Tensor<const T>(fch_gelu), param(p, o.fcproj_w, {C, F}), param(p, o.fcproj_b, {C}));
+    add_to<T>(be, output, Tensor<const T>(res2));
   }
 
   //! A row-parallel linear layer's bias: on the first rank only (see block_forward).
