@@ -127,8 +127,8 @@ class Generator {
   //! the positions after the longest prefix `context`'s window shares with the last call's run
   //! (at least the last one), so a context that grows by a token costs one position's work.
   std::vector<double> next_logits(std::span<const std::int32_t> context) {
-    const std::vector<std::int32_t> one(context.begin(), context.end());
-    return std::move(next_logits_batch(std::span(&one, 1))[0]);
+    const std::int64_t sequence = 0;
+    return std::move(logits_in(std::span(&context, 1), std::span(&sequence, 1))[0]);
   }
 
   //! next_logits of each of `contexts` at once, context s kept in the cache's sequence s. A
@@ -136,9 +136,10 @@ class Generator {
   //! all such contexts run their blocks together: one GEMM a weight for all of them. Others (new,
   //! changed, or past max_seq_len, whose window slides) run on their own from where they part.
   std::vector<std::vector<double>> next_logits_batch(std::span<const std::vector<std::int32_t>> contexts) {
+    const std::vector<std::span<const std::int32_t>> views(contexts.begin(), contexts.end());
     std::vector<std::int64_t> sequences(contexts.size());
     std::iota(sequences.begin(), sequences.end(), std::int64_t{0});
-    return logits_in(contexts, sequences);
+    return logits_in(views, sequences);
   }
 
   //! `prompt` followed by up to options.max_new_tokens tokens, each drawn by sample_token from
@@ -172,7 +173,7 @@ class Generator {
     std::iota(growing.begin(), growing.end(), std::size_t{0});
     for (std::int64_t i = 0; i < options.max_new_tokens && !growing.empty(); ++i) {
       // Text s keeps cache sequence s, so a text that stops leaves the others' caches as they are.
-      std::vector<std::vector<std::int32_t>> contexts;
+      std::vector<std::span<const std::int32_t>> contexts;
       std::vector<std::int64_t> sequences;
       for (const std::size_t s : growing) {
         contexts.push_back(out[s]);
@@ -194,7 +195,7 @@ class Generator {
 
  private:
   //! next_logits_batch with context s kept in the cache's sequence sequences[s] (distinct).
-  std::vector<std::vector<double>> logits_in(std::span<const std::vector<std::int32_t>> contexts,
+  std::vector<std::vector<double>> logits_in(std::span<const std::span<const std::int32_t>> contexts,
                                              std::span<const std::int64_t> sequences) {
     LOOM_CHECK(!contexts.empty(), "generator: contexts", contexts.size(), "must be at least one");
     for (std::size_t s = 0; s < contexts.size(); ++s)
@@ -216,7 +217,7 @@ class Generator {
       reserve_sequences(*std::max_element(sequences.begin(), sequences.end()) + 1);
       std::vector<std::int64_t> stepping;  // the contexts one token past their sequence's cache
       for (std::int64_t s = 0; s < S; ++s) {
-        const std::vector<std::int32_t>& context = contexts[static_cast<std::size_t>(s)];
+        const std::span<const std::int32_t> context = contexts[static_cast<std::size_t>(s)];
         const std::vector<std::int32_t>& cached = cached_[static_cast<std::size_t>(sequences[static_cast<std::size_t>(s)])];
         if (context.size() <= static_cast<std::size_t>(config.max_seq_len) && cached.size() + 1 == context.size() &&
             std::equal(cached.begin(), cached.end(), context.begin()))
@@ -246,10 +247,9 @@ class Generator {
   }
 
   //! The last max_seq_len tokens of `context`: what the model can read.
-  std::span<const std::int32_t> window(const std::vector<std::int32_t>& context) const {
+  std::span<const std::int32_t> window(std::span<const std::int32_t> context) const {
     const auto max = static_cast<std::size_t>(model_->config().max_seq_len);
-    const std::span<const std::int32_t> all(context);
-    return all.size() > max ? all.last(max) : all;
+    return context.size() > max ? context.last(max) : context;
   }
 
   //! The last block's output [T, C] for the whole window: every layer but the head, each reading
@@ -302,52 +302,49 @@ class Generator {
   //! already holds: the longest prefix the window shares with the cached tokens, less at least
   //! one position (whose output the head needs). Those positions' keys and values join the cache.
   Buffer<T, B> decode(std::int64_t s, std::span<const std::int32_t> window) {
-    const std::int64_t C = model_->config().channels;
     std::vector<std::int32_t>& cached = cached_[static_cast<std::size_t>(s)];
     const std::size_t shared = std::min(
         static_cast<std::size_t>(std::mismatch(cached.begin(), cached.end(), window.begin(), window.end()).first -
                                  cached.begin()),
         window.size() - 1);
-    const std::int64_t past = static_cast<std::int64_t>(shared), n = static_cast<std::int64_t>(window.size()) - past;
     // Until this call's blocks have run, the cache holds the shared prefix only.
     cached.resize(shared);
-    Buffer<T, B> a(*backend_, n * C, MemoryCategory::activations), b(*backend_, n * C, MemoryCategory::activations);
-    const Shape rows{n, C};
-    const Tensor<const std::int32_t> tokens{window.data() + past, Shape{n}};
-    for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
-      const DecodeArgs<T> args{.past = past,
-                               .tokens = tokens,
-                               .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), rows},
-                               .output = {b.data(), rows},
-                               .keys = layer == 0 ? Tensor<T>{} : cache_of(layer, s, false),
-                               .values = layer == 0 ? Tensor<T>{} : cache_of(layer, s, true)};
-      model_->decode(*backend_, layer, params_, args);
-      a.swap(b);
-    }
+    std::vector<DecodeSequence<T>> one{{.past = static_cast<std::int64_t>(shared)}};
+    Buffer<T, B> out = run_layers(window.subspan(shared), one, std::span(&s, 1));
     cached.assign(window.begin(), window.end());
-    return a;
+    return out;
   }
 
   //! The last block's output [n, C] for the last token of each of the n `contexts[stepping[j]]`,
   //! whose cache sequence (`cache_sequences[stepping[j]]`) holds all the others: one
   //! Model::decode call a layer for all n.
-  Buffer<T, B> step(std::span<const std::vector<std::int32_t>> contexts, std::span<const std::int64_t> cache_sequences,
-                    const std::vector<std::int64_t>& stepping) {
-    const std::int64_t C = model_->config().channels, n = static_cast<std::int64_t>(stepping.size());
-    std::vector<std::int32_t> tokens(static_cast<std::size_t>(n));
-    std::vector<DecodeSequence<T>> sequences(static_cast<std::size_t>(n));
-    for (std::size_t j = 0; j < stepping.size(); ++j) {
-      const std::vector<std::int32_t>& context = contexts[static_cast<std::size_t>(stepping[j])];
-      tokens[j] = context.back();
-      sequences[j].past = static_cast<std::int64_t>(context.size()) - 1;
+  Buffer<T, B> step(std::span<const std::span<const std::int32_t>> contexts,
+                    std::span<const std::int64_t> cache_sequences, const std::vector<std::int64_t>& stepping) {
+    std::vector<std::int32_t> tokens;
+    std::vector<DecodeSequence<T>> sequences;
+    std::vector<std::int64_t> cache;
+    for (const std::int64_t k : stepping) {
+      const std::span<const std::int32_t> context = contexts[static_cast<std::size_t>(k)];
+      tokens.push_back(context.back());
+      sequences.push_back({.past = static_cast<std::int64_t>(context.size()) - 1});
+      cache.push_back(cache_sequences[static_cast<std::size_t>(k)]);
     }
+    Buffer<T, B> out = run_layers(tokens, sequences, cache);
+    for (std::size_t j = 0; j < cache.size(); ++j) cached_[static_cast<std::size_t>(cache[j])].push_back(tokens[j]);
+    return out;
+  }
+
+  //! Every layer but the head on `tokens`, split evenly among `sequences` (their `past` set),
+  //! sequence j reading and adding to cache sequence `cache[j]`: the last block's output [n, C].
+  Buffer<T, B> run_layers(std::span<const std::int32_t> tokens, std::vector<DecodeSequence<T>>& sequences,
+                          std::span<const std::int64_t> cache) {
+    const std::int64_t C = model_->config().channels, n = static_cast<std::int64_t>(tokens.size());
     Buffer<T, B> a(*backend_, n * C, MemoryCategory::activations), b(*backend_, n * C, MemoryCategory::activations);
     const Shape rows{n, C};
     for (int layer = 0; layer + 1 < model_->num_layers(); ++layer) {
-      for (std::size_t j = 0; j < stepping.size(); ++j) {
-        const std::int64_t sequence = cache_sequences[static_cast<std::size_t>(stepping[j])];
-        sequences[j].keys = layer == 0 ? Tensor<T>{} : cache_of(layer, sequence, false);
-        sequences[j].values = layer == 0 ? Tensor<T>{} : cache_of(layer, sequence, true);
+      for (std::size_t j = 0; j < sequences.size(); ++j) {
+        sequences[j].keys = layer == 0 ? Tensor<T>{} : cache_of(layer, cache[j], false);
+        sequences[j].values = layer == 0 ? Tensor<T>{} : cache_of(layer, cache[j], true);
       }
       const DecodeArgs<T> args{.tokens = {tokens.data(), Shape{n}},
                                .input = layer == 0 ? Tensor<const T>{} : Tensor<const T>{a.data(), rows},
@@ -356,8 +353,6 @@ class Generator {
       model_->decode(*backend_, layer, params_, args);
       a.swap(b);
     }
-    for (std::size_t j = 0; j < stepping.size(); ++j)
-      cached_[static_cast<std::size_t>(cache_sequences[static_cast<std::size_t>(stepping[j])])].push_back(tokens[j]);
     return a;
   }
 
