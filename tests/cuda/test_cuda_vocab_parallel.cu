@@ -352,7 +352,8 @@ struct CrossEntropyReference {
 
 //! Plain double reference over the whole vocabulary. A target outside [0, vocab) is no slice's:
 //! a negative one ignores the row (loss 0, no gradient), a larger one (invalid: the caller's
-//! check) contributes no target term.
+//! check) has no slice's target logit, so the statistics carry 0 for it: its loss is the row's
+//! log-sum-exp, as the CPU kernels compute it.
 CrossEntropyReference reference(const CrossEntropyCase& c, const std::vector<float>& logits,
                                 const std::vector<std::int32_t>& targets, double scale) {
   CrossEntropyReference r{std::vector<double>(static_cast<std::size_t>(c.N)),
@@ -366,7 +367,7 @@ CrossEntropyReference reference(const CrossEntropyCase& c, const std::vector<flo
     for (std::int64_t i = 0; i < c.vocab; ++i) sum += std::exp(row[i] - max);
     for (std::int64_t i = 0; i < c.vocab; ++i) r.probs[n * c.padded + i] = std::exp(row[i] - max) / sum;
     const bool valid = targets[n] >= 0 && targets[n] < c.vocab;
-    r.losses[n] = targets[n] >= 0 ? std::log(sum) - (valid ? row[targets[n]] - max : 0.0) : 0.0;
+    r.losses[n] = targets[n] >= 0 ? std::log(sum) - ((valid ? row[targets[n]] : 0.0) - max) : 0.0;
     if (targets[n] < 0) continue;
     for (std::int64_t i = 0; i < c.vocab; ++i) r.dlogits[n * c.padded + i] = scale * r.probs[n * c.padded + i];
     if (valid) r.dlogits[n * c.padded + targets[n]] -= scale;
