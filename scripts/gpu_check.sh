@@ -39,6 +39,20 @@ build() {
   echo "carry: [\".gpu\"]; then: scripts/gpu_check.sh run"
 }
 
+#! The largest batch (a multiple of 8) predicted to fit on a card of CARD_MIB from the memory
+#! report of a gpt2_train run at BATCH (LOG): the categories that do not grow with the batch, and
+#! the rest of the peak per row; 5% of the card kept back. Prints nothing if the report is missing.
+predict_batch() {  # LOG BATCH CARD_MIB
+  awk -v batch="$2" -v card="$3" '
+    /^(parameters|gradients|optimizer_state) +[0-9.]+ MiB/ { fixed += $2 }
+    /^total +[0-9.]+ MiB \(peak [0-9.]+ MiB\)/ { peak = $5 }
+    END {
+      if (peak == "" || card == "" || peak <= fixed) exit
+      rows = int((0.95 * card - fixed) / ((peak - fixed) / batch) / 8) * 8
+      if (rows >= 8) print rows
+    }' "$1"
+}
+
 #! Unpacks .gpu/build-gpu.tar.xz where build-gpu/ is missing (on the device machine), with tar or,
 #! where tar has no xz, Python's tarfile.
 unpack() {
@@ -162,27 +176,40 @@ run() {
             --attention stored --peak-tflops 989.4
   fi
   if want large; then
-    # The issue's "largest micro-batch that fits". loom first: one step at each size of
-    # GPU_CHECK_LARGE_BATCHES, largest first, until one fits (a size that does not fails in its
-    # first step with loom's out-of-memory message, which says what each category held), then the
-    # timed run there. PyTorch then tries the same batch and, where it does not fit, the smaller
-    # ones (bench/pytorch_gpu.py --batch a,b,c). On 2026-11-24 at batch 16 loom held 8.3 GiB,
-    # PyTorch eager 14.5 and torch.compile 8.5 (eager took 53 GiB at 64 on 2026-11-23).
-    local sizes=(${GPU_CHECK_LARGE_BATCHES:-192 160 128 96 64}) fits="" b
+    # The issue's "largest micro-batch that fits". loom first: one step at batch 32, whose memory
+    # report gives what does not grow with the batch (parameters, gradients, optimizer state) and
+    # what a row adds (the rest of the peak: 410 MiB for GPT-2 small bf16 on 2026-11-27, linear
+    # from 16 to 192). From the card's memory that predicts the largest batch (a multiple of 8,
+    # with 5% of the card kept for the CUDA context, cuBLAS and fragmentation); one step there,
+    # then 16 rows fewer at a time until one fits (a size that does not fails in step 1 with
+    # loom's out-of-memory message). GPU_CHECK_LARGE_BATCHES names the sizes to try instead. The
+    # timed run follows at the size that fits. PyTorch then tries the same batch and, where it
+    # does not fit, smaller ones (bench/pytorch_gpu.py --batch a,b,c): eager took 14.5 GiB at 16
+    # and 104.3 at 128, torch.compile 8.5 at 16 and 81.9 at 192 (H200, 2026-11-27).
+    local sizes=(${GPU_CHECK_LARGE_BATCHES:-}) fits="" b
+    local probe=(./gpt2_train --device cuda --model small --seq 1024 --steps 1 --dtype bf16)
+    if (( ${#sizes[@]} == 0 )); then
+      run_one large_probe_32 "${probe[@]}" --batch 32 --micro-batch 32
+      local card_mib predicted
+      card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      predicted=$(predict_batch "$logs/large_probe_32.log" 32 "$card_mib")
+      echo "largest batch predicted from batch 32's memory on ${card_mib} MiB: ${predicted:-none}" | tee -a "$logs/table.txt"
+      [[ -n "$predicted" ]] && sizes=($(seq "$predicted" -16 $(( predicted > 64 ? predicted - 64 : 16 ))))
+    fi
     for b in "${sizes[@]}"; do
-      run_one "large_probe_$b" ./gpt2_train --device cuda --model small --seq 1024 --steps 1 --batch "$b" \
-              --micro-batch "$b" --dtype bf16
+      run_one "large_probe_$b" "${probe[@]}" --batch "$b" --micro-batch "$b"
       if (( rc == 0 )); then fits=$b; break; fi
     done
     if [[ -n "$fits" ]]; then
       run_one "large_bf16_defaults_$fits" "${small[@]}" --batch "$fits" --micro-batch "$fits" --dtype bf16 \
               --peak-tflops 989.4
-      local smaller
-      smaller=$(printf '%s\n' "${sizes[@]}" 32 | awk -v f="$fits" '$1 < f' | sort -rn -u | paste -sd, -)
+      # PyTorch's sizes: the same, then 7/8, 3/4, 5/8 and 1/2 of it (multiples of 8).
+      local torch_sizes
+      torch_sizes=$(for f in 8 7 6 5 4; do echo $(( fits * f / 64 * 8 )); done | awk '$1 > 0' | sort -rn -u | paste -sd, -)
       # torch.compile compiles again for each size it tries: more time than one program gets.
       local saved_limit=$limit
       limit=$(( limit > 540 ? limit : 540 ))
-      run_one "large_pytorch_gpu_$fits" python3 "$root/bench/pytorch_gpu.py" --batch "$fits${smaller:+,$smaller}" \
+      run_one "large_pytorch_gpu_$fits" python3 "$root/bench/pytorch_gpu.py" --batch "$torch_sizes" \
               --modes eager-bf16,compile-bf16 --steps 10 --warmup 3 --json "$logs/pytorch_gpu_large.json"
       limit=$saved_limit
     fi
