@@ -4,6 +4,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -122,6 +123,38 @@ TEST_CASE_TEMPLATE("matmul_forward matches the plain reference", T, float, doubl
     const auto ref = reference_forward(d, c);
     CHECK(loom::test::max_relative_error(run_forward(one, d, c), ref, 1.0) <= tolerance<T>());
     CHECK(loom::test::max_relative_error(run_forward(two, d, c), ref, 1.0) <= tolerance<T>());
+  }
+}
+
+TEST_CASE_TEMPLATE("matmul_forward on up to 8 rows (decoding): each row's bits do not depend on the others or on threads",
+                   T, float, double) {
+  // C below, at and above the 16 lanes of a dot product (whole chunks plus a tail); OC below,
+  // at and across the blocks of 8, 4 and 2 weight rows and the 64-column tasks.
+  const cpu one(1), two(2);
+  for (const std::int64_t C : {1, 15, 16, 17, 100}) {
+    for (const std::int64_t OC : {1, 9, 65, 130}) {
+      CAPTURE(C);
+      CAPTURE(OC);
+      const Case all{1, 8, C, OC, true};
+      const auto d = make_data<T>(all, 71 + static_cast<std::uint64_t>(C * OC));
+      const auto ref = reference_forward(d, all);
+      const std::vector<T> full = run_forward(one, d, all);
+      CHECK(loom::test::max_relative_error(full, ref, 1.0) <= tolerance<T>());
+      CHECK(run_forward(two, d, all) == full);
+      // The first N rows alone, N = 1 .. 7, with and without the bias.
+      for (std::int64_t N = 1; N < 8; ++N) {
+        CAPTURE(N);
+        const Case part{1, N, C, OC, true};
+        Data<T> rows = d;
+        rows.in.resize(static_cast<std::size_t>(N * C));
+        const std::vector<T> got = run_forward(two, rows, part);
+        CHECK(std::equal(got.begin(), got.end(), full.begin()));
+        const Case unbiased{1, N, C, OC, false};
+        rows.bias.clear();
+        CHECK(loom::test::max_relative_error(run_forward(one, rows, unbiased), reference_forward(rows, unbiased),
+                                             1.0) <= tolerance<T>());
+      }
+    }
   }
 }
 

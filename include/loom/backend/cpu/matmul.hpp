@@ -1,7 +1,8 @@
 #pragma once
 //! \file Fully connected layer (matmul with bias) on the CPU backend: Eigen GEMMs over row-major
 //! maps of the flat tensors, using this rank's threads. On bf16 each output tile is one float
-//! GEMM over operand blocks widened to float, rounded once into the output.
+//! GEMM over operand blocks widened to float, rounded once into the output. A forward over 8 rows
+//! or fewer (decoding) computes each output as one dot product instead.
 
 #include <Eigen/Core>
 
@@ -118,6 +119,105 @@ void staged_gemm(const cpu& be, T* c, std::int64_t M, std::int64_t N, std::int64
   }
 }
 
+//! Rows at or below which matmul_forward computes each output element as one dot product of an
+//! input row and a weight row (few_rows_forward) instead of a GEMM. Decoding passes one row per
+//! text: there Eigen's GEMV runs on one thread, and its GEMM (2 to 8 rows) copies every weight
+//! into its packed layout first, which costs more than the products.
+inline constexpr std::int64_t few_rows_max = 8;
+//! Partial sums of each of few_rows_forward's dot products: product k of the whole chunks of 8
+//! goes to lane k % 8, the products past the last whole chunk to a tail sum; the lanes are added
+//! in a fixed tree, then the tail. Fixed here rather than by the vector width, so that every
+//! instruction set sums in the same order.
+inline constexpr int dot_lanes = 8;
+//! Output columns per task of few_rows_forward (a multiple of every block of weight rows below).
+inline constexpr std::int64_t few_rows_task = 64;
+
+//! `p[0 .. dot_lanes)` in the accumulate type: `p` itself where T is its own, else widened into
+//! `staged`.
+template <class T>
+const accumulate_t<T>* lanes_at(const T* p, accumulate_t<T>* staged) noexcept {
+  if constexpr (is_narrow_storage<T>) {
+    for (int j = 0; j < dot_lanes; ++j) staged[j] = to_accumulate(p[j]);
+    return staged;
+  } else {
+    return p;
+  }
+}
+
+//! out[n, o] for the NR rows n of `in` and the OB outputs o0 .. o0 + OB - 1: bias[o] (if any) plus
+//! the dot product of in row n and weight row o, summed in dot_lanes lanes and rounded once. The
+//! OB weight rows are read once for all NR input rows. The lanes are fixed-size Eigen arrays, which
+//! the compiler keeps in vector registers (a plain array of partial sums went through the stack
+//! at every product, seen in g++ 12's code).
+template <int NR, int OB, class T>
+void few_rows_outputs(T* out, const T* in, const T* weight, const T* bias, std::int64_t C, std::int64_t OC,
+                      std::int64_t o0) noexcept {
+  using A = accumulate_t<T>;
+  constexpr int L = dot_lanes;
+  using Lanes = Eigen::Array<A, L, 1>;
+  using ConstLanes = Eigen::Map<const Lanes>;
+  const std::int64_t whole = C / L * L;
+  Lanes sums[OB][NR];
+  for (auto& per_output : sums)
+    for (Lanes& lanes : per_output) lanes.setZero();
+  A staged[NR + 1][L];  // bf16: this chunk of the input rows and of one weight row, widened
+  for (std::int64_t c = 0; c < whole; c += L) {
+    const A* x[NR];
+    for (int n = 0; n < NR; ++n) x[n] = lanes_at(in + n * C + c, staged[n]);
+    for (int b = 0; b < OB; ++b) {
+      const ConstLanes w(lanes_at(weight + (o0 + b) * C + c, staged[NR]));
+      for (int n = 0; n < NR; ++n) sums[b][n] += ConstLanes(x[n]) * w;
+    }
+  }
+  for (int b = 0; b < OB; ++b)
+    for (int n = 0; n < NR; ++n) {
+      const std::int64_t o = o0 + b;
+      A lane[L];
+      Eigen::Map<Lanes>{lane} = sums[b][n];
+      for (int width = L / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+      A tail = 0;
+      for (std::int64_t k = whole; k < C; ++k) tail += to_accumulate(in[n * C + k]) * to_accumulate(weight[o * C + k]);
+      const A dot = lane[0] + tail;
+      out[n * OC + o] = static_cast<T>(bias == nullptr ? dot : to_accumulate(bias[o]) + dot);
+    }
+}
+
+//! Outputs [o_begin, o_end) of all NR rows: OB weight rows at a time (NR·OB lane vectors live at
+//! once), then one at a time.
+template <int NR, class T>
+void few_rows_range(T* out, const T* in, const T* weight, const T* bias, std::int64_t C, std::int64_t OC,
+                    std::int64_t o_begin, std::int64_t o_end) noexcept {
+  constexpr int OB = NR == 1 ? 8 : NR == 2 ? 4 : NR <= 4 ? 2 : 1;
+  std::int64_t o = o_begin;
+  for (; o + OB <= o_end; o += OB) few_rows_outputs<NR, OB>(out, in, weight, bias, C, OC, o);
+  for (; o < o_end; ++o) few_rows_outputs<NR, 1>(out, in, weight, bias, C, OC, o);
+}
+
+//! out[N, OC] = in[N, C] · weight[OC, C]^T (+ bias) for N <= few_rows_max: every output element
+//! is one dot product in a fixed order (dot_lanes), so a row gets the same bits whatever N is and
+//! however many threads share the outputs. Threads take tasks of few_rows_task output columns,
+//! each reading its weight rows once for all N rows.
+template <class T>
+void few_rows_forward(const cpu& be, T* out, const T* in, const T* weight, const T* bias, std::int64_t N,
+                      std::int64_t C, std::int64_t OC) {
+  const std::int64_t tasks = (OC + few_rows_task - 1) / few_rows_task;
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (tasks > 1 && N * OC * C >= parallel_min_products)
+  for (std::int64_t t = 0; t < tasks; ++t) {
+    const std::int64_t begin = t * few_rows_task, end = std::min(OC, begin + few_rows_task);
+    switch (N) {
+      case 1: few_rows_range<1>(out, in, weight, bias, C, OC, begin, end); break;
+      case 2: few_rows_range<2>(out, in, weight, bias, C, OC, begin, end); break;
+      case 3: few_rows_range<3>(out, in, weight, bias, C, OC, begin, end); break;
+      case 4: few_rows_range<4>(out, in, weight, bias, C, OC, begin, end); break;
+      case 5: few_rows_range<5>(out, in, weight, bias, C, OC, begin, end); break;
+      case 6: few_rows_range<6>(out, in, weight, bias, C, OC, begin, end); break;
+      case 7: few_rows_range<7>(out, in, weight, bias, C, OC, begin, end); break;
+      default: few_rows_range<8>(out, in, weight, bias, C, OC, begin, end); break;
+    }
+  }
+}
+
 //! out = in · weight^T (+ bias) for float and double: one Eigen GEMM on this rank's threads.
 template <class T>
 void forward_in_place(const cpu& be, T* out, const T* in, const T* weight, const T* b, std::int64_t N,
@@ -158,7 +258,9 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
   if (!bias.empty()) check_shape(bias, Shape{OC}, kernel, "bias");
   if (N == 0 || OC == 0) return;
 
-  if constexpr (is_narrow_storage<T>) {
+  if (N <= d::few_rows_max) {
+    d::few_rows_forward(be, out.data(), in.data(), weight.data(), bias.empty() ? nullptr : bias.data(), N, C, OC);
+  } else if constexpr (is_narrow_storage<T>) {
     d::staged_gemm<false, true>(be, out.data(), N, OC, C, in.data(), C, weight.data(), C,
                                 bias.empty() ? nullptr : bias.data(), false);
   } else {
