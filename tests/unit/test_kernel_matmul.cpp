@@ -128,8 +128,8 @@ TEST_CASE_TEMPLATE("matmul_forward matches the plain reference", T, float, doubl
 
 TEST_CASE_TEMPLATE("matmul_forward on up to 8 rows (decoding): each row's bits do not depend on the others or on threads",
                    T, float, double) {
-  // C below, at and above the 16 lanes of a dot product (whole chunks plus a tail); OC below,
-  // at and across the blocks of 8, 4 and 2 weight rows and the 64-column tasks.
+  // C: a tail alone (1), whole chunks of the 8 lanes with and without a tail (15, 16, 17, 100);
+  // OC below, at and across the blocks of 8, 4 and 2 weight rows and the 64-column tasks.
   const cpu one(1), two(2);
   for (const std::int64_t C : {1, 15, 16, 17, 100}) {
     for (const std::int64_t OC : {1, 9, 65, 130}) {

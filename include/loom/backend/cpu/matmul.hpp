@@ -58,7 +58,8 @@ inline constexpr std::int64_t bias_block = 64;
 //! over the whole inner extent, so every output element is rounded once; the tiles, not Eigen's
 //! blocking, split the work between threads, so the result is the same bits for any thread count.
 inline constexpr std::int64_t tile = 128;
-//! Below this many multiply-adds a staged GEMM stays on the calling thread.
+//! Below this many multiply-adds a staged GEMM, or a few-rows product, stays on the calling
+//! thread.
 inline constexpr std::int64_t parallel_min_products = std::int64_t{1} << 18;
 
 //! `m` or its transpose, as an Eigen expression.
