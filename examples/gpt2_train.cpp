@@ -317,8 +317,9 @@ int main(int argc, char** argv) {
                  "ids separated by commas otherwise (default: the data's first token)");
   app.add_option("--tokenizer", o.tokenizer,
                  "With --sample-tokens and token data: print the sample as text, decoded through llm.c's "
-                 "tokenizer file (gpt2_tokenizer.bin) or a Hugging Face vocab.json, and read --prompt as text "
-                 "encoded through it (GPT-2's byte-level BPE); generation stops at its end-of-text token");
+                 "tokenizer file (gpt2_tokenizer.bin), a Hugging Face vocab.json (ids in merge order) or a Hugging "
+                 "Face tokenizer.json of a byte-level BPE, and read --prompt as text encoded through it; generation "
+                 "stops at its end-of-text token (<|endoftext|>, else </s>)");
   app.add_option("--temperature", o.temperature, "With --sample-tokens: divides the logits (0 = greedy)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", o.top_k, "With --sample-tokens: draw among the k most likely tokens (0 = all)")

@@ -127,7 +127,7 @@ struct Options {
   std::string prompt;              // what they follow: text with bytes: data or --tokenizer, else ids "a,b,c"
   double temperature = 1.0;        // sampling temperature (0: greedy)
   std::int64_t top_k = 0;          // draw among the k most likely tokens (0: all)
-  std::string tokenizer;           // token data's ids to text: llm.c's tokenizer file or a vocab.json (empty: ids)
+  std::string tokenizer;           // token data's ids to text: llm.c's tokenizer file, a vocab.json or a tokenizer.json (empty: ids)
   std::string init;
   std::string save;
   std::string init_hf;  // a Hugging Face model directory (config.json, model.safetensors) to start from
@@ -202,7 +202,7 @@ inline std::vector<std::int32_t> prompt_tokens(const Options& o, const Source& d
   }
   if (!o.tokenizer.empty()) {
     try {
-      return loom::io::TokenEncoder(loom::io::TokenDecoder::read(o.tokenizer)).encode(o.prompt);
+      return loom::io::TokenEncoder::read(o.tokenizer).encode(o.prompt);
     } catch (const loom::Error& e) {
       throw loom::Error("--prompt (text, encoded through --tokenizer " + o.tokenizer + "): " + e.subject(), e.value(),
                         e.rule());

@@ -1,20 +1,24 @@
-// loom_tokenize: text to GPT-2 token ids, printed or written as an llm.c token file that
-// gpt2_train --data reads.
+// loom_tokenize: text to token ids of a byte-level BPE (GPT-2's and its kin), printed or written
+// as an llm.c token file that gpt2_train --data and bert_train --data read.
 //
 //   loom_tokenize --tokenizer gpt2_tokenizer.bin --text "Hello, world"
 //   loom_tokenize --tokenizer vocab.json --end-of-text --output train.bin a.txt b.txt
+//   loom_tokenize --tokenizer roberta/tokenizer.json --end-of-text --output train.bin a.txt
 //
-// The tokenizer is llm.c's gpt2_tokenizer.bin or a Hugging Face vocab.json of a byte-level BPE
-// whose ids are its merge ranks (GPT-2's); see docs/data.md, "Tokenizers".
+// The tokenizer is llm.c's gpt2_tokenizer.bin, a Hugging Face vocab.json whose ids are its merge
+// ranks (GPT-2's), or a Hugging Face tokenizer.json of a byte-level BPE (its merges ranked by
+// their list); see docs/data.md, "Tokenizers".
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
+#include <exception>
 #include <iostream>
 #include <iterator>
-#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -28,13 +32,38 @@ namespace {
 
 //! The bytes of file `name`, or of standard input for "-".
 std::string read_input(const std::string& name) {
-  if (name == "-") return {std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>()};
-  std::ifstream in(name, std::ios::binary);
-  if (!in) throw loom::Error("input", name, "cannot be opened for reading");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw loom::Error("input", name, "could not be read to its end");
-  return std::move(text).str();
+  if (name != "-") return loom::io::detail::read_text_file(name, "input");
+  std::string text{std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>()};
+  if (std::cin.bad()) throw loom::Error("input", "standard input", "could not be read to its end");
+  return text;
+}
+
+//! The ids of each document: with at least as many documents as threads, the threads take
+//! documents in turn, each encoding its own whole; otherwise each document is encoded in parts
+//! on all of them (TokenEncoder::encode(text, threads)). Either way the ids are encode's.
+std::vector<std::vector<std::int32_t>> encode_all(const loom::io::TokenEncoder& encoder,
+                                                  const std::vector<std::string>& documents, int threads) {
+  std::vector<std::vector<std::int32_t>> encoded(documents.size());
+  if (documents.size() < static_cast<std::size_t>(threads)) {
+    for (std::size_t d = 0; d < documents.size(); ++d) encoded[d] = encoder.encode(documents[d], threads);
+    return encoded;
+  }
+  std::atomic<std::size_t> next{0};
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
+  {
+    std::vector<std::jthread> workers;
+    for (int t = 0; t < threads; ++t)
+      workers.emplace_back([&, t] {
+        try {
+          for (std::size_t d = next++; d < documents.size(); d = next++) encoded[d] = encoder.encode(documents[d]);
+        } catch (...) {
+          errors[static_cast<std::size_t>(t)] = std::current_exception();
+        }
+      });
+  }
+  for (const std::exception_ptr& error : errors)
+    if (error) std::rethrow_exception(error);
+  return encoded;
 }
 
 }  // namespace
@@ -43,40 +72,46 @@ int main(int argc, char** argv) {
   std::string tokenizer, text, output;
   std::vector<std::string> inputs;
   bool end_of_text = false;
-  CLI::App app{"Text to GPT-2 token ids (GPT-2's pre-tokenizer and byte-level BPE), printed or written as an "
-               "llm.c token file for gpt2_train --data."};
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  CLI::App app{"Text to the token ids of a byte-level BPE (GPT-2's pre-tokenizer, then the merges), printed or "
+               "written as an llm.c token file for gpt2_train --data."};
   app.add_option("--tokenizer", tokenizer,
-                 "llm.c's tokenizer file (gpt2_tokenizer.bin) or a Hugging Face vocab.json whose ids are its merge "
-                 "ranks (GPT-2's)")
+                 "llm.c's tokenizer file (gpt2_tokenizer.bin), a Hugging Face vocab.json whose ids are its merge "
+                 "ranks (GPT-2's), or a Hugging Face tokenizer.json of a byte-level BPE")
       ->required();
   app.add_option("inputs", inputs, "Text files, each one document; - reads standard input");
   app.add_option("--text", text, "Encode this text (one more document, after the files)");
   app.add_option("--output", output,
                  "Write the ids as an llm.c token file (uint16, written whole to FILE.tmp, then renamed); "
                  "without it they are printed, separated by commas");
+  app.add_option("--threads", threads,
+                 "Threads: on as many documents at once, or on parts of each document, cut at line ends where the ids "
+                 "cannot change (the ids are those of one thread; default: the hardware threads)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_flag("--end-of-text", end_of_text,
                "Put the end-of-text token before each document, as llm.c's data scripts do");
   CLI11_PARSE(app, argc, argv);
   try {
     if (inputs.empty() && app.count("--text") == 0)
       throw loom::Error("inputs", "none", "give text files, - for standard input, or --text");
-    const loom::io::TokenDecoder vocabulary = loom::io::TokenDecoder::read(tokenizer);
-    const loom::io::TokenEncoder encoder(vocabulary);
+    const loom::io::TokenEncoder encoder = loom::io::TokenEncoder::read(tokenizer);
     if (end_of_text)
       LOOM_CHECK(encoder.end_of_text() >= 0, "--end-of-text: the tokenizer " + tokenizer, "has no end-of-text token",
-                 "a vocab.json needs <|endoftext|>, an llm.c file version 2");
+                 "a vocab.json needs <|endoftext|>, a tokenizer.json an added <|endoftext|> or </s>, an llm.c file "
+                 "version 2");
     std::vector<std::string> documents;
     for (const std::string& name : inputs) documents.push_back(read_input(name));
     if (app.count("--text") > 0) documents.push_back(text);
 
     const auto begin = std::chrono::steady_clock::now();
+    const std::vector<std::vector<std::int32_t>> encoded = encode_all(encoder, documents, threads);
     std::vector<std::int32_t> ids;
     std::size_t bytes = 0;
-    for (const std::string& document : documents) {
+    for (std::size_t d = 0; d < documents.size(); ++d) {
       if (end_of_text) ids.push_back(encoder.end_of_text());
-      const std::vector<std::int32_t> part = encoder.encode(document);
-      ids.insert(ids.end(), part.begin(), part.end());
-      bytes += document.size();
+      ids.insert(ids.end(), encoded[d].begin(), encoded[d].end());
+      bytes += documents[d].size();
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
 
@@ -93,10 +128,12 @@ int main(int argc, char** argv) {
       }
       loom::io::write_token_file(output, narrow);
     }
-    std::fprintf(stderr, "%zu document%s, %zu bytes -> %zu tokens (%.2f bytes a token) in %.3f s (%.1f MB/s)%s%s\n",
+    std::fprintf(stderr,
+                 "%zu document%s, %zu bytes -> %zu tokens (%.2f bytes a token) in %.3f s (%.1f MB/s, %d thread%s)%s%s\n",
                  documents.size(), documents.size() == 1 ? "" : "s", bytes, ids.size(),
                  ids.empty() ? 0.0 : static_cast<double>(bytes) / static_cast<double>(ids.size()), seconds,
-                 seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0, output.empty() ? "" : "; wrote ",
+                 seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0, threads, threads == 1 ? "" : "s",
+                 output.empty() ? "" : "; wrote ",
                  output.c_str());
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());

@@ -5,9 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,13 +24,7 @@ namespace {
 
 const std::string data_dir = std::string(LOOM_TEST_DATA_DIR) + "/tokenizer";
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return std::move(text).str();
-}
+std::string read_text(const std::string& path) { return io::detail::read_text_file(path, "test data"); }
 
 std::vector<std::string> pieces_of(std::string_view text) {
   const std::vector<std::string_view> views = io::gpt2_pretokenize(text);

@@ -73,14 +73,6 @@ inline HfModelFiles hf_model_files(const std::filesystem::path& path) {
 
 namespace detail {
 
-//! The whole text of a small file (a config or an index).
-inline std::string read_text_file(const std::filesystem::path& path, const std::string& kind) {
-  BinaryFile file(path, "rb", kind);
-  std::string text(static_cast<std::size_t>(file.size()), '\0');
-  file.read(text.data(), text.size(), "the whole file");
-  return text;
-}
-
 //! A model's config.json, with typed lookups whose errors name the file and the key.
 class HfConfig {
  public:

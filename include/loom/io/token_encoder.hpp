@@ -1,7 +1,7 @@
 #pragma once
-//! \file Text to GPT-2 token ids: GPT-2's pre-tokenizer, then byte-level BPE over each piece, with
-//! a TokenDecoder's table (llm.c's `gpt2_tokenizer.bin` or a Hugging Face `vocab.json`) as the
-//! merge ranks.
+//! \file Text to token ids for a byte-level BPE (GPT-2's, or one read from a Hugging Face
+//! tokenizer.json): GPT-2's pre-tokenizer, then the merges over each piece; or for BERT's
+//! WordPiece read from a tokenizer.json (detail::WordPiece, below).
 //!
 //! The pre-tokenizer is GPT-2's pattern (Radford et al. 2019, its `encoder.py`), written out as a
 //! scanner rather than a regular expression:
@@ -12,23 +12,31 @@
 //! White_Space property. Bytes that are not valid UTF-8 count as one character each, of neither
 //! class, so every byte string is split and encoded, and decode(encode(s)) == s for all s.
 //!
-//! Merging follows the ranks rule (as OpenAI's tiktoken does): within a piece, starting from
-//! single bytes, the adjacent pair whose concatenation is the token of lowest id is merged,
-//! leftmost first among equals, until no adjacent pair is a token. GPT-2's ids are its merges in
-//! order after the 256 bytes, so the lowest id is the earliest merge.
+//! Merging, within a piece, starts from single bytes and merges the best-ranked adjacent pair,
+//! leftmost first among equals, until no adjacent pair merges. With a TokenDecoder's table alone
+//! (llm.c's `gpt2_tokenizer.bin`, a `vocab.json`) a pair's rank is the id of its concatenation,
+//! where that is a token (the ranks rule, as OpenAI's tiktoken has it): GPT-2's ids are its merges
+//! in order after the 256 bytes, so the lowest id is the earliest merge. With a merge list
+//! (TokenizerRules, from a tokenizer.json) a pair's rank is its place in the list, as Hugging Face's
+//! `tokenizers` has it, whatever the ids.
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <filesystem>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "loom/core/error.hpp"
+#include "loom/io/detail/unicode_bert.hpp"
 #include "loom/io/detail/unicode_classes.hpp"
 #include "loom/io/token_decoder.hpp"
 
@@ -72,30 +80,213 @@ struct TextChar {
   std::size_t bytes;
 };
 
+//! A character of a byte string: its code point (U+FFFD where the bytes are not well-formed
+//! UTF-8, one byte then), its length in bytes, and whether it was well-formed.
+struct CodePointAt {
+  char32_t c;
+  std::size_t bytes;
+  bool valid;
+};
+
 //! The character at byte `at` of `text`: a well-formed UTF-8 sequence (no overlong forms, no
-//! surrogates, at most U+10FFFF), or else one byte of class `other`.
-inline TextChar char_at(std::string_view text, std::size_t at) noexcept {
+//! surrogates, at most U+10FFFF), or else one byte.
+inline CodePointAt code_point_at(std::string_view text, std::size_t at) noexcept {
+  constexpr CodePointAt invalid{0xfffd, 1, false};
   const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(text[at + k]); };
   const unsigned lead = byte(0);
-  if (lead < 0x80) return {char_class(lead), 1};
+  if (lead < 0x80) return {lead, 1, true};
   const std::size_t length = lead >= 0xc2 && lead <= 0xdf ? 2 : lead >= 0xe0 && lead <= 0xef ? 3
                              : lead >= 0xf0 && lead <= 0xf4                                   ? 4
                                                                                               : 0;
-  if (length == 0 || text.size() - at < length) return {CharClass::other, 1};
+  if (length == 0 || text.size() - at < length) return invalid;
   char32_t c = lead & (0x7fu >> length);
   for (std::size_t k = 1; k < length; ++k) {
-    if ((byte(k) & 0xc0) != 0x80) return {CharClass::other, 1};
+    if ((byte(k) & 0xc0) != 0x80) return invalid;
     c = (c << 6) | (byte(k) & 0x3f);
   }
   const bool overlong = (length == 3 && c < 0x800) || (length == 4 && c < 0x10000);
-  if (overlong || (c >= 0xd800 && c <= 0xdfff) || c > 0x10ffff) return {CharClass::other, 1};
-  return {char_class(c), length};
+  if (overlong || (c >= 0xd800 && c <= 0xdfff) || c > 0x10ffff) return invalid;
+  return {c, length, true};
+}
+
+//! The character at byte `at` of `text` (code_point_at): its class, of `other` where the bytes
+//! are not well-formed UTF-8.
+inline TextChar char_at(std::string_view text, std::size_t at) noexcept {
+  const CodePointAt ch = code_point_at(text, at);
+  return {ch.valid ? char_class(ch.c) : CharClass::other, ch.bytes};
+}
+
+//! Appends the UTF-8 of code point `c` to `out`.
+inline void append_utf8(std::string& out, char32_t c) {
+  if (c < 0x80) {
+    out += static_cast<char>(c);
+  } else if (c < 0x800) {
+    out += static_cast<char>(0xc0 | (c >> 6));
+    out += static_cast<char>(0x80 | (c & 0x3f));
+  } else if (c < 0x10000) {
+    out += static_cast<char>(0xe0 | (c >> 12));
+    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
+    out += static_cast<char>(0x80 | (c & 0x3f));
+  } else {
+    out += static_cast<char>(0xf0 | (c >> 18));
+    out += static_cast<char>(0x80 | ((c >> 12) & 0x3f));
+    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
+    out += static_cast<char>(0x80 | (c & 0x3f));
+  }
 }
 
 //! Hash of byte strings that also takes string_views (heterogeneous lookup).
 struct BytesHash {
   using is_transparent = void;
   std::size_t operator()(std::string_view bytes) const noexcept { return std::hash<std::string_view>{}(bytes); }
+};
+
+//! The mapping of code point `c` in a table sorted by `from`, or null.
+template <int N, std::size_t Size>
+const CodePointMapping<N>* find_mapping(const CodePointMapping<N> (&table)[Size], char32_t c) noexcept {
+  const auto* it = std::lower_bound(std::begin(table), std::end(table), c,
+                                    [](const CodePointMapping<N>& m, char32_t value) { return m.from < value; });
+  return it != std::end(table) && it->from == c ? it : nullptr;
+}
+
+//! BERT's normalizer, pre-tokenizer and WordPiece (WordPieceRules) as Hugging Face's `tokenizers`
+//! applies them, with its character tables (detail/unicode_bert.hpp):
+//! 1. normalize each character: clean_text drops the control and other characters of
+//!    bert_removed and makes the rest of White_Space a space; chinese_chars puts a space before
+//!    and after each CJK ideograph; strip_accents decomposes (NFD, Hangul syllables by
+//!    arithmetic) and drops the nonspacing marks; lowercase lowers (a character at a time, as
+//!    `tokenizers` does: no final-sigma rule);
+//! 2. split into words at White_Space, each punctuation character a word of its own;
+//! 3. spell each word greedily, the longest vocabulary token first from its start, then from
+//!    where that ends with the continuation prefix; a word longer than max_chars characters, or
+//!    one with a place no token spells, is the unknown token whole.
+//! Bytes that are not well-formed UTF-8 are U+FFFD, which clean_text drops.
+class WordPiece {
+ public:
+  explicit WordPiece(WordPieceRules rules)
+      : unknown_(rules.unknown),
+        prefix_(std::move(rules.prefix)),
+        max_chars_(rules.max_chars),
+        clean_text_(rules.clean_text),
+        chinese_chars_(rules.chinese_chars),
+        strip_accents_(rules.strip_accents),
+        lowercase_(rules.lowercase) {
+    ids_.reserve(rules.vocab.size());
+    for (auto& [token, id] : rules.vocab) ids_.try_emplace(std::move(token), id);
+  }
+
+  //! Appends the ids of `text` to `out`.
+  void encode(std::string_view text, std::vector<std::int32_t>& out) const {
+    std::vector<char32_t> word;
+    const auto end_word = [&] {
+      if (!word.empty()) spell(word, out);
+      word.clear();
+    };
+    std::vector<char32_t> normal;
+    for (std::size_t at = 0; at < text.size();) {
+      const CodePointAt ch = code_point_at(text, at);
+      at += ch.bytes;
+      normal.clear();
+      normalize(ch.c, normal);
+      for (const char32_t c : normal) {
+        if (is_white_space(c)) {
+          end_word();
+        } else if (in_ranges(bert_punctuation, c)) {
+          end_word();
+          word.push_back(c);
+          end_word();
+        } else {
+          word.push_back(c);
+        }
+      }
+    }
+    end_word();
+  }
+
+ private:
+  //! Appends what the normalizer makes of `c` to `out`.
+  void normalize(char32_t c, std::vector<char32_t>& out) const {
+    if (clean_text_) {
+      if (in_ranges(bert_removed, c)) return;
+      if (is_white_space(c)) c = ' ';
+    }
+    const bool spaced = chinese_chars_ && is_chinese(c);
+    if (spaced) out.push_back(' ');
+    char32_t stripped[3] = {c};
+    int count = 1;
+    if (strip_accents_) {
+      if (in_ranges(bert_nonspacing, c)) {
+        if (spaced) out.push_back(' ');
+        return;
+      }
+      if (c >= hangul_first && c < hangul_first + hangul_count) {  // Unicode 16, section 3.12
+        const char32_t s = c - hangul_first;
+        stripped[0] = 0x1100 + s / 588;
+        stripped[1] = 0x1161 + s % 588 / 28;
+        stripped[2] = 0x11a7 + s % 28;
+        count = s % 28 != 0 ? 3 : 2;
+      } else if (const auto* m = find_mapping(bert_stripped, c)) {
+        std::copy(m->to, m->to + m->length, stripped);
+        count = m->length;
+      }
+    }
+    for (int k = 0; k < count; ++k) {
+      const auto* lower = lowercase_ ? find_mapping(bert_lowercase, stripped[k]) : nullptr;
+      if (lower != nullptr)
+        out.insert(out.end(), lower->to, lower->to + lower->length);
+      else
+        out.push_back(stripped[k]);
+    }
+    if (spaced) out.push_back(' ');
+  }
+
+  //! The CJK ideographs that BERT spaces out (its `_is_chinese_char`).
+  static bool is_chinese(char32_t c) noexcept {
+    return (c >= 0x4e00 && c <= 0x9fff) || (c >= 0x3400 && c <= 0x4dbf) || (c >= 0x20000 && c <= 0x2a6df) ||
+           (c >= 0x2a700 && c <= 0x2b73f) || (c >= 0x2b740 && c <= 0x2b81f) || (c >= 0x2b920 && c <= 0x2ceaf) ||
+           (c >= 0xf900 && c <= 0xfaff) || (c >= 0x2f800 && c <= 0x2fa1f);
+  }
+
+  //! Appends the ids that spell `word` (normalized characters, no white space) to `out`.
+  void spell(const std::vector<char32_t>& word, std::vector<std::int32_t>& out) const {
+    if (static_cast<std::int64_t>(word.size()) > max_chars_) {
+      out.push_back(unknown_);
+      return;
+    }
+    std::string text;
+    std::vector<std::size_t> offsets{0};  // offsets[k]: where character k starts in text
+    for (const char32_t c : word) {
+      append_utf8(text, c);
+      offsets.push_back(text.size());
+    }
+    const std::size_t first = out.size();
+    std::string candidate;
+    for (std::size_t start = 0; start < word.size();) {
+      std::size_t end = word.size();
+      for (; end > start; --end) {
+        candidate.assign(start > 0 ? prefix_ : std::string());
+        candidate.append(text, offsets[start], offsets[end] - offsets[start]);
+        if (const auto it = ids_.find(candidate); it != ids_.end()) {
+          out.push_back(it->second);
+          break;
+        }
+      }
+      if (end == start) {  // no token spells what starts here: the word is unknown
+        out.resize(first);
+        out.push_back(unknown_);
+        return;
+      }
+      start = end;
+    }
+  }
+
+  static constexpr char32_t hangul_first = 0xac00, hangul_count = 11172;
+
+  std::unordered_map<std::string, std::int32_t, BytesHash, std::equal_to<>> ids_;
+  std::int32_t unknown_;
+  std::string prefix_;
+  std::int64_t max_chars_;
+  bool clean_text_, chinese_chars_, strip_accents_, lowercase_;
 };
 
 }  // namespace detail
@@ -155,57 +346,91 @@ inline std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   return pieces;
 }
 
-//! Text to token ids for a byte-level BPE vocabulary whose ids are its merge ranks (GPT-2's; see
-//! the file note). Every byte needs a token of its own; the end-of-text token is written as the
-//! literal `<|endoftext|>` in the text (as nanoGPT and llm.c write it between documents).
+//! Text to token ids for a byte-level BPE vocabulary: GPT-2's pre-tokenizer, then the merges
+//! within each piece. Two ways to rank the merges (see the file note):
+//! - from the ids (GPT-2's llm.c file and vocab.json: the ids are the merge ranks): the adjacent
+//!   pair whose concatenation is the token of lowest id merges first (tiktoken's rule);
+//! - from a merge list (TokenizerRules, a Hugging Face tokenizer.json, whose ids need not be in
+//!   merge order: RoBERTa's are not): the adjacent pair that is the earliest merge merges first
+//!   (Hugging Face's rule).
+//! Every byte needs a token of its own. Or, for a tokenizer.json whose model is WordPiece
+//! (TokenizerRules::word_piece), BERT's normalizer, pre-tokenizer and WordPiece
+//! (detail::WordPiece). Added tokens (the end-of-text token's text, or a tokenizer.json's
+//! added_tokens) are matched in the text as it is first.
 class TokenEncoder {
  public:
-  //! The ranks of `vocabulary`'s tokens: each byte string's lowest id, the end-of-text token left
-  //! out. Throws loom::Error naming the first byte that has no token.
-  explicit TokenEncoder(const TokenDecoder& vocabulary) : end_of_text_(vocabulary.end_of_text()) {
-    byte_ids_.fill(-1);
-    ranks_.reserve(static_cast<std::size_t>(vocabulary.size()));
-    for (std::int32_t id = 0; id < vocabulary.size(); ++id) {
-      const std::string& bytes = vocabulary.bytes(id);
-      if (id == end_of_text_ || bytes.empty()) continue;
-      ranks_.try_emplace(bytes, id);
-      if (bytes.size() == 1 && byte_ids_[static_cast<unsigned char>(bytes[0])] < 0)
-        byte_ids_[static_cast<unsigned char>(bytes[0])] = id;
-    }
-    for (std::size_t b = 0; b < byte_ids_.size(); ++b)
-      LOOM_CHECK(byte_ids_[b] >= 0, "token encoder: byte", b,
-                 "has no token of its own: a byte-level BPE vocabulary has one for each of the 256 bytes");
-    if (end_of_text_ >= 0) end_of_text_text_ = vocabulary.bytes(end_of_text_);
+  //! Ranks from the ids: each byte string's lowest id. The end-of-text token is written as the
+  //! literal `<|endoftext|>` in the text (as nanoGPT and llm.c write it between documents). Throws
+  //! loom::Error naming the first byte that has no token.
+  explicit TokenEncoder(const TokenDecoder& vocabulary) : TokenEncoder(vocabulary, {}, false) {}
+
+  //! Ranks from `rules.merges`, whose tokens and results must be tokens of `vocabulary`, or
+  //! WordPiece where `rules.word_piece` is set; the text split at `rules.added` first. Throws
+  //! loom::Error naming a byte without a token (BPE), a merge of bytes that are not tokens, or an
+  //! id outside `vocabulary`.
+  TokenEncoder(const TokenDecoder& vocabulary, TokenizerRules rules) : TokenEncoder(vocabulary, std::move(rules), true) {}
+
+  //! The encoder of a tokenizer file (TokenDecoder::read's three kinds): a tokenizer.json's
+  //! rules, or ranks from the ids of the other two.
+  static TokenEncoder read(const std::filesystem::path& path) {
+    if (detail::is_llmc_tokenizer(path)) return TokenEncoder(TokenDecoder::read_llmc(path));
+    std::string name;
+    const Json spec = detail::read_json_file(path, "tokenizer", name);
+    if (spec.find("model") == nullptr) return TokenEncoder(TokenDecoder::from_vocab_json(spec, name));
+    TokenizerJson file = tokenizer_json(spec, name);
+    return TokenEncoder(file.decoder, std::move(file.rules));
   }
 
-  //! The ids of `text`: its pre-tokenized pieces, each merged on its own; each occurrence of the
-  //! end-of-text token's text (`<|endoftext|>` in GPT-2) is that token.
+  //! The ids of `text`: the added tokens where they stand, and between them the pre-tokenized
+  //! pieces, each merged on its own.
   std::vector<std::int32_t> encode(std::string_view text) const {
     std::vector<std::int32_t> ids;
     ids.reserve(text.size() / 3 + 1);
-    while (!text.empty()) {
-      const std::size_t special = end_of_text_text_.empty() ? std::string_view::npos : text.find(end_of_text_text_);
-      for (const std::string_view piece : gpt2_pretokenize(text.substr(0, special))) encode_piece(piece, ids);
-      if (special == std::string_view::npos) break;
-      ids.push_back(end_of_text_);
-      text.remove_prefix(special + end_of_text_text_.size());
+    // next[a]: where added token a next stands at or after `at` (npos: nowhere).
+    std::vector<std::size_t> next(added_.size());
+    for (std::size_t a = 0; a < added_.size(); ++a) next[a] = text.find(added_[a].text);
+    std::size_t at = 0;
+    while (at < text.size()) {
+      std::size_t found = std::string_view::npos, which = 0;
+      for (std::size_t a = 0; a < added_.size(); ++a) {
+        if (next[a] != std::string_view::npos && next[a] < at) next[a] = text.find(added_[a].text, at);
+        const bool longer = next[a] == found && found != std::string_view::npos &&
+                            added_[a].text.size() > added_[which].text.size();
+        if (next[a] < found || longer) {
+          found = next[a];
+          which = a;
+        }
+      }
+      if (found == std::string_view::npos) {
+        encode_text(text.substr(at), ids);
+        break;
+      }
+      const AddedToken& token = added_[which];
+      const std::size_t before = token.strip_left ? white_space_run_start(text, at, found) : found;
+      encode_text(text.substr(at, before - at), ids);
+      ids.push_back(token.id);
+      at = found + token.text.size();
+      if (token.strip_right) at = white_space_run_end(text, at);
     }
     return ids;
   }
 
-  //! Appends the ids of one piece to `out`: the piece's own id where it is a token, else the
-  //! merges from its bytes.
+  //! Appends the ids of one piece to `out`. Ranked from the ids (or with ignore_merges), a piece
+  //! that is a token is that token; otherwise it starts as its bytes and the best-ranked adjacent
+  //! pair merges, the leftmost among equals, until no adjacent pair merges.
   void encode_piece(std::string_view piece, std::vector<std::int32_t>& out) const {
     if (piece.empty()) return;
-    if (const std::int32_t id = rank(piece); id != none) {
-      out.push_back(id);
-      return;
-    }
-    // starts[k] is where part k begins; pair_rank[k] the rank of parts k and k + 1 together.
+    if (!from_merges_ || ignore_merges_)
+      if (const std::int32_t id = token_id(piece); id != none) {
+        out.push_back(id);
+        return;
+      }
+    if (from_merges_) return merge_by_list(piece, out);
+    // starts[k] is where part k begins; ranks[k] the rank of parts k and k + 1 together.
     std::vector<std::size_t> starts(piece.size() + 1);
     for (std::size_t k = 0; k <= piece.size(); ++k) starts[k] = k;
     const auto pair_rank = [&](std::size_t k) {
-      return k + 2 < starts.size() ? rank(piece.substr(starts[k], starts[k + 2] - starts[k])) : none;
+      return k + 2 < starts.size() ? token_id(piece.substr(starts[k], starts[k + 2] - starts[k])) : none;
     };
     std::vector<std::int32_t> ranks(piece.size());
     for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = pair_rank(k);
@@ -220,8 +445,60 @@ class TokenEncoder {
     }
     for (std::size_t k = 0; k + 1 < starts.size(); ++k) {
       const std::string_view part = piece.substr(starts[k], starts[k + 1] - starts[k]);
-      out.push_back(part.size() == 1 ? byte_ids_[static_cast<unsigned char>(part[0])] : rank(part));
+      out.push_back(part.size() == 1 ? byte_ids_[static_cast<unsigned char>(part[0])] : token_id(part));
     }
+  }
+
+  //! The ids of `text`, exactly as encode(text) gives them, the text encoded in up to `threads`
+  //! parts at once. It is cut only just after a line end that follows a character other than
+  //! white space and precedes one, where a piece (GPT-2's pattern) and a word (BERT's) end
+  //! whatever the text around, and never where an added token that takes the white space before
+  //! it starts. A tokenizer whose stretches of text each get a space (add_prefix_space), or with
+  //! an added token that holds a line end, encodes in one part.
+  std::vector<std::int32_t> encode(std::string_view text, int threads) const {
+    const std::vector<std::size_t> cuts = cut_points(text, threads);
+    if (cuts.size() <= 2) return encode(text);
+    std::vector<std::vector<std::int32_t>> parts(cuts.size() - 1);
+    std::vector<std::exception_ptr> errors(parts.size());
+    {
+      std::vector<std::jthread> workers;
+      for (std::size_t k = 0; k < parts.size(); ++k)
+        workers.emplace_back([&, k] {
+          try {
+            parts[k] = encode(text.substr(cuts[k], cuts[k + 1] - cuts[k]));
+          } catch (...) {
+            errors[k] = std::current_exception();
+          }
+        });
+    }
+    for (const std::exception_ptr& error : errors)
+      if (error) std::rethrow_exception(error);
+    std::size_t total = 0;
+    for (const auto& part : parts) total += part.size();
+    std::vector<std::int32_t> ids;
+    ids.reserve(total);
+    for (const auto& part : parts) ids.insert(ids.end(), part.begin(), part.end());
+    return ids;
+  }
+
+  //! Where encode(text, threads) cuts `text`: 0, the cuts in order, text.size(). The parts are
+  //! about text.size() / threads long; the cut after each part's share of the text is the first
+  //! place that may be cut (see encode) from there on, so there may be fewer parts.
+  std::vector<std::size_t> cut_points(std::string_view text, int threads) const {
+    std::vector<std::size_t> cuts{0};
+    const bool may_cut = !add_prefix_space_ && std::none_of(added_.begin(), added_.end(), [](const AddedToken& t) {
+      return t.text.find('\n') != std::string::npos;
+    });
+    const std::size_t share = threads > 1 ? text.size() / static_cast<std::size_t>(threads) : text.size();
+    for (std::size_t at = share; may_cut && share > 0 && at < text.size();) {
+      const std::size_t line_end = text.find('\n', at);  // a cut past `at`: past the last one too
+      if (line_end == std::string_view::npos) break;
+      const std::size_t cut = line_end + 1;
+      if (may_cut_at(text, cut)) cuts.push_back(cut);
+      at = std::max(cut, cuts.size() * share);
+    }
+    cuts.push_back(text.size());
+    return cuts;
   }
 
   //! The end-of-text id, or -1.
@@ -230,15 +507,153 @@ class TokenEncoder {
  private:
   static constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
 
-  std::int32_t rank(std::string_view bytes) const {
-    const auto it = ranks_.find(bytes);
-    return it == ranks_.end() ? none : it->second;
+  TokenEncoder(const TokenDecoder& vocabulary, TokenizerRules rules, bool from_merges)
+      : end_of_text_(vocabulary.end_of_text()),
+        from_merges_(from_merges),
+        add_prefix_space_(rules.add_prefix_space),
+        ignore_merges_(rules.ignore_merges),
+        added_(std::move(rules.added)) {
+    if (!from_merges && end_of_text_ >= 0) added_.push_back({vocabulary.bytes(end_of_text_), end_of_text_});
+    for (const AddedToken& token : added_)
+      LOOM_CHECK(!token.text.empty() && token.id >= 0 && token.id < vocabulary.size(), "token encoder: added token id",
+                 token.id, "must be a token id below " + loom::detail::to_text(vocabulary.size()) + " with text");
+    if (rules.word_piece) {
+      for (const auto& [token, id] : rules.word_piece->vocab)
+        LOOM_CHECK(id >= 0 && id < vocabulary.size(), "token encoder: id of WordPiece token " + json_quote(token), id,
+                   "must be below " + loom::detail::to_text(vocabulary.size()));
+      word_piece_.emplace(std::move(*rules.word_piece));
+      return;
+    }
+    // Added tokens are matched in the text only: no merge makes one.
+    std::vector<bool> added_id(static_cast<std::size_t>(vocabulary.size()), false);
+    for (const AddedToken& token : added_) added_id[static_cast<std::size_t>(token.id)] = true;
+    byte_ids_.fill(-1);
+    token_ids_.reserve(static_cast<std::size_t>(vocabulary.size()));
+    for (std::int32_t id = 0; id < vocabulary.size(); ++id) {
+      const std::string& bytes = vocabulary.bytes(id);
+      if (added_id[static_cast<std::size_t>(id)] || bytes.empty()) continue;
+      token_ids_.try_emplace(bytes, id);
+      if (bytes.size() == 1 && byte_ids_[static_cast<unsigned char>(bytes[0])] < 0)
+        byte_ids_[static_cast<unsigned char>(bytes[0])] = id;
+    }
+    for (std::size_t b = 0; b < byte_ids_.size(); ++b)
+      LOOM_CHECK(byte_ids_[b] >= 0, "token encoder: byte", b,
+                 "has no token of its own: a byte-level BPE vocabulary has one for each of the 256 bytes");
+    merge_results_.reserve(rules.merges.size());
+    merge_ranks_.reserve(rules.merges.size());
+    for (std::size_t r = 0; r < rules.merges.size(); ++r) {
+      const std::string& left = rules.merges[r].first;
+      const std::string& right = rules.merges[r].second;
+      const auto what = [&] {
+        return "token encoder: merge " + loom::detail::to_text(r) + " (" + json_quote(left) + ", " + json_quote(right) +
+               ")";
+      };
+      const std::int32_t a = token_id(left), b = token_id(right), merged = token_id(left + right);
+      LOOM_CHECK(a != none && b != none, what(), json_quote(a == none ? left : right), "is not a token");
+      LOOM_CHECK(merged != none, what(), json_quote(left + right), "is not a token: a merge makes a token");
+      if (merge_ranks_.try_emplace(pair_key(a, b), static_cast<std::int32_t>(r)).second)
+        merge_results_.push_back(merged);
+      else
+        merge_results_.push_back(none);  // a repeated merge: its first rank stands
+    }
   }
 
-  std::unordered_map<std::string, std::int32_t, detail::BytesHash, std::equal_to<>> ranks_;
+  //! merge_ranks_'s key of the adjacent tokens a, b.
+  static std::uint64_t pair_key(std::int32_t a, std::int32_t b) noexcept {
+    return static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32 | static_cast<std::uint32_t>(b);
+  }
+
+  //! The lowest id of the token with these bytes, or none (added tokens are not looked up).
+  std::int32_t token_id(std::string_view bytes) const {
+    const auto it = token_ids_.find(bytes);
+    return it == token_ids_.end() ? none : it->second;
+  }
+
+  //! The rank of the merge of tokens a and b, or none.
+  std::int32_t merge_rank(std::int32_t a, std::int32_t b) const {
+    const auto it = merge_ranks_.find(pair_key(a, b));
+    return it == merge_ranks_.end() ? none : it->second;
+  }
+
+  //! encode_piece by the merge list: the parts are tokens from the start, and each merge of two
+  //! adjacent ones is the merge list's result.
+  void merge_by_list(std::string_view piece, std::vector<std::int32_t>& out) const {
+    std::vector<std::int32_t> parts(piece.size());
+    for (std::size_t k = 0; k < piece.size(); ++k) parts[k] = byte_ids_[static_cast<unsigned char>(piece[k])];
+    const auto pair_rank = [&](std::size_t k) { return k + 1 < parts.size() ? merge_rank(parts[k], parts[k + 1]) : none; };
+    std::vector<std::int32_t> ranks(parts.size());
+    for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = pair_rank(k);
+    while (parts.size() > 1) {
+      const auto lowest = std::min_element(ranks.begin(), ranks.end() - 1);
+      if (*lowest == none) break;
+      const auto k = static_cast<std::size_t>(lowest - ranks.begin());
+      parts[k] = merge_results_[static_cast<std::size_t>(*lowest)];
+      parts.erase(parts.begin() + static_cast<std::ptrdiff_t>(k) + 1);
+      ranks.erase(ranks.begin() + static_cast<std::ptrdiff_t>(k) + 1);
+      ranks[k] = pair_rank(k);
+      if (k > 0) ranks[k - 1] = pair_rank(k - 1);
+    }
+    out.insert(out.end(), parts.begin(), parts.end());
+  }
+
+  //! Appends the ids of a stretch of text between added tokens: its pieces, with a space before
+  //! it where add_prefix_space asks for one.
+  void encode_text(std::string_view text, std::vector<std::int32_t>& out) const {
+    if (text.empty()) return;
+    if (word_piece_) return word_piece_->encode(text, out);
+    if (add_prefix_space_ && text.front() != ' ') {
+      const std::string spaced = " " + std::string(text);
+      for (const std::string_view piece : gpt2_pretokenize(spaced)) encode_piece(piece, out);
+      return;
+    }
+    for (const std::string_view piece : gpt2_pretokenize(text)) encode_piece(piece, out);
+  }
+
+  //! Where the white space that ends text[from, to) starts (to where it ends in none).
+  static std::size_t white_space_run_start(std::string_view text, std::size_t from, std::size_t to) {
+    std::size_t run = from;
+    for (std::size_t at = from; at < to;) {
+      const detail::TextChar ch = detail::char_at(text.substr(0, to), at);
+      at += ch.bytes;
+      if (ch.kind != detail::CharClass::space) run = at;
+    }
+    return run;
+  }
+
+  //! Whether `text` may be cut at `cut`, just after a line end (cut_points): a character other
+  //! than white space before the line end and at the cut, and no added token that takes the
+  //! white space before it starting there.
+  bool may_cut_at(std::string_view text, std::size_t cut) const {
+    if (cut < 2 || cut >= text.size() || text[cut - 1] != '\n') return false;
+    if (detail::char_at(text, cut).kind == detail::CharClass::space) return false;
+    // The character that ends at the line end: the last one starting within 4 bytes before it
+    // whose length reaches it (a stray byte is a character of its own).
+    std::size_t before = cut - 2;
+    while (before > 0 && cut - 1 - before < 4 && (static_cast<unsigned char>(text[before]) & 0xc0) == 0x80) --before;
+    if (before + detail::char_at(text, before).bytes != cut - 1) before = cut - 2;
+    if (detail::char_at(text, before).kind == detail::CharClass::space) return false;
+    return std::none_of(added_.begin(), added_.end(),
+                        [&](const AddedToken& t) { return t.strip_left && text.substr(cut).starts_with(t.text); });
+  }
+
+  //! Where the white space that starts at `at` ends.
+  static std::size_t white_space_run_end(std::string_view text, std::size_t at) {
+    while (at < text.size()) {
+      const detail::TextChar ch = detail::char_at(text, at);
+      if (ch.kind != detail::CharClass::space) break;
+      at += ch.bytes;
+    }
+    return at;
+  }
+
+  std::unordered_map<std::string, std::int32_t, detail::BytesHash, std::equal_to<>> token_ids_;
+  std::unordered_map<std::uint64_t, std::int32_t> merge_ranks_;  // (left, right) -> rank
+  std::vector<std::int32_t> merge_results_;                      // rank -> the merged token
   std::array<std::int32_t, 256> byte_ids_{};
   std::int32_t end_of_text_ = -1;
-  std::string end_of_text_text_;
+  bool from_merges_ = false, add_prefix_space_ = false, ignore_merges_ = false;
+  std::vector<AddedToken> added_;
+  std::optional<detail::WordPiece> word_piece_;  // a WordPiece model, in place of the BPE above
 };
 
 }  // namespace loom::io

@@ -178,6 +178,15 @@ inline std::uint64_t mul_mod(std::uint64_t a, std::uint64_t b, std::uint64_t m) 
 #endif
 }
 
+//! The whole of file `path` as text (a config, an index, a tokenizer), `kind` naming the format
+//! in messages (BinaryFile's).
+inline std::string read_text_file(const std::filesystem::path& path, const std::string& kind) {
+  BinaryFile file(path, "rb", kind);
+  std::string text(static_cast<std::size_t>(file.size()), '\0');
+  file.read(text.data(), text.size(), "the whole file");
+  return text;
+}
+
 }  // namespace detail
 
 //! Magic number in word 0 of an llm.c token file header.
