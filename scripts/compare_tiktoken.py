@@ -11,7 +11,6 @@ writes them as an llm.c tokenizer file (ids = ranks, <|endoftext|> = 50256), enc
 letters and digits of other scripts, invalid UTF-8) with both, and prints where they differ."""
 import argparse
 import base64
-import random
 import struct
 import subprocess
 import sys
@@ -20,25 +19,9 @@ from pathlib import Path
 
 import tiktoken
 
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+from tokenizer_inputs import INVALID, STRINGS, random_strings
 
-STRINGS = [
-    "Hello, I'm a language model,",
-    "It's they're we've I'm you'll he'd 'S 'twas rock'n'roll ''s",
-    "a  b   c\t\td \n\n e\r\nf   ",
-    "   leading and trailing   ",
-    "naïve café — “quoted” ‘single’ … ½ ² ③ Ⅻ",
-    "日本語のテキストと中文文本，한국어 텍스트",
-    "Ελληνικά, кириллица, עברית, العربية ١٢٣ ٤٥",
-    "emoji 👋🏽🙂 and ZWJ 👨‍👩‍👧 sequences",
-    "numbers 3.14159 1,000,000 0x1F 2026-11-27 १२३",
-    "code: for (int i = 0; i < n; ++i) { x[i] *= 2; }  // comment",
-    "no\u00a0break\u2003em\u3000ideographic\u2028line\u2029para\u0085nel",
-    "<|endoftext|>The end<|endoftext|><|endoftext|>",
-    "x" * 300 + " " + "ab" * 200,
-    " " * 50 + "\n" * 20,
-]
-INVALID = [b"bad \xff\xfe utf-8 \xc3", b"\xe2\x82 cut \xf0\x9f\x98", b"\xed\xa0\x80 surrogate \xc0\xaf overlong"]
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def read_ranks(path):
@@ -85,11 +68,7 @@ def main():
         cases = [(f"string {i}", s.encode()) for i, s in enumerate(STRINGS)]
         cases += [(f"invalid {i}", b) for i, b in enumerate(INVALID)]
         cases += [(f, Path(f).read_bytes()) for f in args.files]
-        draw = random.Random(20261127)
-        pool = [c for c in range(0x20000) if not 0xD800 <= c <= 0xDFFF]
-        for i in range(args.random):
-            chars = [chr(draw.choice(pool)) if draw.random() < 0.5 else draw.choice(" \n'sa1. ") for _ in range(200)]
-            cases.append((f"random {i}", "".join(chars).encode()))
+        cases += [(f"random {i}", s.encode()) for i, s in enumerate(random_strings(args.random))]
         same = differ = tokens = 0
         for name, data in cases:
             ours = loom_ids(args.tool, tokenizer, data, Path(tmp) / "input")

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Checks loom_tokenize against Hugging Face's tokenizers on a tokenizer.json (a byte-level BPE,
+RoBERTa's or GPT-2's kind, or BERT's WordPiece).
+
+    pip install tokenizers
+    scripts/compare_tokenizers.py --tokenizer bert-base-uncased/tokenizer.json \\
+        --tool build/release/examples/loom_tokenize --random 1000 FILE...
+
+Encodes each FILE, the built-in strings of scripts/tokenizer_inputs.py, each added token of the
+file with text and white space around it, and --random N random strings with both (tokenizers
+without its post-processor: add_special_tokens=False), and prints where they differ. Bytes that
+are not UTF-8 go to a WordPiece as U+FFFD (which its normalizer drops, as loom's does); a
+byte-level BPE encodes them as bytes, which tokenizers cannot take, so they are left out there."""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from tokenizer_inputs import INVALID, STRINGS, random_strings
+
+
+def loom_ids(tool, tokenizer, data, scratch):
+    scratch.write_bytes(data)
+    out = subprocess.run([tool, "--threads", "1", "--tokenizer", tokenizer, str(scratch)], check=True,
+                         capture_output=True)
+    text = out.stdout.decode().strip()
+    return [int(x) for x in text.split(",")] if text else []
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    parser.add_argument("--tool", required=True, help="loom_tokenize")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="also N random strings of code points from the first two planes, spaces and letters")
+    parser.add_argument("files", nargs="*")
+    args = parser.parse_args()
+    reference = Tokenizer.from_file(args.tokenizer)
+    spec = json.loads(Path(args.tokenizer).read_text(encoding="utf-8"))
+    word_piece = spec["model"]["type"] == "WordPiece"
+    added = [token["content"] for token in spec.get("added_tokens") or []]
+
+    cases = [(f"string {i}", s.encode()) for i, s in enumerate(STRINGS)]
+    cases += [(f"added {t}", f"a {t} b{t}c  {t}\n{t}".encode()) for t in added]
+    if word_piece:
+        cases += [(f"invalid {i}", b) for i, b in enumerate(INVALID)]
+    cases += [(f, Path(f).read_bytes()) for f in args.files]
+    cases += [(f"random {i}", s.encode()) for i, s in enumerate(random_strings(args.random))]
+    same = differ = tokens = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in cases:
+            ours = loom_ids(args.tool, args.tokenizer, data, Path(tmp) / "input")
+            theirs = reference.encode(data.decode(errors="replace"), add_special_tokens=False).ids
+            ok = ours == theirs
+            tokens += len(ours)
+            same += ok
+            differ += not ok
+            if not ok:
+                print(f"DIFFERS: {name}", file=sys.stderr)
+    print(f"{same} of {same + differ} inputs encode to the same ids as tokenizers ({tokens} tokens)")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
