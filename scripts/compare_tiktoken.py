@@ -12,14 +12,13 @@ letters and digits of other scripts, invalid UTF-8) with both, and prints where 
 import argparse
 import base64
 import struct
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import tiktoken
 
-from tokenizer_inputs import INVALID, STRINGS, random_strings
+from tokenizer_check import INVALID, STRINGS, compare, random_strings
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -44,13 +43,6 @@ def write_llmc_tokenizer(ranks, path):
             f.write(bytes([len(t)]) + t)
 
 
-def loom_ids(tool, tokenizer, data, scratch):
-    scratch.write_bytes(data)
-    out = subprocess.run([tool, "--tokenizer", tokenizer, str(scratch)], check=True, capture_output=True)
-    text = out.stdout.decode().strip()
-    return [int(x) for x in text.split(",")] if text else []
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", required=True)
@@ -62,30 +54,22 @@ def main():
     ranks = read_ranks(args.ranks)
     enc = tiktoken.Encoding("gpt2-check", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": len(ranks)})
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = str(Path(tmp) / "gpt2_tokenizer.bin")
-        write_llmc_tokenizer(ranks, tokenizer)
-        cases = [(f"string {i}", s.encode()) for i, s in enumerate(STRINGS)]
-        cases += [(f"invalid {i}", b) for i, b in enumerate(INVALID)]
-        cases += [(f, Path(f).read_bytes()) for f in args.files]
-        cases += [(f"random {i}", s.encode()) for i, s in enumerate(random_strings(args.random))]
-        same = differ = tokens = 0
-        for name, data in cases:
-            ours = loom_ids(args.tool, tokenizer, data, Path(tmp) / "input")
-            if name.startswith("invalid"):
-                # tiktoken takes str: its bytes are encoded piece by piece from the ranks alone;
-                # compare only the round trip, which is what loom promises for invalid UTF-8.
-                ok = b"".join(enc.decode_single_token_bytes(t) for t in ours) == data
-            else:
-                ok = ours == enc.encode(data.decode(), allowed_special={"<|endoftext|>"})
-            tokens += len(ours)
-            same += ok
-            differ += not ok
-            if not ok:
-                print(f"DIFFERS: {name}", file=sys.stderr)
-        print(f"{same} of {same + differ} inputs encode to the same ids as tiktoken ({tokens} tokens)")
-        return 1 if differ else 0
+    cases = [(f"string {i}", s.encode()) for i, s in enumerate(STRINGS)]
+    cases += [(f"invalid {i}", b) for i, b in enumerate(INVALID)]
+    cases += [(f, Path(f).read_bytes()) for f in args.files]
+    cases += [(f"random {i}", s.encode()) for i, s in enumerate(random_strings(args.random))]
 
+    def agrees(name, data, ours):
+        if name.startswith("invalid"):
+            # tiktoken takes str: its bytes are encoded piece by piece from the ranks alone;
+            # compare only the round trip, which is what loom promises for invalid UTF-8.
+            return b"".join(enc.decode_single_token_bytes(t) for t in ours) == data
+        return ours == enc.encode(data.decode(), allowed_special={"<|endoftext|>"})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = Path(tmp) / "gpt2_tokenizer.bin"
+        write_llmc_tokenizer(ranks, tokenizer)
+        return compare(args.tool, tokenizer, cases, agrees, "tiktoken")
 
 if __name__ == "__main__":
     sys.exit(main())

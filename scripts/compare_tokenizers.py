@@ -6,29 +6,19 @@ RoBERTa's or GPT-2's kind, or BERT's WordPiece).
     scripts/compare_tokenizers.py --tokenizer bert-base-uncased/tokenizer.json \\
         --tool build/release/examples/loom_tokenize --random 1000 FILE...
 
-Encodes each FILE, the built-in strings of scripts/tokenizer_inputs.py, each added token of the
+Encodes each FILE, the built-in strings of scripts/tokenizer_check.py, each added token of the
 file with text and white space around it, and --random N random strings with both (tokenizers
 without its post-processor: add_special_tokens=False), and prints where they differ. Bytes that
 are not UTF-8 go to a WordPiece as U+FFFD (which its normalizer drops, as loom's does); a
 byte-level BPE encodes them as bytes, which tokenizers cannot take, so they are left out there."""
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from tokenizer_inputs import INVALID, STRINGS, random_strings
-
-
-def loom_ids(tool, tokenizer, data, scratch):
-    scratch.write_bytes(data)
-    out = subprocess.run([tool, "--threads", "1", "--tokenizer", tokenizer, str(scratch)], check=True,
-                         capture_output=True)
-    text = out.stdout.decode().strip()
-    return [int(x) for x in text.split(",")] if text else []
+from tokenizer_check import INVALID, STRINGS, compare, random_strings
 
 
 def main():
@@ -50,19 +40,11 @@ def main():
         cases += [(f"invalid {i}", b) for i, b in enumerate(INVALID)]
     cases += [(f, Path(f).read_bytes()) for f in args.files]
     cases += [(f"random {i}", s.encode()) for i, s in enumerate(random_strings(args.random))]
-    same = differ = tokens = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, data in cases:
-            ours = loom_ids(args.tool, args.tokenizer, data, Path(tmp) / "input")
-            theirs = reference.encode(data.decode(errors="replace"), add_special_tokens=False).ids
-            ok = ours == theirs
-            tokens += len(ours)
-            same += ok
-            differ += not ok
-            if not ok:
-                print(f"DIFFERS: {name}", file=sys.stderr)
-    print(f"{same} of {same + differ} inputs encode to the same ids as tokenizers ({tokens} tokens)")
-    return 1 if differ else 0
+
+    def agrees(name, data, ours):
+        return ours == reference.encode(data.decode(errors="replace"), add_special_tokens=False).ids
+
+    return compare(args.tool, args.tokenizer, cases, agrees, "tokenizers")
 
 
 if __name__ == "__main__":
