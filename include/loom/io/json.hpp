@@ -187,6 +187,26 @@ inline std::size_t utf8_sequence_length(std::string_view text, std::size_t pos) 
   return length;
 }
 
+//! Appends the UTF-8 of code point `code` (at most U+10FFFF) to `out`.
+inline void append_utf8(std::string& out, std::uint32_t code) {
+  const auto put = [&](std::uint32_t byte) { out += static_cast<char>(byte); };
+  if (code < 0x80) {
+    put(code);
+  } else if (code < 0x800) {
+    put(0xc0 | (code >> 6));
+    put(0x80 | (code & 0x3f));
+  } else if (code < 0x10000) {
+    put(0xe0 | (code >> 12));
+    put(0x80 | ((code >> 6) & 0x3f));
+    put(0x80 | (code & 0x3f));
+  } else {
+    put(0xf0 | (code >> 18));
+    put(0x80 | ((code >> 12) & 0x3f));
+    put(0x80 | ((code >> 6) & 0x3f));
+    put(0x80 | (code & 0x3f));
+  }
+}
+
 //! Byte offset of the first byte of `text` that is not well-formed UTF-8, or npos.
 inline std::size_t utf8_error(std::string_view text) noexcept {
   for (std::size_t pos = 0; pos < text.size();) {
@@ -349,25 +369,6 @@ class JsonParser {
     unsigned value = 0;
     for (int i = 0; i < 4; ++i) value = value * 16 + hex_digit();
     return value;
-  }
-
-  static void append_utf8(std::string& out, std::uint32_t code) {
-    const auto put = [&](std::uint32_t byte) { out += static_cast<char>(byte); };
-    if (code < 0x80) {
-      put(code);
-    } else if (code < 0x800) {
-      put(0xc0 | (code >> 6));
-      put(0x80 | (code & 0x3f));
-    } else if (code < 0x10000) {
-      put(0xe0 | (code >> 12));
-      put(0x80 | ((code >> 6) & 0x3f));
-      put(0x80 | (code & 0x3f));
-    } else {
-      put(0xf0 | (code >> 18));
-      put(0x80 | ((code >> 12) & 0x3f));
-      put(0x80 | ((code >> 6) & 0x3f));
-      put(0x80 | (code & 0x3f));
-    }
   }
 
   //! The code point of a \u escape (pos_ after the 'u'), joining a surrogate pair.

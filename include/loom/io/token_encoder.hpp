@@ -116,25 +116,6 @@ inline TextChar char_at(std::string_view text, std::size_t at) noexcept {
   return {ch.valid ? char_class(ch.c) : CharClass::other, ch.bytes};
 }
 
-//! Appends the UTF-8 of code point `c` to `out`.
-inline void append_utf8(std::string& out, char32_t c) {
-  if (c < 0x80) {
-    out += static_cast<char>(c);
-  } else if (c < 0x800) {
-    out += static_cast<char>(0xc0 | (c >> 6));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  } else if (c < 0x10000) {
-    out += static_cast<char>(0xe0 | (c >> 12));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (c >> 18));
-    out += static_cast<char>(0x80 | ((c >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  }
-}
-
 //! Hash of byte strings that also takes string_views (heterogeneous lookup).
 struct BytesHash {
   using is_transparent = void;
