@@ -1,13 +1,14 @@
-// loom_tokenize: text to token ids of a byte-level BPE (GPT-2's and its kin), printed or written
-// as an llm.c token file that gpt2_train --data and bert_train --data read.
+// loom_tokenize: text to token ids of a byte-level BPE (GPT-2's and its kin) or a BERT WordPiece,
+// printed or written as an llm.c token file that gpt2_train --data and bert_train --data read.
 //
 //   loom_tokenize --tokenizer gpt2_tokenizer.bin --text "Hello, world"
 //   loom_tokenize --tokenizer vocab.json --end-of-text --output train.bin a.txt b.txt
 //   loom_tokenize --tokenizer roberta/tokenizer.json --end-of-text --output train.bin a.txt
+//   loom_tokenize --tokenizer bert-base-cased/vocab.txt --lowercase false --output train.bin a.txt
 //
-// The tokenizer is llm.c's gpt2_tokenizer.bin, a Hugging Face vocab.json whose ids are its merge
-// ranks (GPT-2's), or a Hugging Face tokenizer.json of a byte-level BPE (its merges ranked by
-// their list); see docs/data.md, "Tokenizers".
+// The tokenizer is llm.c's gpt2_tokenizer.bin, a Hugging Face vocab.json with its merges.txt
+// beside it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json of a byte-level BPE (its merges ranked by their
+// list) or of a WordPiece, or a BERT vocab.txt; see docs/data.md, "Tokenizers".
 
 #include <algorithm>
 #include <atomic>
@@ -69,16 +70,21 @@ std::vector<std::vector<std::int32_t>> encode_all(const loom::io::TokenEncoder& 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string tokenizer, text, output;
+  std::string tokenizer, text, output, lowercase;
   std::vector<std::string> inputs;
   bool end_of_text = false;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  CLI::App app{"Text to the token ids of a byte-level BPE (GPT-2's pre-tokenizer, then the merges), printed or "
-               "written as an llm.c token file for gpt2_train --data."};
+  CLI::App app{"Text to the token ids of a byte-level BPE (GPT-2's pre-tokenizer, then the merges) or a BERT "
+               "WordPiece, printed or written as an llm.c token file for gpt2_train --data and bert_train --data."};
   app.add_option("--tokenizer", tokenizer,
-                 "llm.c's tokenizer file (gpt2_tokenizer.bin), a Hugging Face vocab.json whose ids are its merge "
-                 "ranks (GPT-2's), or a Hugging Face tokenizer.json of a byte-level BPE")
+                 "llm.c's tokenizer file (gpt2_tokenizer.bin), a Hugging Face vocab.json with its merges.txt beside "
+                 "it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json of a byte-level BPE or a WordPiece, or a BERT "
+                 "vocab.txt")
       ->required();
+  app.add_option("--lowercase", lowercase,
+                 "A vocab.txt only: lowercase the text (and strip accents), true for an uncased BERT; default: "
+                 "tokenizer_config.json's do_lower_case beside the file, else true unless the vocabulary has capitals")
+      ->check(CLI::IsMember({"true", "false"}));
   app.add_option("inputs", inputs, "Text files, each one document; - reads standard input");
   app.add_option("--text", text, "Encode this text (one more document, after the files)");
   app.add_option("--output", output,
@@ -95,11 +101,13 @@ int main(int argc, char** argv) {
   try {
     if (inputs.empty() && app.count("--text") == 0)
       throw loom::Error("inputs", "none", "give text files, - for standard input, or --text");
-    const loom::io::TokenEncoder encoder = loom::io::TokenEncoder::read(tokenizer);
+    loom::io::VocabTxtOptions options;
+    if (!lowercase.empty()) options.lowercase = lowercase == "true";
+    const loom::io::TokenEncoder encoder = loom::io::TokenEncoder::read(tokenizer, options);
     if (end_of_text)
       LOOM_CHECK(encoder.end_of_text() >= 0, "--end-of-text: the tokenizer " + tokenizer, "has no end-of-text token",
-                 "a vocab.json needs <|endoftext|>, a tokenizer.json an added <|endoftext|> or </s>, an llm.c file "
-                 "version 2");
+                 "a vocab.json needs <|endoftext|> or </s>, a tokenizer.json an added <|endoftext|>, </s> or [SEP], a "
+                 "vocab.txt [SEP], an llm.c file version 2");
     std::vector<std::string> documents;
     for (const std::string& name : inputs) documents.push_back(read_input(name));
     if (app.count("--text") > 0) documents.push_back(text);

@@ -37,16 +37,16 @@ def random_strings(count, seed=20261127, extra=" \n'sa1. "):
             for _ in range(count)]
 
 
-def compare(tool, tokenizer, cases, agrees, reference):
+def compare(tool, tokenizer, cases, agrees, reference, options=()):
     """Encodes each (name, bytes) of `cases` with loom_tokenize `tool` through `tokenizer` (one
-    thread) and checks agrees(name, data, ids); prints the inputs that differ and a summary
-    naming `reference`. Returns 1 if any differs, else 0."""
+    thread, and the command-line `options`) and checks agrees(name, data, ids); prints the inputs
+    that differ and a summary naming `reference`. Returns 1 if any differs, else 0."""
     same = differ = tokens = 0
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp) / "input"
         for name, data in cases:
             scratch.write_bytes(data)
-            out = subprocess.run([tool, "--threads", "1", "--tokenizer", str(tokenizer), str(scratch)], check=True,
+            out = subprocess.run([tool, "--threads", "1", "--tokenizer", str(tokenizer), *options, str(scratch)], check=True,
                                  capture_output=True).stdout.decode().strip()
             ours = [int(x) for x in out.split(",")] if out else []
             ok = agrees(name, data, ours)

@@ -2,8 +2,9 @@
 // WordPiece, against Hugging Face's `tokenizers` (tests/data/tokenizer, made by its
 // make_tokenizer_json.py): two 600-token byte-level BPEs whose ids are shuffled away from their
 // merge ranks (added tokens with lstrip and rstrip, add_prefix_space, ignore_merges, both forms of
-// merges) and two 492-token BERT WordPieces (uncased and cased); and every file loom would encode
-// otherwise refused by name.
+// merges) and two 492-token BERT WordPieces (uncased and cased); BERT vocab.txt files (made by
+// make_vocab_txt.py) against `tokenizers`' BertWordPieceTokenizer; and every file loom would
+// encode otherwise refused by name.
 
 #include <doctest/doctest.h>
 
@@ -36,9 +37,10 @@ struct Example {
   std::vector<std::int32_t> ids;
 };
 
-//! tokenizer_json_expected.json's texts and ids for `file`.
-std::vector<Example> expected_for(const std::string& file) {
-  const io::Json all = io::Json::parse(read_text(data_dir + "/tokenizer_json_expected.json"), "expected");
+//! The texts and ids for `file` in `expected` (tokenizer_json_expected.json by default).
+std::vector<Example> expected_for(const std::string& file,
+                                  const std::string& expected = "tokenizer_json_expected.json") {
+  const io::Json all = io::Json::parse(read_text(data_dir + "/" + expected), "expected");
   std::vector<Example> out;
   for (const io::Json& item : all.find(file)->array(file)) {
     Example e{item.find("text")->string("text"), {}};
@@ -285,6 +287,139 @@ TEST_CASE("tokenizer.json WordPiece: what loom would encode otherwise is refused
   CHECK(message("null", split, model, R"([{"id": 0, "content": "[UNK]", "normalized": true}])").empty());
 }
 
+TEST_CASE("BERT vocab.txt files encode as tokenizers' BertWordPieceTokenizer does") {
+  const std::string uncased = data_dir + "/vocab_txt/vocab.txt", cased = data_dir + "/vocab_txt_cased/vocab.txt";
+  const auto check = [&](const io::TokenEncoder& encoder, const std::string& name) {
+    CAPTURE(name);
+    std::size_t checked = 0, unknown = 0;
+    for (const Example& e : expected_for(name, "vocab_txt_expected.json")) {
+      CAPTURE(e.text);
+      CHECK(encoder.encode(e.text) == e.ids);
+      checked += e.ids.size();
+      unknown += static_cast<std::size_t>(std::count(e.ids.begin(), e.ids.end(), 1));
+    }
+    CHECK(checked > 700);
+    CHECK(unknown < checked / 4);
+  };
+  check(io::TokenEncoder::read(uncased), "vocab_txt/vocab.txt");  // uncased: told by its vocabulary
+  check(io::TokenEncoder::read(uncased, {.lowercase = false}), "vocab_txt/vocab.txt lowercase=false");
+  check(io::TokenEncoder::read(cased), "vocab_txt_cased/vocab.txt");  // cased, no CJK spacing: its config
+
+  // tokenizer_config.json beside the file says what the options leave unset.
+  TempPath dir("vocab_txt");
+  fs::create_directories(dir.path);
+  fs::copy_file(uncased, dir.path / "vocab.txt");
+  write_text(dir.path / "tokenizer_config.json", R"({"do_lower_case": false, "strip_accents": null, "model_max_length": 512})");
+  check(io::TokenEncoder::read(dir.path / "vocab.txt"), "vocab_txt/vocab.txt lowercase=false");
+  const io::WordPieceRules from_config = *io::read_vocab_txt(dir.path / "vocab.txt").rules.word_piece;
+  CHECK((!from_config.lowercase && !from_config.strip_accents && from_config.chinese_chars && from_config.clean_text));
+  const io::WordPieceRules given = *io::read_vocab_txt(cased, {.lowercase = true}).rules.word_piece;
+  CHECK((given.lowercase && given.strip_accents && !given.chinese_chars));  // the rest from its config
+  CHECK(given.prefix == "##");
+  CHECK(given.max_chars == 100);
+
+  // The decoder: a line an id, ## pieces joined to the word before them, [SEP] the end of text;
+  // a repeated line's earlier id still decodes, and the later id is the one encoded.
+  const io::TokenizerJson file = io::read_vocab_txt(uncased);
+  const std::vector<std::string> lines = [&] {
+    std::vector<std::string> out;
+    std::ifstream in(uncased);
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  }();
+  REQUIRE(file.decoder.size() == static_cast<std::int64_t>(lines.size()));
+  CHECK(file.decoder.end_of_text() == 3);
+  CHECK(io::TokenDecoder::read(uncased).size() == file.decoder.size());
+  const auto last = static_cast<std::int32_t>(lines.size() - 1);
+  const auto first = static_cast<std::int32_t>(std::find(lines.begin(), lines.end(), lines.back()) - lines.begin());
+  REQUIRE(first < last);
+  CHECK(file.decoder.bytes(first) == " " + lines.back());
+  CHECK(file.decoder.bytes(last) == " " + lines.back());
+  CHECK(io::TokenEncoder::read(uncased).encode(lines.back()) == std::vector<std::int32_t>{last});
+  CHECK(file.decoder.bytes(last - 1) == " weave");  // "weave \t": trailing white space trimmed
+  CHECK(file.decoder.bytes(last - 2) == " ");        // an empty line is a token too
+  const auto piece = std::find_if(lines.begin(), lines.end(), [](const std::string& t) { return t.starts_with("##"); });
+  REQUIRE(piece != lines.end());
+  CHECK(file.decoder.bytes(static_cast<std::int32_t>(piece - lines.begin())) == piece->substr(2));
+  CHECK(file.decoder.decode(io::TokenEncoder::read(uncased).encode("The loom weaves.")) ==
+        " the loom weaves .");
+}
+
+TEST_CASE("vocab.txt: lowercase inferred from the vocabulary, files told apart by content, bad files refused") {
+  TempPath file("vocab_txt");
+  fs::create_directories(file.path);
+  const fs::path vocab = file.path / "vocab";  // no .txt: told apart by its content
+  const auto rules = [&](const std::string& text) {
+    write_text(vocab, text);
+    return *io::read_tokenizer(vocab).rules->word_piece;
+  };
+  CHECK(rules("[PAD]\n[UNK]\n[unused0]\nhello\n##s\n").lowercase);  // bracketed tokens do not count
+  CHECK(!rules("[UNK]\nhello\nHello\n").lowercase);
+  CHECK(!rules("[UNK]\nhello\nHello\n").strip_accents);
+  CHECK(rules("[UNK]\r\na\r\n").vocab.size() == 2);
+  write_text(vocab, "[UNK]\r\na\r\n[SEP]");
+  CHECK(io::TokenEncoder::read(vocab).encode("A [SEP]a") == std::vector<std::int32_t>{1, 2, 1});
+  CHECK(io::TokenDecoder::read(vocab).end_of_text() == 2);
+
+  const auto message = [&](const std::string& text, const io::VocabTxtOptions& options = {}) {
+    write_text(vocab, text);
+    return error_of([&] { (void)io::TokenEncoder::read(vocab, options); });
+  };
+  CHECK(contains(message("a\nb\n"), "[UNK]: got no such line; a WordPiece needs [UNK] for the words it cannot spell"));
+  CHECK(contains(message("[UNK]\na\xff\n"), "line 2: got a byte that is not UTF-8; expected UTF-8 text"));
+  CHECK(contains(message(""), "tokens: got 0; must be at least one"));
+  CHECK(contains(message("{\"a\": 0, \"b\": 1}", {.lowercase = true}),
+                 "set for a vocab.json; only a vocab.txt takes them"));
+  CHECK(message("{\"a\": 0, \"b\": 1}").find("[UNK]") == std::string::npos);  // a vocab.json, not a vocab.txt
+  CHECK(contains(error_of([&] { (void)io::TokenEncoder::read(data_dir + "/word_piece.json", {.lowercase = false}); }),
+                 "set for a tokenizer.json; only a vocab.txt takes them"));
+  write_text(file.path / "tokenizer_config.json", R"({"do_lower_case": "yes"})");
+  CHECK(contains(message("[UNK]\n"), "tokenizer_config.json"));
+  CHECK(contains(message("[UNK]\n"), ".do_lower_case: got the string \"yes\"; expected a JSON boolean"));
+}
+
+TEST_CASE("a vocab.json with its merges.txt encodes by the merges; a vocab.json alone whose ids are not ranks is refused") {
+  const std::string pair = data_dir + "/vocab_merges/vocab.json";
+  const io::TokenEncoder encoder = io::TokenEncoder::read(pair);
+  std::size_t checked = 0;
+  for (const Example& e : expected_for("roberta_like.json")) {  // the same vocabulary and merges
+    CAPTURE(e.text);
+    CHECK(encoder.encode(e.text) == e.ids);
+    checked += e.ids.size();
+  }
+  CHECK(checked > 1000);
+  CHECK(encoder.end_of_text() == 2);  // </s>
+  const io::TokenizerFile file = io::read_tokenizer(pair);
+  REQUIRE(file.rules);
+  CHECK(file.rules->merges.size() == 339);  // the #version line skipped
+  CHECK(file.rules->added.size() == 5);
+  CHECK(file.decoder.end_of_text() == 2);
+
+  // Alone, its ids (shuffled away from the merges) would rank otherwise: refused by name. The
+  // decoder still reads it, and GPT-2-style vocabularies (ids in merge order) still encode.
+  TempPath dir("vocab_merges");
+  fs::create_directories(dir.path);
+  fs::copy_file(pair, dir.path / "vocab.json");
+  CHECK(contains(error_of([&] { (void)io::TokenEncoder::read(dir.path / "vocab.json"); }),
+                 "is not two tokens of lower ids, so the ids are not merge ranks"));
+  CHECK(io::TokenDecoder::read(dir.path / "vocab.json").end_of_text() == 2);
+  CHECK(error_of([&] { (void)io::TokenEncoder::read(data_dir + "/vocab.json"); }).empty());
+  CHECK(error_of([&] { (void)io::TokenEncoder::read(data_dir + "/bytes_vocab.json"); }).empty());
+
+  const auto message = [&](const std::string& merges, const fs::path& read = {}) {
+    write_text(dir.path / "merges.txt", merges);
+    return error_of([&] { (void)io::TokenEncoder::read(read.empty() ? dir.path / "vocab.json" : read); });
+  };
+  CHECK(contains(message("#version: 0.2\nĠ t\nh e e\n"),
+                 "merges.txt " + io::detail::quoted(dir.path / "merges.txt") +
+                     ": line 3: got \"h e e\"; expected two tokens with one space between them"));
+  CHECK(contains(message("Ġ t\n\n"), "line 2: got \"\"; expected two tokens"));
+  CHECK(contains(message("Ġ t\r\nh e\r\n☃ e\n"), "line 3: token \"☃\" character"));  // CRLF read; ☃ is no byte
+  CHECK(message("#version: 0.2\r\nĠ t\r\nh e\r\n").empty());
+  CHECK(contains(message("#version: 0.2\n", dir.path / "merges.txt"),
+                 "got a merges.txt (it starts with #version); expected the vocab.json beside it"));
+}
+
 TEST_CASE("encoding in parts on several threads gives encode's ids, for every kind of tokenizer") {
   // Lines of words, white space runs, CRLF, line ends after white space or before it, non-ASCII
   // line ends, added tokens (<mask> takes the white space before it) and stray bytes.
@@ -295,7 +430,8 @@ TEST_CASE("encoding in parts on several threads gives encode's ids, for every ki
   std::string text;
   while (text.size() < 60000) text += parts[draw() % parts.size()];
   for (const std::string file : {"vocab.json", "roberta_like.json", "prefix_space.json", "word_piece.json",
-                                 "word_piece_cased.json"}) {
+                                 "word_piece_cased.json", "vocab_txt/vocab.txt", "vocab_txt_cased/vocab.txt",
+                                 "vocab_merges/vocab.json"}) {
     CAPTURE(file);
     const io::TokenEncoder encoder = io::TokenEncoder::read(data_dir + "/" + file);
     const std::vector<std::int32_t> whole = encoder.encode(text);

@@ -1,14 +1,15 @@
 #pragma once
-//! \file Token ids back to text for a byte-level BPE (GPT-2's and its kin): each id's bytes, read
-//! from llm.c's tokenizer file (`gpt2_tokenizer.bin`), a Hugging Face `vocab.json`, or a Hugging
-//! Face `tokenizer.json`, which also gives the merges and added tokens that TokenEncoder
-//! (token_encoder.hpp) encodes with (TokenizerRules).
+//! \file Token ids back to text, each id's bytes, read from any tokenizer file loom knows:
+//! llm.c's tokenizer file (`gpt2_tokenizer.bin`), a Hugging Face `vocab.json` or `tokenizer.json`,
+//! or a BERT `vocab.txt`. The last two also give the rules TokenEncoder (token_encoder.hpp)
+//! encodes with (TokenizerRules): a byte-level BPE's merges and added tokens, or a WordPiece.
 //!
 //! llm.c's format: a header of 256 little-endian int32 {20240328, version, vocab_size,
 //! end-of-text id (version 2), 0...}, then for each id its length in bytes (one uint8) and the
 //! bytes. `vocab.json` maps each token, written through GPT-2's byte-to-character table, to its id.
 //! `tokenizer.json` holds such a map as `model.vocab`, the merges in rank order as
-//! `model.merges`, and the tokens matched in the text as they are as `added_tokens`.
+//! `model.merges`, and the tokens matched in the text as they are as `added_tokens`. `vocab.txt`
+//! holds a WordPiece vocabulary, a token a line.
 
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +19,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -56,6 +59,41 @@ inline std::vector<char32_t> code_points(std::string_view text) {
     i += length;
   }
   return out;
+}
+
+//! Unicode's White_Space property (PropList.txt): 25 code points.
+constexpr bool is_white_space(char32_t c) noexcept {
+  return (c >= 0x09 && c <= 0x0d) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
+}
+
+//! A character of a byte string: its code point (U+FFFD where the bytes are not well-formed
+//! UTF-8, one byte then), its length in bytes, and whether it was well-formed.
+struct CodePointAt {
+  char32_t c;
+  std::size_t bytes;
+  bool valid;
+};
+
+//! The character at byte `at` of `text`: a well-formed UTF-8 sequence (no overlong forms, no
+//! surrogates, at most U+10FFFF), or else one byte.
+inline CodePointAt code_point_at(std::string_view text, std::size_t at) noexcept {
+  constexpr CodePointAt invalid{0xfffd, 1, false};
+  const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(text[at + k]); };
+  const unsigned lead = byte(0);
+  if (lead < 0x80) return {lead, 1, true};
+  const std::size_t length = lead >= 0xc2 && lead <= 0xdf ? 2 : lead >= 0xe0 && lead <= 0xef ? 3
+                             : lead >= 0xf0 && lead <= 0xf4                                   ? 4
+                                                                                              : 0;
+  if (length == 0 || text.size() - at < length) return invalid;
+  char32_t c = lead & (0x7fu >> length);
+  for (std::size_t k = 1; k < length; ++k) {
+    if ((byte(k) & 0xc0) != 0x80) return invalid;
+    c = (c << 6) | (byte(k) & 0x3f);
+  }
+  const bool overlong = (length == 3 && c < 0x800) || (length == 4 && c < 0x10000);
+  if (overlong || (c >= 0xd800 && c <= 0xdfff) || c > 0x10ffff) return invalid;
+  return {c, length, true};
 }
 
 //! The bytes of `token`, written through GPT-2's byte-to-character table; throws loom::Error
@@ -179,7 +217,8 @@ class TokenDecoder {
 
   //! A Hugging Face `vocab.json` of a byte-level BPE (GPT-2's): {token: id}, the ids 0..n-1
   //! each once, each token written through GPT-2's byte-to-character table. `<|endoftext|>`,
-  //! where present, is the end-of-text id. Throws loom::Error naming the file and the token.
+  //! where present, is the end-of-text id, else `</s>` (RoBERTa's). Throws loom::Error naming the
+  //! file and the token.
   static TokenDecoder read_vocab_json(const std::filesystem::path& path) {
     std::string name;
     const Json vocab = detail::read_json_file(path, "vocab.json", name);
@@ -196,7 +235,7 @@ class TokenDecoder {
     LOOM_CHECK(!entries.empty(), name + ": tokens", entries.size(), "must be at least one");
     std::vector<std::string> tokens(entries.size());
     std::vector<bool> seen(entries.size(), false);
-    std::int32_t end = -1;
+    std::int32_t end = -1, end_of_sequence = -1;
     for (const auto& [token, value] : entries) {
       const std::string what = name + ": id of token " + json_quote(token);
       const std::int64_t id = value.integer(what);
@@ -206,12 +245,13 @@ class TokenDecoder {
       seen[static_cast<std::size_t>(id)] = true;
       tokens[static_cast<std::size_t>(id)] = detail::token_bytes(token, name);
       if (token == "<|endoftext|>") end = static_cast<std::int32_t>(id);
+      if (token == "</s>") end_of_sequence = static_cast<std::int32_t>(id);
     }
-    return TokenDecoder(std::move(tokens), end);
+    return TokenDecoder(std::move(tokens), end >= 0 ? end : end_of_sequence);
   }
 
-  //! Any of the three files: llm.c's (told by its magic number), a tokenizer.json (JSON with a
-  //! `model` member) or a vocab.json (other JSON).
+  //! Any tokenizer file (read_tokenizer): llm.c's, a tokenizer.json, a vocab.json or a BERT
+  //! vocab.txt.
   static TokenDecoder read(const std::filesystem::path& path);
 
   //! Ids the decoder knows: [0, size()).
@@ -338,6 +378,12 @@ inline void read_byte_level_bpe(const Json& spec, const Json& model, const std::
   }
 }
 
+//! How WordPiece token `token` prints (TokenDecoder): a piece that continues a word (it starts
+//! with `prefix`) without the prefix, any other token after a space.
+inline std::string word_piece_text(const std::string& token, const std::string& prefix) {
+  return token.starts_with(prefix) && token.size() > prefix.size() ? token.substr(prefix.size()) : " " + token;
+}
+
 //! The tokenizer.json's WordPiece model `model` (named `m`), with BERT's normalizer and
 //! pre-tokenizer: its rules into `rules`, its tokens' (id, text to print) into `ids`: a piece
 //! that continues a word prints without its prefix, any other token after a space.
@@ -367,10 +413,7 @@ inline void read_word_piece(const Json& spec, const Json& model, const std::stri
     throw Error(name + ": pre_tokenizer", pre == nullptr ? std::string("none") : component_type(*pre),
                 "expected BertPreTokenizer: loom's WordPiece splits text as BERT does only");
 
-  const auto shown = [&](const std::string& token) {
-    return token.starts_with(wp.prefix) && token.size() > wp.prefix.size() ? token.substr(wp.prefix.size())
-                                                                           : " " + token;
-  };
+  const auto shown = [&](const std::string& token) { return word_piece_text(token, wp.prefix); };
   for (const auto& [token, value] : model.find("vocab")->object(m + ".vocab")) {
     const std::int64_t id = value.integer(m + ".vocab: id of token " + json_quote(token));
     LOOM_CHECK(id >= 0 && id < std::numeric_limits<std::int32_t>::max(), m + ".vocab: id of token " + json_quote(token),
@@ -482,9 +525,171 @@ inline TokenizerJson read_tokenizer_json(const std::filesystem::path& path) {
   return tokenizer_json(spec, name);
 }
 
+//! How a BERT `vocab.txt`'s text is normalized, which the file does not say (Hugging Face keeps
+//! it in `tokenizer_config.json`). Each option left unset takes the value of
+//! `tokenizer_config.json` beside the file, where it has one, else the default given.
+struct VocabTxtOptions {
+  //! Lowercase (an uncased BERT); `do_lower_case`. Default: true unless a token, other than one
+  //! in brackets ([UNK], [unused0]), has an uppercase letter A-Z: an uncased vocabulary has
+  //! none, and lowercasing the text would leave a cased vocabulary's capitals unreachable.
+  std::optional<bool> lowercase{};
+  //! Decompose and drop the nonspacing marks; `strip_accents` (null: unset). Default: lowercase.
+  std::optional<bool> strip_accents{};
+  //! A space before and after each CJK ideograph; `tokenize_chinese_chars`. Default: true.
+  std::optional<bool> chinese_chars{};
+
+  //! Whether any option is set.
+  bool any() const noexcept { return lowercase || strip_accents || chinese_chars; }
+  friend bool operator==(const VocabTxtOptions&, const VocabTxtOptions&) = default;
+};
+
 namespace detail {
 
-//! Whether the file at `path` starts with llm.c's tokenizer magic number (else it is JSON).
+//! The tokens of a vocab.txt (`text`, named `name`): one a line, its line number from 0 its id,
+//! white space at the end of a line trimmed (a Windows '\r' too), as `tokenizers` reads them.
+//! Throws loom::Error naming the line whose bytes are not well-formed UTF-8.
+inline std::vector<std::string> vocab_txt_tokens(std::string_view text, const std::string& name) {
+  std::vector<std::string> tokens;
+  for (std::size_t begin = 0; begin < text.size();) {
+    const std::size_t newline = text.find('\n', begin);
+    const std::size_t end = newline == std::string_view::npos ? text.size() : newline;
+    std::size_t kept = begin;  // the end of the last character that is not white space
+    for (std::size_t at = begin; at < end;) {
+      const CodePointAt ch = code_point_at(text, at);
+      LOOM_CHECK(ch.valid, name + ": line " + loom::detail::to_text(tokens.size() + 1), "a byte that is not UTF-8",
+                 "expected UTF-8 text, a token a line (is this a BERT vocab.txt?)");
+      at += ch.bytes;
+      if (!is_white_space(ch.c)) kept = at;
+    }
+    tokens.emplace_back(text.substr(begin, kept - begin));
+    begin = end + 1;
+  }
+  return tokens;
+}
+
+//! `options` with what is unset taken from `tokenizer_config.json` beside `vocab` (where there
+//! is one).
+inline VocabTxtOptions vocab_txt_config(const std::filesystem::path& vocab, VocabTxtOptions options) {
+  const std::filesystem::path path = vocab.parent_path() / "tokenizer_config.json";
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) return options;
+  std::string name;
+  const Json config = read_json_file(path, "tokenizer_config.json", name);
+  config.object(name);
+  const auto take = [&](std::optional<bool>& option, std::string_view key) {
+    if (const Json* value = optional_member(config, key, Json::Kind::boolean, name); value != nullptr && !option)
+      option = value->boolean(name + "." + std::string(key));
+  };
+  take(options.lowercase, "do_lower_case");
+  take(options.strip_accents, "strip_accents");
+  take(options.chinese_chars, "tokenize_chinese_chars");
+  return options;
+}
+
+}  // namespace detail
+
+//! A BERT `vocab.txt` (`text`; `name` names it in messages), as Hugging Face's
+//! `BertWordPieceTokenizer` and `transformers`' BERT tokenizers read it: one token a line, the
+//! line number (from 0) its id; where a line repeats an earlier one, the later id is the token's
+//! (the earlier id still decodes). WordPiece with the continuation prefix `##` and 100
+//! characters a word at most, BERT's normalizer (`options`, their defaults resolved as
+//! VocabTxtOptions says, no tokenizer_config.json read here) and pre-tokenizer; [UNK], [SEP],
+//! [CLS], [PAD] and [MASK], those present, matched in the text as they are. The end-of-text id is
+//! [SEP]'s. Throws loom::Error where there is no [UNK] line or a line is not UTF-8.
+inline TokenizerJson vocab_txt(std::string_view text, const std::string& name, const VocabTxtOptions& options = {}) {
+  std::vector<std::string> lines = detail::vocab_txt_tokens(text, name);
+  LOOM_CHECK(!lines.empty(), name + ": tokens", 0, "must be at least one: a vocab.txt has a token a line");
+  LOOM_CHECK(lines.size() < static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()), name + ": tokens",
+             lines.size(), "must be fewer than 2^31 - 1");
+  std::unordered_map<std::string, std::int32_t> id_of;
+  for (std::size_t id = 0; id < lines.size(); ++id) id_of[lines[id]] = static_cast<std::int32_t>(id);  // later wins
+
+  WordPieceRules wp;
+  wp.clean_text = true;
+  const auto unknown = id_of.find("[UNK]");
+  if (unknown == id_of.end())
+    throw Error(name + ": [UNK]", "no such line",
+                "a WordPiece needs [UNK] for the words it cannot spell (is this a BERT vocab.txt?)");
+  wp.unknown = unknown->second;
+  const bool cased = std::any_of(lines.begin(), lines.end(), [](const std::string& token) {
+    const bool bracketed = token.size() >= 2 && token.front() == '[' && token.back() == ']';
+    return !bracketed && std::any_of(token.begin(), token.end(), [](char c) { return c >= 'A' && c <= 'Z'; });
+  });
+  wp.lowercase = options.lowercase.value_or(!cased);
+  wp.strip_accents = options.strip_accents.value_or(wp.lowercase);
+  wp.chinese_chars = options.chinese_chars.value_or(true);
+
+  TokenizerRules rules;
+  for (const char* special : {"[UNK]", "[SEP]", "[CLS]", "[PAD]", "[MASK]"})
+    if (const auto it = id_of.find(special); it != id_of.end()) rules.added.push_back({special, it->second});
+  wp.vocab.assign(id_of.begin(), id_of.end());
+  for (std::string& line : lines) line = detail::word_piece_text(line, wp.prefix);
+  const auto sep = id_of.find("[SEP]");
+  const std::int32_t end = sep != id_of.end() ? sep->second : -1;
+  rules.word_piece = std::move(wp);
+  return {TokenDecoder(std::move(lines), end), std::move(rules)};
+}
+
+//! Reads a BERT vocab.txt (vocab_txt), with what `options` leaves unset taken from
+//! `tokenizer_config.json` beside it where there is one (VocabTxtOptions).
+inline TokenizerJson read_vocab_txt(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
+  return vocab_txt(detail::read_text_file(path, "vocab.txt"), "vocab.txt " + detail::quoted(path),
+                   detail::vocab_txt_config(path, options));
+}
+
+//! The merges of a byte-level BPE's `merges.txt` (`text`; `name` names it in messages), as
+//! `tokenizers` reads the file beside a `vocab.json`: in rank order, a merge a line, its two
+//! tokens (through GPT-2's byte-to-character table) separated by one space; lines that start
+//! with `#version` are skipped. Throws loom::Error naming a line that is not two tokens.
+inline std::vector<std::pair<std::string, std::string>> merges_txt(std::string_view text, const std::string& name) {
+  std::vector<std::pair<std::string, std::string>> merges;
+  std::size_t line = 0;
+  for (std::size_t begin = 0; begin < text.size();) {
+    const std::size_t newline = text.find('\n', begin);
+    const std::size_t end = newline == std::string_view::npos ? text.size() : newline;
+    std::string_view merge = text.substr(begin, end - begin);
+    begin = end + 1;
+    ++line;
+    if (!merge.empty() && merge.back() == '\r') merge.remove_suffix(1);
+    if (merge.starts_with("#version")) continue;
+    const std::size_t space = merge.find(' ');
+    const std::string where = name + ": line " + loom::detail::to_text(line);
+    LOOM_CHECK(space != std::string_view::npos && space > 0 && space + 1 < merge.size() &&
+                   merge.find(' ', space + 1) == std::string_view::npos,
+               where, json_quote(std::string(merge)), "expected two tokens with one space between them");
+    merges.emplace_back(detail::token_bytes(std::string(merge.substr(0, space)), where),
+                        detail::token_bytes(std::string(merge.substr(space + 1)), where));
+  }
+  return merges;
+}
+
+//! A byte-level BPE from a `vocab.json` (`vocab`, named `name`) and its `merges.txt` (`merges`,
+//! named `merges_name`), as `transformers`' GPT-2 and RoBERTa tokenizers read the pair: ranks
+//! from the merge list, and the special tokens of either that the vocabulary holds matched in
+//! the text as they are first: `<|endoftext|>`, `<s>`, `<pad>`, `</s>`, `<unk>`, and `<mask>`,
+//! which takes the white space before it (RoBERTa's). The end-of-text id is from_vocab_json's.
+inline TokenizerJson vocab_json_merges(const Json& vocab, const std::string& name, std::string_view merges,
+                                       const std::string& merges_name) {
+  TokenDecoder decoder = TokenDecoder::from_vocab_json(vocab, name);
+  TokenizerRules rules;
+  rules.merges = merges_txt(merges, merges_name);
+  for (const char* special : {"<|endoftext|>", "<s>", "<pad>", "</s>", "<unk>", "<mask>"})
+    if (const Json* id = vocab.find(special); id != nullptr)
+      rules.added.push_back({special, static_cast<std::int32_t>(id->integer(name)), std::string_view(special) == "<mask>"});
+  return {std::move(decoder), std::move(rules)};
+}
+
+//! A tokenizer file of any kind, read: each id's bytes, and the rules that a tokenizer.json, a
+//! vocab.json with its merges.txt, or a vocab.txt encodes with (none for llm.c's file and a
+//! vocab.json alone: ranks from the ids).
+struct TokenizerFile {
+  TokenDecoder decoder;
+  std::optional<TokenizerRules> rules;
+};
+
+namespace detail {
+
+//! Whether the file at `path` starts with llm.c's tokenizer magic number.
 inline bool is_llmc_tokenizer(const std::filesystem::path& path) {
   std::int32_t magic = 0;
   BinaryFile file(path, "rb", "tokenizer");
@@ -492,13 +697,54 @@ inline bool is_llmc_tokenizer(const std::filesystem::path& path) {
   return magic == llmc_tokenizer_magic;
 }
 
+//! Whether tokenizer file `path`, whose bytes are `text`, is a vocab.txt: its name ends in .txt,
+//! or its first byte that is not white space is not a JSON object's '{'.
+inline bool is_vocab_txt(const std::filesystem::path& path, std::string_view text) {
+  if (path.extension() == ".txt") return true;
+  const std::size_t first = text.find_first_not_of(" \t\r\n");
+  return first == std::string_view::npos || text[first] != '{';
+}
+
 }  // namespace detail
 
-inline TokenDecoder TokenDecoder::read(const std::filesystem::path& path) {
-  if (detail::is_llmc_tokenizer(path)) return read_llmc(path);
-  std::string name;
-  const Json spec = detail::read_json_file(path, "tokenizer", name);
-  return spec.find("model") != nullptr ? tokenizer_json(spec, name).decoder : from_vocab_json(spec, name);
+//! Any tokenizer file loom reads, told apart by its content: llm.c's (its magic number), a
+//! tokenizer.json (JSON with a `model` member), a vocab.json (other JSON; with the `merges.txt`
+//! beside it where there is one: vocab_json_merges), or a BERT vocab.txt (detail::is_vocab_txt). `options` apply to a vocab.txt (read_vocab_txt); set for another
+//! kind, they are refused: its own file says how it normalizes.
+inline TokenizerFile read_tokenizer(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
+  const auto refuse_options = [&](const std::string& kind) {
+    if (options.any())
+      throw Error("tokenizer " + detail::quoted(path) + ": lowercase, strip_accents or tokenize_chinese_chars",
+                  "set for " + kind, "only a vocab.txt takes them: other files say how they normalize");
+  };
+  if (detail::is_llmc_tokenizer(path)) {
+    refuse_options("llm.c's tokenizer file");
+    return {TokenDecoder::read_llmc(path), std::nullopt};
+  }
+  const std::string text = detail::read_text_file(path, "tokenizer");
+  if (text.starts_with("#version"))
+    throw Error("tokenizer " + detail::quoted(path), "a merges.txt (it starts with #version)",
+                "expected the vocab.json beside it (loom reads the merges.txt next to it), or a tokenizer.json");
+  if (detail::is_vocab_txt(path, text)) {
+    TokenizerJson file = vocab_txt(text, "vocab.txt " + detail::quoted(path), detail::vocab_txt_config(path, options));
+    return {std::move(file.decoder), std::move(file.rules)};
+  }
+  const std::string name = "tokenizer " + detail::quoted(path);
+  const Json spec = Json::parse(text, name);
+  if (spec.find("model") == nullptr) {
+    refuse_options("a vocab.json");
+    const std::filesystem::path merges = path.parent_path() / "merges.txt";
+    std::error_code error;
+    if (!std::filesystem::is_regular_file(merges, error)) return {TokenDecoder::from_vocab_json(spec, name), std::nullopt};
+    TokenizerJson file =
+        vocab_json_merges(spec, name, detail::read_text_file(merges, "merges.txt"), "merges.txt " + detail::quoted(merges));
+    return {std::move(file.decoder), std::move(file.rules)};
+  }
+  refuse_options("a tokenizer.json");
+  TokenizerJson file = tokenizer_json(spec, name);
+  return {std::move(file.decoder), std::move(file.rules)};
 }
+
+inline TokenDecoder TokenDecoder::read(const std::filesystem::path& path) { return read_tokenizer(path).decoder; }
 
 }  // namespace loom::io

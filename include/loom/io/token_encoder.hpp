@@ -1,7 +1,7 @@
 #pragma once
 //! \file Text to token ids for a byte-level BPE (GPT-2's, or one read from a Hugging Face
 //! tokenizer.json): GPT-2's pre-tokenizer, then the merges over each piece; or for BERT's
-//! WordPiece read from a tokenizer.json (detail::WordPiece, below).
+//! WordPiece read from a tokenizer.json or a vocab.txt (detail::WordPiece, below).
 //!
 //! The pre-tokenizer is GPT-2's pattern (Radford et al. 2019, its `encoder.py`), written out as a
 //! scanner rather than a regular expression:
@@ -55,12 +55,6 @@ constexpr bool in_ranges(const CodePointRange (&ranges)[N], char32_t c) noexcept
   return it != std::begin(ranges) && c <= (it - 1)->last;
 }
 
-//! Unicode's White_Space property (PropList.txt): 25 code points.
-constexpr bool is_white_space(char32_t c) noexcept {
-  return (c >= 0x09 && c <= 0x0d) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
-}
-
 //! The class of code point `c`.
 inline CharClass char_class(char32_t c) noexcept {
   if (c < 0x80) {  // the common case, without a search
@@ -79,35 +73,6 @@ struct TextChar {
   CharClass kind;
   std::size_t bytes;
 };
-
-//! A character of a byte string: its code point (U+FFFD where the bytes are not well-formed
-//! UTF-8, one byte then), its length in bytes, and whether it was well-formed.
-struct CodePointAt {
-  char32_t c;
-  std::size_t bytes;
-  bool valid;
-};
-
-//! The character at byte `at` of `text`: a well-formed UTF-8 sequence (no overlong forms, no
-//! surrogates, at most U+10FFFF), or else one byte.
-inline CodePointAt code_point_at(std::string_view text, std::size_t at) noexcept {
-  constexpr CodePointAt invalid{0xfffd, 1, false};
-  const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(text[at + k]); };
-  const unsigned lead = byte(0);
-  if (lead < 0x80) return {lead, 1, true};
-  const std::size_t length = lead >= 0xc2 && lead <= 0xdf ? 2 : lead >= 0xe0 && lead <= 0xef ? 3
-                             : lead >= 0xf0 && lead <= 0xf4                                   ? 4
-                                                                                              : 0;
-  if (length == 0 || text.size() - at < length) return invalid;
-  char32_t c = lead & (0x7fu >> length);
-  for (std::size_t k = 1; k < length; ++k) {
-    if ((byte(k) & 0xc0) != 0x80) return invalid;
-    c = (c << 6) | (byte(k) & 0x3f);
-  }
-  const bool overlong = (length == 3 && c < 0x800) || (length == 4 && c < 0x10000);
-  if (overlong || (c >= 0xd800 && c <= 0xdfff) || c > 0x10ffff) return invalid;
-  return {c, length, true};
-}
 
 //! The character at byte `at` of `text` (code_point_at): its class, of `other` where the bytes
 //! are not well-formed UTF-8.
@@ -128,6 +93,30 @@ const CodePointMapping<N>* find_mapping(const CodePointMapping<N> (&table)[Size]
   const auto* it = std::lower_bound(std::begin(table), std::end(table), c,
                                     [](const CodePointMapping<N>& m, char32_t value) { return m.from < value; });
   return it != std::end(table) && it->from == c ? it : nullptr;
+}
+
+//! Refuses a vocabulary (`decoder`, named `name`) whose ids are not a byte-level BPE's merge
+//! ranks: one with a token (the end-of-text one aside) of two bytes or more that is not the
+//! concatenation of two tokens of lower ids. Every merge of a BPE joins two tokens made before
+//! it, so merge-ordered ids (GPT-2's: all 50,256 of its tokens pass) always are.
+inline void check_merge_ranks(const TokenDecoder& decoder, const std::string& name) {
+  std::unordered_map<std::string_view, std::int32_t, BytesHash, std::equal_to<>> lowest;
+  for (std::int32_t id = 0; id < decoder.size(); ++id) lowest.try_emplace(decoder.bytes(id), id);
+  const auto below = [&](std::string_view bytes, std::int32_t id) {
+    const auto it = lowest.find(bytes);
+    return it != lowest.end() && it->second < id;
+  };
+  for (std::int32_t id = 0; id < decoder.size(); ++id) {
+    const std::string_view bytes = decoder.bytes(id);
+    if (bytes.size() < 2 || id == decoder.end_of_text()) continue;
+    bool made = false;
+    for (std::size_t k = 1; k < bytes.size() && !made; ++k) made = below(bytes.substr(0, k), id) && below(bytes.substr(k), id);
+    if (!made)
+      throw Error(name + ": token " + loom::detail::to_text(id), json_quote(bytes),
+                  "is not two tokens of lower ids, so the ids are not merge ranks (a RoBERTa vocab.json's are "
+                  "not) and loom would encode otherwise than its tokenizer: put its merges.txt beside it, or give "
+                  "its tokenizer.json");
+  }
 }
 
 //! BERT's normalizer, pre-tokenizer and WordPiece (WordPieceRules) as Hugging Face's `tokenizers`
@@ -351,15 +340,18 @@ class TokenEncoder {
   //! id outside `vocabulary`.
   TokenEncoder(const TokenDecoder& vocabulary, TokenizerRules rules) : TokenEncoder(vocabulary, std::move(rules), true) {}
 
-  //! The encoder of a tokenizer file (TokenDecoder::read's three kinds): a tokenizer.json's
-  //! rules, or ranks from the ids of the other two.
-  static TokenEncoder read(const std::filesystem::path& path) {
-    if (detail::is_llmc_tokenizer(path)) return TokenEncoder(TokenDecoder::read_llmc(path));
-    std::string name;
-    const Json spec = detail::read_json_file(path, "tokenizer", name);
-    if (spec.find("model") == nullptr) return TokenEncoder(TokenDecoder::from_vocab_json(spec, name));
-    TokenizerJson file = tokenizer_json(spec, name);
-    return TokenEncoder(file.decoder, std::move(file.rules));
+  //! The encoder of any tokenizer file (read_tokenizer): a tokenizer.json's or a vocab.txt's
+  //! rules (`options` apply to a vocab.txt only), or ranks from the ids of llm.c's file or a
+  //! vocab.json.
+  //! Ranks from the ids hold only where the ids are a BPE's merges in order, as GPT-2's are; a
+  //! vocabulary with a token that is not two tokens of lower ids (RoBERTa's vocab.json alone)
+  //! is refused, naming the token, rather than encoded otherwise than its own tokenizer would.
+  static TokenEncoder read(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
+    TokenizerFile file = read_tokenizer(path, options);
+    if (file.rules) return TokenEncoder(file.decoder, std::move(*file.rules));
+    TokenEncoder encoder(file.decoder);
+    detail::check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
+    return encoder;
   }
 
   //! The ids of `text`: the added tokens where they stand, and between them the pre-tokenized
