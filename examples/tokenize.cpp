@@ -7,8 +7,9 @@
 //   loom_tokenize --tokenizer bert-base-cased/vocab.txt --lowercase false --output train.bin a.txt
 //
 // The tokenizer is llm.c's gpt2_tokenizer.bin, a Hugging Face vocab.json with its merges.txt
-// beside it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json of a byte-level BPE (its merges ranked by their
-// list) or of a WordPiece, or a BERT vocab.txt; see docs/data.md, "Tokenizers".
+// beside it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json
+// of a byte-level BPE (its merges ranked by their list) or of a WordPiece, or a BERT vocab.txt;
+// see docs/data.md, "Tokenizers".
 
 #include <algorithm>
 #include <atomic>
@@ -78,8 +79,8 @@ int main(int argc, char** argv) {
                "WordPiece, printed or written as an llm.c token file for gpt2_train --data and bert_train --data."};
   app.add_option("--tokenizer", tokenizer,
                  "llm.c's tokenizer file (gpt2_tokenizer.bin), a Hugging Face vocab.json with its merges.txt beside "
-                 "it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json of a byte-level BPE or a WordPiece, or a BERT "
-                 "vocab.txt")
+                 "it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json of a "
+                 "byte-level BPE or a WordPiece, or a BERT vocab.txt")
       ->required();
   app.add_option("--lowercase", lowercase,
                  "A vocab.txt only: lowercase the text (and strip accents), true for an uncased BERT; default: "

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Checks loom_tokenize against Hugging Face's tokenizers on a tokenizer.json (a byte-level BPE,
 RoBERTa's or GPT-2's kind, or BERT's WordPiece), on a vocab.json with its merges.txt beside it
-(BPE.from_file, the ByteLevel pre-tokenizer, and the special tokens loom adds), or on a BERT vocab.txt (tokenizers'
-BertWordPieceTokenizer, lowercase as --lowercase says, given to both; the other normalizer
-options, and lowercase without --lowercase, from tokenizer_config.json beside it, as loom reads
-them).
+(BPE.from_file, the ByteLevel pre-tokenizer, and the special tokens loom adds), or on a BERT
+vocab.txt (tokenizers' BertWordPieceTokenizer, lowercase as --lowercase says, given to both; the
+other normalizer options, and lowercase without --lowercase, from tokenizer_config.json beside
+it, as loom reads them).
 
     pip install tokenizers
     scripts/compare_tokenizers.py --tokenizer bert-base-uncased/tokenizer.json \\

@@ -46,8 +46,8 @@ def compare(tool, tokenizer, cases, agrees, reference, options=()):
         scratch = Path(tmp) / "input"
         for name, data in cases:
             scratch.write_bytes(data)
-            out = subprocess.run([tool, "--threads", "1", "--tokenizer", str(tokenizer), *options, str(scratch)], check=True,
-                                 capture_output=True).stdout.decode().strip()
+            command = [tool, "--threads", "1", "--tokenizer", str(tokenizer), *options, str(scratch)]
+            out = subprocess.run(command, check=True, capture_output=True).stdout.decode().strip()
             ours = [int(x) for x in out.split(",")] if out else []
             ok = agrees(name, data, ours)
             tokens += len(ours)

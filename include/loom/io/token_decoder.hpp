@@ -545,36 +545,53 @@ struct VocabTxtOptions {
 
 namespace detail {
 
+//! Calls f(line, number) for each line of `text` (numbered from 1), without its '\n'; a final
+//! '\n' starts no line.
+template <class F>
+void for_each_line(std::string_view text, F&& f) {
+  std::size_t number = 0;
+  for (std::size_t begin = 0; begin < text.size();) {
+    const std::size_t newline = text.find('\n', begin);
+    const std::size_t end = newline == std::string_view::npos ? text.size() : newline;
+    f(text.substr(begin, end - begin), ++number);
+    begin = end + 1;
+  }
+}
+
+//! The file `name` in the folder of `path`, where it is a regular file.
+inline std::optional<std::filesystem::path> file_beside(const std::filesystem::path& path, const char* name) {
+  std::filesystem::path beside = path.parent_path() / name;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(beside, error)) return std::nullopt;
+  return beside;
+}
+
 //! The tokens of a vocab.txt (`text`, named `name`): one a line, its line number from 0 its id,
 //! white space at the end of a line trimmed (a Windows '\r' too), as `tokenizers` reads them.
 //! Throws loom::Error naming the line whose bytes are not well-formed UTF-8.
 inline std::vector<std::string> vocab_txt_tokens(std::string_view text, const std::string& name) {
   std::vector<std::string> tokens;
-  for (std::size_t begin = 0; begin < text.size();) {
-    const std::size_t newline = text.find('\n', begin);
-    const std::size_t end = newline == std::string_view::npos ? text.size() : newline;
-    std::size_t kept = begin;  // the end of the last character that is not white space
-    for (std::size_t at = begin; at < end;) {
-      const CodePointAt ch = code_point_at(text, at);
-      LOOM_CHECK(ch.valid, name + ": line " + loom::detail::to_text(tokens.size() + 1), "a byte that is not UTF-8",
+  for_each_line(text, [&](std::string_view line, std::size_t number) {
+    std::size_t kept = 0;  // the end of the last character that is not white space
+    for (std::size_t at = 0; at < line.size();) {
+      const CodePointAt ch = code_point_at(line, at);
+      LOOM_CHECK(ch.valid, name + ": line " + loom::detail::to_text(number), "a byte that is not UTF-8",
                  "expected UTF-8 text, a token a line (is this a BERT vocab.txt?)");
       at += ch.bytes;
       if (!is_white_space(ch.c)) kept = at;
     }
-    tokens.emplace_back(text.substr(begin, kept - begin));
-    begin = end + 1;
-  }
+    tokens.emplace_back(line.substr(0, kept));
+  });
   return tokens;
 }
 
 //! `options` with what is unset taken from `tokenizer_config.json` beside `vocab` (where there
 //! is one).
 inline VocabTxtOptions vocab_txt_config(const std::filesystem::path& vocab, VocabTxtOptions options) {
-  const std::filesystem::path path = vocab.parent_path() / "tokenizer_config.json";
-  std::error_code error;
-  if (!std::filesystem::is_regular_file(path, error)) return options;
+  const std::optional<std::filesystem::path> path = file_beside(vocab, "tokenizer_config.json");
+  if (!path) return options;
   std::string name;
-  const Json config = read_json_file(path, "tokenizer_config.json", name);
+  const Json config = read_json_file(*path, "tokenizer_config.json", name);
   config.object(name);
   const auto take = [&](std::optional<bool>& option, std::string_view key) {
     if (const Json* value = optional_member(config, key, Json::Kind::boolean, name); value != nullptr && !option)
@@ -630,11 +647,21 @@ inline TokenizerJson vocab_txt(std::string_view text, const std::string& name, c
   return {TokenDecoder(std::move(lines), end), std::move(rules)};
 }
 
+namespace detail {
+
+//! The vocab.txt at `path`, whose bytes are `text` (vocab_txt), with what `options` leaves unset
+//! taken from `tokenizer_config.json` beside it.
+inline TokenizerJson vocab_txt_file(const std::filesystem::path& path, std::string_view text,
+                                    const VocabTxtOptions& options) {
+  return vocab_txt(text, "vocab.txt " + quoted(path), vocab_txt_config(path, options));
+}
+
+}  // namespace detail
+
 //! Reads a BERT vocab.txt (vocab_txt), with what `options` leaves unset taken from
 //! `tokenizer_config.json` beside it where there is one (VocabTxtOptions).
 inline TokenizerJson read_vocab_txt(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
-  return vocab_txt(detail::read_text_file(path, "vocab.txt"), "vocab.txt " + detail::quoted(path),
-                   detail::vocab_txt_config(path, options));
+  return detail::vocab_txt_file(path, detail::read_text_file(path, "vocab.txt"), options);
 }
 
 //! The merges of a byte-level BPE's `merges.txt` (`text`; `name` names it in messages), as
@@ -643,15 +670,9 @@ inline TokenizerJson read_vocab_txt(const std::filesystem::path& path, const Voc
 //! with `#version` are skipped. Throws loom::Error naming a line that is not two tokens.
 inline std::vector<std::pair<std::string, std::string>> merges_txt(std::string_view text, const std::string& name) {
   std::vector<std::pair<std::string, std::string>> merges;
-  std::size_t line = 0;
-  for (std::size_t begin = 0; begin < text.size();) {
-    const std::size_t newline = text.find('\n', begin);
-    const std::size_t end = newline == std::string_view::npos ? text.size() : newline;
-    std::string_view merge = text.substr(begin, end - begin);
-    begin = end + 1;
-    ++line;
+  detail::for_each_line(text, [&](std::string_view merge, std::size_t line) {
     if (!merge.empty() && merge.back() == '\r') merge.remove_suffix(1);
-    if (merge.starts_with("#version")) continue;
+    if (merge.starts_with("#version")) return;
     const std::size_t space = merge.find(' ');
     const std::string where = name + ": line " + loom::detail::to_text(line);
     LOOM_CHECK(space != std::string_view::npos && space > 0 && space + 1 < merge.size() &&
@@ -659,7 +680,7 @@ inline std::vector<std::pair<std::string, std::string>> merges_txt(std::string_v
                where, json_quote(std::string(merge)), "expected two tokens with one space between them");
     merges.emplace_back(detail::token_bytes(std::string(merge.substr(0, space)), where),
                         detail::token_bytes(std::string(merge.substr(space + 1)), where));
-  }
+  });
   return merges;
 }
 
@@ -675,7 +696,8 @@ inline TokenizerJson vocab_json_merges(const Json& vocab, const std::string& nam
   rules.merges = merges_txt(merges, merges_name);
   for (const char* special : {"<|endoftext|>", "<s>", "<pad>", "</s>", "<unk>", "<mask>"})
     if (const Json* id = vocab.find(special); id != nullptr)
-      rules.added.push_back({special, static_cast<std::int32_t>(id->integer(name)), std::string_view(special) == "<mask>"});
+      rules.added.push_back(
+          {special, static_cast<std::int32_t>(id->integer(name)), std::string_view(special) == "<mask>"});
   return {std::move(decoder), std::move(rules)};
 }
 
@@ -709,8 +731,9 @@ inline bool is_vocab_txt(const std::filesystem::path& path, std::string_view tex
 
 //! Any tokenizer file loom reads, told apart by its content: llm.c's (its magic number), a
 //! tokenizer.json (JSON with a `model` member), a vocab.json (other JSON; with the `merges.txt`
-//! beside it where there is one: vocab_json_merges), or a BERT vocab.txt (detail::is_vocab_txt). `options` apply to a vocab.txt (read_vocab_txt); set for another
-//! kind, they are refused: its own file says how it normalizes.
+//! beside it where there is one: vocab_json_merges), or a BERT vocab.txt (detail::is_vocab_txt).
+//! `options` apply to a vocab.txt (read_vocab_txt); set for another kind, they are refused: its
+//! own file says how it normalizes.
 inline TokenizerFile read_tokenizer(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
   const auto refuse_options = [&](const std::string& kind) {
     if (options.any())
@@ -726,18 +749,17 @@ inline TokenizerFile read_tokenizer(const std::filesystem::path& path, const Voc
     throw Error("tokenizer " + detail::quoted(path), "a merges.txt (it starts with #version)",
                 "expected the vocab.json beside it (loom reads the merges.txt next to it), or a tokenizer.json");
   if (detail::is_vocab_txt(path, text)) {
-    TokenizerJson file = vocab_txt(text, "vocab.txt " + detail::quoted(path), detail::vocab_txt_config(path, options));
+    TokenizerJson file = detail::vocab_txt_file(path, text, options);
     return {std::move(file.decoder), std::move(file.rules)};
   }
   const std::string name = "tokenizer " + detail::quoted(path);
   const Json spec = Json::parse(text, name);
   if (spec.find("model") == nullptr) {
     refuse_options("a vocab.json");
-    const std::filesystem::path merges = path.parent_path() / "merges.txt";
-    std::error_code error;
-    if (!std::filesystem::is_regular_file(merges, error)) return {TokenDecoder::from_vocab_json(spec, name), std::nullopt};
-    TokenizerJson file =
-        vocab_json_merges(spec, name, detail::read_text_file(merges, "merges.txt"), "merges.txt " + detail::quoted(merges));
+    const std::optional<std::filesystem::path> merges = detail::file_beside(path, "merges.txt");
+    if (!merges) return {TokenDecoder::from_vocab_json(spec, name), std::nullopt};
+    TokenizerJson file = vocab_json_merges(spec, name, detail::read_text_file(*merges, "merges.txt"),
+                                           "merges.txt " + detail::quoted(*merges));
     return {std::move(file.decoder), std::move(file.rules)};
   }
   refuse_options("a tokenizer.json");

@@ -95,30 +95,6 @@ const CodePointMapping<N>* find_mapping(const CodePointMapping<N> (&table)[Size]
   return it != std::end(table) && it->from == c ? it : nullptr;
 }
 
-//! Refuses a vocabulary (`decoder`, named `name`) whose ids are not a byte-level BPE's merge
-//! ranks: one with a token (the end-of-text one aside) of two bytes or more that is not the
-//! concatenation of two tokens of lower ids. Every merge of a BPE joins two tokens made before
-//! it, so merge-ordered ids (GPT-2's: all 50,256 of its tokens pass) always are.
-inline void check_merge_ranks(const TokenDecoder& decoder, const std::string& name) {
-  std::unordered_map<std::string_view, std::int32_t, BytesHash, std::equal_to<>> lowest;
-  for (std::int32_t id = 0; id < decoder.size(); ++id) lowest.try_emplace(decoder.bytes(id), id);
-  const auto below = [&](std::string_view bytes, std::int32_t id) {
-    const auto it = lowest.find(bytes);
-    return it != lowest.end() && it->second < id;
-  };
-  for (std::int32_t id = 0; id < decoder.size(); ++id) {
-    const std::string_view bytes = decoder.bytes(id);
-    if (bytes.size() < 2 || id == decoder.end_of_text()) continue;
-    bool made = false;
-    for (std::size_t k = 1; k < bytes.size() && !made; ++k) made = below(bytes.substr(0, k), id) && below(bytes.substr(k), id);
-    if (!made)
-      throw Error(name + ": token " + loom::detail::to_text(id), json_quote(bytes),
-                  "is not two tokens of lower ids, so the ids are not merge ranks (a RoBERTa vocab.json's are "
-                  "not) and loom would encode otherwise than its tokenizer: put its merges.txt beside it, or give "
-                  "its tokenizer.json");
-  }
-}
-
 //! BERT's normalizer, pre-tokenizer and WordPiece (WordPieceRules) as Hugging Face's `tokenizers`
 //! applies them, with its character tables (detail/unicode_bert.hpp):
 //! 1. normalize each character: clean_text drops the control and other characters of
@@ -340,17 +316,17 @@ class TokenEncoder {
   //! id outside `vocabulary`.
   TokenEncoder(const TokenDecoder& vocabulary, TokenizerRules rules) : TokenEncoder(vocabulary, std::move(rules), true) {}
 
-  //! The encoder of any tokenizer file (read_tokenizer): a tokenizer.json's or a vocab.txt's
-  //! rules (`options` apply to a vocab.txt only), or ranks from the ids of llm.c's file or a
-  //! vocab.json.
-  //! Ranks from the ids hold only where the ids are a BPE's merges in order, as GPT-2's are; a
-  //! vocabulary with a token that is not two tokens of lower ids (RoBERTa's vocab.json alone)
-  //! is refused, naming the token, rather than encoded otherwise than its own tokenizer would.
+  //! The encoder of any tokenizer file (read_tokenizer): the rules of a tokenizer.json, a
+  //! vocab.json with its merges.txt or a vocab.txt (`options` apply to a vocab.txt only), or
+  //! ranks from the ids of llm.c's file or a vocab.json alone. Those hold only where the ids are
+  //! a BPE's merges in order, as GPT-2's are: a vocabulary with a token that is not two tokens of
+  //! lower ids (RoBERTa's vocab.json alone) is refused, naming the token, rather than encoded
+  //! otherwise than its own tokenizer would.
   static TokenEncoder read(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
     TokenizerFile file = read_tokenizer(path, options);
     if (file.rules) return TokenEncoder(file.decoder, std::move(*file.rules));
     TokenEncoder encoder(file.decoder);
-    detail::check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
+    encoder.check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
     return encoder;
   }
 
@@ -528,6 +504,29 @@ class TokenEncoder {
         merge_results_.push_back(merged);
       else
         merge_results_.push_back(none);  // a repeated merge: its first rank stands
+    }
+  }
+
+  //! Refuses `vocabulary` (named `name`), read for ranks from its ids, where they are not a
+  //! byte-level BPE's merge ranks: where a token (the end-of-text one aside) of two bytes or more
+  //! is not the concatenation of two tokens of lower ids. Every merge of a BPE joins two tokens
+  //! made before it, so merge-ordered ids (GPT-2's: all 50,256 of its tokens pass) always are.
+  void check_merge_ranks(const TokenDecoder& vocabulary, const std::string& name) const {
+    const auto below = [&](std::string_view bytes, std::int32_t id) {
+      const auto it = token_ids_.find(bytes);
+      return it != token_ids_.end() && it->second < id;
+    };
+    for (std::int32_t id = 0; id < vocabulary.size(); ++id) {
+      const std::string_view bytes = vocabulary.bytes(id);
+      if (bytes.size() < 2 || id == end_of_text_) continue;
+      bool made = false;
+      for (std::size_t k = 1; k < bytes.size() && !made; ++k)
+        made = below(bytes.substr(0, k), id) && below(bytes.substr(k), id);
+      if (!made)
+        throw Error(name + ": token " + loom::detail::to_text(id), json_quote(bytes),
+                    "is not two tokens of lower ids, so the ids are not merge ranks (a RoBERTa vocab.json's are "
+                    "not) and loom would encode otherwise than its tokenizer: put its merges.txt beside it, or give "
+                    "its tokenizer.json");
     }
   }
 
