@@ -203,14 +203,31 @@ int main(int argc, char** argv) {
   app.add_option("--seq", o.seq, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--warmup", o.warmup, "Linear warmup steps from 0")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--min-lr-factor", o.min_lr_factor, "Cosine decay ends at this fraction of --lr")
+  app.add_option("--min-lr-factor", o.min_lr_factor, "The decay ends at this fraction of --lr (inverse-sqrt: never goes below it)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--lr-decay", o.lr_decay,
+                 "After the warmup: cosine, linear (BERT's), constant, inverse-sqrt (lr x sqrt(warmup/step)) or wsd "
+                 "(warmup-stable-decay: constant, then a cooldown over the last --wsd-decay-steps)")
+      ->capture_default_str()->check(CLI::IsMember({"cosine", "linear", "constant", "inverse-sqrt", "wsd"}));
+  app.add_option("--lr-decay-steps", o.lr_decay_steps,
+                 "The step the decay ends at, constant after (Megatron-LM's --lr-decay-iters; 0 = --steps)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--wsd-decay-steps", o.wsd_decay_steps,
+                 "--lr-decay wsd: the cooldown's length in steps (0 = a fifth of the steps after the warmup)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--wsd-cooldown", o.wsd_cooldown, "--lr-decay wsd: the cooldown's shape: linear, cosine or 1-sqrt")
+      ->capture_default_str()->check(CLI::IsMember({"linear", "cosine", "1-sqrt"}));
   app.add_option("--clip", o.clip, "Clip the global gradient norm to this (0 = off)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--optimizer", o.optimizer,
                  "adamw, sgd (momentum 0.9; float only) or adafactor (factored second moments, update clipping, "
                  "relative step: --lr caps the step, try 1e-2)")
       ->capture_default_str()->check(CLI::IsMember({"adamw", "sgd", "adafactor"}));
+  app.add_option("--adam-beta1", o.adam.beta1, "AdamW's first-moment decay")->capture_default_str();
+  app.add_option("--adam-beta2", o.adam.beta2,
+                 "AdamW's second-moment decay (0.95 as GPT-3 and llm.c; BERT and PyTorch's default: 0.999)")
+      ->capture_default_str();
+  app.add_option("--adam-eps", o.adam.eps, "AdamW's epsilon (BERT: 1e-6)")->capture_default_str();
   app.add_option("--dtype", o.dtype,
                  "float, or bf16: parameters, gradients and activations in bf16, fp32 arithmetic, "
                  "master weights and optimizer state (mixed precision; adamw or adafactor)")
@@ -429,6 +446,19 @@ int main(int argc, char** argv) {
                             "parameter's gradient must be summed across stages before it is sharded. Use "
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
     gpt2_example::check_family_options(o);
+    for (const char* flag : {"--wsd-decay-steps", "--wsd-cooldown"})
+      if (o.lr_decay != "wsd" && app.count(flag) > 0)
+        throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
+                          "it shapes a warmup-stable-decay schedule, and --lr-decay is " + o.lr_decay);
+    if ((o.lr_decay == "constant" || o.lr_decay == "inverse-sqrt") && app.count("--lr-decay-steps") > 0)
+      throw loom::Error("--lr-decay-steps", std::to_string(o.lr_decay_steps),
+                        "--lr-decay " + o.lr_decay + " has no end step to set");
+    gpt2_example::lr_schedule(o);  // refuses a schedule that does not fit the run, before any rank starts
+    for (const char* flag : {"--adam-beta1", "--adam-beta2", "--adam-eps"})
+      if (o.optimizer != "adamw" && app.count(flag) > 0)
+        throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
+                          "it sets AdamW's hyper-parameters, and --optimizer is " + o.optimizer);
+    if (o.optimizer == "adamw") gpt2_example::adam_options(o).validate();
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
     for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every", "--tokenizer", "--samples"})

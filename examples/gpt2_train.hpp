@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <charconv>
 #include <cmath>
@@ -95,11 +97,16 @@ struct Options {
   double lr = 1e-3;
   std::int64_t warmup = 0;
   double min_lr_factor = 0.1;
+  std::string lr_decay = "cosine";     // --lr-decay: cosine, linear, constant, inverse-sqrt, wsd
+  std::int64_t lr_decay_steps = 0;     // the step the decay ends at; 0 = steps
+  std::int64_t wsd_decay_steps = 0;    // wsd: the cooldown's length; 0 = a fifth of the decay span
+  std::string wsd_cooldown = "1-sqrt"; // wsd: linear, cosine or 1-sqrt
   double clip = 1.0;
   double weight_decay = 0.1;
   double hidden_dropout = 0.0;     // --dropout: the config's hidden_dropout
   double attention_dropout = 0.0;  // --attention-dropout
   std::string optimizer = "adamw";
+  loom::AdamW::Options adam;  // --adam-beta1, --adam-beta2, --adam-eps; weight_decay from --weight-decay
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   bool fp32_gradients = false;  // bf16: micro-batches' gradients added up, reduced and clipped in fp32
   std::string attention = "auto";  // stored (probabilities), recompute (log-sum-exp only), or auto
@@ -311,6 +318,40 @@ inline int recompute_layers_of(const Options& o) {
   return n;
 }
 
+//! The learning-rate schedule of --lr, --warmup, --min-lr-factor, --lr-decay, --lr-decay-steps,
+//! --wsd-decay-steps and --wsd-cooldown, validated: the decay ends at --lr-decay-steps (0: at
+//! --steps), and a warmup-stable-decay cooldown takes a fifth of the steps after the warmup
+//! unless --wsd-decay-steps says otherwise (Hägele et al. 2024 found 20% enough to match cosine).
+inline loom::WarmupDecayLr lr_schedule(const Options& o) {
+  using loom::LrCooldown, loom::LrDecay;
+  constexpr std::array decays{LrDecay::cosine, LrDecay::linear, LrDecay::constant, LrDecay::inverse_sqrt,
+                              LrDecay::warmup_stable_decay};
+  constexpr std::array cooldowns{LrCooldown::linear, LrCooldown::cosine, LrCooldown::one_minus_sqrt};
+  const auto decay = std::ranges::find(decays, o.lr_decay, [](LrDecay d) { return loom::name(d); });
+  LOOM_CHECK(decay != decays.end(), "--lr-decay", o.lr_decay, "must be cosine, linear, constant, inverse-sqrt or wsd");
+  const auto cooldown = std::ranges::find(cooldowns, o.wsd_cooldown, [](LrCooldown c) { return loom::name(c); });
+  LOOM_CHECK(cooldown != cooldowns.end(), "--wsd-cooldown", o.wsd_cooldown, "must be linear, cosine or 1-sqrt");
+  loom::WarmupDecayLr lr{.lr = o.lr,
+                         .warmup = o.warmup,
+                         .total_steps = o.lr_decay_steps > 0 ? o.lr_decay_steps : o.steps,
+                         .min_lr_factor = o.min_lr_factor,
+                         .decay = *decay,
+                         .decay_steps = o.wsd_decay_steps,
+                         .cooldown = *cooldown};
+  const bool wsd = lr.decay == LrDecay::warmup_stable_decay;
+  if (wsd && lr.decay_steps == 0) lr.decay_steps = std::max<std::int64_t>(1, (lr.total_steps - lr.warmup) / 5);
+  // The library's checks name its fields; these name the flags.
+  if (lr.decay != LrDecay::constant && lr.decay != LrDecay::inverse_sqrt)
+    LOOM_CHECK(lr.total_steps >= lr.warmup, o.lr_decay_steps > 0 ? "--lr-decay-steps" : "--steps", lr.total_steps,
+               "the decay must end at or after the warmup (--warmup " + std::to_string(o.warmup) + ")");
+  if (wsd)
+    LOOM_CHECK(lr.decay_steps <= lr.total_steps - lr.warmup, "--wsd-decay-steps", lr.decay_steps,
+               "the cooldown must fit between the warmup's end (step " + std::to_string(o.warmup) +
+                   ") and the decay's (step " + std::to_string(lr.total_steps) + ")");
+  lr.validate();
+  return lr;
+}
+
 //! The attention storage of --attention. auto: recompute where that runs the tiled (flash)
 //! kernels, which keep no probabilities and were the fastest attention on an H100
 //! (docs/benchmarks.md): a GPU they are built for, bf16, the switch on (--flash-attention), a head
@@ -341,6 +382,7 @@ std::string state_meta(const Options& o, const Config& config, int ranks) {
                         {"batch", o.batch},
                         {"seq", o.seq},
                         {"steps", o.steps},
+                        {"lr", loom::detail::to_text(lr_schedule(o))},
                         {"ranks", ranks},
                         {"mesh", {{"dp", o.dp}, {"tp", o.tp}, {"pp", o.pp}}}}
       .dump();
@@ -539,8 +581,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
                "--batch (" + std::to_string(o.batch) + ") must equal --micro-batch (" +
                    std::to_string(micro) + ") x --accumulation x data-parallel ranks (" +
                    std::to_string(group.size()) + ")");
-  const WarmupCosineLr lr{.lr = o.lr, .warmup = o.warmup, .total_steps = o.steps, .min_lr_factor = o.min_lr_factor};
-  lr.validate();
+  const WarmupDecayLr lr = lr_schedule(o);
   // Checks the pipeline against the model (pp x virtual stages <= layers) and the schedule
   // against the pipeline (accumulation runs one stage) on every rank, before any step.
   Trainer<family::Model<Backend, T>, Opt, Schedule, Strategy> trainer(
@@ -615,6 +656,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   std::printf("  strategy %s over %d rank(s) (%s), mesh %s schedule %s\n", detail::to_text(strategy).c_str(),
               world.size(), world.size() == 1 ? "one rank" : o.comm.c_str(), detail::to_text(mesh.shape()).c_str(),
               describe_schedule(schedule, shape).c_str());
+  std::printf("  optimizer %s %s, lr %s\n", Opt::name, detail::to_text(optimizer.options()).c_str(),
+              detail::to_text(lr).c_str());
   std::visit([&](const auto& masked_or_not) {
     if constexpr (requires { masked_or_not.mask_token(); })
       std::printf("  data: masked-LM batches %s (mask token %lld)\n", detail::to_text(masked_or_not.config()).c_str(),
@@ -838,13 +881,20 @@ int with_dtype(const Options& o, Fn&& fn) {
   return fn(float{});
 }
 
+//! AdamW's hyper-parameters from --adam-beta1, --adam-beta2, --adam-eps and --weight-decay.
+inline loom::AdamW::Options adam_options(const Options& o) {
+  loom::AdamW::Options adam = o.adam;
+  adam.weight_decay = o.weight_decay;
+  return adam;
+}
+
 //! Calls `fn` with the optimizer of --optimizer (SGD only for float models).
 template <class T, class Fn>
 int with_optimizer(const Options& o, Fn&& fn) {
   if (o.optimizer == "adafactor") return fn(loom::Adafactor({.weight_decay = o.weight_decay}));
   if constexpr (std::is_same_v<T, float>)
     if (o.optimizer == "sgd") return fn(loom::SgdMomentum({.momentum = 0.9, .weight_decay = o.weight_decay}));
-  return fn(loom::AdamW({.weight_decay = o.weight_decay}));
+  return fn(loom::AdamW(adam_options(o)));
 }
 
 //! Builds the dp x tp x pp mesh over `world` and trains on `backend` with the schedule, strategy

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <ostream>
 
+#include "loom/core/error.hpp"
 #include "loom/optim/concepts.hpp"
 #include "loom/optim/update_rules.hpp"
 
@@ -24,6 +25,15 @@ class AdamW {
     double beta2 = 0.95;
     double eps = 1e-8;
     double weight_decay = 0.1;
+
+    //! Throws loom::Error naming the first value that breaks a rule (PyTorch's: a beta of 1
+    //! would divide by zero in the bias correction).
+    void validate() const {
+      LOOM_CHECK(beta1 >= 0 && beta1 < 1, "AdamW: beta1", beta1, "must be in [0, 1)");
+      LOOM_CHECK(beta2 >= 0 && beta2 < 1, "AdamW: beta2", beta2, "must be in [0, 1)");
+      LOOM_CHECK(eps >= 0, "AdamW: eps", eps, "must be >= 0");
+      LOOM_CHECK(weight_decay >= 0, "AdamW: weight_decay", weight_decay, "must be >= 0");
+    }
     friend bool operator==(const Options&, const Options&) = default;
     friend std::ostream& operator<<(std::ostream& out, const Options& o) {
       return out << "{beta1=" << o.beta1 << ", beta2=" << o.beta2 << ", eps=" << o.eps
@@ -32,7 +42,7 @@ class AdamW {
   };
 
   AdamW() = default;
-  explicit AdamW(Options options) : options_(options) {}
+  explicit AdamW(Options options) : options_(options) { options_.validate(); }
   const Options& options() const noexcept { return options_; }
 
   //! Updates one segment in place (bf16 parameters through their fp32 master copy).

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <ostream>
 
+#include "loom/core/error.hpp"
 #include "loom/optim/concepts.hpp"
 #include "loom/optim/update_rules.hpp"
 
@@ -22,6 +23,13 @@ class SgdMomentum {
     double momentum = 0.9;
     double weight_decay = 0.0;
     bool nesterov = false;
+
+    //! Throws loom::Error naming the first value that breaks a rule (PyTorch's).
+    void validate() const {
+      LOOM_CHECK(momentum >= 0, "SgdMomentum: momentum", momentum, "must be >= 0");
+      LOOM_CHECK(weight_decay >= 0, "SgdMomentum: weight_decay", weight_decay, "must be >= 0");
+      LOOM_CHECK(!nesterov || momentum > 0, "SgdMomentum: momentum", momentum, "must be > 0 with nesterov");
+    }
     friend bool operator==(const Options&, const Options&) = default;
     friend std::ostream& operator<<(std::ostream& out, const Options& o) {
       return out << "{momentum=" << o.momentum << ", weight_decay=" << o.weight_decay
@@ -30,7 +38,7 @@ class SgdMomentum {
   };
 
   SgdMomentum() = default;
-  explicit SgdMomentum(Options options) : options_(options) {}
+  explicit SgdMomentum(Options options) : options_(options) { options_.validate(); }
   const Options& options() const noexcept { return options_; }
 
   template <class B, class T>
