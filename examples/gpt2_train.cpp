@@ -450,10 +450,10 @@ int main(int argc, char** argv) {
       if (o.lr_decay != "wsd" && app.count(flag) > 0)
         throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
                           "it shapes a warmup-stable-decay schedule, and --lr-decay is " + o.lr_decay);
-    if ((o.lr_decay == "constant" || o.lr_decay == "inverse-sqrt") && app.count("--lr-decay-steps") > 0)
+    // Refuses a schedule that does not fit the run, before any rank starts.
+    if (!gpt2_example::lr_schedule(o).has_end() && app.count("--lr-decay-steps") > 0)
       throw loom::Error("--lr-decay-steps", std::to_string(o.lr_decay_steps),
                         "--lr-decay " + o.lr_decay + " has no end step to set");
-    gpt2_example::lr_schedule(o);  // refuses a schedule that does not fit the run, before any rank starts
     for (const char* flag : {"--adam-beta1", "--adam-beta2", "--adam-eps"})
       if (o.optimizer != "adamw" && app.count(flag) > 0)
         throw loom::Error(flag, app.get_option(flag)->as<std::string>(),

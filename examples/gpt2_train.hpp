@@ -341,7 +341,7 @@ inline loom::WarmupDecayLr lr_schedule(const Options& o) {
   const bool wsd = lr.decay == LrDecay::warmup_stable_decay;
   if (wsd && lr.decay_steps == 0) lr.decay_steps = std::max<std::int64_t>(1, (lr.total_steps - lr.warmup) / 5);
   // The library's checks name its fields; these name the flags.
-  if (lr.decay != LrDecay::constant && lr.decay != LrDecay::inverse_sqrt)
+  if (lr.has_end())
     LOOM_CHECK(lr.total_steps >= lr.warmup, o.lr_decay_steps > 0 ? "--lr-decay-steps" : "--steps", lr.total_steps,
                "the decay must end at or after the warmup (--warmup " + std::to_string(o.warmup) + ")");
   if (wsd)

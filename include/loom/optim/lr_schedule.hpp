@@ -84,16 +84,10 @@ struct WarmupDecayLr {
   double at(std::int64_t step) const noexcept {
     if (step < warmup) return lr * static_cast<double>(step) / static_cast<double>(warmup);
     const double min_lr = min_lr_factor * lr;
-    switch (decay) {
-      case LrDecay::constant: return lr;
-      case LrDecay::inverse_sqrt:
-        // At `warmup` (or step 1 without one) the rate is lr; the square root halves it at 4×.
-        return std::max(min_lr, lr * std::sqrt(static_cast<double>(std::max<std::int64_t>(warmup, 1)) /
-                                               static_cast<double>(std::max<std::int64_t>(step, 1))));
-      case LrDecay::cosine:
-      case LrDecay::linear:
-      case LrDecay::warmup_stable_decay: break;
-    }
+    if (decay == LrDecay::constant) return lr;
+    if (decay == LrDecay::inverse_sqrt)  // lr at `warmup` (or step 1 without one), halved at 4×
+      return std::max(min_lr, lr * std::sqrt(static_cast<double>(std::max<std::int64_t>(warmup, 1)) /
+                                             static_cast<double>(std::max<std::int64_t>(step, 1))));
     if (step >= total_steps) return min_lr;
     const std::int64_t begin = decay == LrDecay::warmup_stable_decay ? total_steps - decay_steps : warmup;
     if (step < begin) return lr;
@@ -107,7 +101,7 @@ struct WarmupDecayLr {
     LOOM_CHECK(warmup >= 0, "lr schedule: warmup", warmup, "must be >= 0");
     LOOM_CHECK(min_lr_factor >= 0 && min_lr_factor <= 1, "lr schedule: min_lr_factor", min_lr_factor,
                "must be in [0, 1]");
-    if (decay == LrDecay::constant || decay == LrDecay::inverse_sqrt) return;  // no end step
+    if (!has_end()) return;
     LOOM_CHECK(total_steps >= warmup, "lr schedule: total_steps", total_steps,
                "must be >= warmup (" + detail::to_text(warmup) + ")");
     if (decay != LrDecay::warmup_stable_decay) return;
@@ -116,11 +110,14 @@ struct WarmupDecayLr {
                    "]: the cooldown comes after the warmup");
   }
 
+  //! Whether the decay ends at `total_steps` (constant and inverse_sqrt have no end step).
+  constexpr bool has_end() const noexcept { return decay != LrDecay::constant && decay != LrDecay::inverse_sqrt; }
+
   friend bool operator==(const WarmupDecayLr&, const WarmupDecayLr&) = default;
   friend std::ostream& operator<<(std::ostream& out, const WarmupDecayLr& s) {
     out << "warmup_" << (s.decay == LrDecay::warmup_stable_decay ? "stable_decay" : name(s.decay))
         << "(lr=" << s.lr << ", warmup=" << s.warmup;
-    if (s.decay != LrDecay::constant && s.decay != LrDecay::inverse_sqrt) out << ", total_steps=" << s.total_steps;
+    if (s.has_end()) out << ", total_steps=" << s.total_steps;
     if (s.decay == LrDecay::warmup_stable_decay)
       out << ", decay_steps=" << s.decay_steps << ", cooldown=" << name(s.cooldown);
     if (s.decay != LrDecay::constant) out << ", min_lr_factor=" << s.min_lr_factor;
@@ -129,12 +126,16 @@ struct WarmupDecayLr {
 
  private:
   // The share of lr - min_lr left at `progress` through the decay (1 at 0, 0 at 1).
+  // A cosine or linear decay is the cooldown of that shape over the whole span after the warmup.
   double remaining(double progress) const noexcept {
-    const bool cosine = decay == LrDecay::cosine ||
-                        (decay == LrDecay::warmup_stable_decay && cooldown == LrCooldown::cosine);
-    if (cosine) return 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
-    if (decay == LrDecay::warmup_stable_decay && cooldown == LrCooldown::one_minus_sqrt)
-      return 1.0 - std::sqrt(progress);
+    const LrCooldown shape = decay == LrDecay::cosine   ? LrCooldown::cosine
+                             : decay == LrDecay::linear ? LrCooldown::linear
+                                                        : cooldown;
+    switch (shape) {
+      case LrCooldown::cosine: return 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+      case LrCooldown::one_minus_sqrt: return 1.0 - std::sqrt(progress);
+      case LrCooldown::linear: break;
+    }
     return 1.0 - progress;
   }
 };
