@@ -181,9 +181,12 @@ const Case cases[] = {{2, 5, 6, 2}, {2, 5, 6, 3}, {1, 1, 6, 3}, {3, 1, 4, 1},
 const Case bidirectional_cases[] = {{2, 1, 6, 3}, {2, 5, 6, 2}, {2, 5, 6, 3}, {1, 17, 12, 4},
                                     {2, 70, 12, 3}, {1, 130, 8, 2}, {2, 130, 6, 1}};
 
-// The central differences take two forward passes per qkv element: smaller shapes, one of
-// them still crossing a 64-row block (the debug + ASan build runs this too).
-const Case bidirectional_gradient_cases[] = {{2, 1, 6, 3}, {2, 5, 6, 2}, {1, 17, 12, 4}, {1, 70, 6, 2}};
+// The central differences take two forward passes per qkv element, a cost of about
+// B² T³ C²: smaller shapes for both masks, still crossing one 64-row block (70) and two (133,
+// by a block of five rows), with 1 to 4 heads and T = 1. The debug + ASan build runs these
+// too; {2, 70, 12, 3} and {1, 133, 8, 2} alone took it 15 minutes.
+const Case gradient_cases[] = {{2, 5, 6, 2}, {2, 5, 6, 3}, {1, 1, 6, 3}, {3, 1, 4, 1},
+                               {1, 17, 12, 4}, {1, 70, 6, 2}, {1, 133, 2, 1}};
 
 constexpr AttentionMask both_masks[] = {AttentionMask::causal, AttentionMask::bidirectional};
 
@@ -216,7 +219,7 @@ TEST_CASE_TEMPLATE("attention_forward and attention_forward_lse match the plain 
 TEST_CASE_TEMPLATE("attention backward matches central differences (double)", Kernels, SavesProbs<double>,
                    SavesLse<double>) {
   const cpu be(1);
-  for (const Case& c : cases) check_backward_by_differences<Kernels>(be, c, AttentionMask::causal, 21);
+  for (const Case& c : gradient_cases) check_backward_by_differences<Kernels>(be, c, AttentionMask::causal, 21);
 }
 
 TEST_CASE_TEMPLATE("attention backward with T = 1 gives zero dq, dk and dv = dout", Kernels, SavesProbs<double>,
@@ -338,7 +341,7 @@ TEST_CASE_TEMPLATE("bidirectional attention_forward and attention_forward_lse ma
 TEST_CASE_TEMPLATE("bidirectional attention backward matches central differences (double)", Kernels,
                    SavesProbs<double>, SavesLse<double>) {
   const cpu be(1);
-  for (const Case& c : bidirectional_gradient_cases) {
+  for (const Case& c : gradient_cases) {
     const auto k = check_backward_by_differences<Kernels>(be, c, AttentionMask::bidirectional, 25);
     if (c.T > 1) {
       // The causal backward from the same forward is another gradient: the mask reaches it.
@@ -517,9 +520,9 @@ TEST_CASE_TEMPLATE("padded attention (both pairs) matches the plain reference; p
 TEST_CASE_TEMPLATE("padded attention backward matches central differences (double); padding gets no gradient",
                    Kernels, SavesProbs<double>, SavesLse<double>) {
   const cpu be(1);
-  const PaddedCase gradient_cases[] = {{{2, 5, 6, 2}, {2, 5}}, {{2, 6, 4, 1}, {1, 4}}, {{1, 70, 6, 2}, {66}}};
+  const PaddedCase padded_gradient_cases[] = {{{2, 5, 6, 2}, {2, 5}}, {{2, 6, 4, 1}, {1, 4}}, {{1, 70, 6, 2}, {66}}};
   for (const AttentionMask mask : both_masks) {
-    for (const PaddedCase& pc : gradient_cases) {
+    for (const PaddedCase& pc : padded_gradient_cases) {
       const Case& c = pc.c;
       INFO(loom::name(mask));
       const auto dqkv = check_backward_by_differences<Kernels>(be, c, padded_keys(mask, pc.lengths), 62).dqkv;
