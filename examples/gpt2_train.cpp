@@ -191,6 +191,9 @@ int main(int argc, char** argv) {
   app.add_option("--layers", o.layers, "Override the config's number of layers");
   app.add_option("--heads", o.heads, "Override the config's number of heads");
   app.add_option("--channels", o.channels, "Override the config's hidden size");
+  app.add_option("--vocab-size", o.vocab_size,
+                 "Override the config's vocabulary (wte's rows rounded up to 128): a token file of a larger "
+                 "tokenizer's ids, cl100k_base's 100277 or Llama 3's 128256, say");
   app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "Sequences per global batch")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--micro-batch", o.micro_batch,
@@ -288,7 +291,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "Seed of the initial weights (and of the synthetic data)")->capture_default_str();
   app.add_option("--data", o.data,
                  "synthetic (a Markov chain over the model's own vocabulary), an llm.c token file (uint16, magic "
-                 "20240520), or bytes:FILE (any file, vocab 256)")
+                 "20240520; or uint32, magic 20240801), or bytes:FILE (any file, vocab 256)")
       ->capture_default_str();
   app.add_option("--jump-probability", o.jump_probability, "Synthetic task: chance a token breaks the chain")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));

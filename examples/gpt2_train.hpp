@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -89,6 +90,7 @@ constexpr auto save_hf = [](const auto&... a) { loom::io::save_hf_gpt2(a...); };
 struct Options {
   std::string model = "tiny";
   std::optional<std::int64_t> layers, heads, channels;
+  std::optional<std::int64_t> vocab_size;  // the config's otherwise (a token file of a larger tokenizer)
   std::int64_t steps = 100;
   std::int64_t batch = 8;  // sequences per global batch
   std::int64_t micro_batch = 0;  // 0 = the whole batch in one micro-batch
@@ -265,6 +267,14 @@ inline void check_family_options(const Options& o) {
 #endif
   LOOM_CHECK(o.init.empty() || o.init_hf.empty(), "--init-hf", o.init_hf,
              "give --init (llm.c) or --init-hf (Hugging Face), not both");
+  if (o.vocab_size) {
+    LOOM_CHECK(*o.vocab_size >= 1 && *o.vocab_size <= std::numeric_limits<std::int32_t>::max(), "--vocab-size",
+               *o.vocab_size, "must be in [1, 2147483647]");
+    LOOM_CHECK(o.init.empty() && o.init_hf.empty(), "--vocab-size", *o.vocab_size,
+               "the checkpoint of --init or --init-hf sets the vocabulary");
+    LOOM_CHECK(!o.data.starts_with("bytes:"), "--vocab-size", *o.vocab_size,
+               "bytes: data sets the vocabulary (256 bytes)");
+  }
   if (!o.gelu.empty()) loom::gelu_from_name(o.gelu, "--gelu");
 }
 
@@ -273,6 +283,10 @@ inline family::Config model_config(const Options& o) {
   if (o.layers) c.num_layers = *o.layers;
   if (o.heads) c.num_heads = *o.heads;
   if (o.channels) c.channels = *o.channels;
+  if (o.vocab_size) {  // wte's rows rounded up to 128, as GPT-2's 50257 are to 50304
+    c.vocab_size = *o.vocab_size;
+    c.padded_vocab_size = (*o.vocab_size + 127) / 128 * 128;
+  }
   // The synthetic task takes the config's own vocabulary (256 for tiny and --demo, GPT-2's 50257
   // for small and up, BERT's 30522 with its mask token among them), so that --model small is the
   // 124M model whose throughput is compared with other frameworks'. Byte-level data has 256

@@ -5,11 +5,13 @@
 //   loom_tokenize --tokenizer vocab.json --end-of-text --output train.bin a.txt b.txt
 //   loom_tokenize --tokenizer roberta/tokenizer.json --end-of-text --output train.bin a.txt
 //   loom_tokenize --tokenizer bert-base-cased/vocab.txt --lowercase false --output train.bin a.txt
+//   loom_tokenize --tokenizer cl100k_base.tiktoken --end-of-text --output train.bin a.txt
 //
 // The tokenizer is llm.c's gpt2_tokenizer.bin, a Hugging Face vocab.json with its merges.txt
 // beside it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json
-// of a byte-level BPE (its merges ranked by their list) or of a WordPiece, or a BERT vocab.txt;
-// see docs/data.md, "Tokenizers".
+// of a byte-level BPE (its merges ranked by their list; split by GPT-2's, Llama 3's or
+// o200k_base's pattern) or of a WordPiece, a BERT vocab.txt, or a tiktoken file (r50k_base,
+// p50k_base, cl100k_base, o200k_base); see docs/data.md, "Tokenizers".
 
 #include <algorithm>
 #include <atomic>
@@ -75,12 +77,14 @@ int main(int argc, char** argv) {
   std::vector<std::string> inputs;
   bool end_of_text = false;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  CLI::App app{"Text to the token ids of a byte-level BPE (GPT-2's pre-tokenizer, then the merges) or a BERT "
-               "WordPiece, printed or written as an llm.c token file for gpt2_train --data and bert_train --data."};
+  CLI::App app{"Text to the token ids of a byte-level BPE (GPT-2's, cl100k_base's, o200k_base's or Llama 3's "
+               "pre-tokenizer, then the merges) or a BERT WordPiece, printed or written as an llm.c token file for "
+               "gpt2_train --data and bert_train --data."};
   app.add_option("--tokenizer", tokenizer,
                  "llm.c's tokenizer file (gpt2_tokenizer.bin), a Hugging Face vocab.json with its merges.txt beside "
                  "it, or alone where its ids are its merge ranks (GPT-2's), a Hugging Face tokenizer.json of a "
-                 "byte-level BPE or a WordPiece, or a BERT vocab.txt")
+                 "byte-level BPE or a WordPiece, a BERT vocab.txt, or a tiktoken file named for its encoding "
+                 "(r50k_base.tiktoken, p50k_base.tiktoken, cl100k_base.tiktoken, o200k_base.tiktoken)")
       ->required();
   app.add_option("--lowercase", lowercase,
                  "A vocab.txt only: lowercase the text (and strip accents), true for an uncased BERT; default: "
@@ -89,8 +93,9 @@ int main(int argc, char** argv) {
   app.add_option("inputs", inputs, "Text files, each one document; - reads standard input");
   app.add_option("--text", text, "Encode this text (one more document, after the files)");
   app.add_option("--output", output,
-                 "Write the ids as an llm.c token file (uint16, written whole to FILE.tmp, then renamed); "
-                 "without it they are printed, separated by commas");
+                 "Write the ids as an llm.c token file (uint16; uint32 for a vocabulary past 65536 tokens, as "
+                 "cl100k_base's and Llama 3's are; written whole to FILE.tmp, then renamed); without it they are "
+                 "printed, separated by commas");
   app.add_option("--threads", threads,
                  "Threads: on as many documents at once, or on parts of each document, cut at line ends where the ids "
                  "cannot change (the ids are those of one thread; default: the hardware threads)")
@@ -128,14 +133,10 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i == 0 ? "" : ",", ids[i]);
       std::printf("\n");
       std::fflush(stdout);  // the ids before the summary on stderr
-    } else {
-      std::vector<std::uint16_t> narrow(ids.size());
-      for (std::size_t i = 0; i < ids.size(); ++i) {
-        LOOM_CHECK(ids[i] < 65536, "--output " + output + ": token id", ids[i],
-                   "must be below 65536: llm.c's token files store uint16");
-        narrow[i] = static_cast<std::uint16_t>(ids[i]);
-      }
-      loom::io::write_token_file(output, narrow);
+    } else if (encoder.vocab_size() <= 65536) {  // GPT-2's form: every id fits uint16
+      loom::io::write_token_file(output, std::vector<std::uint16_t>(ids.begin(), ids.end()));
+    } else {  // llm.c's form for larger vocabularies: uint32
+      loom::io::write_token_file(output, std::vector<std::uint32_t>(ids.begin(), ids.end()));
     }
     std::fprintf(stderr,
                  "%zu document%s, %zu bytes -> %zu tokens (%.2f bytes a token) in %.3f s (%.1f MB/s, %d thread%s)%s%s\n",

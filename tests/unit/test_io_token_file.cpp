@@ -5,6 +5,7 @@
 #include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -122,7 +124,8 @@ TEST_CASE("token file: write and open round trip") {
   const TokenFile read = TokenFile::open(file.path, 65536);
   CHECK(read.size() == 8);
   CHECK(read.vocab_size() == 65536);
-  CHECK(std::vector<std::uint16_t>(read.tokens().begin(), read.tokens().end()) == tokens);
+  CHECK(read.token_bytes() == 2);
+  for (std::size_t i = 0; i < tokens.size(); ++i) CHECK(read.token(static_cast<std::int64_t>(i)) == tokens[i]);
 
   // Header words as llm.c writes them.
   std::ifstream in(file.path, std::ios::binary);
@@ -133,7 +136,7 @@ TEST_CASE("token file: write and open round trip") {
   CHECK(header[2] == 8);
 
   // An empty file of tokens is valid; it only cannot make a batch.
-  loom::io::write_token_file(file.path, {});
+  loom::io::write_token_file(file.path, std::span<const std::uint16_t>{});
   CHECK(TokenFile::open(file.path, 10).size() == 0);
 }
 
@@ -207,13 +210,62 @@ TEST_CASE("token file: bad files are rejected with the offending values") {
     loom::io::write_token_file(file.path, iota_tokens(4));
     CHECK_THROWS_WITH_AS(TokenFile::open(file.path, 0), doctest::Contains("vocab_size: got 0"),
                          loom::Error);
-    CHECK_THROWS_WITH_AS(TokenFile::open(file.path, 65537),
-                         doctest::Contains("vocab_size: got 65537"), loom::Error);
+    CHECK_THROWS_WITH_AS(TokenFile::open(file.path, std::int64_t{1} << 31),
+                         doctest::Contains("vocab_size: got 2147483648; must be in [1, 2147483647]"), loom::Error);
+    CHECK(TokenFile::open(file.path, 100277).vocab_size() == 100277);  // uint16 tokens, a larger vocabulary
   }
   SUBCASE("a directory is not a token file") {
     fs::create_directory(file.path);
     CHECK_THROWS_AS(TokenFile::open(file.path, 256), loom::Error);
   }
+}
+
+TEST_CASE("token file of uint32 tokens (llm.c's form for large vocabularies): write and open round trip") {
+  TempPath file("tokens_wide");
+  const std::vector<std::uint32_t> tokens = {0, 1, 65535, 65536, 100257, 128255, 7, 300};
+  loom::io::write_token_file(file.path, std::span<const std::uint32_t>(tokens));
+  CHECK(fs::file_size(file.path) == 1024 + 4 * tokens.size());
+  std::int32_t header[3];
+  std::ifstream(file.path, std::ios::binary).read(reinterpret_cast<char*>(header), sizeof header);
+  CHECK(header[0] == 20240801);
+  CHECK(header[1] == 7);
+  CHECK(header[2] == 8);
+
+  const TokenFile read = TokenFile::open(file.path, 128256);  // Llama 3's vocabulary
+  CHECK(read.token_bytes() == 4);
+  REQUIRE(read.size() == 8);
+  for (std::size_t i = 0; i < tokens.size(); ++i) CHECK(read.token(static_cast<std::int64_t>(i)) == tokens[i]);
+  const Batch b = read.batch_at(0, 1, 7);
+  CHECK(b.tokens == std::vector<std::int32_t>{0, 1, 65535, 65536, 100257, 128255, 7});
+  CHECK(b.targets == std::vector<std::int32_t>{1, 65535, 65536, 100257, 128255, 7, 300});
+  // The same windows as the same tokens in memory, and as uint16 ones where they fit.
+  const TokenFile memory(std::vector<std::uint32_t>(tokens), 128256);
+  CHECK(memory.batch_at(3, 2, 3).tokens == read.batch_at(3, 2, 3).tokens);
+  const std::vector<std::uint16_t> narrow_tokens = iota_tokens(20);
+  const std::vector<std::uint32_t> wide_tokens(narrow_tokens.begin(), narrow_tokens.end());
+  CHECK(TokenFile(narrow_tokens, 20).batch_at(2, 3, 4).targets == TokenFile(wide_tokens, 20).batch_at(2, 3, 4).targets);
+
+  CHECK_THROWS_WITH_AS(TokenFile::open(file.path, 128255),
+                       doctest::Contains("token at position 5: got 128255; tokens must be < vocab_size (128255)"),
+                       loom::Error);
+  // A wide header with GPT-2's version, a narrow one with the wide version, a payload of the other width.
+  std::fstream edit(file.path, std::ios::binary | std::ios::in | std::ios::out);
+  const std::int32_t version_one = 1;
+  edit.seekp(4);
+  edit.write(reinterpret_cast<const char*>(&version_one), 4);
+  edit.close();
+  CHECK_THROWS_WITH_AS(TokenFile::open(file.path, 128256),
+                       doctest::Contains("version: got 1; expected 7 with magic 20240801 (uint32 tokens)"), loom::Error);
+  loom::io::write_token_file(file.path, std::span<const std::uint32_t>(tokens.data(), 4));
+  std::vector<char> bytes(fs::file_size(file.path));
+  std::ifstream(file.path, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const std::int32_t narrow[2] = {20240520, 1};
+  std::copy_n(reinterpret_cast<const char*>(narrow), sizeof narrow, bytes.begin());
+  std::ofstream(file.path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  CHECK_THROWS_WITH_AS(TokenFile::open(file.path, 128256),
+                       doctest::Contains("size: got 8 tokens (16 bytes) after the header; the header says 4 tokens "
+                                         "(8 bytes); the file has extra bytes"),
+                       loom::Error);
 }
 
 TEST_CASE("token file: failed write leaves the old file intact") {
@@ -233,9 +285,9 @@ TEST_CASE("byte files: every byte is a token, vocabulary 256") {
   const TokenFile bytes = TokenFile::bytes(file.path);
   CHECK(bytes.vocab_size() == 256);
   REQUIRE(bytes.size() == 6);
-  CHECK(bytes.tokens()[0] == 'a');
-  CHECK(bytes.tokens()[2] == 0);
-  CHECK(bytes.tokens()[3] == 255);
+  CHECK(bytes.token(0) == 'a');
+  CHECK(bytes.token(2) == 0);
+  CHECK(bytes.token(3) == 255);
 
   const Batch b = bytes.batch_at(0, 1, 5);
   CHECK(b.tokens == std::vector<std::int32_t>{'a', 'b', 0, 255, 'c'});

@@ -167,10 +167,10 @@ TEST_CASE("tokenizer.json: what loom would encode otherwise is refused by name")
   CHECK(contains(message(tokenizer("", "[]", "[]", pre, "", R"({"type": "NFC"})")),
                  "normalizer: got NFC; expected null: loom's byte-level BPE normalizes nothing"));
   CHECK(contains(message(tokenizer("", "[]", "[]", R"({"type": "Sequence", "pretokenizers": []})")),
-                 "pre_tokenizer: got Sequence; expected ByteLevel: loom's byte-level BPE splits text by GPT-2's "
-                 "pattern only"));
+                 "pre_tokenizer: got a Sequence of []; expected ByteLevel, or a Sequence of a Split by GPT-2's, "
+                 "Llama 3's or o200k_base's pattern and a ByteLevel without use_regex"));
   CHECK(contains(message(tokenizer("", "[]", "[]", R"({"type": "ByteLevel", "use_regex": false})")),
-                 "pre_tokenizer.use_regex: got false; expected true"));
+                 "pre_tokenizer.use_regex: got false; expected true: a ByteLevel alone must split the text"));
   CHECK(contains(message(tokenizer("", "[]", "[]", pre, R"(, "byte_fallback": true)")), "model.byte_fallback: got true"));
   CHECK(contains(message(tokenizer("", "[]", "[]", pre, R"(, "continuing_subword_prefix": "##")")),
                  "model.continuing_subword_prefix: got the string \"##\""));

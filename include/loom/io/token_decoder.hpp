@@ -1,7 +1,8 @@
 #pragma once
 //! \file Token ids back to text, each id's bytes, read from any tokenizer file loom knows:
 //! llm.c's tokenizer file (`gpt2_tokenizer.bin`), a Hugging Face `vocab.json` or `tokenizer.json`,
-//! or a BERT `vocab.txt`. The last two also give the rules TokenEncoder (token_encoder.hpp)
+//! a BERT `vocab.txt`, or a tiktoken file (`cl100k_base.tiktoken`: a line per token, its bytes in
+//! base64 and its rank). The last two also give the rules TokenEncoder (token_encoder.hpp)
 //! encodes with (TokenizerRules): a byte-level BPE's merges and added tokens, or a WordPiece.
 //!
 //! llm.c's format: a header of 256 little-endian int32 {20240328, version, vocab_size,
@@ -144,6 +145,58 @@ struct WordPieceRules {
   bool lowercase = false;
 };
 
+//! The pattern a byte-level BPE splits text into pieces by before it merges within each
+//! (TokenEncoder; the scanners are in token_encoder.hpp):
+//! - `gpt2`: GPT-2's (Radford et al. 2019); tiktoken's r50k_base and p50k_base split alike;
+//! - `cl100k`: tiktoken's cl100k_base (GPT-3.5, GPT-4): contractions in either case, a letter
+//!   run with one character before it that is not a line end, number, or letter, numbers three
+//!   digits at a time, punctuation with the line ends after it;
+//! - `llama3`: Meta Llama 3's (its tokenizer.json's Split), which is cl100k_base's first form:
+//!   the same pieces, except that white space holding a line end at the end of a text splits
+//!   after its last line end where cl100k_base keeps it whole;
+//! - `o200k`: tiktoken's o200k_base (GPT-4o): as llama3, but letter runs split where case falls
+//!   from lower to upper and take the contraction after them, and punctuation takes slashes too.
+enum class Pretokenizer : unsigned char { gpt2, cl100k, llama3, o200k };
+
+//! The pretokenizer's name: gpt2, cl100k, llama3 or o200k.
+constexpr std::string_view name(Pretokenizer p) noexcept {
+  switch (p) {
+    case Pretokenizer::gpt2: return "gpt2";
+    case Pretokenizer::cl100k: return "cl100k";
+    case Pretokenizer::llama3: return "llama3";
+    case Pretokenizer::o200k: return "o200k";
+  }
+  return "?";
+}
+
+//! tiktoken 0.14's o200k_base pattern (Pretokenizer::o200k): its seven alternatives joined by `|`.
+//! Oniguruma (Hugging Face's `tokenizers`) reads it as tiktoken does.
+inline constexpr std::string_view o200k_pattern =
+    R"re([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
+    R"re(|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?)re"
+    R"re(|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
+
+//! tiktoken 0.14's cl100k_base pattern (Pretokenizer::cl100k). Not read from a tokenizer.json:
+//! `tokenizers` runs Oniguruma, where `\p{N}{1,3}+` is `(\p{N}{1,3})+`, not possessive, so its
+//! digit runs would not be cut in threes as tiktoken cuts them.
+inline constexpr std::string_view cl100k_pattern =
+    R"re('(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s)re";
+
+//! The Split patterns of a tokenizer.json that loom reads (exactly as written), and the
+//! pretokenizer that splits as Hugging Face's `tokenizers` does with each.
+struct PretokenizerPattern {
+  Pretokenizer pretokenizer;
+  std::string_view regex;
+};
+inline constexpr PretokenizerPattern pretokenizer_patterns[] = {
+    {Pretokenizer::gpt2, R"re('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)re"},
+    // tiktoken 0.14's r50k_base: possessive, the same pieces.
+    {Pretokenizer::gpt2, R"re('(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s)re"},
+    {Pretokenizer::llama3,
+     R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re"},
+    {Pretokenizer::o200k, o200k_pattern},
+};
+
 //! How a Hugging Face tokenizer.json encodes, beyond its tokens: TokenEncoder's second
 //! constructor. A byte-level BPE (`word_piece` empty) ranks its merges by `merges`, where the ids
 //! need not be in merge order; a WordPiece spells words from `word_piece`'s vocabulary.
@@ -158,6 +211,9 @@ struct TokenizerRules {
   //! BPE: a piece that is a token is that token, whatever the merges would make of it
   //! (`ignore_merges`).
   bool ignore_merges = false;
+  //! BPE: the pattern that splits the text into pieces (ByteLevel's own, GPT-2's; or a Split's
+  //! before a ByteLevel without one).
+  Pretokenizer pretokenizer = Pretokenizer::gpt2;
   //! WordPiece, where the model is one.
   std::optional<WordPieceRules> word_piece;
 };
@@ -325,6 +381,66 @@ inline std::string component_type(const Json& component) {
 
 namespace detail {
 
+//! The pretokenizer of Split `split` (named `what`): the one whose pattern it is, exactly
+//! (pretokenizer_patterns), with its pieces kept apart ("Isolated", not inverted).
+inline Pretokenizer split_pretokenizer(const Json& split, const std::string& what) {
+  refuse_unless(split, "behavior", "Isolated", what,
+                "expected Isolated: each match a piece of its own, as byte-level BPEs split");
+  refuse_unless(split, "invert", "false", what, "expected false: the matches are the pieces");
+  const Json* pattern = optional_member(split, "pattern", Json::Kind::object, what);
+  const Json* regex = pattern != nullptr ? pattern->find("Regex") : nullptr;
+  if (regex == nullptr || regex->kind() != Json::Kind::string)
+    throw Error(what + ".pattern", pattern == nullptr ? std::string("none") : pattern->describe(),
+                "expected {\"Regex\": ...}, a pattern loom knows");
+  const std::string& text = regex->string(what + ".pattern.Regex");
+  for (const PretokenizerPattern& known : pretokenizer_patterns)
+    if (text == known.regex) return known.pretokenizer;
+  if (text == cl100k_pattern)
+    throw Error(what + ".pattern.Regex", "tiktoken's cl100k_base pattern",
+                "expected Llama 3's form of it: Hugging Face's tokenizers (Oniguruma) reads its \\p{N}{1,3}+ as "
+                "(\\p{N}{1,3})+, so it splits digit runs otherwise than tiktoken, and loom would encode otherwise "
+                "than one of them");
+  throw Error(what + ".pattern.Regex", json_quote(text),
+              "expected GPT-2's, Llama 3's or o200k_base's pattern, as io::pretokenizer_patterns writes them: loom "
+              "splits text by those, written out as scanners");
+}
+
+//! The pre-tokenizer of a byte-level BPE tokenizer.json into `rules`: ByteLevel, which splits by
+//! GPT-2's pattern (`use_regex`), or a Sequence of a Split by a pattern loom knows and a ByteLevel
+//! that does not split again (Llama 3's).
+inline void read_byte_level_split(const Json& spec, const std::string& name, TokenizerRules& rules) {
+  const Json* pre = spec.find("pre_tokenizer");
+  const std::string p = name + ": pre_tokenizer";
+  const auto refused = [&](const std::string& got) {
+    return Error(p, got,
+                 "expected ByteLevel, or a Sequence of a Split by GPT-2's, Llama 3's or o200k_base's pattern and a "
+                 "ByteLevel without use_regex: loom's byte-level BPE splits text by those patterns");
+  };
+  if (pre == nullptr || pre->kind() != Json::Kind::object) throw refused(pre == nullptr ? "none" : pre->describe());
+  if (component_type(*pre) == "ByteLevel") {
+    if (!flag(*pre, "use_regex", true, p))
+      throw Error(p + ".use_regex", "false",
+                  "expected true: a ByteLevel alone must split the text (GPT-2's pattern); put a Split before it "
+                  "for another pattern");
+    rules.add_prefix_space = flag(*pre, "add_prefix_space", false, p);
+    rules.pretokenizer = Pretokenizer::gpt2;
+    return;
+  }
+  if (component_type(*pre) != "Sequence") throw refused(component_type(*pre));
+  const Json* steps = optional_member(*pre, "pretokenizers", Json::Kind::array, p);
+  if (steps == nullptr) throw refused("a Sequence without pretokenizers");
+  const auto& list = steps->array(p + ".pretokenizers");
+  std::string types;
+  for (const Json& step : list) types += (types.empty() ? "" : ", ") + component_type(step);
+  if (list.size() != 2 || component_type(list[0]) != "Split" || component_type(list[1]) != "ByteLevel")
+    throw refused("a Sequence of [" + types + "]");
+  rules.pretokenizer = split_pretokenizer(list[0], p + ".pretokenizers[0]");
+  const std::string b = p + ".pretokenizers[1]";
+  if (flag(list[1], "use_regex", true, b))
+    throw Error(b + ".use_regex", "true", "expected false: the Split before it has split the text already");
+  rules.add_prefix_space = flag(list[1], "add_prefix_space", false, b);
+}
+
 //! The tokenizer.json's byte-level BPE model `model` (named `m`): its rules into `rules`, its
 //! tokens' (id, bytes) into `ids`.
 inline void read_byte_level_bpe(const Json& spec, const Json& model, const std::string& name, const std::string& m,
@@ -338,14 +454,7 @@ inline void read_byte_level_bpe(const Json& spec, const Json& model, const std::
   if (const Json* normalizer = spec.find("normalizer"); normalizer != nullptr && normalizer->kind() != Json::Kind::null)
     throw Error(name + ": normalizer", component_type(*normalizer),
                 "expected null: loom's byte-level BPE normalizes nothing, so it would encode other text");
-  const Json* pre = spec.find("pre_tokenizer");
-  const std::string p = name + ": pre_tokenizer";
-  if (pre == nullptr || pre->kind() != Json::Kind::object || component_type(*pre) != "ByteLevel")
-    throw Error(p, pre == nullptr ? std::string("none") : component_type(*pre),
-                "expected ByteLevel: loom's byte-level BPE splits text by GPT-2's pattern only");
-  if (!flag(*pre, "use_regex", true, p))
-    throw Error(p + ".use_regex", "false", "expected true: loom's encoder always splits by GPT-2's pattern");
-  rules.add_prefix_space = flag(*pre, "add_prefix_space", false, p);
+  read_byte_level_split(spec, name, rules);
   rules.ignore_merges = flag(model, "ignore_merges", false, m);
 
   for (const auto& [token, value] : model.find("vocab")->object(m + ".vocab"))
@@ -512,7 +621,7 @@ inline TokenizerJson tokenizer_json(const Json& spec, const std::string& name) {
   LOOM_CHECK(!tokens.empty(), name + ": tokens", 0, "must be at least one");
 
   std::int32_t end = -1;
-  for (const char* text : {"[SEP]", "</s>", "<|endoftext|>"})
+  for (const char* text : {"[SEP]", "</s>", "<|endoftext|>", "<|end_of_text|>"})
     for (const AddedToken& token : rules.added)
       if (token.text == text) end = token.id;
   return {TokenDecoder(std::move(tokens), end), std::move(rules)};
@@ -707,9 +816,112 @@ inline TokenizerJson vocab_json_merges(const Json& vocab, const std::string& nam
 struct TokenizerFile {
   TokenDecoder decoder;
   std::optional<TokenizerRules> rules;
+  //! Without rules: the pattern that splits the text (a tiktoken file's, by its name).
+  Pretokenizer pretokenizer = Pretokenizer::gpt2;
 };
 
+//! What a tiktoken file does not say, which tiktoken takes from the encoding's name
+//! (tiktoken_ext/openai_public.py): its pattern, and its special tokens' ids.
+struct TiktokenEncoding {
+  std::string_view name;  //!< the file's name without `.tiktoken`
+  Pretokenizer pretokenizer;
+  std::int32_t vocab_size;  //!< the ranks' and special tokens' ids are below it
+  std::vector<std::pair<std::string_view, std::int32_t>> special;  //!< the end-of-text token first
+};
+
+//! The tiktoken encodings loom reads.
+inline const std::vector<TiktokenEncoding>& tiktoken_encodings() {
+  static const std::vector<TiktokenEncoding> encodings = {
+      {"r50k_base", Pretokenizer::gpt2, 50257, {{"<|endoftext|>", 50256}}},
+      {"p50k_base", Pretokenizer::gpt2, 50281, {{"<|endoftext|>", 50256}}},
+      {"cl100k_base",
+       Pretokenizer::cl100k,
+       100277,
+       {{"<|endoftext|>", 100257},
+        {"<|fim_prefix|>", 100258},
+        {"<|fim_middle|>", 100259},
+        {"<|fim_suffix|>", 100260},
+        {"<|endofprompt|>", 100276}}},
+      {"o200k_base", Pretokenizer::o200k, 200019, {{"<|endoftext|>", 199999}, {"<|endofprompt|>", 200018}}},
+  };
+  return encodings;
+}
+
 namespace detail {
+
+//! The bytes of base64 text `text` (RFC 4648's alphabet, `=` padding), or nullopt where it is not
+//! base64.
+inline std::optional<std::string> base64_decode(std::string_view text) {
+  const auto value = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  if (text.size() % 4 != 0) return std::nullopt;
+  std::size_t padding = 0;
+  while (padding < 2 && padding < text.size() && text[text.size() - 1 - padding] == '=') ++padding;
+  std::string bytes;
+  std::uint32_t bits = 0;
+  int held = 0;
+  for (std::size_t k = 0; k < text.size() - padding; ++k) {
+    const int v = value(text[k]);
+    if (v < 0) return std::nullopt;
+    bits = bits << 6 | static_cast<std::uint32_t>(v);
+    held += 6;
+    if (held >= 8) {
+      held -= 8;
+      bytes.push_back(static_cast<char>(bits >> held & 0xff));
+    }
+  }
+  if ((bits & ((1u << held) - 1)) != 0) return std::nullopt;  // bits past the last byte must be 0
+  return bytes;
+}
+
+//! Reads a tiktoken file (`<name>.tiktoken`: a line per token, its bytes in base64, a space and
+//! its rank) as the encoding `name` is: its ranks are the ids, its special tokens take theirs,
+//! and ids no token has (p50k_base's 50256 before its special token fills it, cl100k_base's 100256
+//! and 100261..100275) are tokens of no bytes, which no text encodes to.
+inline TokenizerFile read_tiktoken(const std::filesystem::path& path) {
+  const std::string name = "tokenizer " + quoted(path);
+  const std::string stem = path.stem().string();
+  const auto& known = tiktoken_encodings();
+  const auto encoding = std::find_if(known.begin(), known.end(), [&](const auto& e) { return e.name == stem; });
+  if (encoding == known.end())
+    throw Error(name + ": encoding", stem,
+                "expected r50k_base, p50k_base, cl100k_base or o200k_base (the file's name says which: a tiktoken "
+                "file holds neither its pattern nor its special tokens)");
+  const std::string text = read_text_file(path, "tokenizer");
+  std::vector<std::string> tokens(static_cast<std::size_t>(encoding->vocab_size));
+  std::vector<bool> taken(tokens.size(), false);
+  for_each_line(text, [&](std::string_view line, std::size_t number) {
+    if (line.empty()) return;
+    const std::string where = name + ": line " + loom::detail::to_text(number);
+    const std::size_t space = line.find(' ');
+    const std::optional<std::string> bytes =
+        space == std::string_view::npos ? std::nullopt : base64_decode(line.substr(0, space));
+    std::int64_t rank = -1;
+    const std::string_view digits = space == std::string_view::npos ? std::string_view() : line.substr(space + 1);
+    if (!digits.empty() && digits.size() <= 10 &&
+        std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      rank = std::stoll(std::string(digits));
+    if (!bytes || bytes->empty() || rank < 0)
+      throw Error(where, json_quote(std::string(line)), "expected a token's bytes in base64, a space and its rank");
+    LOOM_CHECK(rank < encoding->vocab_size, where + ": rank", rank,
+               "must be below " + loom::detail::to_text(encoding->vocab_size) + ", " + stem + "'s vocabulary");
+    LOOM_CHECK(!taken[static_cast<std::size_t>(rank)], where + ": rank", rank, "is another token's already");
+    taken[static_cast<std::size_t>(rank)] = true;
+    tokens[static_cast<std::size_t>(rank)] = *bytes;
+  });
+  for (const auto& [special, id] : encoding->special) {
+    LOOM_CHECK(!taken[static_cast<std::size_t>(id)], name + ": rank", id,
+               "is " + std::string(special) + "'s id in " + stem + ", not a token's of the file");
+    tokens[static_cast<std::size_t>(id)] = special;
+  }
+  return {TokenDecoder(std::move(tokens), encoding->special.front().second), std::nullopt, encoding->pretokenizer};
+}
 
 //! Whether the file at `path` starts with llm.c's tokenizer magic number.
 inline bool is_llmc_tokenizer(const std::filesystem::path& path) {
@@ -730,8 +942,9 @@ inline bool is_vocab_txt(const std::filesystem::path& path, std::string_view tex
 }  // namespace detail
 
 //! Any tokenizer file loom reads, told apart by its content: llm.c's (its magic number), a
-//! tokenizer.json (JSON with a `model` member), a vocab.json (other JSON; with the `merges.txt`
-//! beside it where there is one: vocab_json_merges), or a BERT vocab.txt (detail::is_vocab_txt).
+//! tiktoken file (its name ends in `.tiktoken`: detail::read_tiktoken), a tokenizer.json (JSON
+//! with a `model` member), a vocab.json (other JSON; with the `merges.txt` beside it where there
+//! is one: vocab_json_merges), or a BERT vocab.txt (detail::is_vocab_txt).
 //! `options` apply to a vocab.txt (read_vocab_txt); set for another kind, they are refused: its
 //! own file says how it normalizes.
 inline TokenizerFile read_tokenizer(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
@@ -743,6 +956,10 @@ inline TokenizerFile read_tokenizer(const std::filesystem::path& path, const Voc
   if (detail::is_llmc_tokenizer(path)) {
     refuse_options("llm.c's tokenizer file");
     return {TokenDecoder::read_llmc(path), std::nullopt};
+  }
+  if (path.extension() == ".tiktoken") {
+    refuse_options("a tiktoken file");
+    return detail::read_tiktoken(path);
   }
   const std::string text = detail::read_text_file(path, "tokenizer");
   if (text.starts_with("#version"))

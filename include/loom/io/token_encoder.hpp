@@ -1,10 +1,11 @@
 #pragma once
-//! \file Text to token ids for a byte-level BPE (GPT-2's, or one read from a Hugging Face
-//! tokenizer.json): GPT-2's pre-tokenizer, then the merges over each piece; or for BERT's
+//! \file Text to token ids for a byte-level BPE (GPT-2's, a tiktoken file's, or one read from a
+//! Hugging Face tokenizer.json): a pre-tokenizer, then the merges over each piece; or for BERT's
 //! WordPiece read from a tokenizer.json or a vocab.txt (detail::WordPiece, below).
 //!
-//! The pre-tokenizer is GPT-2's pattern (Radford et al. 2019, its `encoder.py`), written out as a
-//! scanner rather than a regular expression:
+//! The pre-tokenizer is GPT-2's pattern (Radford et al. 2019, its `encoder.py`), or cl100k_base's
+//! or Llama 3's (cl100k_pretokenize, llama3_pretokenize, below), each written out as a scanner
+//! rather than a regular expression. GPT-2's:
 //!
 //!     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //!
@@ -292,9 +293,221 @@ inline std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   return pieces;
 }
 
-//! Text to token ids for a byte-level BPE vocabulary: GPT-2's pre-tokenizer, then the merges
-//! within each piece. Two ways to rank the merges (see the file note):
-//! - from the ids (GPT-2's llm.c file and vocab.json: the ids are the merge ranks): the adjacent
+namespace detail {
+
+//! The length in bytes of the contraction `(?i:'s|'t|'re|'ve|'m|'ll|'d)` at byte `at` of `text`,
+//! 0 where there is none. Case is ignored as Unicode's simple case folding has it, as Python's
+//! `regex`, Rust's `regex` (tiktoken) and Oniguruma (Hugging Face's `tokenizers`) ignore it: each
+//! of those letters matches its capital, and `s` the long s (U+017F) too.
+inline std::size_t contraction_ignoring_case(std::string_view text, std::size_t at) noexcept {
+  if (at >= text.size() || text[at] != '\'') return 0;
+  // The folded ASCII letter at byte k and its length, or 0.
+  const auto letter = [&](std::size_t k, std::size_t& bytes) -> char {
+    bytes = 1;
+    if (k >= text.size()) return 0;
+    const char c = text[k];
+    if (c >= 'A' && c <= 'Z') return static_cast<char>(c - 'A' + 'a');
+    if (c >= 'a' && c <= 'z') return c;
+    if (text.substr(k).starts_with("\xc5\xbf")) {  // U+017F, the long s
+      bytes = 2;
+      return 's';
+    }
+    return 0;
+  };
+  std::size_t first_bytes = 0, second_bytes = 0;
+  const char first = letter(at + 1, first_bytes);
+  if (first == 's' || first == 't' || first == 'm' || first == 'd') return 1 + first_bytes;
+  const char second = letter(at + 1 + first_bytes, second_bytes);
+  if ((first == 'r' && second == 'e') || (first == 'v' && second == 'e') || (first == 'l' && second == 'l'))
+    return 1 + first_bytes + second_bytes;
+  return 0;
+}
+
+//! The end of the run of characters of class `kind` from byte `at` of `text`, at most `most` of
+//! them.
+inline std::size_t class_run_end(std::string_view text, std::size_t at, CharClass kind,
+                                 std::size_t most = std::numeric_limits<std::size_t>::max()) noexcept {
+  for (std::size_t count = 0; at < text.size() && count < most; ++count) {
+    const TextChar ch = char_at(text, at);
+    if (ch.kind != kind) break;
+    at += ch.bytes;
+  }
+  return at;
+}
+
+//! Whether byte `at` of `text` is a line end, `\r` or `\n`.
+inline bool is_line_end(std::string_view text, std::size_t at) noexcept {
+  return text[at] == '\r' || text[at] == '\n';
+}
+
+//! The end of ` ?[^\s\p{L}\p{N}]+[\r\n]*` (with `slash`, `[\r\n/]*`: o200k_base's) at byte `at`,
+//! or npos where it does not match there.
+inline std::size_t punctuation_end(std::string_view text, std::size_t at, bool slash) noexcept {
+  const std::size_t run = text[at] == ' ' && at + 1 < text.size() ? at + 1 : at;
+  if (char_at(text, run).kind != CharClass::other) return std::string_view::npos;
+  std::size_t end = class_run_end(text, run, CharClass::other);
+  while (end < text.size() && (is_line_end(text, end) || (slash && text[end] == '/'))) ++end;
+  return end;
+}
+
+//! The end of the piece of white space at byte `at` of `text`, by cl100k_base's alternatives
+//! `\s++$|\s*[\r\n]|\s+(?!\S)|\s` (`whole_at_end`) or Llama 3's and o200k_base's
+//! `\s*[\r\n]+|\s+(?!\S)|\s+` (the first only differs): of the run W from `at`, all of it at the
+//! end of the text (cl100k_base); else W up to its last line end; else W less its last character
+//! where text follows and W has more than one; else all of W.
+inline std::size_t white_space_end(std::string_view text, std::size_t at, bool whole_at_end) noexcept {
+  constexpr std::size_t none = std::string_view::npos;
+  std::size_t last_line_end = none, last = at, end = at;
+  while (end < text.size()) {
+    const TextChar w = char_at(text, end);
+    if (w.kind != CharClass::space) break;
+    if (is_line_end(text, end)) last_line_end = end;
+    last = end;
+    end += w.bytes;
+  }
+  if (whole_at_end && end == text.size()) return end;
+  if (last_line_end != none) return last_line_end + 1;
+  if (end < text.size() && last > at) return last;
+  return end;
+}
+
+//! cl100k_pretokenize and llama3_pretokenize, which differ only where the text ends in white
+//! space holding a line end: `whole_trailing_space` is cl100k_base's `\s++$`.
+inline std::vector<std::string_view> cl100k_family_pretokenize(std::string_view text, bool whole_trailing_space) {
+  std::vector<std::string_view> pieces;
+  const std::size_t n = text.size();
+  std::size_t at = 0;
+  while (at < n) {
+    const TextChar ch = char_at(text, at);
+    std::size_t end = std::string_view::npos;
+    if (const std::size_t c = contraction_ignoring_case(text, at); c > 0) {
+      end = at + c;
+    } else if (ch.kind == CharClass::letter) {  // [^\r\n\p{L}\p{N}]?\p{L}+, without the character before
+      end = class_run_end(text, at, CharClass::letter);
+    } else if (ch.kind != CharClass::number && !is_line_end(text, at) && at + ch.bytes < n &&
+               char_at(text, at + ch.bytes).kind == CharClass::letter) {  // ... with it
+      end = class_run_end(text, at + ch.bytes, CharClass::letter);
+    } else if (ch.kind == CharClass::number) {  // \p{N}{1,3}
+      end = class_run_end(text, at, CharClass::number, 3);
+    } else {
+      end = punctuation_end(text, at, false);
+      if (end == std::string_view::npos) end = white_space_end(text, at, whole_trailing_space);
+    }
+    pieces.push_back(text.substr(at, end - at));
+    at = end;
+  }
+  return pieces;
+}
+
+//! How o200k_base's letter classes see a character: `upper` is in [\p{Lu}\p{Lt}] only, `lower` in
+//! \p{Ll} only, `caseless` (\p{Lm}, \p{Lo} and the marks \p{M}) in both of the pattern's classes
+//! [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] and [\p{Ll}\p{Lm}\p{Lo}\p{M}]; `none` in neither.
+enum class LetterCase : unsigned char { upper, lower, caseless, none };
+
+//! The LetterCase of the character at byte `at` of `text` (none where it is not UTF-8).
+inline LetterCase letter_case_at(std::string_view text, std::size_t at) noexcept {
+  const CodePointAt ch = code_point_at(text, at);
+  if (!ch.valid) return LetterCase::none;
+  const char32_t c = ch.c;
+  if (c < 0x80) return c >= 'A' && c <= 'Z' ? LetterCase::upper : c >= 'a' && c <= 'z' ? LetterCase::lower : LetterCase::none;
+  if (in_ranges(unicode_upper_letters, c)) return LetterCase::upper;
+  if (in_ranges(unicode_lower_letters, c)) return LetterCase::lower;
+  if (in_ranges(unicode_letters, c) || in_ranges(unicode_marks, c)) return LetterCase::caseless;
+  return LetterCase::none;
+}
+
+//! o200k_base's two letter alternatives from byte `p`, then the contraction after them: with
+//! `lower_last`, `[U]*[W]+` (U = [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}], W = [\p{Ll}\p{Lm}\p{Lo}\p{M}]),
+//! else `[U]+[W]*`. Returns where the match ends, or npos.
+inline std::size_t o200k_letters_end(std::string_view text, std::size_t p, bool lower_last) noexcept {
+  constexpr std::size_t none = std::string_view::npos;
+  const auto in_upper = [](LetterCase l) { return l == LetterCase::upper || l == LetterCase::caseless; };
+  const auto in_lower = [](LetterCase l) { return l == LetterCase::lower || l == LetterCase::caseless; };
+  // The run of U from p, and the end of its last character that is in W too.
+  std::size_t run = p, last_lower_end = none;
+  while (run < text.size()) {
+    const LetterCase l = letter_case_at(text, run);
+    if (!in_upper(l)) break;
+    run += code_point_at(text, run).bytes;
+    if (in_lower(l)) last_lower_end = run;
+  }
+  const auto lower_run_end = [&](std::size_t at) {
+    while (at < text.size() && in_lower(letter_case_at(text, at))) at += code_point_at(text, at).bytes;
+    return at;
+  };
+  std::size_t end = none;
+  if (!lower_last) {
+    if (run > p) end = lower_run_end(run);  // [U]+, then [W]* from where the run ends
+  } else if (run < text.size() && letter_case_at(text, run) == LetterCase::lower) {
+    end = lower_run_end(run);  // [U]* the whole run, [W]+ from where it ends
+  } else if (last_lower_end != none) {
+    end = last_lower_end;  // [U]* gives back the run's last W character, which [W]+ takes
+  }
+  return end == none ? none : end + contraction_ignoring_case(text, end);
+}
+
+}  // namespace detail
+
+//! tiktoken's o200k_base pre-tokenization of `text` (Pretokenizer::o200k; GPT-4o's), written out
+//! as a scanner; its pattern is io::o200k_pattern. Letter runs split where case falls back from
+//! lower to upper ("loomWeaves" is "loom", "Weaves"), with at most one character before them that
+//! is not a line end, letter or number, and the contraction after them; numbers three digits at a
+//! time; punctuation takes the line ends and slashes after it; white space as Llama 3's.
+inline std::vector<std::string_view> o200k_pretokenize(std::string_view text) {
+  std::vector<std::string_view> pieces;
+  const std::size_t n = text.size();
+  constexpr std::size_t none = std::string_view::npos;
+  std::size_t at = 0;
+  while (at < n) {
+    const detail::TextChar ch = detail::char_at(text, at);
+    // [^\r\n\p{L}\p{N}]? before the letters: tried with the character, then without it.
+    const bool may_lead = (ch.kind == detail::CharClass::space || ch.kind == detail::CharClass::other) &&
+                          !detail::is_line_end(text, at);
+    std::size_t end = none;
+    for (const bool lower_last : {true, false}) {
+      if (may_lead) end = detail::o200k_letters_end(text, at + ch.bytes, lower_last);
+      if (end == none) end = detail::o200k_letters_end(text, at, lower_last);
+      if (end != none) break;
+    }
+    if (end == none && ch.kind == detail::CharClass::number)
+      end = detail::class_run_end(text, at, detail::CharClass::number, 3);
+    if (end == none) end = detail::punctuation_end(text, at, true);
+    if (end == none) end = detail::white_space_end(text, at, false);
+    pieces.push_back(text.substr(at, end - at));
+    at = end;
+  }
+  return pieces;
+}
+
+//! tiktoken's cl100k_base pre-tokenization of `text` (Pretokenizer::cl100k), written out as a
+//! scanner; its pattern is io::cl100k_pattern. Bytes that are not UTF-8 count as
+//! characters of their own, neither letters, numbers nor white space.
+inline std::vector<std::string_view> cl100k_pretokenize(std::string_view text) {
+  return detail::cl100k_family_pretokenize(text, true);
+}
+
+//! Llama 3's pre-tokenization of `text` (Pretokenizer::llama3): cl100k_pretokenize's pieces,
+//! except that white space holding a line end at the end of the text ends a piece after its last
+//! line end.
+inline std::vector<std::string_view> llama3_pretokenize(std::string_view text) {
+  return detail::cl100k_family_pretokenize(text, false);
+}
+
+//! The pieces of `text` by pattern `p`, in order; together they are `text`.
+inline std::vector<std::string_view> pretokenize(Pretokenizer p, std::string_view text) {
+  switch (p) {
+    case Pretokenizer::cl100k: return cl100k_pretokenize(text);
+    case Pretokenizer::llama3: return llama3_pretokenize(text);
+    case Pretokenizer::o200k: return o200k_pretokenize(text);
+    case Pretokenizer::gpt2: break;
+  }
+  return gpt2_pretokenize(text);
+}
+
+//! Text to token ids for a byte-level BPE vocabulary: a pre-tokenizer (Pretokenizer), then the
+//! merges within each piece. Two ways to rank the merges (see the file note):
+//! - from the ids (GPT-2's llm.c file and vocab.json, a tiktoken file: the ids are the merge
+//!   ranks): the adjacent
 //!   pair whose concatenation is the token of lowest id merges first (tiktoken's rule);
 //! - from a merge list (TokenizerRules, a Hugging Face tokenizer.json, whose ids need not be in
 //!   merge order: RoBERTa's are not): the adjacent pair that is the earliest merge merges first
@@ -310,6 +523,11 @@ class TokenEncoder {
   //! loom::Error naming the first byte that has no token.
   explicit TokenEncoder(const TokenDecoder& vocabulary) : TokenEncoder(vocabulary, {}, false) {}
 
+  //! Ranks from the ids, as above, with the text split by `pretokenizer` (tiktoken's cl100k_base
+  //! ranks with Pretokenizer::cl100k, say).
+  TokenEncoder(const TokenDecoder& vocabulary, Pretokenizer pretokenizer)
+      : TokenEncoder(vocabulary, split_by(pretokenizer), false) {}
+
   //! Ranks from `rules.merges`, whose tokens and results must be tokens of `vocabulary`, or
   //! WordPiece where `rules.word_piece` is set; the text split at `rules.added` first. Throws
   //! loom::Error naming a byte without a token (BPE), a merge of bytes that are not tokens, or an
@@ -318,15 +536,17 @@ class TokenEncoder {
 
   //! The encoder of any tokenizer file (read_tokenizer): the rules of a tokenizer.json, a
   //! vocab.json with its merges.txt or a vocab.txt (`options` apply to a vocab.txt only), or
-  //! ranks from the ids of llm.c's file or a vocab.json alone. Those hold only where the ids are
-  //! a BPE's merges in order, as GPT-2's are: a vocabulary with a token that is not two tokens of
-  //! lower ids (RoBERTa's vocab.json alone) is refused, naming the token, rather than encoded
-  //! otherwise than its own tokenizer would.
+  //! ranks from the ids of a tiktoken file (split by its encoding's pattern), llm.c's file or a
+  //! vocab.json alone. The last two hold only where the ids are a BPE's merges in order, as
+  //! GPT-2's are: a vocabulary with a token that is not two tokens of lower ids (RoBERTa's
+  //! vocab.json alone) is refused, naming the token, rather than encoded otherwise than its own
+  //! tokenizer would.
   static TokenEncoder read(const std::filesystem::path& path, const VocabTxtOptions& options = {}) {
     TokenizerFile file = read_tokenizer(path, options);
     if (file.rules) return TokenEncoder(file.decoder, std::move(*file.rules));
-    TokenEncoder encoder(file.decoder);
-    encoder.check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
+    TokenEncoder encoder(file.decoder, file.pretokenizer);
+    // A tiktoken file's ranks are its merge ranks by definition: tiktoken encodes by them alone.
+    if (path.extension() != ".tiktoken") encoder.check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
     return encoder;
   }
 
@@ -453,14 +673,29 @@ class TokenEncoder {
   //! The end-of-text id, or -1.
   std::int32_t end_of_text() const noexcept { return end_of_text_; }
 
+  //! The pattern a byte-level BPE splits the text by (gpt2 for a WordPiece, which has its own).
+  Pretokenizer pretokenizer() const noexcept { return pretokenizer_; }
+
+  //! The vocabulary's size: every id encode gives is below it.
+  std::int32_t vocab_size() const noexcept { return vocab_size_; }
+
  private:
   static constexpr std::int32_t none = std::numeric_limits<std::int32_t>::max();
 
+  //! Rules with nothing but the pretokenizer.
+  static TokenizerRules split_by(Pretokenizer pretokenizer) {
+    TokenizerRules rules;
+    rules.pretokenizer = pretokenizer;
+    return rules;
+  }
+
   TokenEncoder(const TokenDecoder& vocabulary, TokenizerRules rules, bool from_merges)
       : end_of_text_(vocabulary.end_of_text()),
+        vocab_size_(static_cast<std::int32_t>(vocabulary.size())),
         from_merges_(from_merges),
         add_prefix_space_(rules.add_prefix_space),
         ignore_merges_(rules.ignore_merges),
+        pretokenizer_(rules.pretokenizer),
         added_(std::move(rules.added)) {
     if (!from_merges && end_of_text_ >= 0) added_.push_back({vocabulary.bytes(end_of_text_), end_of_text_});
     for (const AddedToken& token : added_)
@@ -575,10 +810,10 @@ class TokenEncoder {
     if (word_piece_) return word_piece_->encode(text, out);
     if (add_prefix_space_ && text.front() != ' ') {
       const std::string spaced = " " + std::string(text);
-      for (const std::string_view piece : gpt2_pretokenize(spaced)) encode_piece(piece, out);
+      for (const std::string_view piece : pretokenize(pretokenizer_, spaced)) encode_piece(piece, out);
       return;
     }
-    for (const std::string_view piece : gpt2_pretokenize(text)) encode_piece(piece, out);
+    for (const std::string_view piece : pretokenize(pretokenizer_, text)) encode_piece(piece, out);
   }
 
   //! Where the white space that ends text[from, to) starts (to where it ends in none).
@@ -623,7 +858,9 @@ class TokenEncoder {
   std::vector<std::int32_t> merge_results_;                      // rank -> the merged token
   std::array<std::int32_t, 256> byte_ids_{};
   std::int32_t end_of_text_ = -1;
+  std::int32_t vocab_size_ = 0;
   bool from_merges_ = false, add_prefix_space_ = false, ignore_merges_ = false;
+  Pretokenizer pretokenizer_ = Pretokenizer::gpt2;
   std::vector<AddedToken> added_;
   std::optional<detail::WordPiece> word_piece_;  // a WordPiece model, in place of the BPE above
 };

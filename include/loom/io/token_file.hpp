@@ -1,6 +1,7 @@
 #pragma once
-//! \file Token data from files: llm.c token files (a 1024-byte header, then uint16 tokens) and
-//! raw byte files (vocabulary 256). Both are TokenSources whose windows tile the data.
+//! \file Token data from files: llm.c token files (a 1024-byte header, then uint16 tokens, or
+//! uint32 tokens in llm.c's Llama 3 form) and raw byte files (vocabulary 256). Both are
+//! TokenSources whose windows tile the data.
 
 #include <array>
 #include <bit>
@@ -14,6 +15,7 @@
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "loom/core/error.hpp"
@@ -189,27 +191,50 @@ inline std::string read_text_file(const std::filesystem::path& path, const std::
 
 }  // namespace detail
 
-//! Magic number in word 0 of an llm.c token file header.
+//! Magic number in word 0 of an llm.c token file header (GPT-2's form: uint16 tokens).
 inline constexpr std::int32_t llmc_tokens_magic = 20240520;
 //! Version in word 1 of an llm.c token file header (uint16 tokens).
 inline constexpr std::int32_t llmc_tokens_version = 1;
+//! Magic number and version of llm.c's token files for vocabularies past 65536 tokens (its
+//! "llama-3" form, dev/data/data_common.py: uint32 tokens).
+inline constexpr std::int32_t llmc_wide_tokens_magic = 20240801;
+inline constexpr std::int32_t llmc_wide_tokens_version = 7;
+
+namespace detail {
+
+//! write_token_file for tokens of either width, under header {magic, version, count, 0...}.
+template <class T>
+void write_token_file(const std::filesystem::path& path, std::span<const T> tokens, std::int32_t magic,
+                      std::int32_t version) {
+  LOOM_CHECK(tokens.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+             "token file " + detail::quoted(path) + ": token count", tokens.size(),
+             "the header stores the count as int32: at most 2147483647 tokens per file");
+  detail::write_file_replacing(path, "token file", [&](detail::BinaryFile& file) {
+    detail::Header header{};
+    header[0] = magic;
+    header[1] = version;
+    header[2] = static_cast<std::int32_t>(tokens.size());
+    file.write(header.data(), detail::header_bytes);
+    file.write(tokens.data(), tokens.size_bytes());
+  });
+}
+
+}  // namespace detail
 
 //! Writes `tokens` as an llm.c token file: header {20240520, 1, count, 0...} then the tokens as
 //! little-endian uint16. Writes `path + ".tmp"` and renames it, so a failure leaves any old file
 //! at `path` intact.
 inline void write_token_file(const std::filesystem::path& path,
                              std::span<const std::uint16_t> tokens) {
-  LOOM_CHECK(tokens.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
-             "token file " + detail::quoted(path) + ": token count", tokens.size(),
-             "the header stores the count as int32: at most 2147483647 tokens per file");
-  detail::write_file_replacing(path, "token file", [&](detail::BinaryFile& file) {
-    detail::Header header{};
-    header[0] = llmc_tokens_magic;
-    header[1] = llmc_tokens_version;
-    header[2] = static_cast<std::int32_t>(tokens.size());
-    file.write(header.data(), detail::header_bytes);
-    file.write(tokens.data(), tokens.size_bytes());
-  });
+  detail::write_token_file(path, tokens, llmc_tokens_magic, llmc_tokens_version);
+}
+
+//! Writes `tokens` as llm.c's token file for large vocabularies (Llama 3's 128,256, tiktoken's
+//! cl100k_base): header {20240801, 7, count, 0...} then the tokens as little-endian uint32, by
+//! way of `path + ".tmp"` as above.
+inline void write_token_file(const std::filesystem::path& path,
+                             std::span<const std::uint32_t> tokens) {
+  detail::write_token_file(path, tokens, llmc_wide_tokens_magic, llmc_wide_tokens_version);
 }
 
 //! A whole file of tokens held in memory, as a TokenSource.
@@ -219,32 +244,44 @@ inline void write_token_file(const std::filesystem::path& path,
 //! `seq` the targets. Consecutive windows tile the data and wrap around at the end.
 class TokenFile {
  public:
-  //! Reads an llm.c token file. Rejects a missing file, a file too short for the header, a wrong
-  //! magic or version, a token count that disagrees with the file size, and any token
-  //! >= `vocab_size` (naming its position).
+  //! Reads an llm.c token file: GPT-2's form (magic 20240520, version 1, uint16 tokens) or the
+  //! one for large vocabularies (20240801, version 7, uint32 tokens), kept at the file's width.
+  //! Rejects a missing file, a file too short for the header, a wrong magic or version, a token
+  //! count that disagrees with the file size, and any token >= `vocab_size` (naming its position).
   static TokenFile open(const std::filesystem::path& path, std::int64_t vocab_size) {
     check_vocab(vocab_size);
     detail::BinaryFile file(path, "rb", "token file");
     const std::uint64_t bytes = file.size();
     const detail::Header header = detail::read_header(file, bytes);
-    if (header[0] != llmc_tokens_magic)
+    const bool wide = header[0] == llmc_wide_tokens_magic;
+    if (header[0] != llmc_tokens_magic && !wide)
       throw Error(file.name() + ": magic number", header[0],
-                  "expected 20240520 (an llm.c token file)" +
+                  "expected 20240520 (an llm.c token file, uint16 tokens) or 20240801 (one of uint32 tokens)" +
                       std::string(header[0] == 20240326 ? "; this is an llm.c model checkpoint"
                                                         : ""));
-    LOOM_CHECK(header[1] == llmc_tokens_version, file.name() + ": version", header[1],
-               "expected 1 (uint16 tokens)");
+    if (wide)
+      LOOM_CHECK(header[1] == llmc_wide_tokens_version, file.name() + ": version", header[1],
+                 "expected 7 with magic 20240801 (uint32 tokens)");
+    else
+      LOOM_CHECK(header[1] == llmc_tokens_version, file.name() + ": version", header[1],
+                 "expected 1 with magic 20240520 (uint16 tokens)");
     const std::int64_t count = header[2];
     LOOM_CHECK(count >= 0, file.name() + ": token count in the header", count, "must be >= 0");
+    const std::uint64_t width = wide ? 4 : 2;
     const std::uint64_t payload = bytes - detail::header_bytes;
-    const std::uint64_t expected = 2 * static_cast<std::uint64_t>(count);
+    const std::uint64_t expected = width * static_cast<std::uint64_t>(count);
     if (payload != expected) {
-      const std::string found = detail::to_text(payload / 2) + " tokens (" +
+      const std::string found = detail::to_text(payload / width) + " tokens (" +
                                 detail::to_text(payload) + " bytes) after the header";
       throw Error(file.name() + (payload < expected ? ": truncated" : ": size"), found,
                   "the header says " + detail::to_text(count) + " tokens (" +
                       detail::to_text(expected) + " bytes)" +
                       (payload < expected ? "" : "; the file has extra bytes"));
+    }
+    if (wide) {
+      std::vector<std::uint32_t> tokens(static_cast<std::size_t>(count));
+      file.read(tokens.data(), expected, "tokens");
+      return TokenFile(std::move(tokens), vocab_size, file.name());
     }
     std::vector<std::uint16_t> tokens(static_cast<std::size_t>(count));
     file.read(tokens.data(), expected, "tokens");
@@ -264,11 +301,23 @@ class TokenFile {
   TokenFile(std::vector<std::uint16_t> tokens, std::int64_t vocab_size)
       : TokenFile(std::move(tokens), vocab_size, "in-memory tokens") {}
 
+  //! The same for a vocabulary past 65536 tokens.
+  TokenFile(std::vector<std::uint32_t> tokens, std::int64_t vocab_size)
+      : TokenFile(std::move(tokens), vocab_size, "in-memory tokens") {}
+
   //! The vocabulary the tokens were checked against.
   std::int64_t vocab_size() const noexcept { return vocab_size_; }
   //! Number of tokens.
-  std::int64_t size() const noexcept { return static_cast<std::int64_t>(tokens_.size()); }
-  std::span<const std::uint16_t> tokens() const noexcept { return tokens_; }
+  std::int64_t size() const noexcept {
+    return std::visit([](const auto& t) { return static_cast<std::int64_t>(t.size()); }, tokens_);
+  }
+  //! Token `i` (0 <= i < size()).
+  std::int64_t token(std::int64_t i) const noexcept {
+    return std::visit([i](const auto& t) { return static_cast<std::int64_t>(t[static_cast<std::size_t>(i)]); },
+                      tokens_);
+  }
+  //! Bytes a token takes in memory and in its file: 2, or 4 for a file of uint32 tokens.
+  int token_bytes() const noexcept { return tokens_.index() == 0 ? 2 : 4; }
   //! "token file 'path'", "byte file 'path'" or "in-memory tokens".
   const std::string& name() const noexcept { return name_; }
 
@@ -285,33 +334,39 @@ class TokenFile {
       const auto sequence = static_cast<std::uint64_t>(step * batch + i);
       const auto start = static_cast<std::size_t>(
           detail::mul_mod(sequence % starts, static_cast<std::uint64_t>(seq) % starts, starts));
-      const std::uint16_t* window = tokens_.data() + start;
       std::int32_t* tokens = out.tokens.data() + i * seq;
       std::int32_t* targets = out.targets.data() + i * seq;
-      for (std::int64_t t = 0; t < seq; ++t) {
-        tokens[t] = window[t];
-        targets[t] = window[t + 1];
-      }
+      std::visit(
+          [&](const auto& all) {
+            const auto* window = all.data() + start;
+            for (std::int64_t t = 0; t < seq; ++t) {
+              tokens[t] = static_cast<std::int32_t>(window[t]);
+              targets[t] = static_cast<std::int32_t>(window[t + 1]);
+            }
+          },
+          tokens_);
     }
     return out;
   }
 
  private:
-  TokenFile(std::vector<std::uint16_t> tokens, std::int64_t vocab_size, std::string name)
+  template <class T>
+  TokenFile(std::vector<T> tokens, std::int64_t vocab_size, std::string name)
       : tokens_(std::move(tokens)), vocab_size_(vocab_size), name_(std::move(name)) {
     check_vocab(vocab_size_);
-    for (std::size_t i = 0; i < tokens_.size(); ++i)
-      if (tokens_[i] >= vocab_size_) [[unlikely]]
-        throw Error(name_ + ": token at position " + detail::to_text(i), tokens_[i],
+    const auto& all = std::get<std::vector<T>>(tokens_);
+    for (std::size_t i = 0; i < all.size(); ++i)
+      if (all[i] >= vocab_size_) [[unlikely]]
+        throw Error(name_ + ": token at position " + detail::to_text(i), all[i],
                     "tokens must be < vocab_size (" + detail::to_text(vocab_size_) + ")");
   }
 
   static void check_vocab(std::int64_t vocab_size) {
-    LOOM_CHECK(vocab_size >= 1 && vocab_size <= 65536, "token file: vocab_size", vocab_size,
-               "must be in [1, 65536] (tokens are uint16)");
+    LOOM_CHECK(vocab_size >= 1 && vocab_size <= std::numeric_limits<std::int32_t>::max(), "token file: vocab_size",
+               vocab_size, "must be in [1, 2147483647] (a batch holds tokens as int32)");
   }
 
-  std::vector<std::uint16_t> tokens_;
+  std::variant<std::vector<std::uint16_t>, std::vector<std::uint32_t>> tokens_;
   std::int64_t vocab_size_ = 0;
   std::string name_;
 };
