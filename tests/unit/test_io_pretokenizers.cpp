@@ -8,6 +8,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -134,6 +135,33 @@ TEST_CASE("every pretokenizer's pieces are the text, in order, for any bytes") {
       }
       CHECK(joined == text);
     }
+  }
+}
+
+TEST_CASE("encode(text, threads) cuts only where every pretokenizer's pieces end") {
+  // Lines that end in punctuation, white space, letters, digits and marks, with the next line
+  // starting with a slash (o200k_base's punctuation takes it across the line end), a letter, a
+  // space, a digit or a quote.
+  std::mt19937 draw(20261128);
+  const Strings ends = {".", "!", " ", "a", "Z", "7", "\xcc\x81", "/", "\r", "\xe6\x9d\xb1"};
+  const Strings starts = {"/", "x", " ", "9", "'s", "\"", "\t", "\xcc\x81", "/usr", "A"};
+  std::string text;
+  for (int line = 0; line < 4000; ++line)
+    text += starts[draw() % starts.size()] + "word" + ends[draw() % ends.size()] + "\n";
+  const io::TokenDecoder vocabulary = io::TokenDecoder::read(data_dir + "/vocab.json");
+  for (const io::Pretokenizer p :
+       {io::Pretokenizer::gpt2, io::Pretokenizer::cl100k, io::Pretokenizer::llama3, io::Pretokenizer::o200k}) {
+    CAPTURE(io::name(p));
+    std::vector<std::size_t> boundaries{0};
+    for (const std::string_view piece : io::pretokenize(p, text)) boundaries.push_back(boundaries.back() + piece.size());
+    const io::TokenEncoder encoder(vocabulary, p);
+    const std::vector<std::size_t> cuts = encoder.cut_points(text, 64);
+    CHECK(cuts.size() > 40);
+    for (const std::size_t cut : cuts) {
+      CAPTURE(cut);
+      CHECK(std::binary_search(boundaries.begin(), boundaries.end(), cut));
+    }
+    CHECK(encoder.encode(text, 64) == encoder.encode(text));
   }
 }
 

@@ -882,8 +882,8 @@ inline std::optional<std::string> base64_decode(std::string_view text) {
 
 //! Reads a tiktoken file (`<name>.tiktoken`: a line per token, its bytes in base64, a space and
 //! its rank) as the encoding `name` is: its ranks are the ids, its special tokens take theirs,
-//! and ids no token has (p50k_base's 50256 before its special token fills it, cl100k_base's 100256
-//! and 100261..100275) are tokens of no bytes, which no text encodes to.
+//! and ids no token has (cl100k_base's 100256 and 100261..100275, say) are tokens of no bytes,
+//! which no text encodes to.
 inline TokenizerFile read_tiktoken(const std::filesystem::path& path) {
   const std::string name = "tokenizer " + quoted(path);
   const std::string stem = path.stem().string();

@@ -620,9 +620,9 @@ class TokenEncoder {
 
   //! The ids of `text`, exactly as encode(text) gives them, the text encoded in up to `threads`
   //! parts at once. It is cut only just after a line end that follows a character other than
-  //! white space and precedes one, where a piece (GPT-2's pattern) and a word (BERT's) end
-  //! whatever the text around, and never where an added token that takes the white space before
-  //! it starts. A tokenizer whose stretches of text each get a space (add_prefix_space), or with
+  //! white space and precedes one (for o200k_base, one other than a slash), where a piece (of
+  //! each Pretokenizer's pattern) and a word (BERT's) end whatever the text around, and never
+  //! where an added token that takes the white space before it starts. A tokenizer whose stretches of text each get a space (add_prefix_space), or with
   //! an added token that holds a line end, encodes in one part.
   std::vector<std::int32_t> encode(std::string_view text, int threads) const {
     const std::vector<std::size_t> cuts = cut_points(text, threads);
@@ -828,11 +828,13 @@ class TokenEncoder {
   }
 
   //! Whether `text` may be cut at `cut`, just after a line end (cut_points): a character other
-  //! than white space before the line end and at the cut, and no added token that takes the
-  //! white space before it starting there.
+  //! than white space before the line end and at the cut (other than a slash for o200k_base,
+  //! whose punctuation takes the line ends and slashes after it), and no added token that takes
+  //! the white space before it starting there.
   bool may_cut_at(std::string_view text, std::size_t cut) const {
     if (cut < 2 || cut >= text.size() || text[cut - 1] != '\n') return false;
     if (detail::char_at(text, cut).kind == detail::CharClass::space) return false;
+    if (pretokenizer_ == Pretokenizer::o200k && text[cut] == '/') return false;
     // The character that ends at the line end: the last one starting within 4 bytes before it
     // whose length reaches it (a stray byte is a character of its own).
     std::size_t before = cut - 2;
