@@ -55,7 +55,9 @@ TEST_CASE("each pretokenizer splits 83 texts as Python's regex does with its pat
                                                                {"cl100k", io::Pretokenizer::cl100k},
                                                                {"llama3", io::Pretokenizer::llama3},
                                                                {"o200k", io::Pretokenizer::o200k}};
-  for (const auto& [key, p] : patterns) {
+  for (const auto& pattern : patterns) {
+    const char* key = pattern.first;
+    const io::Pretokenizer p = pattern.second;
     CAPTURE(key);
     std::size_t checked = 0, texts = 0;
     for (const io::Json& item : all.find(key)->array(key)) {
@@ -243,8 +245,10 @@ TEST_CASE("tiktoken files: the name says the encoding; a malformed line or rank 
 
 TEST_CASE("tokenizer.json with a Split by Llama 3's or o200k_base's pattern encodes as Hugging Face's tokenizers does") {
   const io::Json all = io::Json::parse(read_text(data_dir + "/split_expected.json"), "expected");
-  for (const auto& [file, p] : {std::pair{"llama3_like.json", io::Pretokenizer::llama3},
-                                std::pair{"o200k_like.json", io::Pretokenizer::o200k}}) {
+  for (const auto& split : {std::pair{"llama3_like.json", io::Pretokenizer::llama3},
+                            std::pair{"o200k_like.json", io::Pretokenizer::o200k}}) {
+    const std::string file = split.first;
+    const io::Pretokenizer p = split.second;
     CAPTURE(file);
     const io::TokenizerJson spec = io::read_tokenizer_json(data_dir + "/" + file);
     CHECK(spec.rules.pretokenizer == p);

@@ -923,6 +923,9 @@ inline TokenizerFile read_tiktoken(const std::filesystem::path& path) {
   return {TokenDecoder(std::move(tokens), encoding->special.front().second), std::nullopt, encoding->pretokenizer};
 }
 
+//! Whether `path` names a tiktoken file (read_tiktoken): its name ends in `.tiktoken`.
+inline bool is_tiktoken(const std::filesystem::path& path) { return path.extension() == ".tiktoken"; }
+
 //! Whether the file at `path` starts with llm.c's tokenizer magic number.
 inline bool is_llmc_tokenizer(const std::filesystem::path& path) {
   std::int32_t magic = 0;
@@ -957,7 +960,7 @@ inline TokenizerFile read_tokenizer(const std::filesystem::path& path, const Voc
     refuse_options("llm.c's tokenizer file");
     return {TokenDecoder::read_llmc(path), std::nullopt};
   }
-  if (path.extension() == ".tiktoken") {
+  if (detail::is_tiktoken(path)) {
     refuse_options("a tiktoken file");
     return detail::read_tiktoken(path);
   }

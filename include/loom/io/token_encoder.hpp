@@ -3,9 +3,9 @@
 //! Hugging Face tokenizer.json): a pre-tokenizer, then the merges over each piece; or for BERT's
 //! WordPiece read from a tokenizer.json or a vocab.txt (detail::WordPiece, below).
 //!
-//! The pre-tokenizer is GPT-2's pattern (Radford et al. 2019, its `encoder.py`), or cl100k_base's
-//! or Llama 3's (cl100k_pretokenize, llama3_pretokenize, below), each written out as a scanner
-//! rather than a regular expression. GPT-2's:
+//! The pre-tokenizer is GPT-2's pattern (Radford et al. 2019, its `encoder.py`), or cl100k_base's,
+//! Llama 3's or o200k_base's (cl100k_pretokenize, llama3_pretokenize, o200k_pretokenize, below),
+//! each written out as a scanner rather than a regular expression. GPT-2's:
 //!
 //!     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //!
@@ -80,6 +80,18 @@ struct TextChar {
 inline TextChar char_at(std::string_view text, std::size_t at) noexcept {
   const CodePointAt ch = code_point_at(text, at);
   return {ch.valid ? char_class(ch.c) : CharClass::other, ch.bytes};
+}
+
+//! The end of the run of characters of class `kind` from byte `at` of `text`, at most `most` of
+//! them.
+inline std::size_t class_run_end(std::string_view text, std::size_t at, CharClass kind,
+                                 std::size_t most = std::numeric_limits<std::size_t>::max()) noexcept {
+  for (std::size_t count = 0; at < text.size() && count < most; ++count) {
+    const TextChar ch = char_at(text, at);
+    if (ch.kind != kind) break;
+    at += ch.bytes;
+  }
+  return at;
 }
 
 //! Hash of byte strings that also takes string_views (heterogeneous lookup).
@@ -244,15 +256,6 @@ inline std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   using detail::CharClass;
   std::vector<std::string_view> pieces;
   const std::size_t n = text.size();
-  // The end of the run of characters of class `kind` that starts at byte `at`.
-  const auto run_end = [&](std::size_t at, CharClass kind) {
-    while (at < n) {
-      const detail::TextChar ch = detail::char_at(text, at);
-      if (ch.kind != kind) break;
-      at += ch.bytes;
-    }
-    return at;
-  };
   std::size_t at = 0;
   while (at < n) {
     const std::size_t start = at;
@@ -274,7 +277,7 @@ inline std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
     const std::size_t run_start = text[at] == ' ' && at + 1 < n ? at + 1 : at;
     const detail::TextChar first = detail::char_at(text, run_start);
     if (first.kind != CharClass::space) {
-      at = run_end(run_start, first.kind);
+      at = detail::class_run_end(text, run_start, first.kind);
       pieces.push_back(text.substr(start, at - start));
       continue;
     }
@@ -321,18 +324,6 @@ inline std::size_t contraction_ignoring_case(std::string_view text, std::size_t 
   if ((first == 'r' && second == 'e') || (first == 'v' && second == 'e') || (first == 'l' && second == 'l'))
     return 1 + first_bytes + second_bytes;
   return 0;
-}
-
-//! The end of the run of characters of class `kind` from byte `at` of `text`, at most `most` of
-//! them.
-inline std::size_t class_run_end(std::string_view text, std::size_t at, CharClass kind,
-                                 std::size_t most = std::numeric_limits<std::size_t>::max()) noexcept {
-  for (std::size_t count = 0; at < text.size() && count < most; ++count) {
-    const TextChar ch = char_at(text, at);
-    if (ch.kind != kind) break;
-    at += ch.bytes;
-  }
-  return at;
 }
 
 //! Whether byte `at` of `text` is a line end, `\r` or `\n`.
@@ -404,16 +395,28 @@ inline std::vector<std::string_view> cl100k_family_pretokenize(std::string_view 
 //! [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] and [\p{Ll}\p{Lm}\p{Lo}\p{M}]; `none` in neither.
 enum class LetterCase : unsigned char { upper, lower, caseless, none };
 
-//! The LetterCase of the character at byte `at` of `text` (none where it is not UTF-8).
-inline LetterCase letter_case_at(std::string_view text, std::size_t at) noexcept {
-  const CodePointAt ch = code_point_at(text, at);
-  if (!ch.valid) return LetterCase::none;
-  const char32_t c = ch.c;
-  if (c < 0x80) return c >= 'A' && c <= 'Z' ? LetterCase::upper : c >= 'a' && c <= 'z' ? LetterCase::lower : LetterCase::none;
+//! The LetterCase of code point `c`.
+inline LetterCase letter_case(char32_t c) noexcept {
+  if (c < 0x80) {
+    if (c >= 'A' && c <= 'Z') return LetterCase::upper;
+    return c >= 'a' && c <= 'z' ? LetterCase::lower : LetterCase::none;
+  }
   if (in_ranges(unicode_upper_letters, c)) return LetterCase::upper;
   if (in_ranges(unicode_lower_letters, c)) return LetterCase::lower;
   if (in_ranges(unicode_letters, c) || in_ranges(unicode_marks, c)) return LetterCase::caseless;
   return LetterCase::none;
+}
+
+//! One character of a byte string as o200k_base's letter classes see it, and its length in bytes.
+struct CasedChar {
+  LetterCase letter;
+  std::size_t bytes;
+};
+
+//! The character at byte `at` of `text` (LetterCase::none where the bytes are not UTF-8).
+inline CasedChar cased_char_at(std::string_view text, std::size_t at) noexcept {
+  const CodePointAt ch = code_point_at(text, at);
+  return {ch.valid ? letter_case(ch.c) : LetterCase::none, ch.bytes};
 }
 
 //! o200k_base's two letter alternatives from byte `p`, then the contraction after them: with
@@ -426,19 +429,23 @@ inline std::size_t o200k_letters_end(std::string_view text, std::size_t p, bool 
   // The run of U from p, and the end of its last character that is in W too.
   std::size_t run = p, last_lower_end = none;
   while (run < text.size()) {
-    const LetterCase l = letter_case_at(text, run);
-    if (!in_upper(l)) break;
-    run += code_point_at(text, run).bytes;
-    if (in_lower(l)) last_lower_end = run;
+    const CasedChar ch = cased_char_at(text, run);
+    if (!in_upper(ch.letter)) break;
+    run += ch.bytes;
+    if (in_lower(ch.letter)) last_lower_end = run;
   }
   const auto lower_run_end = [&](std::size_t at) {
-    while (at < text.size() && in_lower(letter_case_at(text, at))) at += code_point_at(text, at).bytes;
+    while (at < text.size()) {
+      const CasedChar ch = cased_char_at(text, at);
+      if (!in_lower(ch.letter)) break;
+      at += ch.bytes;
+    }
     return at;
   };
   std::size_t end = none;
   if (!lower_last) {
     if (run > p) end = lower_run_end(run);  // [U]+, then [W]* from where the run ends
-  } else if (run < text.size() && letter_case_at(text, run) == LetterCase::lower) {
+  } else if (run < text.size() && cased_char_at(text, run).letter == LetterCase::lower) {
     end = lower_run_end(run);  // [U]* the whole run, [W]+ from where it ends
   } else if (last_lower_end != none) {
     end = last_lower_end;  // [U]* gives back the run's last W character, which [W]+ takes
@@ -507,8 +514,8 @@ inline std::vector<std::string_view> pretokenize(Pretokenizer p, std::string_vie
 //! Text to token ids for a byte-level BPE vocabulary: a pre-tokenizer (Pretokenizer), then the
 //! merges within each piece. Two ways to rank the merges (see the file note):
 //! - from the ids (GPT-2's llm.c file and vocab.json, a tiktoken file: the ids are the merge
-//!   ranks): the adjacent
-//!   pair whose concatenation is the token of lowest id merges first (tiktoken's rule);
+//!   ranks): the adjacent pair whose concatenation is the token of lowest id merges first
+//!   (tiktoken's rule);
 //! - from a merge list (TokenizerRules, a Hugging Face tokenizer.json, whose ids need not be in
 //!   merge order: RoBERTa's are not): the adjacent pair that is the earliest merge merges first
 //!   (Hugging Face's rule).
@@ -546,7 +553,7 @@ class TokenEncoder {
     if (file.rules) return TokenEncoder(file.decoder, std::move(*file.rules));
     TokenEncoder encoder(file.decoder, file.pretokenizer);
     // A tiktoken file's ranks are its merge ranks by definition: tiktoken encodes by them alone.
-    if (path.extension() != ".tiktoken") encoder.check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
+    if (!detail::is_tiktoken(path)) encoder.check_merge_ranks(file.decoder, "tokenizer " + detail::quoted(path));
     return encoder;
   }
 
@@ -579,7 +586,7 @@ class TokenEncoder {
       encode_text(text.substr(at, before - at), ids);
       ids.push_back(token.id);
       at = found + token.text.size();
-      if (token.strip_right) at = white_space_run_end(text, at);
+      if (token.strip_right) at = detail::class_run_end(text, at, detail::CharClass::space);
     }
     return ids;
   }
@@ -622,8 +629,9 @@ class TokenEncoder {
   //! parts at once. It is cut only just after a line end that follows a character other than
   //! white space and precedes one (for o200k_base, one other than a slash), where a piece (of
   //! each Pretokenizer's pattern) and a word (BERT's) end whatever the text around, and never
-  //! where an added token that takes the white space before it starts. A tokenizer whose stretches of text each get a space (add_prefix_space), or with
-  //! an added token that holds a line end, encodes in one part.
+  //! where an added token that takes the white space before it starts. A tokenizer whose
+  //! stretches of text each get a space (add_prefix_space), or with an added token that holds a
+  //! line end, encodes in one part.
   std::vector<std::int32_t> encode(std::string_view text, int threads) const {
     const std::vector<std::size_t> cuts = cut_points(text, threads);
     if (cuts.size() <= 2) return encode(text);
@@ -843,16 +851,6 @@ class TokenEncoder {
     if (detail::char_at(text, before).kind == detail::CharClass::space) return false;
     return std::none_of(added_.begin(), added_.end(),
                         [&](const AddedToken& t) { return t.strip_left && text.substr(cut).starts_with(t.text); });
-  }
-
-  //! Where the white space that starts at `at` ends.
-  static std::size_t white_space_run_end(std::string_view text, std::size_t at) {
-    while (at < text.size()) {
-      const detail::TextChar ch = detail::char_at(text, at);
-      if (ch.kind != detail::CharClass::space) break;
-      at += ch.bytes;
-    }
-    return at;
   }
 
   std::unordered_map<std::string, std::int32_t, detail::BytesHash, std::equal_to<>> token_ids_;
