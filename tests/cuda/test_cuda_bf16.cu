@@ -438,4 +438,93 @@ TEST_CASE("bf16: fp32 gradients: drain_into, then AdamW from the fp32 sums") {
   CHECK(master1.to_host(be) != widened(initial));
 }
 
+TEST_CASE("bf16: AdamW over many segments in a few launches gives each segment's own update") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  // 97 segments (three launches of up to 40) of one flat range: sizes inside a block, on its
+  // edge, one past it, empty; every third segment not decayed. Both gradient kinds (bf16, and
+  // the fp32 sums of --fp32-gradients), against adamw_update on each segment.
+  constexpr std::int64_t block = loom::detail::cuda_optimizer_updates::segment_block_elements;
+  const std::int64_t pattern[] = {1, block, 0, block + 1, 767, 3 * block - 5, 2304};
+  std::vector<std::int64_t> offsets{0};
+  for (int i = 0; i < 97; ++i) offsets.push_back(offsets.back() + pattern[i % 7]);
+  const std::int64_t n = offsets.back();
+  const auto initial = random_bf16(n, 120);
+  const auto grads = random_bf16(n, 121, -2.0f, 2.0f);
+  const auto m0 = widened(random_bf16(n, 122, -0.1f, 0.1f));
+  const auto v0 = widened(random_bf16(n, 123, 0.0f, 0.1f));
+  for (const bool fp32_grads : {false, true}) {
+    CAPTURE(fp32_grads);
+    const loom::AdamWUpdate h{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 3};
+    const Device<bf16> p1(be, initial, {n}), p2(be, initial, {n}), g16(be, grads, {n});
+    const Device<float> g32(be, widened(grads), {n}), master1(be, widened(initial), {n}),
+        master2(be, widened(initial), {n}), state1(be, m0, {n}), state2(be, m0, {n}), second1(be, v0, {n}),
+        second2(be, v0, {n});
+    std::vector<loom::OptimizerSegment<bf16>> segments;
+    for (std::size_t i = 0; i + 1 < offsets.size(); ++i) {
+      const std::int64_t at = offsets[i], count = offsets[i + 1] - at;
+      const bool decayed = i % 3 != 0;
+      loom::AdamWUpdate own = h;
+      own.weight_decay = decayed ? h.weight_decay : 0.0;
+      const auto part = [&]<class E>(const Device<E>& d) { return loom::Tensor<E>(d.buffer.data() + at, {count}); };
+      if (fp32_grads)
+        loom::kernels::adamw_update<bf16>(be, part(p1), loom::Tensor<const float>(part(g32)), part(master1),
+                                          part(state1), part(second1), own);
+      else
+        loom::kernels::adamw_update<bf16>(be, part(p1), loom::Tensor<const bf16>(part(g16)), part(master1),
+                                          part(state1), part(second1), own);
+      loom::OptimizerSegment<bf16> s;
+      s.params = part(p2);
+      if (fp32_grads)
+        s.fp32_grads = part(g32);
+      else
+        s.grads = part(g16);
+      s.master = part(master2);
+      s.state[0] = part(state2);
+      s.state[1] = part(second2);
+      s.weight_decay = decayed;
+      segments.push_back(s);
+    }
+    loom::kernels::adamw_update_segments<bf16>(be, std::span<const loom::OptimizerSegment<bf16>>(segments), h);
+    // m and v: the same bits. The parameter update's multiply-adds may be contracted otherwise by
+    // ptxas in the two kernels (seen on an H200: a last-bit difference), so master agrees to float
+    // rounding, and params are master rounded once.
+    CHECK(state2.to_host(be) == state1.to_host(be));
+    CHECK(second2.to_host(be) == second1.to_host(be));
+    const std::vector<float> got_master = master2.to_host(be);
+    check_close(got_master, to_double(master1.to_host(be)), float_tolerance, "master");
+    std::vector<bf16> rounded;
+    for (float x : got_master) rounded.push_back(bf16(x));
+    CHECK(p2.to_host(be) == rounded);
+    CHECK(p2.to_host(be) != initial);
+    // Deterministic: the same launches again from the same state give the same bits.
+    const Device<bf16> p3(be, initial, {n});
+    const Device<float> master3(be, widened(initial), {n}), state3(be, m0, {n}), second3(be, v0, {n});
+    std::vector<loom::OptimizerSegment<bf16>> again = segments;
+    for (std::size_t i = 0; i < again.size(); ++i) {
+      const std::int64_t at = offsets[i], count = offsets[i + 1] - at;
+      again[i].params = loom::Tensor<bf16>(p3.buffer.data() + at, {count});
+      again[i].master = loom::Tensor<float>(master3.buffer.data() + at, {count});
+      again[i].state[0] = loom::Tensor<float>(state3.buffer.data() + at, {count});
+      again[i].state[1] = loom::Tensor<float>(second3.buffer.data() + at, {count});
+    }
+    loom::kernels::adamw_update_segments<bf16>(be, std::span<const loom::OptimizerSegment<bf16>>(again), h);
+    CHECK(master3.to_host(be) == got_master);
+    CHECK(p3.to_host(be) == p2.to_host(be));
+  }
+  // A mix of gradient kinds is refused, naming the rule.
+  const Device<bf16> p(be, initial, {n}), g(be, grads, {n});
+  const Device<float> g32(be, widened(grads), {n}), master(be, widened(initial), {n}), m(be, m0, {n}), v(be, v0, {n});
+  loom::OptimizerSegment<bf16> narrow{.params = p.view(), .grads = g.cview(), .master = master.view(),
+                                      .state = {m.view(), v.view()}};
+  loom::OptimizerSegment<bf16> wide = narrow;
+  wide.grads = {};
+  wide.fp32_grads = g32.cview();
+  const loom::OptimizerSegment<bf16> mixed[] = {narrow, wide};
+  const loom::AdamWUpdate h{.lr = 0.05, .step = 1};
+  CHECK_THROWS_WITH_AS(
+      loom::kernels::adamw_update_segments<bf16>(be, std::span<const loom::OptimizerSegment<bf16>>(mixed), h),
+      doctest::Contains("must all hold fp32 gradients or none"), loom::Error);
+}
+
 int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }

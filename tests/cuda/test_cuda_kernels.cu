@@ -923,6 +923,41 @@ TEST_CASE("sum_of_squares and sum_elements accumulate in double, deterministical
   CHECK(be.memory().current(MemoryCategory::workspace) == one.buffer.bytes());  // the scratch was returned
 }
 
+TEST_CASE("sum_of_squares over many parts: blocks of each part, 127 parts a launch, one total in order") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  // 300 parts (three launches' tables) of sizes that end inside a block, on a block's edge, one
+  // past it, and empty ones, cut from one buffer out of order (the parts need not be adjacent).
+  constexpr std::int64_t block = loom::detail::cuda_reduction::part_block_elements;
+  std::vector<std::int64_t> sizes;
+  for (int i = 0; i < 300; ++i) {
+    const std::int64_t pattern[] = {1, 7, 0, block, block + 1, 3 * block - 5, 1001, 2 * block};
+    sizes.push_back(pattern[(i * 5) % 8]);
+  }
+  std::int64_t n = 0;
+  for (const std::int64_t s : sizes) n += s;
+  const std::vector<float> x = random_floats(n, 902);
+  const DeviceTensor dx(be, x, Shape{n});
+  std::vector<Tensor<const float>> parts;
+  long double exact = 0;
+  std::int64_t offset = n;
+  for (const std::int64_t s : sizes) {  // from the end of the buffer backwards
+    offset -= s;
+    parts.emplace_back(dx.buffer.data() + offset, Shape{s});
+    for (std::int64_t i = offset; i < offset + s; ++i)
+      exact += static_cast<long double>(x[static_cast<std::size_t>(i)]) * x[static_cast<std::size_t>(i)];
+  }
+  const double expected = static_cast<double>(exact);
+  const double got = sum_of_squares<float>(be, std::span<const Tensor<const float>>(parts));
+  CHECK(std::abs(got - expected) <= 1e-12 * expected);
+  CHECK(sum_of_squares<float>(be, std::span<const Tensor<const float>>(parts)) == got);  // the same bits
+  // Only empty parts, and none at all: 0.
+  const std::vector<Tensor<const float>> empty(3, Tensor<const float>(dx.buffer.data(), Shape{0}));
+  CHECK(sum_of_squares<float>(be, std::span<const Tensor<const float>>(empty)) == 0.0);
+  CHECK(sum_of_squares<float>(be, std::span<const Tensor<const float>>()) == 0.0);
+  CHECK(be.memory().current(MemoryCategory::workspace) == dx.buffer.bytes());  // the scratch was returned
+}
+
 }  // namespace
 
 int main(int argc, char** argv) { return loom::cuda_test::run_tests(argc, argv); }

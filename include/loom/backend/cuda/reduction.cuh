@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
@@ -55,6 +56,34 @@ __global__ void total_kernel(A* total, const A* partial, std::int64_t count) {
   if (threadIdx.x == 0) *total = sum;
 }
 
+//! Elements each block of parts_sums_kernel sums (512 threads, 32 each): a function of the parts'
+//! sizes only, so the order of additions is the same on every GPU.
+inline constexpr std::int64_t part_block_elements = threads * 32;
+
+//! The parts of one parts_sums_kernel launch (127 pointers beside PartBlocks: 3 KiB).
+template <class T>
+struct PartsTable {
+  cuda_kernels::PartBlocks<127> blocks;
+  const T* x[127];
+};
+
+//! partial[blockIdx.x] = the sum of squares in double of one block's share of one part: the
+//! gradient norm of a model in a launch per 127 tensors (a launch per tensor left GPT-2 small's
+//! 148 gradient tensors 0.8 ms on an H200, where reading them takes 0.06).
+template <class T>
+__global__ void parts_sums_kernel(double* partial, PartsTable<T> table) {
+  __shared__ double scratch[32];
+  const cuda_kernels::PartRange r = cuda_kernels::part_range(table.blocks, blockIdx.x, part_block_elements);
+  const T* x = table.x[r.part];
+  double sum = 0;
+  for (std::int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    const double value = static_cast<double>(to_accumulate(x[i]));
+    sum += value * value;
+  }
+  sum = cuda_kernels::block_sum(sum, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
 template <class T>
 __global__ void scale_kernel(T* x, accumulate_t<T> factor, std::int64_t n) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < n; i += cuda_kernels::grid_stride())
@@ -100,29 +129,39 @@ double sum_of_squares(cuda& be, Tensor<const T> x) {
 }
 
 //! The sum of squares of several tensors (the gradient norm's ranges, one per parameter), in
-//! double, with one wait for the stream instead of one per tensor: each tensor's total lands
-//! in device memory, and the totals are added in order on the device. Deterministic.
+//! double, with one wait for the stream: each part is cut into blocks of part_block_elements,
+//! each block's sum lands in device memory (one launch per 127 parts), and one block adds them
+//! all in order. Deterministic: the blocks depend on the parts' sizes only.
 template <class T>
 double sum_of_squares(cuda& be, std::span<const Tensor<const T>> parts) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace r = detail::cuda_reduction;
-  if (parts.empty()) return 0.0;
-  const auto count = static_cast<std::int64_t>(parts.size());
-  detail::cuda_kernels::activate(be);
-  // [partials of the tensor being summed | one total per tensor | the sum of the totals]
-  Buffer<double, cuda> scratch(be, r::max_blocks + count + 1, MemoryCategory::workspace);
-  double* partial = scratch.data();
-  double* totals = partial + r::max_blocks;
-  be.fill_zero(totals, sizeof(double) * static_cast<std::size_t>(count));  // empty tensors add 0
-  for (std::int64_t i = 0; i < count; ++i) {
-    const Tensor<const T>& x = parts[static_cast<std::size_t>(i)];
-    // Stream order lets every tensor reuse the partials once the previous total has read them.
-    if (!x.empty()) r::enqueue_sum<true>(be, x.data(), x.numel(), partial, totals + i, "sum_of_squares (parts)");
+  namespace k = detail::cuda_kernels;
+  std::vector<std::int64_t> sizes;
+  std::int64_t blocks = 0;
+  for (const Tensor<const T>& x : parts) {
+    sizes.push_back(x.empty() ? 0 : x.numel());
+    blocks += (sizes.back() + r::part_block_elements - 1) / r::part_block_elements;
   }
-  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(totals + count, totals, count);
+  if (blocks == 0) return 0.0;
+  k::activate(be);
+  Buffer<double, cuda> scratch(be, blocks + 1, MemoryCategory::workspace);  // [block sums | total]
+  double* partial = scratch.data();
+  std::int64_t launched = 0;
+  k::for_each_part_launch<decltype(r::PartsTable<T>::blocks)>(
+      sizes, r::part_block_elements, [&](const auto& part_blocks, std::span<const std::size_t> members) {
+        r::PartsTable<T> table{part_blocks, {}};
+        for (std::size_t p = 0; p < members.size(); ++p) table.x[p] = parts[members[p]].data();
+        const std::int64_t launch_blocks = part_blocks.first_block[part_blocks.count];
+        r::parts_sums_kernel<T><<<static_cast<unsigned>(launch_blocks), r::threads, 0, be.stream()>>>(
+            partial + launched, table);
+        detail::cuda_check_launch("sum_of_squares (parts)");
+        launched += launch_blocks;
+      });
+  r::total_kernel<<<1, r::threads, 0, be.stream()>>>(partial + blocks, partial, blocks);
   detail::cuda_check_launch("sum_of_squares (parts) total_kernel");
   double total = 0;
-  be.copy_to_host(&total, totals + count, sizeof(double));
+  be.copy_to_host(&total, partial + blocks, sizeof(double));
   return total;
 }
 

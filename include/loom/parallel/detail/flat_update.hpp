@@ -134,12 +134,23 @@ void for_each_segment(const ParameterLayout& layout, const FlatRange<T>& range, 
 
 //! Applies element-wise `optimizer` at learning rate `lr` for step `step` to every parameter
 //! element of `range` (elements past the layout's total, padding, are left alone).
+//! An optimizer that has update_segments (AdamW: a few launches on a GPU instead of one per
+//! segment) gets them all in one call.
 template <class O, class B, class T>
 void apply_optimizer(const O& optimizer, B& backend, const ParameterLayout& layout,
                      const FlatRange<T>& range, double lr, std::int64_t step) {
-  for_each_segment(layout, range, O::state_slots, [&](std::size_t, std::int64_t, const OptimizerSegment<T>& s) {
-    optimizer.update(backend, s, lr, step);
-  });
+  if constexpr (requires(std::span<const OptimizerSegment<T>> all) {
+                  optimizer.update_segments(backend, all, lr, step);
+                }) {
+    std::vector<OptimizerSegment<T>> all;
+    for_each_segment(layout, range, O::state_slots,
+                     [&](std::size_t, std::int64_t, const OptimizerSegment<T>& s) { all.push_back(s); });
+    optimizer.update_segments(backend, std::span<const OptimizerSegment<T>>(all), lr, step);
+  } else {
+    for_each_segment(layout, range, O::state_slots, [&](std::size_t, std::int64_t, const OptimizerSegment<T>& s) {
+      optimizer.update(backend, s, lr, step);
+    });
+  }
 }
 
 //! The segments of `ranges` as TensorSegments (for a TensorwiseOptimizer), in range order.

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/error.hpp"
@@ -84,6 +86,49 @@ bool vector_rows(std::int64_t columns, const void* a, const void* b = nullptr) n
   return columns % Vector16<T>::elements == 0 && aligned16(a) && aligned16(b);
 }
 
+//! Launches over many parts at once (the gradient norm's tensors, the optimizer's segments): each
+//! part is cut into blocks of a fixed number of elements, and one launch takes up to `Parts`
+//! parts, passed by value in the kernel's parameters (which stay under 4 KiB), so that a model's
+//! hundreds of small tensors cost a few launches instead of one each.
+template <int Parts>
+struct PartBlocks {
+  static constexpr int capacity = Parts;
+  //! Part p's blocks in the launch are [first_block[p], first_block[p + 1]).
+  std::int64_t first_block[Parts + 1];
+  std::int64_t n[Parts];  //!< part p's elements
+  int count;              //!< parts in this launch
+};
+
+//! Calls `launch(blocks, members)` for consecutive groups of the parts with elements (`sizes`,
+//! in order; empty ones skipped), at most Blocks::capacity a group: `blocks` (a PartBlocks) says
+//! which blocks of the launch take which part, `members` which index of `sizes` is the group's
+//! part p (the caller fills its own per-part arrays, pointers, from it). Returns the blocks of
+//! all the launches together.
+template <class Blocks, class F>
+std::int64_t for_each_part_launch(std::span<const std::int64_t> sizes, std::int64_t block_elements, F&& launch) {
+  Blocks blocks{};
+  std::int64_t total = 0;
+  std::vector<std::size_t> members;  // the indices in `sizes` of the current group
+  const auto flush = [&] {
+    if (blocks.count == 0) return;
+    launch(static_cast<const Blocks&>(blocks), std::span<const std::size_t>(members));
+    total += blocks.first_block[blocks.count];
+    blocks.count = 0;
+    members.clear();
+  };
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0) continue;
+    if (blocks.count == Blocks::capacity) flush();
+    const int p = blocks.count++;
+    if (p == 0) blocks.first_block[0] = 0;
+    blocks.n[p] = sizes[i];
+    blocks.first_block[p + 1] = blocks.first_block[p] + (sizes[i] + block_elements - 1) / block_elements;
+    members.push_back(i);
+  }
+  flush();
+  return total;
+}
+
 //! Makes the calling thread work on the backend's device (ranks as threads may use several
 //! GPUs; a launch on another device's stream fails).
 inline void activate(const cuda& be) { be.activate(); }
@@ -113,6 +158,26 @@ __device__ inline std::int64_t grid_first() {
 }
 __device__ inline std::int64_t grid_stride() {
   return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
+//! The part of `blocks` whose blocks hold block `block` of the launch (binary search), and the
+//! elements [begin, end) of that part the block takes, `block_elements` a block.
+struct PartRange {
+  int part;
+  std::int64_t begin, end;
+};
+template <class Blocks>
+__device__ inline PartRange part_range(const Blocks& blocks, std::int64_t block, std::int64_t block_elements) {
+  int lo = 0, hi = blocks.count - 1;  // the last part p with first_block[p] <= block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (blocks.first_block[mid] <= block)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const std::int64_t begin = (block - blocks.first_block[lo]) * block_elements;
+  return {lo, begin, begin + block_elements < blocks.n[lo] ? begin + block_elements : blocks.n[lo]};
 }
 
 //! Sum over the 32 lanes of a warp (butterfly: every lane gets the same bits).
