@@ -48,6 +48,9 @@ def parse_args():
     p.add_argument("--peak-bf16", type=float, default=989.4, help="dense bf16 TFLOP/s (H100 SXM: 989.4)")
     p.add_argument("--peak-tf32", type=float, default=494.7, help="dense TF32 TFLOP/s (H100 SXM: 494.7)")
     p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, one more step under torch.profiler: device time per kernel, largest first "
+                        "(to set beside loom's scripts/kernel_profile.py table)")
     return p.parse_args()
 
 
@@ -105,6 +108,11 @@ def run_mode(mode, args, batch):
         torch.cuda.synchronize()
         if i >= args.warmup:
             seconds.append(start.elapsed_time(end) / 1e3)
+    if args.profile:
+        try:
+            print_kernel_profile(mode, batch, lambda: step(*batches[0]))
+        except Exception as e:  # the timing stands without the profile
+            print(f"{mode}: torch.profiler failed: {e}", flush=True)
     median = statistics.median(seconds)
     tokens = batch * args.seq
     tflops = flops_per_token(args.seq) * tokens / median / 1e12
@@ -114,6 +122,26 @@ def run_mode(mode, args, batch):
     del model, optimizer, forward
     release_memory()
     return result
+
+
+def print_kernel_profile(mode, batch, run_step, rows=40):
+    """One step under torch.profiler (device activity only): each kernel's launches and device
+    milliseconds, summed by name, the largest `rows` first, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_step()
+        torch.cuda.synchronize()
+    def device_us(e):  # the attribute's name changed in torch 2.4
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+    events = sorted((e for e in prof.key_averages() if device_us(e) > 0), key=device_us, reverse=True)
+    total = sum(device_us(e) for e in events) / 1e3
+    print(f"kernels of one {mode} step at batch {batch}: {total:.3f} ms of device time")
+    print(f"{'kernel':90s} {'launches':>8s} {'ms':>9s} {'share':>6s}")
+    for e in events[:rows]:
+        ms = device_us(e) / 1e3
+        print(f"{e.key[:90]:90s} {e.count:8d} {ms:9.3f} {100 * ms / total:5.1f}%")
+    print(flush=True)
 
 
 def release_memory():

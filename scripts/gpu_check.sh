@@ -206,9 +206,10 @@ run() {
       # PyTorch's sizes: the same, then 7/8, 3/4, 5/8 and 1/2 of it (multiples of 8).
       local torch_sizes
       torch_sizes=$(for f in 8 7 6 5 4; do echo $(( fits * f / 64 * 8 )); done | awk '$1 > 0' | sort -rn -u | paste -sd, -)
-      # torch.compile compiles again for each size it tries: more time than one program gets.
+      # torch.compile compiles again for each size it tries: more time than one program gets
+      # (GPU_CHECK_TORCH_TIMEOUT seconds, 540 by default).
       local saved_limit=$limit
-      limit=$(( limit > 540 ? limit : 540 ))
+      limit=${GPU_CHECK_TORCH_TIMEOUT:-$(( limit > 540 ? limit : 540 ))}
       run_one "large_pytorch_gpu_$fits" python3 "$root/bench/pytorch_gpu.py" --batch "$torch_sizes" \
               --modes eager-bf16,compile-bf16 --steps 10 --warmup 3 --json "$logs/pytorch_gpu_large.json"
       limit=$saved_limit
@@ -246,13 +247,18 @@ run() {
             --log-file "$logs/ncu_gpt2_bf16.csv" ./gpt2_train --device cuda --model small --seq 1024 --steps 2 \
             --batch 16 --micro-batch 16 --dtype bf16 ${GPU_CHECK_PROFILE_ARGS:-}
     python3 "$root/scripts/kernel_profile.py" "$logs/ncu_gpt2_bf16.csv" --divide 2 | tee "$logs/kernel_profile.txt"
-    # One launch of each kernel NCU_DETAIL (a kernel-name regex) names, in detail.
-    if [[ -n "${NCU_DETAIL:-}" ]]; then
-      run_one ncu_detail "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-              --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-              -k "regex:$NCU_DETAIL" --launch-count 2 ./gpt2_train --device cuda --model small \
+    # One launch of each kernel NCU_DETAIL names (kernel-name regexes, space-separated), in
+    # detail: throughputs, occupancy, warp stalls (also by SASS line), shared-memory bank
+    # conflicts, instruction mix.
+    local pattern i=0
+    for pattern in ${NCU_DETAIL:-}; do
+      run_one "ncu_detail_$((i++))" "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+              --section MemoryWorkloadAnalysis_Tables --section Occupancy --section LaunchStats \
+              --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+              --section InstructionStats --section SourceCounters --clock-control none \
+              -k "regex:$pattern" --launch-count 1 ./gpt2_train --device cuda --model small \
               --seq 1024 --steps 1 --batch 16 --micro-batch 16 --dtype bf16
-    fi
+    done
   fi
   if want torch; then
     # PyTorch on the same GPU (the device image has it), at loom's bf16 batch: eager and
