@@ -102,17 +102,14 @@ struct PartBlocks {
 //! Calls `launch(blocks, members)` for consecutive groups of the parts with elements (`sizes`,
 //! in order; empty ones skipped), at most Blocks::capacity a group: `blocks` (a PartBlocks) says
 //! which blocks of the launch take which part, `members` which index of `sizes` is the group's
-//! part p (the caller fills its own per-part arrays, pointers, from it). Returns the blocks of
-//! all the launches together.
+//! part p (the caller fills its own per-part arrays, pointers, from it).
 template <class Blocks, class F>
-std::int64_t for_each_part_launch(std::span<const std::int64_t> sizes, std::int64_t block_elements, F&& launch) {
+void for_each_part_launch(std::span<const std::int64_t> sizes, std::int64_t block_elements, F&& launch) {
   Blocks blocks{};
-  std::int64_t total = 0;
   std::vector<std::size_t> members;  // the indices in `sizes` of the current group
   const auto flush = [&] {
     if (blocks.count == 0) return;
     launch(static_cast<const Blocks&>(blocks), std::span<const std::size_t>(members));
-    total += blocks.first_block[blocks.count];
     blocks.count = 0;
     members.clear();
   };
@@ -126,7 +123,6 @@ std::int64_t for_each_part_launch(std::span<const std::int64_t> sizes, std::int6
     members.push_back(i);
   }
   flush();
-  return total;
 }
 
 //! Makes the calling thread work on the backend's device (ranks as threads may use several
