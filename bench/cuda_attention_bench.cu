@@ -101,8 +101,8 @@ void compare_layouts(loom::cuda& be, std::int64_t B, std::int64_t T, std::int64_
   // out and lse of this forward, and delta from them, for the backward kernels.
   launch_tiled(be, flash::forward_kernel<HS>, grid(flash::row_blocks.forward), flash::ForwardSmem<HS>::total,
                "bench", "forward", forward);
-  launch_tiled(be, flash::delta_kernel<HS>, dim3(static_cast<unsigned>((rows + flash::warps - 1) / flash::warps)), 0,
-               "bench", "delta", out, dout, delta.data(), shape, rows);
+  launch_tiled(be, flash::delta_kernel<HS>, dim3(flash::delta_blocks<HS>(rows)), 0, "bench", "delta", out, dout,
+               delta.data(), shape, rows);
 
   struct Variant {
     std::string kernel;

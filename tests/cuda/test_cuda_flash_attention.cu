@@ -2,12 +2,12 @@
 // a double reference, on bf16 data at head sizes 32, 64 and 128 and token counts that leave
 // partial tiles.
 //
-// Without a GPU the kernel bodies still run here: HostThread runs each block with its 128 threads
-// as host threads (barriers for __syncthreads, a shared exchange for the shuffles) and each
-// mma.sync from the 32 lanes' fragments by the documented m16n8k16 layout, each lane computing its
-// own part of the result from what the others published, as on the GPU. Shared memory starts as
-// garbage. So the tiling, the online softmax, both masks, the partial tiles, the fragment
-// indexing and the barriers are checked without a GPU, for warps of one 16-row block (M = 1, the
+// Without a GPU the kernel bodies still run here: HostThread (host_block.hpp) runs each block with
+// its 128 threads as host threads (barriers for __syncthreads, a shared exchange for the shuffles)
+// and each mma.sync from the 32 lanes' fragments by the documented m16n8k16 layout, each lane
+// computing its own part of the result from what the others published, as on the GPU. Shared
+// memory starts as garbage. So the tiling, the online softmax, both masks, the partial tiles, the
+// fragment indexing and the barriers are checked without a GPU, for warps of one 16-row block (M = 1, the
 // library's launch) and of two (M = 2, which must give M = 1's values); with one, the same checks
 // run on the device kernels through attention_forward_lse/backward_lse, against the cuBLAS path and
 // for M = 2 launched directly, and a single mma checks the layout itself against a plain product.
@@ -22,15 +22,11 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <limits>
-#include <memory>
-#include <new>
 #include <ostream>
 #include <string>
 #include <thread>
@@ -44,6 +40,7 @@
 #include "loom/core/dropout.hpp"
 #include "attention_case.hpp"
 #include "device_check.hpp"
+#include "host_block.hpp"
 
 using namespace loom;
 using namespace loom::cuda_test;
@@ -51,150 +48,6 @@ using namespace loom::cuda_test;
 namespace {
 
 namespace fl = detail::flash;
-
-// ---------------------------------------------------------------------------------------------
-// The host emulation of a block.
-
-//! What the threads of one emulated block share: the block's indices, its shared memory, the
-//! barriers, and each lane's last shuffle value and mma fragments, where the other lanes of its
-//! warp read them.
-struct HostBlock {
-  std::int64_t x, y;
-  std::unique_ptr<unsigned char[], void (*)(unsigned char*)> shared;
-  std::barrier<> block;
-  std::deque<std::barrier<>> warp;  // a deque: barriers do not move
-  float exchange[fl::threads] = {};
-  std::uint32_t words[fl::threads] = {};  // the integer shuffles' values
-  const bf16* rows[fl::threads] = {};  // the addresses the lanes give an ldmatrix
-  // Two sets, used by turns: a lane writes set s for its next mma only after every lane of its
-  // warp has passed the barrier of the mma that read set s last.
-  std::uint32_t a[2][fl::threads][4] = {}, b[2][fl::threads][2] = {};
-
-  //! A block of `threads` threads (a multiple of 32) with `bytes` of shared memory.
-  HostBlock(std::int64_t bx, std::int64_t by, std::size_t bytes, int threads = fl::threads)
-      : x(bx),
-        y(by),
-        block(threads),
-        shared(static_cast<unsigned char*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(128))),
-               [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); }) {
-    for (int w = 0; w < threads / 32; ++w) warp.emplace_back(32);
-    // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
-    std::fill(shared.get(), shared.get() + bytes, static_cast<unsigned char>(0x7f));
-  }
-};
-
-//! bf16 `half` (0: bits 0-15) of a fragment word, as float.
-float half_of(std::uint32_t word, int half) {
-  return static_cast<float>(bf16::from_bits(static_cast<std::uint16_t>(word >> (16 * half))));
-}
-
-//! One thread of an emulated block: the interface of flash::DeviceThread.
-class HostThread {
- public:
-  HostThread(HostBlock& block, int thread) : block_(block), thread_(thread) {}
-
-  int thread() const { return thread_; }
-  std::int64_t block_x() const { return block_.x; }
-  std::int64_t block_y() const { return block_.y; }
-  unsigned char* shared() const { return block_.shared.get(); }
-  void sync_block() const { block_.block.arrive_and_wait(); }
-  float shuffle_xor(float value, int mask) const {
-    block_.exchange[thread_] = value;
-    sync_warp();
-    const float other = block_.exchange[thread_ ^ mask];
-    sync_warp();
-    return other;
-  }
-  std::uint32_t shuffle_xor(std::uint32_t value, int mask) const { return shuffle(value, thread_ % 32 ^ mask); }
-  //! `value` of lane `lane` of this thread's warp (__shfl_sync).
-  std::uint32_t shuffle(std::uint32_t value, int lane) const {
-    block_.words[thread_] = value;
-    sync_warp();
-    const std::uint32_t other = block_.words[thread_ / 32 * 32 + lane];
-    sync_warp();
-    return other;
-  }
-
-  //! cp.async, done at once: the first `bytes` of the 16 at `src`, zeros for the rest.
-  //! A size outside [0, 16] or a source not 16-byte aligned (cp.async's rule) fails the test
-  //! without throwing from the block's thread, and copies nothing.
-  void copy_async(void* dst, const void* src, int bytes) const {
-    if (bytes < 0 || bytes > 16 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0) {
-      FAIL_CHECK("cp.async of " << bytes << " bytes from " << src << ": expected 0 to 16 bytes, 16-byte aligned");
-      return;
-    }
-    std::memcpy(dst, src, static_cast<std::size_t>(bytes));
-    std::memset(static_cast<unsigned char*>(dst) + bytes, 0, static_cast<std::size_t>(16 - bytes));
-  }
-  void commit_copies() const {}
-  void wait_copies() const {}
-
-  //! ldmatrix.m8n8.x4 by its PTX layout: lanes 8 j .. 8 j + 7 give the rows of matrix j, and
-  //! lane l receives, of each matrix, row l / 4 at columns 2 (l % 4) and 2 (l % 4) + 1; with
-  //! .trans, the transposed elements (rows 2 (l % 4) and 2 (l % 4) + 1, column l / 4). The lower
-  //! index goes in bits 0-15; matrices 0..3 fill b[0][0], b[0][1], b[1][0], b[1][1].
-  void load_b_rows(fl::FragmentB (&b)[2], const bf16* lane_row) const { ldmatrix(b, lane_row, false); }
-  void load_b_transposed(fl::FragmentB (&b)[2], const bf16* lane_row) const { ldmatrix(b, lane_row, true); }
-
-  //! d += a b over the warp's fragments, by the m16n8k16 layout (flash_attention.cuh's file
-  //! comment): every lane publishes its a and b, and computes its own 4 elements of d from all 32.
-  void mma(fl::FragmentC& d, const fl::FragmentA& a, const fl::FragmentB& b) {
-    const int set = turn_++ % 2, warp = thread_ / 32 * 32, lane = thread_ % 32;
-    std::copy(std::begin(a), std::end(a), block_.a[set][thread_]);
-    std::copy(std::begin(b), std::end(b), block_.b[set][thread_]);
-    sync_warp();
-    const auto a_at = [&](int row, int k) {  // A(row, k): lane 4 (row % 8) + (k % 8) / 2
-      const int owner = warp + 4 * (row % 8) + (k % 8) / 2, reg = row / 8 + 2 * (k / 8);
-      return half_of(block_.a[set][owner][reg], k % 2);
-    };
-    const auto b_at = [&](int k, int col) {  // B(k, col): lane 4 col + (k % 8) / 2
-      const int owner = warp + 4 * col + (k % 8) / 2, reg = k / 8;
-      return half_of(block_.b[set][owner][reg], k % 2);
-    };
-    for (int i = 0; i < 4; ++i) {
-      const int row = lane / 4 + 8 * (i / 2), col = 2 * (lane % 4) + i % 2;
-      float sum = d[i];
-      for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
-      d[i] = sum;
-    }
-  }
-
- private:
-  void sync_warp() const { block_.warp[static_cast<std::size_t>(thread_ / 32)].arrive_and_wait(); }
-
-  void ldmatrix(fl::FragmentB (&b)[2], const bf16* lane_row, bool transposed) const {
-    block_.rows[thread_] = lane_row;
-    sync_warp();
-    const int warp = thread_ / 32 * 32, lane = thread_ % 32;
-    for (int j = 0; j < 4; ++j) {
-      const bf16* const* rows = block_.rows + warp + 8 * j;
-      const bf16 lo = transposed ? rows[2 * (lane % 4)][lane / 4] : rows[lane / 4][2 * (lane % 4)];
-      const bf16 hi = transposed ? rows[2 * (lane % 4) + 1][lane / 4] : rows[lane / 4][2 * (lane % 4) + 1];
-      b[j / 2][j % 2] = static_cast<std::uint32_t>(lo.bits) | static_cast<std::uint32_t>(hi.bits) << 16;
-    }
-    sync_warp();
-  }
-
-  HostBlock& block_;
-  int thread_;
-  int turn_ = 0;
-};
-
-//! Runs `body(HostThread&)` for every block of a grid_x x grid_y grid, one block at a time.
-template <class Body>
-void run_grid(std::int64_t grid_x, std::int64_t grid_y, std::size_t shared_bytes, Body&& body) {
-  for (std::int64_t y = 0; y < grid_y; ++y)
-    for (std::int64_t x = 0; x < grid_x; ++x) {
-      HostBlock block(x, y, shared_bytes);
-      std::vector<std::jthread> threads;
-      threads.reserve(fl::threads);
-      for (int t = 0; t < fl::threads; ++t)
-        threads.emplace_back([&block, &body, t] {
-          HostThread th(block, t);
-          body(th);
-        });
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Cases, data and the double reference.
@@ -400,7 +253,7 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
       else
         fl::forward_block<HS, M>(th, fa);
     });
-    run_grid((rows + fl::warps - 1) / fl::warps, 1, 0, [&](HostThread& th) {
+    run_grid(fl::delta_blocks<HS>(rows), 1, 0, [&](HostThread& th) {
       fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
     });
     const fl::BackwardArgs ba{shape, data.qkv.data(), data.dout.data(), r.lse.data(), delta.data(), r.dqkv.data()};
@@ -538,6 +391,46 @@ TEST_CASE("the mma fragment helpers give a plain product (host emulation)") {
     });
   lanes.clear();
   check_fragments(f, d, e);
+}
+
+TEST_CASE("the delta body sums each row a pack a lane where aligned, element by element elsewhere (host emulation)") {
+  // T = 37: the last block is partial for every head size (4, 8 or 16 lanes a row).
+  constexpr std::int64_t B = 2, T = 37, NH = 3;
+  for (const int hs : {32, 64, 128}) {
+    CAPTURE(hs);
+    const std::int64_t C = NH * hs, n = B * T * C, rows = B * NH * T;
+    // One spare pack: `at` is the first 16-byte-aligned element; at + 1 is not aligned.
+    const std::vector<bf16> out = random_bf16(n + fl::pack, 61), dout = random_bf16(n + fl::pack, 62);
+    const auto first_aligned = [](const std::vector<bf16>& v) {
+      std::size_t at = 0;
+      while (reinterpret_cast<std::uintptr_t>(v.data() + at) % 16 != 0) ++at;
+      return at;
+    };
+    for (const std::size_t shift : {std::size_t{0}, std::size_t{1}}) {
+      CAPTURE(shift);
+      const bf16* o = out.data() + first_aligned(out) + shift;
+      const bf16* g = dout.data() + first_aligned(dout) + shift;
+      std::vector<double> want(static_cast<std::size_t>(rows)), magnitude(want.size());
+      for (std::int64_t row = 0; row < rows; ++row) {
+        const std::int64_t b = row / (NH * T), h = row / T % NH, t = row % T, at = (b * T + t) * C + h * hs;
+        for (std::int64_t c = 0; c < hs; ++c) {
+          const double term = static_cast<double>(static_cast<float>(o[at + c])) * static_cast<float>(g[at + c]);
+          want[static_cast<std::size_t>(row)] += term;
+          magnitude[static_cast<std::size_t>(row)] += std::abs(term);
+        }
+      }
+      std::vector<float> delta(want.size(), std::numeric_limits<float>::quiet_NaN());
+      const fl::Shape shape{T, C, static_cast<int>(NH), 1.0f, AttentionMask::causal, nullptr};
+      const auto run = [&]<int HS>() {
+        run_grid(fl::delta_blocks<HS>(rows), 1, 0,
+                 [&](HostThread& th) { fl::delta_block<HS>(th, o, g, delta.data(), shape, rows); });
+      };
+      if (hs == 32) run.template operator()<32>();
+      if (hs == 64) run.template operator()<64>();
+      if (hs == 128) run.template operator()<128>();
+      check_close(delta, want, magnitude, float_tolerance, "delta", 0.0);
+    }
+  }
 }
 
 TEST_CASE("the tiled kernels' bodies match the reference (host emulation of the blocks and of mma.sync)") {
@@ -1015,8 +908,8 @@ Result run_layout_on_device(cuda& be, const Case& c, const Data& data, Attention
   const dim3 grid(static_cast<unsigned>(c.B * c.NH), static_cast<unsigned>(fl::row_tiles(c.T, M)));
   const auto run = [&]<int HS>() {
     ca::launch_tiled(be, fl::forward_kernel<HS, M>, grid, fl::ForwardSmem<HS>::total, "test", "forward", fa);
-    ca::launch_tiled(be, fl::delta_kernel<HS>, dim3(static_cast<unsigned>((rows + fl::warps - 1) / fl::warps)), 0,
-                     "test", "delta", out.buffer.data(), dout.buffer.data(), delta.buffer.data(), shape, rows);
+    ca::launch_tiled(be, fl::delta_kernel<HS>, dim3(fl::delta_blocks<HS>(rows)), 0, "test", "delta",
+                     out.buffer.data(), dout.buffer.data(), delta.buffer.data(), shape, rows);
     ca::launch_tiled(be, fl::key_value_grad_kernel<HS, M>, grid, fl::KeyValueGradSmem<HS>::total, "test",
                      "key_value_grad", ba);
     ca::launch_tiled(be, fl::query_grad_kernel<HS, M>, grid, fl::QueryGradSmem<HS>::total, "test", "query_grad", ba);

@@ -21,15 +21,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <span>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "loom/backend/cuda/kernels.cuh"
 #include "loom/core/buffer.hpp"
 #include "device_check.hpp"
+#include "host_block.hpp"
 
 using namespace loom;
 using namespace loom::cuda_test;
@@ -523,15 +526,64 @@ TEST_CASE("layernorm_forward of a constant row gives the bias") {
   CHECK(rstd.to_host(be)[0] == doctest::Approx(1.0 / std::sqrt(1e-5)).epsilon(1e-6));
 }
 
+//! layernorm_backward's results in double from the float mean and rstd the kernel reads, and the
+//! magnitudes the tolerance scales with.
+struct LayernormGrads {
+  std::vector<double> din, din_magnitude, dweight, dweight_magnitude, dbias, dbias_magnitude;
+};
+
+LayernormGrads layernorm_backward_reference(const LayernormCase& c, const std::vector<float>& x,
+                                            const std::vector<float>& w, const std::vector<float>& g,
+                                            const std::vector<float>& din0, const std::vector<float>& dw0,
+                                            const std::vector<float>& db0, const LayernormStats& stats) {
+  std::vector<double> din_ref = to_double(din0), din_mag = abs_of(din_ref);
+  std::vector<double> dw_ref = to_double(dw0), dw_mag = abs_of(dw_ref);
+  std::vector<double> db_ref = to_double(db0), db_mag = abs_of(db_ref);
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    const double m = stats.mean[n], r = stats.rstd[n];
+    double sum_dnorm = 0, sum_dnorm_norm = 0, abs_dnorm = 0, abs_dnorm_norm = 0;
+    for (std::int64_t i = 0; i < c.C; ++i) {
+      const double dnorm = static_cast<double>(w[i]) * g[n * c.C + i], norm = (x[n * c.C + i] - m) * r;
+      sum_dnorm += dnorm;
+      sum_dnorm_norm += dnorm * norm;
+      abs_dnorm += std::abs(dnorm);
+      abs_dnorm_norm += std::abs(dnorm * norm);
+    }
+    const double a = sum_dnorm / c.C, cc = sum_dnorm_norm / c.C;
+    for (std::int64_t i = 0; i < c.C; ++i) {
+      const std::int64_t at = n * c.C + i;
+      const double dnorm = static_cast<double>(w[i]) * g[at], norm = (x[at] - m) * r;
+      din_ref[at] += (dnorm - a - norm * cc) * r;
+      din_mag[at] += (std::abs(dnorm) + abs_dnorm / c.C + std::abs(norm) * abs_dnorm_norm / c.C +
+                      std::abs(x[at]) * r * std::abs(cc)) *
+                     r;
+      dw_ref[i] += norm * g[at];
+      dw_mag[i] += std::abs(norm * g[at]) + std::abs(x[at] * r * g[at]);
+      db_ref[i] += g[at];
+      db_mag[i] += std::abs(g[at]);
+    }
+  }
+  return {din_ref, din_mag, dw_ref, dw_mag, db_ref, db_mag};
+}
+
+//! The three gradients against the reference, at `tolerance` of their magnitudes.
+void check_grads(const LayernormGrads& ref, const std::vector<float>& din, const std::vector<float>& dweight,
+                 const std::vector<float>& dbias, double tolerance = float_tolerance) {
+  check_close(din, ref.din, ref.din_magnitude, tolerance, "din");
+  check_close(dweight, ref.dweight, ref.dweight_magnitude, tolerance, "dweight");
+  check_close(dbias, ref.dbias, ref.dbias_magnitude, tolerance, "dbias");
+}
+
 TEST_CASE("layernorm_backward accumulates the host formula of the derivative, the same bits each run") {
   if (!have_gpu()) return;
   loom::cuda be(0);
   constexpr double eps = 1e-5;
-  // 128, 768 and 1024 columns take the vector kernel (1, 6 and 8 vectors of 4 floats per lane),
-  // 1152 (9 per lane) and the odd widths the scalar one.
+  // 128 and 512 columns take the fused kernel (1 and 4 vectors of 4 floats a lane; 70 rows are
+  // three blocks, the last partial), 768 and 1024 (6 and 8 a lane) the two-pass vector one, 1152
+  // (9 a lane) and the odd widths the scalar one.
   for (const LayernormCase c : {LayernormCase{1, 1, 0}, LayernormCase{1, 7, 0}, LayernormCase{7, 1001, 0},
                                 LayernormCase{65, 33, 10}, LayernormCase{256, 768, 0}, LayernormCase{9, 128, 0},
-                                LayernormCase{9, 1024, 0}, LayernormCase{3, 1152, 0}}) {
+                                LayernormCase{70, 512, 0}, LayernormCase{9, 1024, 0}, LayernormCase{3, 1152, 0}}) {
     CAPTURE(c.N);
     CAPTURE(c.C);
     const std::vector<float> x = random_floats(c.N * c.C, 400, c.offset - 1, c.offset + 1);
@@ -541,35 +593,7 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
                              db0 = random_floats(c.C, 406);
     const LayernormStats stats = layernorm_forward_reference(c.N, c.C, x, w, b, eps);
 
-    // Reference from the same (float) mean and rstd the kernel reads.
-    std::vector<double> din_ref = to_double(din0), din_mag = abs_of(din_ref);
-    std::vector<double> dw_ref = to_double(dw0), dw_mag = abs_of(dw_ref);
-    std::vector<double> db_ref = to_double(db0), db_mag = abs_of(db_ref);
-    for (std::int64_t n = 0; n < c.N; ++n) {
-      const double m = stats.mean[n], r = stats.rstd[n];
-      double sum_dnorm = 0, sum_dnorm_norm = 0, abs_dnorm = 0, abs_dnorm_norm = 0;
-      for (std::int64_t i = 0; i < c.C; ++i) {
-        const double dnorm = static_cast<double>(w[i]) * g[n * c.C + i], norm = (x[n * c.C + i] - m) * r;
-        sum_dnorm += dnorm;
-        sum_dnorm_norm += dnorm * norm;
-        abs_dnorm += std::abs(dnorm);
-        abs_dnorm_norm += std::abs(dnorm * norm);
-      }
-      const double a = sum_dnorm / c.C, cc = sum_dnorm_norm / c.C;
-      for (std::int64_t i = 0; i < c.C; ++i) {
-        const std::int64_t at = n * c.C + i;
-        const double dnorm = static_cast<double>(w[i]) * g[at], norm = (x[at] - m) * r;
-        din_ref[at] += (dnorm - a - norm * cc) * r;
-        din_mag[at] += (std::abs(dnorm) + abs_dnorm / c.C + std::abs(norm) * abs_dnorm_norm / c.C +
-                        std::abs(x[at]) * r * std::abs(cc)) *
-                       r;
-        dw_ref[i] += norm * g[at];
-        dw_mag[i] += std::abs(norm * g[at]) + std::abs(x[at] * r * g[at]);
-        db_ref[i] += g[at];
-        db_mag[i] += std::abs(g[at]);
-      }
-    }
-
+    const LayernormGrads ref = layernorm_backward_reference(c, x, w, g, din0, dw0, db0, stats);
     const DeviceTensor in(be, x, Shape{c.N, c.C}), weight(be, w, Shape{c.C}), dout(be, g, Shape{c.N, c.C}),
         mean(be, stats.mean, Shape{c.N}), rstd(be, stats.rstd, Shape{c.N});
     std::vector<float> first_din, first_dw, first_db;
@@ -579,9 +603,7 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
       layernorm_backward<float>(be, din.view(), dweight.view(), dbias.view(), dout.cview(), in.cview(),
                                 weight.cview(), mean.cview(), rstd.cview());
       const std::vector<float> got_din = din.to_host(be), got_dw = dweight.to_host(be), got_db = dbias.to_host(be);
-      check_close(got_din, din_ref, din_mag, float_tolerance, "din");
-      check_close(got_dw, dw_ref, dw_mag, float_tolerance, "dweight");
-      check_close(got_db, db_ref, db_mag, float_tolerance, "dbias");
+      check_grads(ref, got_din, got_dw, got_db);
       if (run == 0) {
         first_din = got_din;
         first_dw = got_dw;
@@ -593,6 +615,79 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
       }
     }
   }
+}
+
+//! layernorm_backward's fused path on the host (host_block.hpp): the fused body over every block,
+//! then the column totals, for T with P vectors of 16 bytes a lane (C = 32 P of them).
+template <class T, int P>
+void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din, std::vector<T>& dweight,
+                            std::vector<T>& dbias, const std::vector<T>& dout, const std::vector<T>& in,
+                            const std::vector<T>& weight, const std::vector<float>& mean,
+                            const std::vector<float>& rstd) {
+  namespace ln = detail::cuda_layernorm;
+  namespace k = detail::cuda_kernels;
+  static_assert(ln::fused_vectors<T>(P));
+  REQUIRE(C == 32 * P * k::Vector16<T>::elements);
+  const std::int64_t blocks = ln::fused_blocks(N);
+  // NaN: a partial the body does not write shows in the totals.
+  std::vector<float> partials(static_cast<std::size_t>(2 * blocks * C), std::numeric_limits<float>::quiet_NaN());
+  const ln::BackwardArgs<T> args{din.data(),  dout.data(), in.data(),       weight.data(),
+                                 mean.data(), rstd.data(), partials.data(), N,
+                                 C};
+  run_grid(
+      blocks, 1, 2 * C * sizeof(float), [&](HostThread& th) { ln::fused_backward_block<T, P>(th, args); },
+      ln::fused_threads);
+  const k::ColumnOutputs<T, 2> outputs{{dweight.data(), dbias.data()}};
+  run_grid(
+      k::column_blocks(C), 2, k::totals_shared<float>,
+      [&](HostThread& th) { k::column_totals_block<2>(th, outputs, partials.data(), blocks, C); }, k::totals_threads);
+}
+
+template <class T>
+std::vector<T> cast_to(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  std::transform(v.begin(), v.end(), out.begin(), [](float x) { return static_cast<T>(x); });
+  return out;
+}
+
+template <class T>
+std::vector<float> floats_of(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  std::transform(v.begin(), v.end(), out.begin(), [](T x) { return static_cast<float>(x); });
+  return out;
+}
+
+//! One host case of the fused backward against the double reference: float at float_tolerance,
+//! bf16 (inputs rounded first, each result rounded once: 2^-9 of its magnitude) at 1e-2.
+template <class T, int P>
+void check_fused_backward_on_host(const LayernormCase& c) {
+  CAPTURE(c.N);
+  CAPTURE(c.C);
+  // Rounded to T first, so that the reference sees the kernel's inputs.
+  const std::vector<float> x = floats_of(cast_to<T>(random_floats(c.N * c.C, 410, c.offset - 1, c.offset + 1)));
+  const std::vector<float> w = floats_of(cast_to<T>(random_floats(c.C, 411, 0.5f, 1.5f)));
+  const std::vector<float> g = floats_of(cast_to<T>(random_floats(c.N * c.C, 412)));
+  const std::vector<float> din0 = floats_of(cast_to<T>(random_floats(c.N * c.C, 413)));
+  const std::vector<float> dw0 = floats_of(cast_to<T>(random_floats(c.C, 414)));
+  const std::vector<float> db0 = floats_of(cast_to<T>(random_floats(c.C, 415)));
+  const LayernormStats stats = layernorm_forward_reference(c.N, c.C, x, w, std::vector<float>(static_cast<std::size_t>(c.C)), 1e-5);
+  const LayernormGrads ref = layernorm_backward_reference(c, x, w, g, din0, dw0, db0, stats);
+  std::vector<T> din = cast_to<T>(din0), dweight = cast_to<T>(dw0), dbias = cast_to<T>(db0);
+  fused_backward_on_host<T, P>(c.N, c.C, din, dweight, dbias, cast_to<T>(g), cast_to<T>(x), cast_to<T>(w), stats.mean,
+                               stats.rstd);
+  check_grads(ref, floats_of(din), floats_of(dweight), floats_of(dbias),
+              std::is_same_v<T, float> ? float_tolerance : 1e-2);
+}
+
+TEST_CASE("layernorm_backward's fused body and the column totals match the host formula (host emulation)") {
+  // 32 rows a block: one partial block, two (the second of one row), three (the last partial),
+  // ten (more than the totals' 8 row threads: two chunks for some).
+  check_fused_backward_on_host<float, 1>({1, 128, 0});
+  check_fused_backward_on_host<float, 1>({300, 128, 0});
+  check_fused_backward_on_host<float, 4>({33, 512, 0});
+  check_fused_backward_on_host<float, 5>({70, 640, 10});
+  check_fused_backward_on_host<bf16, 1>({32, 256, 0});
+  check_fused_backward_on_host<bf16, 3>({45, 768, 0});
 }
 
 TEST_CASE("layernorm kernels reject wrong shapes, naming the argument") {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "device_check.hpp"
+#include "host_block.hpp"
 #include "loom/backend/cuda/vocab_parallel.cuh"
 #include "loom/backend/detail/vocab_parallel_checks.hpp"
 #include "loom/core/buffer.hpp"
@@ -636,6 +637,62 @@ TEST_CASE("select_target_rows: the kept rows in order and their count, across 10
       CHECK(select_target_rows(be, few_rows.view(), few_targets.view(), device_targets.cview()) == want);
       CHECK(few_rows.to_host(be) == std::vector<std::int32_t>(want_rows.begin(), want_rows.begin() + room));
       CHECK(few_targets.to_host(be) == std::vector<std::int32_t>(want_targets.begin(), want_targets.begin() + room));
+    }
+  }
+}
+
+//! The backward's row body on the host (host_block.hpp), W columns a pack, over one slice holding
+//! the whole vocabulary: from the logits with their statistics in double, or from the
+//! probabilities, into a copy of `in` (in place) or into a tensor of 5s.
+template <int W, bool FromLogits>
+std::vector<float> backward_on_host(const CrossEntropyCase& c, const std::vector<float>& in,
+                                    const std::vector<std::int32_t>& targets, float scale, bool in_place) {
+  namespace cvp = detail::cuda_vocab_parallel;
+  REQUIRE(c.slices == 1);
+  std::vector<double> row_max(static_cast<std::size_t>(c.N)), partials(static_cast<std::size_t>(2 * c.N));
+  for (std::int64_t n = 0; n < c.N; ++n) {
+    const float* row = in.data() + n * c.padded;
+    row_max[n] = *std::max_element(row, row + c.vocab);
+    for (std::int64_t i = 0; i < c.vocab; ++i) partials[n] += std::exp(row[i] - row_max[n]);
+  }
+  std::vector<float> source = in, separate(in.size(), 5.0f);
+  float* out = in_place ? source.data() : separate.data();
+  run_grid(
+      c.N, 1, 0,
+      [&](HostThread& th) {
+        cvp::backward_row<float, W, FromLogits>(th, out, source.data(), row_max.data(), partials.data(),
+                                                targets.data(), th.block_x(), c.padded, c.vocab, 0, scale);
+      },
+      cvp::row_threads);
+  return in_place ? source : separate;
+}
+
+TEST_CASE("the cross-entropy backward's row body matches the double reference, in place or not (host emulation)") {
+  // Rows of one pack, of more packs than the block's threads (the two-pack loop and a single
+  // last one), GPT-2's vocabulary; an odd width (W = 1 only) with targets outside [0, vocab).
+  for (const CrossEntropyCase c : {CrossEntropyCase{5, 7, 8, 1}, CrossEntropyCase{4, 1000, 1200, 1},
+                                   CrossEntropyCase{3, 50257, 50304, 1}, CrossEntropyCase{7, 10, 21, 1}}) {
+    CAPTURE(c.N);
+    CAPTURE(c.padded);
+    const std::vector<float> logits = make_logits(c, 13);
+    std::vector<std::int32_t> targets = make_targets(c);
+    if (c.padded == 21) targets = {3, -1, 10, 25, int32_max, int32_min, 9};
+    const CrossEntropyReference want = reference(c, logits, targets, 0.25);
+    const std::vector<float> probs(want.probs.begin(), want.probs.end());
+    for (const bool in_place : {false, true}) {
+      CAPTURE(in_place);
+      const auto check = [&](const std::vector<float>& got, const char* what) {
+        check_close(got, want.dlogits, float_tolerance, what);
+        std::int64_t nonzero_padding = 0;
+        for (std::int64_t n = 0; n < c.N; ++n)
+          for (std::int64_t i = c.vocab; i < c.padded; ++i) nonzero_padding += got[n * c.padded + i] != 0.0f;
+        CHECK(nonzero_padding == 0);
+      };
+      check(backward_on_host<1, true>(c, logits, targets, 0.25f, in_place), "dlogits, W = 1");
+      check(backward_on_host<1, false>(c, probs, targets, 0.25f, in_place), "dlogits from probabilities, W = 1");
+      if (c.padded % 4 != 0) continue;
+      check(backward_on_host<4, true>(c, logits, targets, 0.25f, in_place), "dlogits, W = 4");
+      check(backward_on_host<4, false>(c, probs, targets, 0.25f, in_place), "dlogits from probabilities, W = 4");
     }
   }
 }

@@ -596,10 +596,9 @@ inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const
   // Returned to the cache while the stream may still use it: safe, as in attention_backward.
   const Buffer<float, cuda> delta(be, rows, MemoryCategory::workspace);
   const flash::BackwardArgs args{flash_shape(d), qkv, dout, lse, delta.data(), dqkv};
-  const auto delta_blocks = static_cast<unsigned>((rows + flash::warps - 1) / flash::warps);
   with_head_size(d, [&]<int HS>() {
-    launch_tiled(be, flash::delta_kernel<HS>, dim3(delta_blocks), 0, name, "flash::delta_kernel", out, dout,
-                 delta.data(), args.shape, rows);
+    launch_tiled(be, flash::delta_kernel<HS>, dim3(flash::delta_blocks<HS>(rows)), 0, name, "flash::delta_kernel",
+                 out, dout, delta.data(), args.shape, rows);
     const dim3 key_grid = flash_grid(d, flash::row_blocks.key_value_grad);
     const dim3 query_grid = flash_grid(d, flash::row_blocks.query_grad);
     if (dropout.mask.active()) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "loom/backend/cuda/cuda.hpp"
+#include "loom/backend/cuda/detail/block_body.hpp"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
 #include "loom/core/accumulate.hpp"

@@ -1,0 +1,177 @@
+#pragma once
+// The host emulation of a CUDA block, for the kernel bodies written over a Thread type
+// (detail/block_body.hpp, detail/flash_attention.cuh): HostThread runs each thread of a block as
+// a host thread, with barriers for __syncthreads and __syncwarp, a shared exchange for the
+// shuffles, cp.async done at once, and ldmatrix and mma.sync computed from the lanes' addresses
+// and fragments by their PTX layouts. Shared memory starts as garbage, so a body that reads what
+// it did not write shows it.
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "loom/backend/cuda/detail/flash_attention.cuh"
+#include "loom/core/bf16.hpp"
+
+namespace loom::cuda_test {
+
+namespace fl = detail::flash;
+
+//! The most threads an emulated block has (the row kernels' 256; the tiled attention's 128).
+inline constexpr int max_host_threads = 256;
+
+//! What the threads of one emulated block share: the block's indices, its shared memory, the
+//! barriers, and each lane's last shuffle value and mma fragments, where the other lanes of its
+//! warp read them.
+struct HostBlock {
+  std::int64_t x, y;
+  std::unique_ptr<unsigned char[], void (*)(unsigned char*)> shared;
+  std::barrier<> block;
+  std::deque<std::barrier<>> warp;  // a deque: barriers do not move
+  float exchange[max_host_threads] = {};
+  std::uint32_t words[max_host_threads] = {};  // the integer shuffles' values
+  const bf16* rows[max_host_threads] = {};     // the addresses the lanes give an ldmatrix
+  // Two sets, used by turns: a lane writes set s for its next mma only after every lane of its
+  // warp has passed the barrier of the mma that read set s last.
+  std::uint32_t a[2][max_host_threads][4] = {}, b[2][max_host_threads][2] = {};
+
+  //! A block of `threads` threads (a multiple of 32, at most max_host_threads) with `bytes` of
+  //! shared memory.
+  HostBlock(std::int64_t bx, std::int64_t by, std::size_t bytes, int threads = fl::threads)
+      : x(bx),
+        y(by),
+        block(threads),
+        shared(static_cast<unsigned char*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(128))),
+               [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); }) {
+    REQUIRE(threads % 32 == 0);
+    REQUIRE(threads <= max_host_threads);
+    for (int w = 0; w < threads / 32; ++w) warp.emplace_back(32);
+    // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
+    std::fill(shared.get(), shared.get() + bytes, static_cast<unsigned char>(0x7f));
+  }
+};
+
+//! bf16 `half` (0: bits 0-15) of a fragment word, as float.
+inline float half_of(std::uint32_t word, int half) {
+  return static_cast<float>(bf16::from_bits(static_cast<std::uint16_t>(word >> (16 * half))));
+}
+
+//! One thread of an emulated block: the interface of flash::DeviceThread.
+class HostThread {
+ public:
+  HostThread(HostBlock& block, int thread) : block_(block), thread_(thread) {}
+
+  int thread() const { return thread_; }
+  std::int64_t block_x() const { return block_.x; }
+  std::int64_t block_y() const { return block_.y; }
+  unsigned char* shared() const { return block_.shared.get(); }
+  void sync_block() const { block_.block.arrive_and_wait(); }
+  float shuffle_xor(float value, int mask) const {
+    block_.exchange[thread_] = value;
+    sync_warp();
+    const float other = block_.exchange[thread_ ^ mask];
+    sync_warp();
+    return other;
+  }
+  std::uint32_t shuffle_xor(std::uint32_t value, int mask) const { return shuffle(value, thread_ % 32 ^ mask); }
+  //! `value` of lane `lane` of this thread's warp (__shfl_sync).
+  std::uint32_t shuffle(std::uint32_t value, int lane) const {
+    block_.words[thread_] = value;
+    sync_warp();
+    const std::uint32_t other = block_.words[thread_ / 32 * 32 + lane];
+    sync_warp();
+    return other;
+  }
+
+  //! cp.async, done at once: the first `bytes` of the 16 at `src`, zeros for the rest.
+  //! A size outside [0, 16] or a source not 16-byte aligned (cp.async's rule) fails the test
+  //! without throwing from the block's thread, and copies nothing.
+  void copy_async(void* dst, const void* src, int bytes) const {
+    if (bytes < 0 || bytes > 16 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0) {
+      FAIL_CHECK("cp.async of " << bytes << " bytes from " << src << ": expected 0 to 16 bytes, 16-byte aligned");
+      return;
+    }
+    std::memcpy(dst, src, static_cast<std::size_t>(bytes));
+    std::memset(static_cast<unsigned char*>(dst) + bytes, 0, static_cast<std::size_t>(16 - bytes));
+  }
+  void commit_copies() const {}
+  void wait_copies() const {}
+
+  //! ldmatrix.m8n8.x4 by its PTX layout: lanes 8 j .. 8 j + 7 give the rows of matrix j, and
+  //! lane l receives, of each matrix, row l / 4 at columns 2 (l % 4) and 2 (l % 4) + 1; with
+  //! .trans, the transposed elements (rows 2 (l % 4) and 2 (l % 4) + 1, column l / 4). The lower
+  //! index goes in bits 0-15; matrices 0..3 fill b[0][0], b[0][1], b[1][0], b[1][1].
+  void load_b_rows(fl::FragmentB (&b)[2], const bf16* lane_row) const { ldmatrix(b, lane_row, false); }
+  void load_b_transposed(fl::FragmentB (&b)[2], const bf16* lane_row) const { ldmatrix(b, lane_row, true); }
+
+  //! d += a b over the warp's fragments, by the m16n8k16 layout (flash_attention.cuh's file
+  //! comment): every lane publishes its a and b, and computes its own 4 elements of d from all 32.
+  void mma(fl::FragmentC& d, const fl::FragmentA& a, const fl::FragmentB& b) {
+    const int set = turn_++ % 2, warp = thread_ / 32 * 32, lane = thread_ % 32;
+    std::copy(std::begin(a), std::end(a), block_.a[set][thread_]);
+    std::copy(std::begin(b), std::end(b), block_.b[set][thread_]);
+    sync_warp();
+    const auto a_at = [&](int row, int k) {  // A(row, k): lane 4 (row % 8) + (k % 8) / 2
+      const int owner = warp + 4 * (row % 8) + (k % 8) / 2, reg = row / 8 + 2 * (k / 8);
+      return half_of(block_.a[set][owner][reg], k % 2);
+    };
+    const auto b_at = [&](int k, int col) {  // B(k, col): lane 4 col + (k % 8) / 2
+      const int owner = warp + 4 * col + (k % 8) / 2, reg = k / 8;
+      return half_of(block_.b[set][owner][reg], k % 2);
+    };
+    for (int i = 0; i < 4; ++i) {
+      const int row = lane / 4 + 8 * (i / 2), col = 2 * (lane % 4) + i % 2;
+      float sum = d[i];
+      for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
+      d[i] = sum;
+    }
+  }
+
+ private:
+  void sync_warp() const { block_.warp[static_cast<std::size_t>(thread_ / 32)].arrive_and_wait(); }
+
+  void ldmatrix(fl::FragmentB (&b)[2], const bf16* lane_row, bool transposed) const {
+    block_.rows[thread_] = lane_row;
+    sync_warp();
+    const int warp = thread_ / 32 * 32, lane = thread_ % 32;
+    for (int j = 0; j < 4; ++j) {
+      const bf16* const* rows = block_.rows + warp + 8 * j;
+      const bf16 lo = transposed ? rows[2 * (lane % 4)][lane / 4] : rows[lane / 4][2 * (lane % 4)];
+      const bf16 hi = transposed ? rows[2 * (lane % 4) + 1][lane / 4] : rows[lane / 4][2 * (lane % 4) + 1];
+      b[j / 2][j % 2] = static_cast<std::uint32_t>(lo.bits) | static_cast<std::uint32_t>(hi.bits) << 16;
+    }
+    sync_warp();
+  }
+
+  HostBlock& block_;
+  int thread_;
+  int turn_ = 0;
+};
+
+//! Runs `body(HostThread&)` for every block of a grid_x x grid_y grid of `threads`-thread blocks
+//! (a multiple of 32; the tiled attention kernels' 128 unless given), one block at a time.
+template <class Body>
+void run_grid(std::int64_t grid_x, std::int64_t grid_y, std::size_t shared_bytes, Body&& body,
+              int threads_per_block = fl::threads) {
+  for (std::int64_t y = 0; y < grid_y; ++y)
+    for (std::int64_t x = 0; x < grid_x; ++x) {
+      HostBlock block(x, y, shared_bytes, threads_per_block);
+      std::vector<std::jthread> threads;
+      threads.reserve(static_cast<std::size_t>(threads_per_block));
+      for (int t = 0; t < threads_per_block; ++t)
+        threads.emplace_back([&block, &body, t] {
+          HostThread th(block, t);
+          body(th);
+        });
+    }
+}
+
+}  // namespace loom::cuda_test
