@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "loom/backend/cuda/cuda.hpp"
+#include "loom/core/bf16.hpp"
 #include "loom/core/buffer.hpp"
 
 namespace loom::cuda_test {
@@ -73,6 +74,27 @@ inline void check_close(const std::vector<float>& got, const std::vector<double>
 }
 
 inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+//! Each of `v` converted to T (bf16: rounded to nearest even).
+template <class T>
+std::vector<T> cast_to(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  std::transform(v.begin(), v.end(), out.begin(), [](float x) { return static_cast<T>(x); });
+  return out;
+}
+
+//! Each of `v` (float or bf16) as float.
+template <class T>
+std::vector<float> floats_of(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  std::transform(v.begin(), v.end(), out.begin(), [](T x) { return static_cast<float>(x); });
+  return out;
+}
+
+//! n values uniform in [lo, hi), rounded to bf16.
+inline std::vector<bf16> random_bf16(std::int64_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  return cast_to<bf16>(random_floats(n, seed, lo, hi));
+}
 
 
 //! A device array of any element type (ids, bf16, double statistics) with a shape, filled from

@@ -136,8 +136,6 @@ std::vector<double> update_magnitudes(const RunCase& c, const std::vector<float>
   return magnitude;
 }
 
-std::vector<double> widened(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-
 // ------------------------------------------------------------------------------------------
 // One kernel, one run.
 
@@ -206,7 +204,7 @@ void check_float_update(loom::cuda& be, const RunCase& c) {
   adafactor_update<float>(be, device_params.view(), device_grads.cview(), index, device_rows.buffer.data(),
                           device_cols.buffer.data(), h);
   const std::vector<float> got = device_params.to_host(be);
-  check_close(got, widened(want), update_magnitudes(c, params, grads, row_scale, col_scale, h), 1e-6,
+  check_close(got, to_double(want), update_magnitudes(c, params, grads, row_scale, col_scale, h), 1e-6,
               "float parameters", 0.0);
   const auto equal = std::inner_product(got.begin(), got.end(), want.begin(), std::size_t{0}, std::plus<>(),
                                         [](float a, float b) { return a == b ? std::size_t{1} : std::size_t{0}; });
@@ -234,7 +232,7 @@ void check_bf16_update(loom::cuda& be, const RunCase& c) {
   const DeviceArray<float> device_rows(be, row_scale, Shape{view.rows}), device_cols(be, col_scale, Shape{view.cols});
   adafactor_update<bf16, G>(be, device_params.view(), device_grads.cview(), device_master.view(), index,
                             device_rows.buffer.data(), device_cols.buffer.data(), h);
-  check_close(device_master.to_host(be), widened(master_want),
+  check_close(device_master.to_host(be), to_double(master_want),
               update_magnitudes(c, master, grads, row_scale, col_scale, h), 1e-6, "fp32 master weights", 0.0);
   check_within_one_ulp(device_params.to_host(be), params_want, "bf16 parameters");
 }

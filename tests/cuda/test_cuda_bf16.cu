@@ -45,19 +45,6 @@ namespace ref = loom::cuda_test::cpu_bf16;
 
 namespace {
 
-//! n values uniform in [lo, hi), rounded to bf16.
-std::vector<bf16> random_bf16(std::int64_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::vector<bf16> out;
-  for (float x : random_floats(n, seed, lo, hi)) out.push_back(bf16(x));
-  return out;
-}
-
-std::vector<float> widened(const std::vector<bf16>& x) {
-  std::vector<float> out;
-  for (bf16 b : x) out.push_back(static_cast<float>(b));
-  return out;
-}
-
 template <class E>
 using Device = DeviceArray<E>;
 
@@ -79,7 +66,7 @@ void check_bf16(const std::vector<bf16>& got, const std::vector<bf16>& want, con
     bound.push_back(u * (2 * b.roundings * std::abs(value) + b.intermediate * std::sqrt(k) * b.term) +
                     std::ldexp(1.0, -22) * k * std::sqrt(k) * b.term);
   }
-  check_close(widened(got), expected, bound, 1.0, what, 0.0);
+  check_close(floats_of(got), expected, bound, 1.0, what, 0.0);
 }
 
 //! The row log-sum-exp [B, NH, T] of causal attention over `qkv` [B, T, 3C], in double, and its
@@ -90,7 +77,7 @@ struct LseReference {
 };
 LseReference lse_reference(const std::vector<bf16>& qkv, std::int64_t B, std::int64_t T, std::int64_t NH,
                            std::int64_t hs) {
-  const std::vector<float> x = widened(qkv);
+  const std::vector<float> x = floats_of(qkv);
   const std::int64_t C = NH * hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   LseReference r;
@@ -387,7 +374,7 @@ TEST_CASE("bf16: AdamW with fp32 master weights") {
   const std::int64_t n = 100003;
   const auto initial = random_bf16(n, 61);
   std::vector<bf16> params = initial;
-  std::vector<float> master = widened(initial), m(n, 0.0f), v(n, 0.0f);
+  std::vector<float> master = floats_of(initial), m(n, 0.0f), v(n, 0.0f);
   const Device<bf16> d_params(be, initial, {n});
   const Device<float> d_master(be, master, {n}), d_m(be, m, {n}), d_v(be, v, {n});
   for (int step = 1; step <= 3; ++step) {
@@ -426,8 +413,8 @@ TEST_CASE("bf16: fp32 gradients: drain_into, then AdamW from the fp32 sums") {
   const auto grads = random_bf16(n, 98, -2.0f, 2.0f);
   const std::vector<float> zeros(n, 0.0f);
   const Device<bf16> p1(be, initial, {n}), p2(be, initial, {n}), g16(be, grads, {n});
-  const Device<float> g32(be, widened(grads), {n}), master1(be, widened(initial), {n}),
-      master2(be, widened(initial), {n}), m1(be, zeros, {n}), v1(be, zeros, {n}), m2(be, zeros, {n}),
+  const Device<float> g32(be, floats_of(grads), {n}), master1(be, floats_of(initial), {n}),
+      master2(be, floats_of(initial), {n}), m1(be, zeros, {n}), v1(be, zeros, {n}), m2(be, zeros, {n}),
       v2(be, zeros, {n});
   const loom::AdamWUpdate h{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 2};
   loom::kernels::adamw_update<bf16>(be, p1.view(), g16.cview(), master1.view(), m1.view(), v1.view(), h);
@@ -435,7 +422,7 @@ TEST_CASE("bf16: fp32 gradients: drain_into, then AdamW from the fp32 sums") {
   CHECK(master2.to_host(be) == master1.to_host(be));
   CHECK(v2.to_host(be) == v1.to_host(be));
   CHECK(p2.to_host(be) == p1.to_host(be));
-  CHECK(master1.to_host(be) != widened(initial));
+  CHECK(master1.to_host(be) != floats_of(initial));
 }
 
 TEST_CASE("bf16: AdamW over many segments in a few launches gives each segment's own update") {
@@ -451,14 +438,14 @@ TEST_CASE("bf16: AdamW over many segments in a few launches gives each segment's
   const std::int64_t n = offsets.back();
   const auto initial = random_bf16(n, 120);
   const auto grads = random_bf16(n, 121, -2.0f, 2.0f);
-  const auto m0 = widened(random_bf16(n, 122, -0.1f, 0.1f));
-  const auto v0 = widened(random_bf16(n, 123, 0.0f, 0.1f));
+  const auto m0 = floats_of(random_bf16(n, 122, -0.1f, 0.1f));
+  const auto v0 = floats_of(random_bf16(n, 123, 0.0f, 0.1f));
   for (const bool fp32_grads : {false, true}) {
     CAPTURE(fp32_grads);
     const loom::AdamWUpdate h{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 3};
     const Device<bf16> p1(be, initial, {n}), p2(be, initial, {n}), g16(be, grads, {n});
-    const Device<float> g32(be, widened(grads), {n}), master1(be, widened(initial), {n}),
-        master2(be, widened(initial), {n}), state1(be, m0, {n}), state2(be, m0, {n}), second1(be, v0, {n}),
+    const Device<float> g32(be, floats_of(grads), {n}), master1(be, floats_of(initial), {n}),
+        master2(be, floats_of(initial), {n}), state1(be, m0, {n}), state2(be, m0, {n}), second1(be, v0, {n}),
         second2(be, v0, {n});
     std::vector<loom::OptimizerSegment<bf16>> segments;
     for (std::size_t i = 0; i + 1 < offsets.size(); ++i) {
@@ -499,7 +486,7 @@ TEST_CASE("bf16: AdamW over many segments in a few launches gives each segment's
     CHECK(p2.to_host(be) != initial);
     // Deterministic: the same launches again from the same state give the same bits.
     const Device<bf16> p3(be, initial, {n});
-    const Device<float> master3(be, widened(initial), {n}), state3(be, m0, {n}), second3(be, v0, {n});
+    const Device<float> master3(be, floats_of(initial), {n}), state3(be, m0, {n}), second3(be, v0, {n});
     std::vector<loom::OptimizerSegment<bf16>> again = segments;
     for (std::size_t i = 0; i < again.size(); ++i) {
       const std::int64_t at = offsets[i], count = offsets[i + 1] - at;
@@ -514,7 +501,7 @@ TEST_CASE("bf16: AdamW over many segments in a few launches gives each segment's
   }
   // A mix of gradient kinds is refused, naming the rule.
   const Device<bf16> p(be, initial, {n}), g(be, grads, {n});
-  const Device<float> g32(be, widened(grads), {n}), master(be, widened(initial), {n}), m(be, m0, {n}), v(be, v0, {n});
+  const Device<float> g32(be, floats_of(grads), {n}), master(be, floats_of(initial), {n}), m(be, m0, {n}), v(be, v0, {n});
   loom::OptimizerSegment<bf16> narrow{.params = p.view(), .grads = g.cview(), .master = master.view(),
                                       .state = {m.view(), v.view()}};
   loom::OptimizerSegment<bf16> wide = narrow;

@@ -67,13 +67,6 @@ std::vector<Case> bidirectional_host_cases() {
 
 constexpr AttentionMask both_masks[] = {AttentionMask::causal, AttentionMask::bidirectional};
 
-std::vector<bf16> random_bf16(std::int64_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  const std::vector<float> f = random_floats(n, seed, lo, hi);
-  std::vector<bf16> v(f.size());
-  std::transform(f.begin(), f.end(), v.begin(), [](float x) { return bf16(x); });
-  return v;
-}
-
 std::vector<double> widen(const std::vector<bf16>& v) {
   std::vector<double> d(v.size());
   std::transform(v.begin(), v.end(), d.begin(), [](bf16 x) { return static_cast<double>(static_cast<float>(x)); });
@@ -205,12 +198,6 @@ void check_expected(const std::vector<float>& got, const Expected& e, double tol
   check_close(got, e.value, scale, tolerance, what, 0.0);
 }
 
-std::vector<float> to_floats(const std::vector<bf16>& v) {
-  std::vector<float> f(v.size());
-  std::transform(v.begin(), v.end(), f.begin(), [](bf16 x) { return static_cast<float>(x); });
-  return f;
-}
-
 constexpr double bf16_tolerance = 1.5e-2;
 const double bf16_rounding = std::ldexp(1.0, -8);
 constexpr double lse_tolerance = 1e-4;
@@ -221,9 +208,9 @@ const double cublas_lse_tolerance = 2 * bf16_rounding;
 //! Checks out, lse and dqkv against the reference.
 void check_all(const Reference& r, const std::vector<bf16>& out, const std::vector<float>& lse,
                const std::vector<bf16>& dqkv, double lse_error = lse_tolerance) {
-  check_expected(to_floats(out), r.out, bf16_tolerance, bf16_rounding, "out");
+  check_expected(floats_of(out), r.out, bf16_tolerance, bf16_rounding, "out");
   check_expected(lse, r.lse, lse_error, 0.0, "lse");
-  check_expected(to_floats(dqkv), r.dqkv, bf16_tolerance, bf16_rounding, "dqkv");
+  check_expected(floats_of(dqkv), r.dqkv, bf16_tolerance, bf16_rounding, "dqkv");
 }
 
 //! What one forward and backward gave, on the host emulation or on the GPU.

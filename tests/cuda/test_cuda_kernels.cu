@@ -643,20 +643,6 @@ void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din,
       [&](HostThread& th) { k::column_totals_block<2>(th, outputs, partials.data(), blocks, C); }, k::totals_threads);
 }
 
-template <class T>
-std::vector<T> cast_to(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  std::transform(v.begin(), v.end(), out.begin(), [](float x) { return static_cast<T>(x); });
-  return out;
-}
-
-template <class T>
-std::vector<float> floats_of(const std::vector<T>& v) {
-  std::vector<float> out(v.size());
-  std::transform(v.begin(), v.end(), out.begin(), [](T x) { return static_cast<float>(x); });
-  return out;
-}
-
 //! One host case of the fused backward against the double reference: float at float_tolerance,
 //! bf16 (inputs rounded first, each result rounded once: 2^-9 of its magnitude) at 1e-2.
 template <class T, int P>

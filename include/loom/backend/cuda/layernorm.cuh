@@ -328,9 +328,8 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
   const int vectors = d::input_grad_vectors<T>(C, {din.data(), dout.data(), in.data(), weight.data()});
   if (d::fused_vectors<T>(vectors)) {
     using A = accumulate_t<T>;
+    // check_column_sum_rows above bounds N far below a grid's 2^31 - 1 blocks of fused_rows.
     const std::int64_t blocks = d::fused_blocks(N);
-    LOOM_CHECK(blocks <= std::int64_t{0x7fffffff}, std::string(kernel) + ": rows (N)", N,
-               "must be at most 2^31 - 1 blocks of " + std::to_string(d::fused_rows) + " rows");
     // Returned to the cache while the stream may still use it: safe, as in attention_backward.
     const Buffer<A, cuda> partials(be, 2 * blocks * C, MemoryCategory::workspace);
     const d::BackwardArgs<T> args{din.data(), dout.data(), in.data(), weight.data(), mean.data(),

@@ -63,15 +63,6 @@ struct alignas(sizeof(T) * W) Pack {
   T value[W];
 };
 
-//! A Pack of zeros.
-template <class T, int W>
-__device__ inline Pack<T, W> zero_pack() {
-  Pack<T, W> p;
-#pragma unroll
-  for (int k = 0; k < W; ++k) p.value[k] = static_cast<T>(0.0f);
-  return p;
-}
-
 //! `elements` T in 16 bytes, moved as one load or store by the kernels that read rows a vector
 //! at a time (layernorm's input gradient, the attention softmax, cross-entropy, map.cuh).
 template <class T>
