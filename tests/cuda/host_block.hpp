@@ -2,9 +2,9 @@
 // The host emulation of a CUDA block, for the kernel bodies written over a Thread type
 // (detail/block_body.hpp, detail/flash_attention.cuh): HostThread runs each thread of a block as
 // a host thread, with barriers for __syncthreads and __syncwarp, a shared exchange for the
-// shuffles, cp.async done at once, and ldmatrix and mma.sync computed from the lanes' addresses
-// and fragments by their PTX layouts. Shared memory starts as garbage, so a body that reads what
-// it did not write shows it.
+// shuffles, cp.async done at once, and ldmatrix, mma.sync and wgmma computed from the lanes'
+// addresses, fragments and descriptors by their PTX layouts. Shared memory starts as garbage, so a
+// body that reads what it did not write shows it.
 
 #include <doctest/doctest.h>
 
@@ -25,6 +25,11 @@ namespace loom::cuda_test {
 
 namespace fl = detail::flash;
 
+//! The alignment of an emulated block's shared memory, whose offsets are the emulation's shared
+//! addresses: wgmma's 128-byte swizzle is a function of the address bits, and its pattern starts at
+//! 1024-byte boundaries.
+inline constexpr std::size_t shared_alignment = 1024;
+
 //! The most threads an emulated block has (the row kernels' 256; the tiled attention's 128).
 inline constexpr int max_host_threads = 256;
 
@@ -33,6 +38,8 @@ inline constexpr int max_host_threads = 256;
 //! warp read them.
 struct HostBlock {
   std::int64_t x, y;
+  std::size_t bytes;  // of shared memory
+  int threads;
   std::unique_ptr<unsigned char[], void (*)(unsigned char*)> shared;
   std::barrier<> block;
   std::deque<std::barrier<>> warp;  // a deque: barriers do not move
@@ -45,17 +52,20 @@ struct HostBlock {
 
   //! A block of `threads` threads (a multiple of 32, at most max_host_threads) with `bytes` of
   //! shared memory.
-  HostBlock(std::int64_t bx, std::int64_t by, std::size_t bytes, int threads = fl::threads)
+  HostBlock(std::int64_t bx, std::int64_t by, std::size_t shared_bytes, int thread_count = fl::threads)
       : x(bx),
         y(by),
-        block(threads),
-        shared(static_cast<unsigned char*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(128))),
-               [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); }) {
-    REQUIRE(threads % 32 == 0);
-    REQUIRE(threads <= max_host_threads);
-    for (int w = 0; w < threads / 32; ++w) warp.emplace_back(32);
+        bytes(shared_bytes),
+        threads(thread_count),
+        shared(static_cast<unsigned char*>(
+                   ::operator new(std::max<std::size_t>(shared_bytes, 1), std::align_val_t(shared_alignment))),
+               [](unsigned char* p) { ::operator delete(p, std::align_val_t(shared_alignment)); }),
+        block(thread_count) {
+    REQUIRE(thread_count % 32 == 0);
+    REQUIRE(thread_count <= max_host_threads);
+    for (int w = 0; w < thread_count / 32; ++w) warp.emplace_back(32);
     // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
-    std::fill(shared.get(), shared.get() + bytes, static_cast<unsigned char>(0x7f));
+    std::fill(shared.get(), shared.get() + shared_bytes, static_cast<unsigned char>(0x7f));
   }
 };
 
@@ -133,6 +143,69 @@ class HostThread {
       for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
       d[i] = sum;
     }
+  }
+
+  //! The offset of `p` in the block's shared memory: the emulation's shared address.
+  std::uint32_t shared_address(const void* p) const {
+    return static_cast<std::uint32_t>(static_cast<const unsigned char*>(p) - shared());
+  }
+  //! fence.proxy.async: nothing to order here (every write lands at once).
+  void fence_async_shared() const {}
+  template <int N, int K>
+  void group_begin(fl::FragmentC (&)[N], const fl::FragmentA (&)[K]) const {}
+  template <int N>
+  void group_end(fl::FragmentC (&)[N]) const {}
+
+  //! wgmma.mma_async.m64n(8N)k16 with A in registers, done at once, by its PTX layouts: the
+  //! block's 128 threads are the warpgroup; each publishes its A fragment (warp w's lane 4 g + p
+  //! holds rows 16 w + g and + 8 at columns 2 p, 2 p + 1 and those + 8, as mma.sync's) and
+  //! computes its own elements of d (row 16 w + g + 8 (i / 2), column 8 j + 2 p + i % 2 in
+  //! d[j][i]), reading B from shared memory by the descriptor: start address, leading and stride
+  //! byte offsets (each in 16-byte units), the 128-byte swizzle (mode 1, the only one the kernels
+  //! use, base offset 0). B(k, n) is at byte start + (n / 8) SBO + (n % 8) 128 + 2 k (K-major) or
+  //! start + (n / 64) LBO + (k / 8) SBO + (k % 8) 128 + 2 (n % 64) (MN-major, Transposed), then
+  //! bits 4-6 of that address XOR bits 7-9. The sums run over k in order, starting from d, as the
+  //! mma emulation's: the same bits as the m16n8k16 products over the same k.
+  template <bool Transposed, int N>
+  void group_mma(fl::FragmentC (&d)[N], const fl::FragmentA& a, std::uint64_t descriptor) {
+    if (block_.threads != fl::threads) {
+      FAIL_CHECK("wgmma needs a block of one warpgroup (" << fl::threads << " threads), not " << block_.threads);
+      return;
+    }
+    const int set = turn_++ % 2, lane = thread_ % 32, warp = thread_ / 32;
+    std::copy(std::begin(a), std::end(a), block_.a[set][thread_]);
+    sync_block();
+    const auto field = [&](int shift) { return static_cast<std::uint32_t>(descriptor >> shift & 0x3FFFu) << 4; };
+    const std::uint32_t start = field(0), leading = field(16), stride = field(32);
+    if (descriptor >> 62 != 1 || (descriptor >> 49 & 7u) != 0) {
+      FAIL_CHECK("wgmma descriptor " << descriptor << ": expected the 128-byte swizzle, base offset 0");
+      return;
+    }
+    const auto a_at = [&](int row, int k) {
+      const int owner = 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2, reg = row % 16 / 8 + 2 * (k / 8);
+      return half_of(block_.a[set][owner][reg], k % 2);
+    };
+    bool inside = true;
+    const auto b_at = [&](int k, int n) {
+      std::uint32_t byte = Transposed ? start + n / 64 * leading + k / 8 * stride + k % 8 * 128 + 2 * (n % 64)
+                                      : start + n / 8 * stride + n % 8 * 128 + 2 * k;
+      byte ^= (byte >> 7 & 7u) << 4;
+      if (byte + sizeof(bf16) > block_.bytes) {
+        inside = false;
+        return 0.0f;
+      }
+      bf16 value;
+      std::memcpy(&value, shared() + byte, sizeof value);
+      return static_cast<float>(value);
+    };
+    for (int j = 0; j < N; ++j)
+      for (int i = 0; i < 4; ++i) {
+        const int row = 16 * warp + lane / 4 + 8 * (i / 2), col = 8 * j + 2 * (lane % 4) + i % 2;
+        float sum = d[j][i];
+        for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
+        d[j][i] = sum;
+      }
+    if (!inside) FAIL_CHECK("wgmma read B past the block's " << block_.bytes << " bytes of shared memory");
   }
 
  private:

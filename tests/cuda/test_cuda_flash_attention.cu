@@ -220,9 +220,10 @@ struct Result {
 };
 
 //! The forward, then the backward from its own out and lse (the training path), on the host,
-//! with each warp owning M blocks of 16 rows (the kernels' template argument; 1 by default); with
-//! `drop`, the bodies built to draw its mask.
-template <int M = 1>
+//! with each warp owning M blocks of 16 rows (the kernels' template argument; 1 by default) and
+//! the tiles in the layout of `Tiles` (mma.sync's padded rows by default; GroupTiles, wgmma's, at
+//! head size 64 only); with `drop`, the bodies built to draw its mask.
+template <int M = 1, class Tiles = fl::PaddedTiles>
 Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
                    const Lengths& lengths = {}, const AttentionDropout* drop = nullptr) {
   const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
@@ -233,29 +234,34 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
   std::vector<float> delta(r.lse.size(), nan);
   const std::int64_t grid_x = c.B * c.NH, grid_y = fl::row_tiles(c.T, M), rows = c.B * c.NH * c.T;
   detail::cuda_attention::with_head_size(c.dims(), [&]<int HS>() {
-    const fl::ForwardArgs fa{shape, data.qkv.data(), r.out.data(), r.lse.data()};
-    run_grid(grid_x, grid_y, fl::ForwardSmem<HS>::total, [&](HostThread& th) {
-      if (drop != nullptr)
-        fl::forward_block<HS, M, true>(th, fa, *drop);
-      else
-        fl::forward_block<HS, M>(th, fa);
-    });
-    run_grid(fl::delta_blocks<HS>(rows), 1, 0, [&](HostThread& th) {
-      fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
-    });
-    const fl::BackwardArgs ba{shape, data.qkv.data(), data.dout.data(), r.lse.data(), delta.data(), r.dqkv.data()};
-    run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS>::total, [&](HostThread& th) {
-      if (drop != nullptr)
-        fl::key_value_grad_block<HS, M, true>(th, ba, *drop);
-      else
-        fl::key_value_grad_block<HS, M>(th, ba);
-    });
-    run_grid(grid_x, grid_y, fl::QueryGradSmem<HS>::total, [&](HostThread& th) {
-      if (drop != nullptr)
-        fl::query_grad_block<HS, M, true>(th, ba, *drop);
-      else
-        fl::query_grad_block<HS, M>(th, ba);
-    });
+    if constexpr (std::is_same_v<Tiles, fl::GroupTiles> && HS != fl::group_head_size) {
+      FAIL("GroupTiles is built for head size " << fl::group_head_size << " only, not " << HS);
+    } else {
+      const fl::ForwardArgs fa{shape, data.qkv.data(), r.out.data(), r.lse.data()};
+      run_grid(grid_x, grid_y, fl::ForwardSmem<HS, Tiles>::total, [&](HostThread& th) {
+        if (drop != nullptr)
+          fl::forward_block<HS, M, true, Tiles>(th, fa, *drop);
+        else
+          fl::forward_block<HS, M, false, Tiles>(th, fa);
+      });
+      run_grid(fl::delta_blocks<HS>(rows), 1, 0, [&](HostThread& th) {
+        fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
+      });
+      const fl::BackwardArgs ba{shape,        data.qkv.data(), data.dout.data(), r.lse.data(),
+                                delta.data(), r.dqkv.data()};
+      run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS, Tiles>::total, [&](HostThread& th) {
+        if (drop != nullptr)
+          fl::key_value_grad_block<HS, M, true, Tiles>(th, ba, *drop);
+        else
+          fl::key_value_grad_block<HS, M, false, Tiles>(th, ba);
+      });
+      run_grid(grid_x, grid_y, fl::QueryGradSmem<HS, Tiles>::total, [&](HostThread& th) {
+        if (drop != nullptr)
+          fl::query_grad_block<HS, M, true, Tiles>(th, ba, *drop);
+        else
+          fl::query_grad_block<HS, M, false, Tiles>(th, ba);
+      });
+    }
   });
   return r;
 }
@@ -711,6 +717,152 @@ TEST_CASE("with attention dropout, warps of two row blocks (M = 2) give M = 1's 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The warpgroup's products (GroupTiles: wgmma, sm_90a).
+
+//! Products through GroupTiles' helpers, as one warpgroup: a [64, 64] row-major in global memory,
+//! b [64, 64] copied into a shared tile by GroupTiles::at; s = a b^T (b a K-major B, 64 columns),
+//! o = bf16(s) b (b an MN-major B over its 64 rows); and, as the key/value kernel takes its halves
+//! of 32 rows, h = a b[32..63]^T (32 columns; the descriptor 32 rows into the tile) and
+//! o2 = bf16(h) b[32..63]. Each result [64, n] is written by the accumulator layout.
+#pragma nv_exec_check_disable
+template <class Thread>
+LOOM_HD void group_fragment_body(Thread& th, const bf16* a, const bf16* b_global, float* s_out, float* o_out,
+                                 float* h_out, float* o2_out) {
+  using Tiles = fl::GroupTiles;
+  const int lane = th.thread() % 32, warp = th.thread() / 32;
+  const fl::Lane ln{lane / 4, lane % 4};
+  bf16* b = reinterpret_cast<bf16*>(Tiles::base(th));
+  for (int e = th.thread(); e < 64 * 64; e += fl::threads) b[Tiles::at<64>(e / 64, e % 64)] = b_global[e];
+  Tiles::copies_landed(th);
+  th.sync_block();
+  fl::FragmentA fa[1][4];
+  fl::load_rows_a<64>(fa, a, 64, 16 * warp, 64, ln);
+  const auto store = [&]<int N>(float* out, const fl::FragmentC (&c)[1][N]) {
+    for (int j = 0; j < N; ++j)
+      for (int i = 0; i < 4; ++i)
+        out[(16 * warp + ln.group + 8 * (i / 2)) * 8 * N + 8 * j + 2 * ln.pair + i % 2] = c[0][j][i];
+  };
+  fl::FragmentC s[1][8], o[1][8], h[1][4], o2[1][8];
+  fl::zero(s);
+  fl::zero(o);
+  fl::zero(h);
+  fl::zero(o2);
+  Tiles::product_abt<64>(th, s, fa, b, ln);
+  store(s_out, s);
+  Tiles::accumulate_ab<64>(th, o, s, b, ln);
+  store(o_out, o);
+  Tiles::product_abt<64>(th, h, fa, b + 32 * 64, ln);
+  store(h_out, h);
+  Tiles::accumulate_ab<64>(th, o2, h, b + 32 * 64, ln);
+  store(o2_out, o2);
+}
+
+//! What group_fragment_body takes and gives.
+struct GroupFragments {
+  std::vector<bf16> a = random_bf16(64 * 64, 71), b = random_bf16(64 * 64, 72);
+  std::vector<float> s = nans(64 * 64), o = nans(64 * 64), h = nans(64 * 32), o2 = nans(64 * 64);
+  static std::vector<float> nans(std::size_t n) {
+    return std::vector<float>(n, std::numeric_limits<float>::quiet_NaN());
+  }
+};
+//! Bytes of shared memory group_fragment_body takes: one tile and the alignment slack.
+constexpr std::size_t group_fragment_bytes = fl::tile_bytes<64, fl::GroupTiles> + fl::GroupTiles::slack;
+
+//! Checks the four products against double sums over what went in (o and o2 from the s and h that
+//! came back, rounded to bf16 as the kernels round them). A wrong swizzle, descriptor, register or
+//! row offset is off by O(1).
+void check_group_fragments(const GroupFragments& f) {
+  const auto at = [](const std::vector<bf16>& m, int r, int c) {
+    return static_cast<double>(static_cast<float>(m[r * 64 + c]));
+  };
+  std::vector<double> s(64 * 64), o(64 * 64), h(64 * 32), o2(64 * 64);
+  for (int r = 0; r < 64; ++r) {
+    for (int n = 0; n < 64; ++n)
+      for (int k = 0; k < 64; ++k) {
+        s[r * 64 + n] += at(f.a, r, k) * at(f.b, n, k);
+        o[r * 64 + n] += static_cast<float>(bf16(f.s[r * 64 + k])) * at(f.b, k, n);
+        if (k < 32) o2[r * 64 + n] += static_cast<float>(bf16(f.h[r * 32 + k])) * at(f.b, 32 + k, n);
+        if (n < 32) h[r * 32 + n] += at(f.a, r, k) * at(f.b, 32 + n, k);
+      }
+  }
+  check_close(f.s, s, 1e-4, "s = a b^T (K-major B)");
+  check_close(f.o, o, 1e-4, "o = bf16(s) b (MN-major B)");
+  check_close(f.h, h, 1e-4, "h = a b[32..]^T (32 columns, descriptor 32 rows in)");
+  check_close(f.o2, o2, 1e-4, "o2 = bf16(h) b[32..] (two k16 steps)");
+}
+
+TEST_CASE("the warpgroup product helpers give plain products (host emulation of wgmma)") {
+  GroupFragments f;
+  HostBlock block(0, 0, group_fragment_bytes);
+  std::vector<std::jthread> threads;
+  for (int t = 0; t < fl::threads; ++t)
+    threads.emplace_back([&, t] {
+      HostThread th(block, t);
+      group_fragment_body(th, f.a.data(), f.b.data(), f.s.data(), f.o.data(), f.h.data(), f.o2.data());
+    });
+  threads.clear();
+  check_group_fragments(f);
+}
+
+TEST_CASE("GroupTiles' layout: the 128-byte swizzle, the descriptor, the regions' alignment") {
+  // Chunk c of row r at chunk c ^ (r % 8); each chunk of a row exactly once.
+  for (int r = 0; r < 16; ++r) {
+    std::vector<int> chunks;
+    for (int c = 0; c < 64; c += 8) chunks.push_back(fl::GroupTiles::at<64>(r, c) - 64 * r);
+    CHECK(chunks[0] == 8 * (r % 8));
+    std::sort(chunks.begin(), chunks.end());
+    CHECK(chunks == std::vector<int>{0, 8, 16, 24, 32, 40, 48, 56});
+  }
+  CHECK(fl::GroupTiles::at<64>(9, 13) == 9 * 64 + (1 ^ 1) * 8 + 5);
+  // Address 0x12340 (16-byte units: 0x1234), offsets of 1024 bytes (64), 128-byte swizzle.
+  const std::uint64_t d = fl::group_descriptor(0x12340);
+  CHECK((d & 0x3FFF) == 0x1234);
+  CHECK((d >> 16 & 0x3FFF) == 64);
+  CHECK((d >> 32 & 0x3FFF) == 64);
+  CHECK((d >> 49 & 7) == 0);
+  CHECK((d >> 62) == 1);
+  // Every tile of every kernel starts on a 1024-byte boundary of the aligned base.
+  using Tiles = fl::GroupTiles;
+  for (const std::size_t offset : {fl::ForwardSmem<64, Tiles>::k, fl::ForwardSmem<64, Tiles>::v,
+                                   fl::KeyValueGradSmem<64, Tiles>::q, fl::KeyValueGradSmem<64, Tiles>::dout,
+                                   fl::QueryGradSmem<64, Tiles>::k, fl::QueryGradSmem<64, Tiles>::v,
+                                   fl::tile_bytes<64, Tiles>})
+    CHECK(offset % Tiles::alignment == 0);
+  CHECK(fl::KeyValueGradSmem<64, Tiles>::total <= 48 * 1024);
+}
+
+TEST_CASE("the warpgroup (wgmma) bodies match the reference and give the mma.sync bodies' bits, both masks "
+          "(host emulation)") {
+  // Head size 64. One whole tile, partial tiles (70, 129), several heads, and padded sequences
+  // ending in either half of a tile (100, 33). The emulated wgmma sums each element over k in the
+  // order the emulated mma.sync does, so the two layouts must agree bit for bit.
+  const std::vector<PaddedCase> cases = {
+      {{1, 64, 1, 64}, {}}, {{2, 70, 2, 64}, {}}, {{1, 129, 1, 64}, {}}, {{2, 129, 1, 64}, {100, 33}}};
+  std::uint32_t seed = 1600;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : cases) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Result group = run_on_host<1, fl::GroupTiles>(pc.shape, data, mask, pc.lengths);
+      check_all(reference(pc.shape, data, mask, pc.lengths), group.out, group.lse, group.dqkv);
+      CHECK(same_values(group, run_on_host(pc.shape, data, mask, pc.lengths)));
+    }
+  }
+}
+
+TEST_CASE("with attention dropout the warpgroup bodies give the mma.sync bodies' bits (host emulation)") {
+  const AttentionDropout drop = test_dropout(29);
+  for (const PaddedCase& pc : std::vector<PaddedCase>{{{1, 100, 1, 64}, {}}, {{2, 70, 1, 64}, {70, 33}}}) {
+    CAPTURE(pc.shape);
+    const Data data = make_data(pc.shape, 1700);
+    const Result group = run_on_host<1, fl::GroupTiles>(pc.shape, data, AttentionMask::causal, pc.lengths, &drop);
+    check_all(reference(pc.shape, data, AttentionMask::causal, pc.lengths, &drop), group.out, group.lse, group.dqkv);
+    CHECK(same_values(group, run_on_host(pc.shape, data, AttentionMask::causal, pc.lengths, &drop)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // On the GPU.
 
 //! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch),
@@ -845,6 +997,28 @@ TEST_CASE("the tiled kernels and the cuBLAS path agree (both masks); the tiled f
   check_all(everywhere, tiled_bidirectional.out, tiled_bidirectional.lse, tiled_bidirectional.dqkv);
 }
 
+//! One case through the public pair on `be` with `enable(true)` (a backend switch): against the
+//! reference, the bits repeating; then with `enable(false)`: against the reference, lse within
+//! `off_lse_tolerance`.
+template <class Enable>
+void check_switched(cuda& be, Enable&& enable, const PaddedCase& pc, const Data& data, AttentionMask mask,
+                    const Reference& ref, const AttentionDropout& dropout, double off_lse_tolerance) {
+  enable(true);
+  const Result on = run_on_device(be, pc.shape, data, mask, pc.lengths, dropout);
+  check_all(ref, on.out, on.lse, on.dqkv);
+  const Result again = run_on_device(be, pc.shape, data, mask, pc.lengths, dropout);
+  CHECK(on.out == again.out);
+  CHECK(on.dqkv == again.dqkv);
+  enable(false);
+  const Result off = run_on_device(be, pc.shape, data, mask, pc.lengths, dropout);
+  check_all(ref, off.out, off.lse, off.dqkv, off_lse_tolerance);
+}
+
+//! The tiled kernels' switch of `be`, for check_switched: on, the tiled kernels; off, cuBLAS's.
+auto flash_switch(cuda& be) {
+  return [&be](bool on) { be.set_flash_attention(on); };
+}
+
 TEST_CASE("padded batches on the tiled kernels match the reference and the cuBLAS path (both masks)") {
   if (!have_gpu()) return;
   cuda be(0);
@@ -855,18 +1029,11 @@ TEST_CASE("padded batches on the tiled kernels match the reference and the cuBLA
       INFO(loom::name(mask));
       CAPTURE(pc.shape);
       const Data data = make_data(pc.shape, seed += 10);
-      const Reference ref = reference(pc.shape, data, mask, pc.lengths);
-      be.set_flash_attention(true);
-      const Result tiled = run_on_device(be, pc.shape, data, mask, pc.lengths);
-      check_all(ref, tiled.out, tiled.lse, tiled.dqkv);
-      const Result again = run_on_device(be, pc.shape, data, mask, pc.lengths);
-      CHECK(tiled.out == again.out);
-      CHECK(tiled.dqkv == again.dqkv);
-      be.set_flash_attention(false);
-      const Result batched = run_on_device(be, pc.shape, data, mask, pc.lengths);
-      check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
+      check_switched(be, flash_switch(be), pc, data, mask, reference(pc.shape, data, mask, pc.lengths), {},
+                     cublas_lse_tolerance);
     }
   }
+  be.set_flash_attention(true);
 }
 
 //! The forward and backward through the tiled kernels launched directly with warps of M row
@@ -937,19 +1104,77 @@ TEST_CASE("with attention dropout the tiled kernels match the reference and the 
       INFO(loom::name(mask));
       CAPTURE(pc.shape);
       const Data data = make_data(pc.shape, seed += 10);
-      const Reference ref = reference(pc.shape, data, mask, pc.lengths, &drop);
-      be.set_flash_attention(true);
-      const Result tiled = run_on_device(be, pc.shape, data, mask, pc.lengths, drop);
-      check_all(ref, tiled.out, tiled.lse, tiled.dqkv);
-      const Result again = run_on_device(be, pc.shape, data, mask, pc.lengths, drop);
-      CHECK(tiled.out == again.out);
-      CHECK(tiled.dqkv == again.dqkv);
-      be.set_flash_attention(false);
-      const Result batched = run_on_device(be, pc.shape, data, mask, pc.lengths, drop);
-      check_all(ref, batched.out, batched.lse, batched.dqkv, cublas_lse_tolerance);
+      check_switched(be, flash_switch(be), pc, data, mask, reference(pc.shape, data, mask, pc.lengths, &drop), drop,
+                     cublas_lse_tolerance);
     }
   }
   be.set_flash_attention(true);
+}
+
+__global__ void group_fragment_kernel(const bf16* a, const bf16* b, float* s, float* o, float* h, float* o2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  fl::GroupDeviceThread th;
+  group_fragment_body(th, a, b, s, o, h, o2);
+#else
+  (void)a, (void)b, (void)s, (void)o, (void)h, (void)o2;
+#endif
+}
+
+//! Whether this program holds the wgmma kernels for the GPU (built for sm_90a); says why not.
+bool group_kernels_run(cuda& be) {
+  if (!tiled_kernels_run(be)) return false;
+  if (!warpgroup_attention_available(be)) {
+    MESSAGE("not built for sm_90a (CMAKE_CUDA_ARCHITECTURES=90a) or not a Hopper GPU: the wgmma kernels are "
+            "not tested");
+    return false;
+  }
+  CHECK_FALSE(be.warpgroup_attention());  // off by default
+  return true;
+}
+
+TEST_CASE("the warpgroup product helpers give plain products on the GPU (wgmma's layouts themselves)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!group_kernels_run(be)) return;
+  GroupFragments f;
+  const DeviceArray<bf16> a(be, f.a, Shape{64, 64}), b(be, f.b, Shape{64, 64});
+  DeviceArray<float> s(be, f.s, Shape{64, 64}), o(be, f.o, Shape{64, 64}), h(be, f.h, Shape{64, 32}),
+      o2(be, f.o2, Shape{64, 64});
+  detail::cuda_kernels::activate(be);
+  group_fragment_kernel<<<1, fl::threads, group_fragment_bytes, be.stream()>>>(
+      a.buffer.data(), b.buffer.data(), s.buffer.data(), o.buffer.data(), h.buffer.data(), o2.buffer.data());
+  detail::cuda_check_launch("group_fragment_kernel");
+  f.s = s.to_host(be);
+  f.o = o.to_host(be);
+  f.h = h.to_host(be);
+  f.o2 = o2.to_host(be);
+  check_group_fragments(f);
+}
+
+TEST_CASE("on the GPU the warpgroup (wgmma) kernels match the reference and the mma.sync kernels; same bits each "
+          "run") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!group_kernels_run(be)) return;
+  const AttentionDropout drop = test_dropout(37);
+  const std::vector<PaddedCase> cases = {{{1, 1024, 2, 64}, {}},       {{2, 333, 4, 64}, {}},
+                                         {{1, 129, 2, 64}, {}},        {{3, 200, 1, 64}, {70, 1, 200}},
+                                         {{2, 512, 2, 64}, {512, 300}}};
+  std::uint32_t seed = 1800;
+  for (const bool dropped : {false, true}) {
+    for (const AttentionMask mask : both_masks) {
+      for (const PaddedCase& pc : cases) {
+        INFO(loom::name(mask) << (dropped ? ", dropout" : ""));
+        CAPTURE(pc.shape);
+        const Data data = make_data(pc.shape, seed += 10);
+        const Reference ref = reference(pc.shape, data, mask, pc.lengths, dropped ? &drop : nullptr);
+        // On, then the mma.sync kernels (off): both within the tiled kernels' tolerances.
+        check_switched(
+            be, [&be](bool on) { be.set_warpgroup_attention(on); }, pc, data, mask, ref,
+            dropped ? drop : AttentionDropout{}, lse_tolerance);
+      }
+    }
+  }
 }
 
 }  // namespace

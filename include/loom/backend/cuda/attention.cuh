@@ -529,6 +529,37 @@ inline bool flash_built_for(const cuda& be) {
   return usable;
 }
 
+//! Whether this program holds the GroupTiles (wgmma) kernels for the backend's device: built
+//! for sm_90a, which a probe kernel says (an sm_90 or PTX image has the same attributes).
+inline bool group_built_for(const cuda& be) {
+  static std::mutex mutex;
+  static std::map<int, bool> known;  // by device
+  const std::lock_guard lock(mutex);
+  if (const auto it = known.find(be.device()); it != known.end()) return it->second;
+  bool built = false;
+  if (flash_built_for(be)) {  // its own lock
+    int* flag = nullptr;
+    LOOM_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
+    flash::group_probe_kernel<<<1, 1, 0, be.stream()>>>(flag);
+    int host = 0;
+    cudaError_t status = cudaGetLastError();
+    if (status == cudaSuccess)
+      status = cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, be.stream());
+    if (status == cudaSuccess) status = cudaStreamSynchronize(be.stream());
+    LOOM_CUDA_CHECK(cudaFree(flag));
+    cuda_check(status, "flash::group_probe_kernel (whether the wgmma attention kernels are built for this GPU)");
+    built = host == 1;
+  }
+  known.emplace(be.device(), built);
+  return built;
+}
+
+//! Whether the tiled kernels for `d` take the warpgroup's products: the backend's switch on, head
+//! size 64 and the kernels built for the device.
+inline bool use_group(const cuda& be, const attention::Dims& d) {
+  return be.warpgroup_attention() && d.head_size == flash::group_head_size && group_built_for(be);
+}
+
 //! Whether the lse pair of T on `be` runs the tiled kernels for `d`: bf16 (padded or not), a head
 //! size they are built for, the backend's switch on, at most 65535 tiles of 64 tokens (the grid's
 //! y), and the kernels compiled for the device's architecture.
@@ -575,6 +606,16 @@ void launch_tiled(const cuda& be, void (*kernel)(Params...), dim3 grid, std::siz
 inline void flash_forward(const cuda& be, const attention::Dims& d, bf16* out, float* lse, const bf16* qkv,
                           const AttentionDropout& dropout, const char* name) {
   const flash::ForwardArgs args{flash_shape(d), qkv, out, lse};
+  if (use_group(be, d)) {
+    using Smem = flash::ForwardSmem<flash::group_head_size, flash::GroupTiles>;
+    if (dropout.mask.active())
+      launch_tiled(be, flash::forward_group_kernel<true>, flash_grid(d, 1), Smem::total, name,
+                   "flash::forward_group_kernel<dropout>", args, dropout);
+    else
+      launch_tiled(be, flash::forward_group_kernel<false>, flash_grid(d, 1), Smem::total, name,
+                   "flash::forward_group_kernel", args, dropout);
+    return;
+  }
   const dim3 grid = flash_grid(d, flash::row_blocks.forward);
   with_head_size(d, [&]<int HS>() {
     if (dropout.mask.active())
@@ -599,6 +640,23 @@ inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const
   with_head_size(d, [&]<int HS>() {
     launch_tiled(be, flash::delta_kernel<HS>, dim3(flash::delta_blocks<HS>(rows)), 0, name, "flash::delta_kernel",
                  out, dout, delta.data(), args.shape, rows);
+    if (use_group(be, d)) {
+      using KeyValueSmem = flash::KeyValueGradSmem<flash::group_head_size, flash::GroupTiles>;
+      using QuerySmem = flash::QueryGradSmem<flash::group_head_size, flash::GroupTiles>;
+      const dim3 grid = flash_grid(d, 1);
+      if (dropout.mask.active()) {
+        launch_tiled(be, flash::key_value_grad_group_kernel<true>, grid, KeyValueSmem::total, name,
+                     "flash::key_value_grad_group_kernel<dropout>", args, dropout);
+        launch_tiled(be, flash::query_grad_group_kernel<true>, grid, QuerySmem::total, name,
+                     "flash::query_grad_group_kernel<dropout>", args, dropout);
+      } else {
+        launch_tiled(be, flash::key_value_grad_group_kernel<false>, grid, KeyValueSmem::total, name,
+                     "flash::key_value_grad_group_kernel", args, dropout);
+        launch_tiled(be, flash::query_grad_group_kernel<false>, grid, QuerySmem::total, name,
+                     "flash::query_grad_group_kernel", args, dropout);
+      }
+      return;
+    }
     const dim3 key_grid = flash_grid(d, flash::row_blocks.key_value_grad);
     const dim3 query_grid = flash_grid(d, flash::row_blocks.query_grad);
     if (dropout.mask.active()) {
@@ -625,6 +683,14 @@ namespace loom::inline kernels {
 inline bool flash_attention_available(const cuda& be) {
   detail::cuda_kernels::activate(be);
   return detail::cuda_attention::flash_built_for(be);
+}
+
+//! Whether the tiled attention at head size 64 can multiply with wgmma on `be`'s GPU (when
+//! be.warpgroup_attention() is on): this program holds those kernels, built for sm_90a
+//! (CMAKE_CUDA_ARCHITECTURES=90a; an H100 or H200).
+inline bool warpgroup_attention_available(const cuda& be) {
+  detail::cuda_kernels::activate(be);
+  return detail::cuda_attention::group_built_for(be);
 }
 
 //! Whether bf16 attention of heads `head_size` wide can take the tiled kernels on `be`'s GPU:

@@ -75,6 +75,11 @@ class cuda {
   //! cuBLAS one (docs/cuda.md); off is for comparisons.
   bool flash_attention() const noexcept { return flash_attention_; }
   void set_flash_attention(bool enabled) noexcept { flash_attention_ = enabled; }
+  //! Whether the tiled kernels at head size 64 multiply with the warpgroup's wgmma (Hopper) where
+  //! the program holds those kernels (built for sm_90a: warpgroup_attention_available), instead
+  //! of each warp's mma.sync. Off by default: they have not yet been run on a GPU (docs/cuda.md).
+  bool warpgroup_attention() const noexcept { return warpgroup_attention_; }
+  void set_warpgroup_attention(bool enabled) noexcept { warpgroup_attention_ = enabled; }
   //! Whether GEMMs fuse what follows them into cuBLASLt epilogues: matmul_forward's bias,
   //! matmul_gelu_forward's bias and GELU, gelu_matmul_backward's GELU gradient (Gelu::tanh only:
   //! cuBLASLt's GELU is the tanh approximation), and
@@ -190,6 +195,7 @@ class cuda {
   int device_;
   bool tf32_ = true;
   bool flash_attention_ = true;
+  bool warpgroup_attention_ = false;
   bool gemm_epilogues_ = false;
   cudaStream_t stream_ = nullptr;
   mutable cublasHandle_t cublas_ = nullptr;  // created by the first cublas() call

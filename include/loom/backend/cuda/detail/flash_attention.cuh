@@ -164,38 +164,43 @@ LOOM_HD constexpr std::size_t bytes(int rows, int cols) noexcept {
 //! words) starts 20 or 4 banks after the previous one, so a fragment load's 8 rows x 4
 //! consecutive words, and an ldmatrix's 8 rows of 16 bytes, land in 32 different banks.
 inline constexpr int pad = 8;
-//! The row stride of a [64, HS] tile (rows are tokens).
+//! The row stride of a [64, HS] tile (rows are tokens) in the padded layout (PaddedTiles).
 template <int HS>
 inline constexpr int row_ld = HS + pad;
-//! Bytes of one [64, HS] tile.
-template <int HS>
-inline constexpr std::size_t tile_bytes = bytes<bf16>(tile, row_ld<HS>);
 
-//! The forward's shared memory: two buffers of the key and value tiles.
-template <int HS>
+struct PaddedTiles;
+struct GroupTiles;
+
+//! Bytes of one [64, HS] tile in the layout of `Tiles` (PaddedTiles or GroupTiles, below).
+template <int HS, class Tiles = PaddedTiles>
+inline constexpr std::size_t tile_bytes = bytes<bf16>(tile, Tiles::template row_ld<HS>);
+
+//! The forward's shared memory: two buffers of the key and value tiles. `total` includes the
+//! slack the layout needs to align its first tile (Tiles::base).
+template <int HS, class Tiles = PaddedTiles>
 struct ForwardSmem {
   static constexpr std::size_t k = 0;  //!< k[buffer] at k + buffer tile_bytes
-  static constexpr std::size_t v = k + 2 * tile_bytes<HS>;
-  static constexpr std::size_t total = v + 2 * tile_bytes<HS>;
+  static constexpr std::size_t v = k + 2 * tile_bytes<HS, Tiles>;
+  static constexpr std::size_t total = v + 2 * tile_bytes<HS, Tiles> + Tiles::slack;
 };
 
 //! key_value_grad's shared memory: two buffers of the query and dout tiles and of the tile's lse
 //! (times log2 e) and delta.
-template <int HS>
+template <int HS, class Tiles = PaddedTiles>
 struct KeyValueGradSmem {
   static constexpr std::size_t q = 0;
-  static constexpr std::size_t dout = q + 2 * tile_bytes<HS>;
-  static constexpr std::size_t lse = dout + 2 * tile_bytes<HS>;  //!< lse[buffer] at lse + buffer 64 floats
+  static constexpr std::size_t dout = q + 2 * tile_bytes<HS, Tiles>;
+  static constexpr std::size_t lse = dout + 2 * tile_bytes<HS, Tiles>;  //!< lse[buffer] at lse + buffer 64 floats
   static constexpr std::size_t delta = lse + 2 * bytes<float>(1, tile);
-  static constexpr std::size_t total = delta + 2 * bytes<float>(1, tile);
+  static constexpr std::size_t total = delta + 2 * bytes<float>(1, tile) + Tiles::slack;
 };
 
 //! query_grad's shared memory: two buffers of the key and value tiles.
-template <int HS>
+template <int HS, class Tiles = PaddedTiles>
 struct QueryGradSmem {
   static constexpr std::size_t k = 0;
-  static constexpr std::size_t v = k + 2 * tile_bytes<HS>;
-  static constexpr std::size_t total = v + 2 * tile_bytes<HS>;
+  static constexpr std::size_t v = k + 2 * tile_bytes<HS, Tiles>;
+  static constexpr std::size_t total = v + 2 * tile_bytes<HS, Tiles> + Tiles::slack;
 };
 
 //! The region at byte `offset` of shared memory `base`, as E*.
@@ -211,48 +216,52 @@ LOOM_HD inline E* region(unsigned char* base, std::size_t offset) noexcept {
 inline constexpr int pack = 16 / sizeof(bf16);
 
 //! Starts copying rows [first, first + 64) of a [T, ld]-strided matrix's HS columns at `src` into
-//! the [64, HS] tile `rows` (stride row_ld<HS>); zeros for rows >= T. All threads of the block
-//! take part, consecutive threads along a row. Where `src` is 16-byte aligned and ld a multiple
-//! of 8, each thread starts asynchronous 16-byte copies (they land by the caller's
-//! wait_copies); elsewhere it stores element by element at once.
+//! the [64, HS] tile `rows`, element (r, c) at rows[Tiles::at<HS>(r, c)]; zeros for rows >= T.
+//! All threads of the block take part, consecutive threads along a row. Where `src` is 16-byte
+//! aligned and ld a multiple of 8, each thread starts asynchronous 16-byte copies (they land by
+//! the caller's wait_copies); elsewhere it stores element by element at once.
 //!
-//! A thread copies the same column of rows r, r + rows_per_pass, ...: one address advanced by a
-//! fixed step, so that the compiler keeps no per-copy address live across the caller's loop over
-//! tiles (it did: 76 more registers in key_value_grad).
+//! A thread copies the same 8 columns of rows r, r + rows_per_pass, ...: one address advanced by
+//! a fixed step, so that the compiler keeps no per-copy address live across the caller's loop
+//! over tiles (it did: 76 more registers in key_value_grad). Where a layout moves a row's
+//! 16-byte chunks (GroupTiles), the rows of a thread are rows_per_pass apart, a multiple of the
+//! 8 rows over which the chunks move, so its chunk lands at the same place in each of them.
 LOOM_BLOCK_BODY
-template <int HS, class Thread>
+template <int HS, class Tiles, class Thread>
 LOOM_HD inline void start_tile(Thread& th, bf16* rows, const bf16* src, std::int64_t ld, std::int64_t first,
                                std::int64_t tokens) {
+  constexpr int row_ld = Tiles::template row_ld<HS>;
   const int real_rows = tile_column(tokens, first, 0, tile);
   if (reinterpret_cast<std::uintptr_t>(src) % 16 == 0 && ld % pack == 0) {
     constexpr int packs = HS / pack;                // per row
     constexpr int rows_per_pass = threads / packs;  // HS 64: 16
     static_assert(threads % packs == 0 && tile % rows_per_pass == 0, "every pass copies whole rows");
+    static_assert(rows_per_pass % 8 == 0, "a thread's rows are a multiple of 8 apart (GroupTiles' chunks repeat)");
     const int r = th.thread() / packs, c = th.thread() % packs * pack;
     const bf16* from = src + (first + r) * ld + c;
-    bf16* to = rows + r * row_ld<HS> + c;
+    bf16* to = rows + Tiles::template at<HS>(r, c);
     LOOM_UNROLL
     for (int pass = 0; pass < tile / rows_per_pass; ++pass) {
       const bool real = r + pass * rows_per_pass < real_rows;
-      th.copy_async(to + pass * rows_per_pass * row_ld<HS>, real ? from : src, real ? 16 : 0);
+      th.copy_async(to + pass * rows_per_pass * row_ld, real ? from : src, real ? 16 : 0);
       from += rows_per_pass * ld;
     }
     return;
   }
   for (int e = th.thread(); e < tile * HS; e += threads) {
     const int r = e / HS, c = e % HS;
-    rows[r * row_ld<HS> + c] = r < real_rows ? src[(first + r) * ld + c] : bf16(0.0f);
+    rows[Tiles::template at<HS>(r, c)] = r < real_rows ? src[(first + r) * ld + c] : bf16(0.0f);
   }
 }
 
 //! Starts copying rows [first, first + 64) of two [T, ld]-strided matrices (HS columns each) into
 //! the tiles `a` and `b` (start_tile), as one group of copies.
 LOOM_BLOCK_BODY
-template <int HS, class Thread>
+template <int HS, class Tiles, class Thread>
 LOOM_HD inline void start_tiles(Thread& th, bf16* a, const bf16* a_src, std::int64_t a_ld, bf16* b, const bf16* b_src,
                                 std::int64_t b_ld, std::int64_t first, std::int64_t tokens) {
-  start_tile<HS>(th, a, a_src, a_ld, first, tokens);
-  start_tile<HS>(th, b, b_src, b_ld, first, tokens);
+  start_tile<HS, Tiles>(th, a, a_src, a_ld, first, tokens);
+  start_tile<HS, Tiles>(th, b, b_src, b_ld, first, tokens);
   th.commit_copies();
 }
 
@@ -432,6 +441,135 @@ LOOM_HD inline void zero(FragmentC (&acc)[M][N]) noexcept {
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tile layouts: where a tile's elements sit in shared memory and how the warps multiply by it.
+// The kernel bodies take one as a template argument.
+
+//! mma.sync (sm_80 and newer): each warp multiplies its own rows, its B fragments read through
+//! ldmatrix (product_abt, accumulate_ab), so each of the 4 warps reads the whole B tile. Rows
+//! padded by `pad` bf16 (bank conflicts; the file comment).
+struct PaddedTiles {
+  //! Whether the block's warps multiply together: then no warp may skip a product.
+  static constexpr bool collective = false;
+  //! Bytes of shared memory beyond the regions, to align the first one (base).
+  static constexpr std::size_t slack = 0;
+  template <int HS>
+  static constexpr int row_ld = flash::row_ld<HS>;
+  //! The element offset of (row r, column c) in a tile.
+  template <int HS>
+  LOOM_HD static constexpr int at(int r, int c) noexcept {
+    return r * row_ld<HS> + c;
+  }
+  //! The block's shared memory, where the regions start.
+  LOOM_BLOCK_BODY
+  template <class Thread>
+  LOOM_HD static unsigned char* base(const Thread& th) {
+    return th.shared();
+  }
+  //! After this thread's copies have landed, before the barrier that publishes them.
+  LOOM_BLOCK_BODY
+  template <class Thread>
+  LOOM_HD static void copies_landed(const Thread&) {}
+  LOOM_BLOCK_BODY
+  template <int HS, int M, int N, class Thread>
+  LOOM_HD static void product_abt(Thread& th, FragmentC (&acc)[M][N], const FragmentA (&a)[M][HS / 16],
+                                  const bf16* b, Lane ln) {
+    flash::product_abt<HS>(th, acc, a, b, ln);
+  }
+  LOOM_BLOCK_BODY
+  template <int HS, int M, int K, class Thread>
+  LOOM_HD static void accumulate_ab(Thread& th, FragmentC (&acc)[M][HS / 8], const FragmentC (&a)[M][K],
+                                    const bf16* b, Lane ln) {
+    flash::accumulate_ab<HS>(th, acc, a, b, ln);
+  }
+};
+
+//! The shared-memory matrix descriptor of wgmma (PTX ISA, "Matrix Descriptor Format") for a
+//! matrix at shared address `address` in GroupTiles' layout: 128-byte swizzle (mode 1, bits
+//! 62-63), the pattern starting at a 1024-byte boundary (base offset 0), and 1024 bytes (8 rows of
+//! 128) from one 8-row group to the next. That step is the stride-dimension offset of a K-major
+//! B (groups of 8 rows of n) and of an MN-major one (groups of 8 rows of k); the leading-dimension
+//! offset is unused by both here (K-major swizzled: not read; MN-major: B is one 64-column atom
+//! wide), and is given the same 1024. Addresses and offsets are in units of 16 bytes.
+LOOM_HD constexpr std::uint64_t group_descriptor(std::uint32_t address) noexcept {
+  constexpr std::uint64_t step = 1024 >> 4;
+  return (address & 0x3FFFFu) >> 4 | step << 16 | step << 32 | std::uint64_t{1} << 62;
+}
+
+//! wgmma (sm_90a): the block's 4 warps are one warpgroup, which multiplies all 64 rows at once,
+//! each warp giving its 16 rows' A fragments (the same registers, laid out as for mma.sync), with
+//! B read by the tensor cores from shared memory once for the 4 warps, not by ldmatrix once a
+//! warp. Accumulators are laid out as mma.sync's C fragments too (PTX ISA, "Matrix Fragments for
+//! wgmma.mma_async.m64nNk16": warp w holds rows 16 w .. 16 w + 15), so the softmax, the masks,
+//! the dropout bits and the output code are the same for both layouts.
+//!
+//! Tiles are stored unpadded (rows of HS = 64 bf16, 128 bytes) with the 16-byte chunk c of row r
+//! at chunk c ^ (r % 8): wgmma's 128-byte swizzle (Swizzle<3,4,3>: address bits 4-6 XOR bits 7-9),
+//! which also puts the 8 chunks of any column of 8 rows in different banks. The same tile serves
+//! as a K-major B (scores: B(k, n) = row n, column k) and as an MN-major one (products over rows:
+//! B(k, n) = row k, column n), so nothing is stored transposed.
+struct GroupTiles {
+  static constexpr bool collective = true;
+  //! The swizzle pattern repeats every 1024 bytes and must start at a 1024-byte boundary.
+  static constexpr std::size_t alignment = 1024;
+  static constexpr std::size_t slack = alignment;
+  template <int HS>
+  static constexpr int row_ld = HS;
+  template <int HS>
+  LOOM_HD static constexpr int at(int r, int c) noexcept {
+    static_assert(HS == 64, "GroupTiles' rows are the 128 bytes of the swizzle");
+    return r * HS + ((c / pack) ^ (r % 8)) * pack + c % pack;
+  }
+  LOOM_BLOCK_BODY
+  template <class Thread>
+  LOOM_HD static unsigned char* base(const Thread& th) {
+    unsigned char* shared = th.shared();
+    const std::uint32_t address = th.shared_address(shared);
+    return shared + ((alignment - address % alignment) % alignment);
+  }
+  //! cp.async writes through the generic proxy and wgmma reads through the async proxy: each
+  //! thread's writes are made visible to the latter before the barrier.
+  LOOM_BLOCK_BODY
+  template <class Thread>
+  LOOM_HD static void copies_landed(const Thread& th) {
+    th.fence_async_shared();
+  }
+  //! acc += a b^T over the warpgroup's 64 rows: a the A fragments of the warp's 16 rows over HS
+  //! columns, b the first of 8 N rows of a tile (a multiple of 8 rows into it), as a K-major B.
+  //! One wgmma m64n(8N)k16 per 16 columns, advancing the descriptor 32 bytes along the rows.
+  LOOM_BLOCK_BODY
+  template <int HS, int M, int N, class Thread>
+  LOOM_HD static void product_abt(Thread& th, FragmentC (&acc)[M][N], const FragmentA (&a)[M][HS / 16],
+                                  const bf16* b, Lane) {
+    static_assert(M == 1 && HS == 64, "a warpgroup multiplies 64 rows, a warp 16 of them");
+    const std::uint32_t address = th.shared_address(b);
+    th.group_begin(acc[0], a[0]);
+    LOOM_UNROLL
+    for (int kk = 0; kk < HS / 16; ++kk)
+      th.template group_mma<false>(acc[0], a[0][kk], group_descriptor(address + 32 * kk));
+    th.group_end(acc[0]);
+  }
+  //! acc += (a b) over the warpgroup's 64 rows: a the C fragments of [16, 8 K] (rounded to bf16
+  //! here), b the first of 8 K rows of a tile, as an MN-major B (B(k, n) = row k, column n). One
+  //! wgmma m64n(HS)k16 per 16 rows of b, advancing the descriptor 16 rows (2048 bytes).
+  LOOM_BLOCK_BODY
+  template <int HS, int M, int K, class Thread>
+  LOOM_HD static void accumulate_ab(Thread& th, FragmentC (&acc)[M][HS / 8], const FragmentC (&a)[M][K],
+                                    const bf16* b, Lane) {
+    static_assert(M == 1 && HS == 64 && K % 2 == 0, "a warpgroup multiplies 64 rows by whole k16 steps");
+    FragmentA fa[K / 2];  // written before group_begin's fence: wgmma reads them
+    LOOM_UNROLL
+    for (int kk = 0; kk < K / 2; ++kk) to_a(fa[kk], a[0][2 * kk], a[0][2 * kk + 1]);
+    const std::uint32_t address = th.shared_address(b);
+    constexpr std::uint32_t step_bytes = 16 * HS * sizeof(bf16);  // 16 rows
+    th.group_begin(acc[0], fa);
+    LOOM_UNROLL
+    for (int kk = 0; kk < K / 2; ++kk)
+      th.template group_mma<true>(acc[0], fa[kk], group_descriptor(address + step_bytes * kk));
+    th.group_end(acc[0]);
+  }
+};
 
 //! Calls f(x, y, r, i, col, bit) for each of the 4 M N elements of M [16, 8 N] blocks that the
 //! lane holds in the fragments x and y (the same element of each): row group + 8 i of block r,
@@ -642,15 +780,17 @@ LOOM_HD inline std::int64_t last_key(const Shape& sh, std::int64_t t, std::int64
 //! so M changes no bit of out or lse. With Drop, out = dropout(P) V: the sum l (so lse) is the
 //! softmax's, and each probability goes into the product with V through `drop`'s mask (active).
 LOOM_BLOCK_BODY
-template <int HS, int M, bool Drop = false, class Thread>
+template <int HS, int M, bool Drop = false, class Tiles = PaddedTiles, class Thread>
 LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDropout& drop = {}) {
-  using Smem = ForwardSmem<HS>;
+  using Smem = ForwardSmem<HS, Tiles>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t qt = query_tile(sh, th.block_y(), M), length = sh.length(at.b);
-  unsigned char* smem = th.shared();
-  const auto k = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::k + tile_index % 2 * tile_bytes<HS>); };
-  const auto v = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::v + tile_index % 2 * tile_bytes<HS>); };
+  unsigned char* smem = Tiles::base(th);
+  constexpr std::size_t tile_size = tile_bytes<HS, Tiles>;
+  [[maybe_unused]] constexpr int tile_ld = Tiles::template row_ld<HS>;
+  const auto k = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::k + tile_index % 2 * tile_size); };
+  const auto v = [&](std::int64_t tile_index) { return region<bf16>(smem, Smem::v + tile_index % 2 * tile_size); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;  // q of token 0; k at + C, v at + 2C
   const std::int64_t first = (qt * warps + warp) * warp_rows * M;  // the warp's first query
@@ -681,16 +821,17 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDrop
   // written as zeros below.
   const std::int64_t end = qt * tile * M < length ? key_tiles(sh, qt, length, M) : 0;
   const auto start = [&](std::int64_t kt) {
-    start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
+    start_tiles<HS, Tiles>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
   if (end > 0) start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
     th.wait_copies();  // this thread's copies of tile kt (the only ones in flight)
+    Tiles::copies_landed(th);
     // Every thread's copies of tile kt have landed, and every warp is done with tile kt - 1, whose
     // buffer tile kt + 1 takes next, while this one is computed.
     th.sync_block();
     if (kt + 1 < end) start(kt + 1);
-    if (kt * tile > warp_last) continue;
+    if (!Tiles::collective && kt * tile > warp_last) continue;
 
     // The keep bits first, while the scores take no registers.
     [[maybe_unused]] std::uint32_t keep[M][2];
@@ -699,7 +840,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDrop
                                         kt * tile, ln);
     FragmentC s[M][tile_blocks];
     zero(s);
-    product_abt<HS>(th, s, q, k(kt), ln);
+    Tiles::template product_abt<HS>(th, s, q, k(kt), ln);
     // Online softmax: a key counts where key <= last (t, the causal mask; or length - 1). Tile 0
     // holds key 0, which every row sees, so m is finite from the first tile on; a later tile may
     // hold no key a row sees (M > 1): its max is -inf, m stays, alpha = 1 and p = 0.
@@ -742,7 +883,7 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDrop
         }
       }
     }
-    accumulate_ab<HS>(th, o, s, v(kt), ln);  // o += p v
+    Tiles::template accumulate_ab<HS>(th, o, s, v(kt), ln);  // o += p v
   }
 
   LOOM_UNROLL
@@ -838,9 +979,9 @@ LOOM_HD void delta_block(Thread& th, const bf16* out, const bf16* dout, float* d
 //! mask of `drop`, active) and dS^T = P^T (dropout(dP^T) - D) the undropped one (D =
 //! rowsum(dout out) still: out was dropped).
 LOOM_BLOCK_BODY
-template <int HS, int M, bool Drop = false, class Thread>
+template <int HS, int M, bool Drop = false, class Tiles = PaddedTiles, class Thread>
 LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const AttentionDropout& drop = {}) {
-  using Smem = KeyValueGradSmem<HS>;
+  using Smem = KeyValueGradSmem<HS, Tiles>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t kt = th.block_y(), length = sh.length(at.b);
@@ -849,9 +990,11 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
   // tiles that hold real queries.
   if (kt * tile * M >= length) return;
   const std::int64_t query_tiles = tiles(length);
-  unsigned char* smem = th.shared();
-  const auto q = [&](std::int64_t i) { return region<bf16>(smem, Smem::q + i % 2 * tile_bytes<HS>); };
-  const auto g = [&](std::int64_t i) { return region<bf16>(smem, Smem::dout + i % 2 * tile_bytes<HS>); };
+  unsigned char* smem = Tiles::base(th);
+  constexpr std::size_t tile_size = tile_bytes<HS, Tiles>;
+  [[maybe_unused]] constexpr int tile_ld = Tiles::template row_ld<HS>;
+  const auto q = [&](std::int64_t i) { return region<bf16>(smem, Smem::q + i % 2 * tile_size); };
+  const auto g = [&](std::int64_t i) { return region<bf16>(smem, Smem::dout + i % 2 * tile_size); };
   const auto lse = [&](std::int64_t i) { return region<float>(smem, Smem::lse + i % 2 * bytes<float>(1, tile)); };
   const auto delta = [&](std::int64_t i) { return region<float>(smem, Smem::delta + i % 2 * bytes<float>(1, tile)); };
 
@@ -885,7 +1028,7 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
   const auto start = [&](std::int64_t qtile) {  // start_tiles commits the rows' copies with its own
     start_rows(th, lse(qtile), a.lse + at.bh * T, qtile * tile, T, 0);
     start_rows(th, delta(qtile), a.delta + at.bh * T, qtile * tile, T, 32);  // another warp
-    start_tiles<HS>(th, q(qtile), qkv_bh, ld, g(qtile), dout_bh, C, qtile * tile, T);
+    start_tiles<HS, Tiles>(th, q(qtile), qkv_bh, ld, g(qtile), dout_bh, C, qtile * tile, T);
   };
   // The queries of a step: a tile in two halves of 32 (M = 1) or four quarters of 16 (M = 2), so
   // that S^T and dP^T take 32 registers beside dK, dV, K and V (96 of them, HS 64, M = 1).
@@ -894,6 +1037,7 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
   start(first_query_tile(sh, kt, M));
   for (std::int64_t qtile = first_query_tile(sh, kt, M); qtile < query_tiles; ++qtile) {
     th.wait_copies();
+    Tiles::copies_landed(th);
     th.sync_block();  // tile qtile is in, tile qtile - 1 no longer read (forward_block's loop)
     if (qtile + 1 < query_tiles) start(qtile + 1);
 
@@ -907,9 +1051,9 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
       for (int i = 0; i < 2; ++i) lowest_column[r][i] = tile_column(lowest[r][i], qtile * tile, 0, tile);
     }
     for (int first_query = 0; first_query < tile; first_query += step) {  // of the tile
-      if (M > 1 && qtile * tile + first_query + step <= warp_lowest) continue;
-      const bf16* const q_step = q(qtile) + first_query * row_ld<HS>;
-      const bf16* const g_step = g(qtile) + first_query * row_ld<HS>;
+      if (!Tiles::collective && M > 1 && qtile * tile + first_query + step <= warp_lowest) continue;
+      const bf16* const q_step = q(qtile) + first_query * tile_ld;
+      const bf16* const g_step = g(qtile) + first_query * tile_ld;
       const float* const lse_step = lse(qtile) + first_query;
       const float* const delta_step = delta(qtile) + first_query;
       [[maybe_unused]] std::uint32_t keep[M][2];  // first, while S^T and dP^T take no registers
@@ -919,8 +1063,8 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
       FragmentC st[M][step / 8], dpt[M][step / 8];  // S^T and dP^T: [16 keys, step queries] a block
       zero(st);
       zero(dpt);
-      product_abt<HS>(th, st, k, q_step, ln);
-      product_abt<HS>(th, dpt, v, g_step, ln);  // dP^T = V dO^T
+      Tiles::template product_abt<HS>(th, st, k, q_step, ln);
+      Tiles::template product_abt<HS>(th, dpt, v, g_step, ln);  // dP^T = V dO^T
       // The mask selects the exponent (-inf: p = 0, then dS = 0), not the results: a select after
       // the exponential compiled to a branch around it per element.
       for_each_element(st, dpt, ln, [&](float& p, float& ds, int r, int i, int col, int bit) {
@@ -934,8 +1078,8 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
           ds = p * (ds - delta_step[col]) * sh.scale;
         }
       });
-      accumulate_ab<HS>(th, dv, st, g_step, ln);   // dV += P^T dO
-      accumulate_ab<HS>(th, dk, dpt, q_step, ln);  // dK += dS^T Q
+      Tiles::template accumulate_ab<HS>(th, dv, st, g_step, ln);   // dV += P^T dO
+      Tiles::template accumulate_ab<HS>(th, dk, dpt, q_step, ln);  // dK += dS^T Q
     }
   }
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
@@ -948,16 +1092,18 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
 //! in the same order whatever M is, so M changes no bit of dq. With Drop, dS = P (dropout(dP) - D),
 //! `drop` (active) giving the mask.
 LOOM_BLOCK_BODY
-template <int HS, int M, bool Drop = false, class Thread>
+template <int HS, int M, bool Drop = false, class Tiles = PaddedTiles, class Thread>
 LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const AttentionDropout& drop = {}) {
-  using Smem = QueryGradSmem<HS>;
+  using Smem = QueryGradSmem<HS, Tiles>;
   const Shape& sh = a.shape;
   const auto [T, C, ld, at, warp, ln] = position(th, sh);
   const std::int64_t qtile = query_tile(sh, th.block_y(), M), length = sh.length(at.b);
   if (qtile * tile * M >= length) return;  // padded queries only: no gradient (key_value_grad_block)
-  unsigned char* smem = th.shared();
-  const auto k = [&](std::int64_t i) { return region<bf16>(smem, Smem::k + i % 2 * tile_bytes<HS>); };
-  const auto v = [&](std::int64_t i) { return region<bf16>(smem, Smem::v + i % 2 * tile_bytes<HS>); };
+  unsigned char* smem = Tiles::base(th);
+  constexpr std::size_t tile_size = tile_bytes<HS, Tiles>;
+  [[maybe_unused]] constexpr int tile_ld = Tiles::template row_ld<HS>;
+  const auto k = [&](std::int64_t i) { return region<bf16>(smem, Smem::k + i % 2 * tile_size); };
+  const auto v = [&](std::int64_t i) { return region<bf16>(smem, Smem::v + i % 2 * tile_size); };
 
   const bf16* qkv_bh = a.qkv + at.b * T * ld + at.h * HS;
   const bf16* dout_bh = a.dout + at.b * T * C + at.h * HS;
@@ -987,7 +1133,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
   [[maybe_unused]] const float drop_scale = Drop ? static_cast<float>(drop.mask.scale()) : 1.0f;
   const std::int64_t end = key_tiles(sh, qtile, length, M);
   const auto start = [&](std::int64_t kt) {
-    start_tiles<HS>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
+    start_tiles<HS, Tiles>(th, k(kt), qkv_bh + C, ld, v(kt), qkv_bh + 2 * C, ld, kt * tile, T);
   };
   // The keys of a step: the whole tile (M = 1) or two halves of 32 (M = 2), so that S and dP
   // take 64 registers whatever M is.
@@ -996,12 +1142,13 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
   start(0);
   for (std::int64_t kt = 0; kt < end; ++kt) {
     th.wait_copies();
+    Tiles::copies_landed(th);
     th.sync_block();  // tile kt is in, tile kt - 1 no longer read (forward_block's loop)
     if (kt + 1 < end) start(kt + 1);
 
     for (int first_key = 0; first_key < tile; first_key += step) {  // of the tile
-      if (kt * tile + first_key > warp_last) break;
-      const bf16* const k_step = k(kt) + first_key * row_ld<HS>;
+      if (!Tiles::collective && kt * tile + first_key > warp_last) break;
+      const bf16* const k_step = k(kt) + first_key * tile_ld;
       [[maybe_unused]] std::uint32_t keep[M][2];  // first, while S and dP take no registers
       if constexpr (Drop)
         keep_bits_by_rows<M, step / 8>(th, keep, drop.mask, drop.head_origin(at.b, at.h, T), T, first,
@@ -1009,8 +1156,8 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
       FragmentC s[M][step / 8], dp[M][step / 8];
       zero(s);
       zero(dp);
-      product_abt<HS>(th, s, q, k_step, ln);
-      product_abt<HS>(th, dp, g, v(kt) + first_key * row_ld<HS>, ln);  // dP = dO V^T
+      Tiles::template product_abt<HS>(th, s, q, k_step, ln);
+      Tiles::template product_abt<HS>(th, dp, g, v(kt) + first_key * tile_ld, ln);  // dP = dO V^T
       int last_column[M][2];
       LOOM_UNROLL
       for (int r = 0; r < M; ++r) {
@@ -1026,7 +1173,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
         else
           ds = p * (ds - delta[r][i]) * sh.scale;
       });
-      accumulate_ab<HS>(th, dq, dp, k_step, ln);  // dQ += dS K
+      Tiles::template accumulate_ab<HS>(th, dq, dp, k_step, ln);  // dQ += dS K
     }
   }
   add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, length, ln);
@@ -1085,6 +1232,10 @@ struct DeviceThread : cuda_kernels::BlockThread {
                  : "r"(from)
                  : "memory");
   }
+  //! The shared-window address of `p` (in shared memory), as wgmma's descriptors take it.
+  __device__ std::uint32_t shared_address(const void* p) const {
+    return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+  }
   //! d += a b: one m16n8k16 tensor-core product, bf16 in, float accumulators, all 32 lanes.
   static __device__ void mma(FragmentC& d, const FragmentA& a, const FragmentB& b) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -1095,6 +1246,87 @@ struct DeviceThread : cuda_kernels::BlockThread {
 };
 
 #endif  // __CUDA_ARCH__ >= 800
+
+// wgmma exists only in code built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a), not for sm_90 or the
+// PTX of any architecture: the GroupTiles kernels are empty elsewhere, and the host launches them
+// only where a probe kernel says they were built (cuda_attention::group_built_for).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LOOM_FLASH_GROUP_DEVICE 1
+
+//! DeviceThread with the warpgroup's products (GroupTiles): wgmma.mma_async with A in registers
+//! and B in shared memory, and the fences it needs.
+struct GroupDeviceThread : DeviceThread {
+  //! Orders this thread's generic-proxy shared writes (cp.async, stores) before later
+  //! async-proxy reads (wgmma) of them, once a barrier has passed.
+  __device__ void fence_async_shared() const { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+  //! Before a group of wgmma on `d` with the A fragments `a`: each register of d and a is
+  //! written before this point (an empty volatile asm reads each, and writes d's: the compiler
+  //! may not sink a write past it, nor move d across the products), then wgmma.fence orders those
+  //! writes before the products read them (PTX ISA: required between a register's write and a
+  //! wgmma that reads it).
+  template <int N, int K>
+  __device__ void group_begin(FragmentC (&d)[N], const FragmentA (&a)[K]) const {
+    pin(d);
+    LOOM_UNROLL
+    for (int k = 0; k < K; ++k) {
+      LOOM_UNROLL
+      for (int i = 0; i < 4; ++i) asm volatile("" ::"r"(a[k][i]) : "memory");
+    }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  }
+  //! After a group of wgmma on `d`: commits the group and waits until it is done, so d holds the
+  //! sums and the B tiles may be overwritten once a barrier has passed.
+  template <int N>
+  __device__ void group_end(FragmentC (&d)[N]) const {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    pin(d);
+  }
+  //! d += A B for the warpgroup's 64 rows and 8 N columns (N = 4 or 8): A this warp's 16 rows
+  //! (k16) in the mma.sync A fragment's registers, B [16, 8 N] in shared memory by `descriptor`,
+  //! K-major (B(k, n) at row n, column k of the tile) or, Transposed, MN-major (row k, column n).
+  template <bool Transposed, int N>
+  __device__ void group_mma(FragmentC (&d)[N], const FragmentA& a, std::uint64_t descriptor) const {
+    static_assert(N == 4 || N == 8, "the kernels multiply by 32 or 64 columns");
+    if constexpr (N == 4) {
+      asm volatile(
+          "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %21, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+          "{%16, %17, %18, %19}, %20, accumulate, 1, 1, %22;\n}\n"
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+            "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+            "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor), "r"(1), "n"(Transposed ? 1 : 0));
+    } else {
+      asm volatile(
+          "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+          "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+          "{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n"
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+            "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+            "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+            "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+            "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+            "+f"(d[7][2]), "+f"(d[7][3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor), "r"(1), "n"(Transposed ? 1 : 0));
+    }
+  }
+
+ private:
+  template <int N>
+  __device__ static void pin(FragmentC (&d)[N]) {
+    LOOM_UNROLL
+    for (int j = 0; j < N; ++j) {
+      LOOM_UNROLL
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+    }
+  }
+};
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 static_assert(sizeof(bf16) == sizeof(__nv_bfloat16), "loom::bf16 and __nv_bfloat16 share their bits");
 
@@ -1168,6 +1400,49 @@ __global__ void __launch_bounds__(threads, Blocks) query_grad_dropout_kernel(Bac
   LOOM_FLASH_RUN(query_grad_block<HS, M, true>(th, a, drop))
 }
 
+// The same kernels on the warpgroup's products (GroupTiles, HS = 64, M = 1), where built for
+// sm_90a, and empty elsewhere. They keep the mma.sync kernels' register bound (3 blocks an SM).
+#if defined(LOOM_FLASH_GROUP_DEVICE)
+#define LOOM_FLASH_GROUP_RUN(...) \
+  GroupDeviceThread th;           \
+  __VA_ARGS__;
+#else
+#define LOOM_FLASH_GROUP_RUN(...)
+#endif
+
+//! The head size the GroupTiles kernels are built for (GPT-2's and BERT's).
+inline constexpr int group_head_size = 64;
+
+template <bool Drop>
+__global__ void __launch_bounds__(threads, blocks_per_sm(group_head_size))
+    forward_group_kernel(ForwardArgs a, AttentionDropout drop) {
+  LOOM_FLASH_GROUP_RUN(forward_block<group_head_size, 1, Drop, GroupTiles>(th, a, drop))
+}
+template <bool Drop>
+__global__ void __launch_bounds__(threads, Drop ? dropout_key_value_blocks_per_sm(group_head_size)
+                                                : blocks_per_sm(group_head_size))
+    key_value_grad_group_kernel(BackwardArgs a, AttentionDropout drop) {
+  LOOM_FLASH_GROUP_RUN(key_value_grad_block<group_head_size, 1, Drop, GroupTiles>(th, a, drop))
+}
+template <bool Drop>
+__global__ void __launch_bounds__(threads, blocks_per_sm(group_head_size))
+    query_grad_group_kernel(BackwardArgs a, AttentionDropout drop) {
+  LOOM_FLASH_GROUP_RUN(query_grad_block<group_head_size, 1, Drop, GroupTiles>(th, a, drop))
+}
+
+//! Writes 1 to *built where this program holds the GroupTiles kernels for the device (sm_90a
+//! code), 0 elsewhere. (A template: defined in a header, once for every program.)
+template <int = 0>
+__global__ void group_probe_kernel(int* built) {
+#if defined(LOOM_FLASH_GROUP_DEVICE)
+  *built = 1;
+#else
+  *built = 0;
+#endif
+}
+
+#undef LOOM_FLASH_GROUP_RUN
+#undef LOOM_FLASH_GROUP_DEVICE
 #undef LOOM_FLASH_RUN
 #undef LOOM_FLASH_DEVICE
 
