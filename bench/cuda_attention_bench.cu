@@ -12,7 +12,9 @@
 // kernels draw the mask in registers; it prints what dropout costs each. Then, at head size 64,
 // each tiled kernel in three layouts side by side: a warp owning 1 block of 16 rows, bounded for
 // 2 or for 3 blocks an SM, and a warp owning 2 (blocks of 128 rows, 2 an SM); and, with dropout,
-// its key/value kernel bounded for 2 and for 3 blocks.
+// its key/value kernel bounded for 2 and for 3 blocks. Where the program is built for sm_90a
+// (-DCMAKE_CUDA_ARCHITECTURES=90a) and the head size is 64, the tiled pair again on wgmma
+// (cuda::set_warpgroup_attention(true)), against the mma.sync pair of the same rounds.
 //
 //   loom_cuda_attention_bench                              # B=8, T=1024, C=768, 12 heads (GPT-2 small)
 //   loom_cuda_attention_bench --seq 2048 --batch 4 --json attention_gpu.json
@@ -220,6 +222,7 @@ int main(int argc, char** argv) {
     std::function<void()> run;
     std::vector<double> ms;
     std::size_t workspace = 0;
+    bool warpgroup = false;  // the tiled kernels on wgmma
   };
   std::vector<Kernel> kernels;
   kernels.push_back({"stored forward", false, [&] { attention_forward<bf16>(be, out, att, qkv, heads); }, {}});
@@ -246,9 +249,18 @@ int main(int argc, char** argv) {
                        [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads, causal, drop); },
                        {}});
   }
+  const std::size_t warpgroup_first = kernels.size();
+  const bool warpgroup = warpgroup_attention_available(be) && C / H == 64;
+  if (warpgroup) {
+    kernels.push_back(
+        {"wgmma forward", true, [&] { attention_forward_lse<bf16>(be, out, lse, qkv, heads); }, {}, 0, true});
+    kernels.push_back({"wgmma backward", true,
+                       [&] { attention_backward_lse<bf16>(be, dqkv, dout, qkv, out_c, lse_c, heads); }, {}, 0, true});
+  }
   for (int round = 0; round <= o.calls; ++round)
     for (Kernel& k : kernels) {
       be.set_flash_attention(k.flash);
+      be.set_warpgroup_attention(k.warpgroup);
       const std::size_t before = be.memory().current(MemoryCategory::workspace);
       be.memory().reset_peaks();
       const double ms = time_ms(be, k.run);
@@ -296,6 +308,19 @@ int main(int argc, char** argv) {
                          {"tiled_cost", tiled_drop / tiled},
                          {"speedup_of_tiled_over_cublas_lse", cublas_drop / tiled_drop}};
   }
+  if (warpgroup) {
+    const double forward = medians[warpgroup_first], backward = medians[warpgroup_first + 1];
+    std::printf("tiled on wgmma: forward %.3f ms (%.2fx mma.sync's speed), backward %.3f ms (%.2fx), pair %.3f ms "
+                "(%.2fx)\n",
+                forward, medians[4] / forward, backward, medians[5] / backward, forward + backward,
+                tiled / (forward + backward));
+    report["wgmma"] = {{"forward_ms", forward},
+                       {"backward_ms", backward},
+                       {"speedup_over_mma_sync", tiled / (forward + backward)}};
+  } else {
+    std::puts("tiled on wgmma: not built for this GPU (sm_90a) or head size not 64");
+  }
+  be.set_warpgroup_attention(false);
   if (flash_attention_available(be, C / H))
     compare_layouts(be, B, T, C, H, qkv.data(), dout.data(), out.data(), lse.data(), dqkv.data(), drop, o.calls,
                     report);

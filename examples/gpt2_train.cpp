@@ -270,6 +270,9 @@ int main(int argc, char** argv) {
   app.add_flag("--flash-attention,!--no-flash-attention", o.flash_attention,
                "--device cuda with --dtype bf16 --attention recompute: the SRAM-tiled attention kernels (the "
                "default; the fastest on an H100), or with --no-flash-attention the cuBLAS batched-GEMM ones");
+  app.add_flag("--warpgroup-attention", o.warpgroup_attention,
+               "--device cuda: the tiled attention kernels at head size 64 multiply with Hopper's wgmma (a build "
+               "for sm_90a: -DCMAKE_CUDA_ARCHITECTURES=90a) instead of each warp's mma.sync");
   // Unset by default (on for bf16, off for float): the flag goes through a plain bool, since CLI11
   // would give an optional its default, false, and the option's count says whether it was given.
   bool gemm_epilogues = false;

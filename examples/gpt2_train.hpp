@@ -118,6 +118,7 @@ struct Options {
   bool logits_at_every_position = false;  // bert_train: the head on every position, not only the targeted ones
   std::int64_t max_predictions = 0;       // bert_train: targets per sequence, in the data and the model (0: no cap)
   bool flash_attention = true;       // --device cuda, bf16, recompute: the SRAM-tiled kernels
+  bool warpgroup_attention = false;  // the tiled kernels at head size 64 on wgmma (an sm_90a build)
   std::optional<bool> gemm_epilogues;  // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
                                        // (unset: on for bf16, off for float)
   std::uint64_t seed = 1337;
@@ -550,6 +551,9 @@ std::string describe_backend(const Backend& backend) {
            (!backend.flash_attention()             ? ""
             : flash_attention_available(backend) ? " (flash attention on)"
                                                  : " (flash attention not built for this GPU: sm_80 or newer)") +
+           (!backend.warpgroup_attention()                ? ""
+            : warpgroup_attention_available(backend) ? " (on wgmma)"
+                                                     : " (wgmma attention not built for this GPU: sm_90a)") +
            (backend.gemm_epilogues() ? " (GEMM epilogues on)" : "");
 }
 

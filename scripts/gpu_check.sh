@@ -2,7 +2,8 @@
 # gpu_check.sh: the CUDA tests and gpt2_train on a GPU, in one call on a lent device machine.
 #
 #   scripts/gpu_check.sh build [ARCH]   # here (the dev VM): build the CUDA test programs and
-#                                       # gpt2_train for sm_ARCH (default 90) into build-gpu/,
+#                                       # gpt2_train for sm_ARCH (default 90a: Hopper, with the
+#                                       # wgmma attention) into build-gpu/,
 #                                       # packed into .gpu/build-gpu.tar.xz
 #   scripts/gpu_check.sh run [GROUP...] # there (run with carry [".gpu"]): run them all, or
 #                                       # only the groups named: tests, demo, train, bench, torch,
@@ -23,7 +24,7 @@ programs=(test_cuda_backend test_cuda_kernels test_cuda_gemm_epilogues test_cuda
           test_cuda_adafactor test_cuda_bf16 test_nccl test_cuda_training)
 
 build() {
-  local arch="${1:-90}" build_dir="$root/build/gpu"
+  local arch="${1:-90a}" build_dir="$root/build/gpu"
   set -e
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_ENABLE_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="$arch" -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_EXAMPLES=ON \
@@ -126,6 +127,9 @@ run() {
     # GEMM epilogues), then each choice set aside in turn.
     run_one gpt2_train_small_1024_bf16 "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 --peak-tflops 989.4
     run_one gpt2_train_small_1024_bf16_32 "${small[@]}" --batch 32 --micro-batch 32 --dtype bf16 --peak-tflops 989.4
+    # The tiled attention on wgmma (an sm_90a build; off by default until timed here).
+    run_one gpt2_train_small_1024_bf16_warpgroup "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
+            --warpgroup-attention --peak-tflops 989.4
     # The attention probabilities kept (B x 12 x 1024^2 values per block), with and without the
     # epilogues; the cuBLAS log-sum-exp kernels instead of the tiled ones.
     run_one gpt2_train_small_1024_bf16_stored "${small[@]}" --batch 16 --micro-batch 16 --dtype bf16 \
