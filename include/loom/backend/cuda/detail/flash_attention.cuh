@@ -58,6 +58,11 @@
 //! tile i + 1 (cp.async, 16 bytes each, zero-filled past T) are in flight into the other buffer,
 //! so the global loads overlap the tensor-core work; one barrier per tile.
 //!
+//! The bodies also take a tile layout, PaddedTiles (the above: ldmatrix and mma.sync, sm_80 and
+//! newer) or GroupTiles (head size 64, sm_90a: the block's 4 warps multiply together as one
+//! warpgroup with wgmma, B read from 128-byte-swizzled tiles in shared memory once for the 4 warps;
+//! the accumulators are laid out as mma.sync's C fragments, so nothing else changes).
+//!
 //! The kernel bodies are templates over a `Thread` type that supplies the thread and block
 //! indices, the block barrier, the lane exchange, the asynchronous copies, ldmatrix.trans and
 //! the mma: on the GPU it is DeviceThread (threadIdx, __syncthreads, __shfl_xor_sync, cp.async,
