@@ -512,32 +512,37 @@ auto softmax_grad_runner(const cuda& be, const attention::Dims& d, const char* k
 
 // The SRAM-tiled path (detail/flash_attention.cuh).
 
-//! Whether this program's tiled kernels run on the backend's (current) device: compiled, as
-//! SASS or PTX, for sm_80 or newer, where bf16 mma.sync exists. Built only for older architectures
-//! (CMake's default CUDA architecture is one) they are empty, and are never launched.
-inline bool flash_built_for(const cuda& be) {
+//! `answer()` for the backend's device, computed once per device and per `Question` (a type of
+//! its own for each use: each instantiation keeps its own answers).
+template <class Question>
+bool once_per_device(const cuda& be, Question&& answer) {
   static std::mutex mutex;
   static std::map<int, bool> known;  // by device
   const std::lock_guard lock(mutex);
   if (const auto it = known.find(be.device()); it != known.end()) return it->second;
-  cudaFuncAttributes attributes{};
-  const cudaError_t status = cudaFuncGetAttributes(&attributes, flash::forward_kernel<64>);
-  if (status != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not usable
-  const bool usable = status == cudaSuccess && attributes.ptxVersion >= flash::minimum_architecture &&
-                      attributes.binaryVersion >= flash::minimum_architecture;
-  known.emplace(be.device(), usable);
-  return usable;
+  const bool value = answer();
+  known.emplace(be.device(), value);
+  return value;
+}
+
+//! Whether this program's tiled kernels run on the backend's (current) device: compiled, as
+//! SASS or PTX, for sm_80 or newer, where bf16 mma.sync exists. Built only for older architectures
+//! (CMake's default CUDA architecture is one) they are empty, and are never launched.
+inline bool flash_built_for(const cuda& be) {
+  return once_per_device(be, [] {
+    cudaFuncAttributes attributes{};
+    const cudaError_t status = cudaFuncGetAttributes(&attributes, flash::forward_kernel<64>);
+    if (status != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not usable
+    return status == cudaSuccess && attributes.ptxVersion >= flash::minimum_architecture &&
+           attributes.binaryVersion >= flash::minimum_architecture;
+  });
 }
 
 //! Whether this program holds the GroupTiles (wgmma) kernels for the backend's device: built
 //! for sm_90a, which a probe kernel says (an sm_90 or PTX image has the same attributes).
 inline bool group_built_for(const cuda& be) {
-  static std::mutex mutex;
-  static std::map<int, bool> known;  // by device
-  const std::lock_guard lock(mutex);
-  if (const auto it = known.find(be.device()); it != known.end()) return it->second;
-  bool built = false;
-  if (flash_built_for(be)) {  // its own lock
+  return once_per_device(be, [&be] {
+    if (!flash_built_for(be)) return false;
     int* flag = nullptr;
     LOOM_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
     flash::group_probe_kernel<<<1, 1, 0, be.stream()>>>(flag);
@@ -548,10 +553,8 @@ inline bool group_built_for(const cuda& be) {
     if (status == cudaSuccess) status = cudaStreamSynchronize(be.stream());
     LOOM_CUDA_CHECK(cudaFree(flag));
     cuda_check(status, "flash::group_probe_kernel (whether the wgmma attention kernels are built for this GPU)");
-    built = host == 1;
-  }
-  known.emplace(be.device(), built);
-  return built;
+    return host == 1;
+  });
 }
 
 //! Whether the tiled kernels for `d` take the warpgroup's products: the backend's switch on, head
@@ -607,13 +610,10 @@ inline void flash_forward(const cuda& be, const attention::Dims& d, bf16* out, f
                           const AttentionDropout& dropout, const char* name) {
   const flash::ForwardArgs args{flash_shape(d), qkv, out, lse};
   if (use_group(be, d)) {
-    using Smem = flash::ForwardSmem<flash::group_head_size, flash::GroupTiles>;
-    if (dropout.mask.active())
-      launch_tiled(be, flash::forward_group_kernel<true>, flash_grid(d, 1), Smem::total, name,
-                   "flash::forward_group_kernel<dropout>", args, dropout);
-    else
-      launch_tiled(be, flash::forward_group_kernel<false>, flash_grid(d, 1), Smem::total, name,
-                   "flash::forward_group_kernel", args, dropout);
+    const bool drop = dropout.mask.active();
+    launch_tiled(be, drop ? flash::forward_group_kernel<true> : flash::forward_group_kernel<false>, flash_grid(d, 1),
+                 flash::ForwardSmem<flash::group_head_size, flash::GroupTiles>::total, name,
+                 drop ? "flash::forward_group_kernel<dropout>" : "flash::forward_group_kernel", args, dropout);
     return;
   }
   const dim3 grid = flash_grid(d, flash::row_blocks.forward);
@@ -641,20 +641,15 @@ inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const
     launch_tiled(be, flash::delta_kernel<HS>, dim3(flash::delta_blocks<HS>(rows)), 0, name, "flash::delta_kernel",
                  out, dout, delta.data(), args.shape, rows);
     if (use_group(be, d)) {
-      using KeyValueSmem = flash::KeyValueGradSmem<flash::group_head_size, flash::GroupTiles>;
-      using QuerySmem = flash::QueryGradSmem<flash::group_head_size, flash::GroupTiles>;
+      const bool drop = dropout.mask.active();
       const dim3 grid = flash_grid(d, 1);
-      if (dropout.mask.active()) {
-        launch_tiled(be, flash::key_value_grad_group_kernel<true>, grid, KeyValueSmem::total, name,
-                     "flash::key_value_grad_group_kernel<dropout>", args, dropout);
-        launch_tiled(be, flash::query_grad_group_kernel<true>, grid, QuerySmem::total, name,
-                     "flash::query_grad_group_kernel<dropout>", args, dropout);
-      } else {
-        launch_tiled(be, flash::key_value_grad_group_kernel<false>, grid, KeyValueSmem::total, name,
-                     "flash::key_value_grad_group_kernel", args, dropout);
-        launch_tiled(be, flash::query_grad_group_kernel<false>, grid, QuerySmem::total, name,
-                     "flash::query_grad_group_kernel", args, dropout);
-      }
+      launch_tiled(be, drop ? flash::key_value_grad_group_kernel<true> : flash::key_value_grad_group_kernel<false>,
+                   grid, flash::KeyValueGradSmem<flash::group_head_size, flash::GroupTiles>::total, name,
+                   drop ? "flash::key_value_grad_group_kernel<dropout>" : "flash::key_value_grad_group_kernel", args,
+                   dropout);
+      launch_tiled(be, drop ? flash::query_grad_group_kernel<true> : flash::query_grad_group_kernel<false>, grid,
+                   flash::QueryGradSmem<flash::group_head_size, flash::GroupTiles>::total, name,
+                   drop ? "flash::query_grad_group_kernel<dropout>" : "flash::query_grad_group_kernel", args, dropout);
       return;
     }
     const dim3 key_grid = flash_grid(d, flash::row_blocks.key_value_grad);
