@@ -1,7 +1,7 @@
-// The GEMMs with fused cuBLASLt epilogues (cuda::set_gemm_epilogues): matmul_forward's bias,
-// matmul_gelu_forward (bias and GELU, the pre-activation written beside), gelu_matmul_backward
-// (the GELU gradient applied to dout · weight) and the bias gradient taken from the dweight
-// GEMM (BGRADB), each with epilogues off and on, against loops
+// The GEMMs with fused cuBLASLt epilogues (cuda::set_gemm_epilogues): matmul_forward's bias and
+// residual (cuBLASLt's C), matmul_gelu_forward (bias and GELU, the pre-activation written
+// beside), gelu_matmul_backward (the GELU gradient applied to dout · weight) and the bias
+// gradient taken from the dweight GEMM (BGRADB), each with epilogues off and on, against loops
 // in double over the same (float or bf16) inputs, and with the counts saying which path ran:
 // the fused one wherever cuBLASLt allows it (GPT-2's shapes), the separate kernels where the
 // epilogue matrix's leading dimension is not a multiple of 8.
@@ -195,7 +195,7 @@ References reference_results(const Case& k, const std::vector<float>& in_pre, co
 //! form: the backward's formulas do not depend on how it was made.
 template <class E>
 struct Inputs {
-  std::vector<E> in_pre, in, weight, bias, dout, dweight0, dbias0;
+  std::vector<E> in_pre, in, weight, bias, dout, dweight0, dbias0, residual;
 
   explicit Inputs(const Case& k)
       : in_pre(random_values<E>(k.N * k.C, 1, -2.0f, 2.0f)),
@@ -203,7 +203,8 @@ struct Inputs {
         bias(random_values<E>(k.OC, 3, -1.0f, 1.0f)),
         dout(random_values<E>(k.N * k.OC, 4, -1.0f, 1.0f)),
         dweight0(random_values<E>(k.OC * k.C, 5, -1.0f, 1.0f)),
-        dbias0(random_values<E>(k.OC, 6, -1.0f, 1.0f)) {
+        dbias0(random_values<E>(k.OC, 6, -1.0f, 1.0f)),
+        residual(random_values<E>(k.N * k.OC, 7, -2.0f, 2.0f)) {
     for (const E x : in_pre)
       in.push_back(static_cast<E>(static_cast<float>(gelu(Gelu::tanh, static_cast<float>(x)))));
   }
@@ -252,6 +253,26 @@ void run_case(const Case& k, const Inputs<E>& inputs, const References& r, bool 
   path("matmul_forward", 1, fusable ? 1 : 0,
        [&] { matmul_forward<E>(be, out.view(), d_in.cview(), d_weight.cview(), d_bias.cview()); });
   check(out.to_host(be), r.pre, r.pre_scale, "matmul_forward with bias");
+
+  // With a residual (a block's res2 = input + proj(...)): the GEMM's C where it fuses (with the
+  // BIAS epilogue, or DEFAULT without a bias), else add_to after the GEMM.
+  const std::vector<float> residual = as_floats(inputs.residual), bias = as_floats(inputs.bias);
+  const DeviceArray<E> d_residual(be, inputs.residual, Shape{k.N, k.OC});
+  for (const bool with_bias : {true, false}) {
+    CAPTURE(with_bias);
+    std::vector<double> want(r.pre.size()), scale(r.pre.size());
+    for (std::size_t j = 0; j < want.size(); ++j) {
+      const double b = with_bias ? 0.0 : bias[j % static_cast<std::size_t>(k.OC)];
+      want[j] = r.pre[j] - b + residual[j];
+      scale[j] = r.pre_scale[j] - std::abs(b) + std::abs(residual[j]);
+    }
+    const DeviceArray<E> sum(be, garbage_out, Shape{k.N, k.OC});
+    path("matmul_forward with residual", 1, fusable ? 1 : 0, [&] {
+      matmul_forward<E>(be, sum.view(), d_in.cview(), d_weight.cview(), with_bias ? d_bias.cview() : Tensor<const E>{},
+                        d_residual.cview());
+    });
+    check(sum.to_host(be), want, scale, "matmul_forward with residual");
+  }
 
   const DeviceArray<E> gelu_out(be, garbage_out, Shape{k.N, k.OC}), pre(be, garbage_out, Shape{k.N, k.OC});
   // Where GELU cannot fuse, matmul_forward then tries the bias epilogue: two attempts (the erf

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -31,6 +32,12 @@ std::vector<T> noisy_parameters(const ParameterLayout& layout) {
   const std::vector<double> noise = random_vector<double>(v.size(), 17, -0.1, 0.1);
   for (std::size_t i = 0; i < v.size(); ++i) v[i] += static_cast<T>(noise[i]);
   return v;
+}
+
+//! A quiet NaN of T (float, double or bf16).
+template <class T>
+T not_a_number() {
+  return static_cast<T>(std::numeric_limits<float>::quiet_NaN());
 }
 
 //! How a whole-model backward runs: combined, or each layer's input pass then its weight pass.
@@ -73,7 +80,9 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
   std::vector<T> output_grad, input_grad;
   for (int l = layers - 1; l >= 0; --l) {
     input_grad.assign(l == 0 ? 0 : hidden, T(0));
-    std::vector<T> workspace(static_cast<std::size_t>(model.workspace_elements(l, s)));
+    // Scratch starts as NaN, as the Trainer's holds an earlier layer's leftovers: a backward that
+    // reads what it has not written shows up.
+    std::vector<T> workspace(static_cast<std::size_t>(model.workspace_elements(l, s)), not_a_number<T>());
     const BackwardArgs<T> b{.tokens = tokens, .targets = targets,
                             .input = l == 0 ? Tensor<const T>{} : Tensor<const T>(outputs[l - 1].data(), hidden_shape),
                             .output_grad = l + 1 < layers ? Tensor<const T>(output_grad.data(), hidden_shape)
@@ -87,7 +96,7 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
     if (pass == Pass::combined) {
       model.backward(be, l, p, g, b);
     } else {
-      std::vector<T> stash(static_cast<std::size_t>(model.stash_elements(l, s)));
+      std::vector<T> stash(static_cast<std::size_t>(model.stash_elements(l, s)), not_a_number<T>());
       model.backward_input(be, l, p, g, b, flat(stash));
       // The weight pass reads neither the output gradient, the input gradient nor the workspace.
       BackwardArgs<T> w = b;

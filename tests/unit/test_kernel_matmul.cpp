@@ -1,16 +1,20 @@
 // matmul kernels: forward and backward against plain loops, backward against central
-// differences, the accumulate convention, optional arguments (an empty din, dweight or dbias is
+// differences, the forward's residual, the accumulate convention, optional arguments (an empty din, dweight or dbias is
 // skipped, and a split backward gives one call's bits), shape checks and determinism.
 
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "loom/backend/cpu/elementwise.hpp"
 #include "loom/backend/cpu/matmul.hpp"
+#include "loom/core/accumulate.hpp"
 #include "support/gradcheck.hpp"
 
 namespace {
@@ -74,15 +78,20 @@ void run_backward(const cpu& be, Grads<T>& g, const std::vector<T>& dout, const 
       Tensor<const T>(d.weight.data(), {c.OC, c.C}));
 }
 
+//! x in double (bf16 through float, which holds it exactly).
+template <class T>
+double widen(T x) {
+  return static_cast<double>(loom::to_accumulate(x));
+}
+
 template <class T>
 std::vector<double> reference_forward(const Data<T>& d, const Case& c) {
   const std::int64_t N = c.B * c.T;
   std::vector<double> out(N * c.OC);
   for (std::int64_t n = 0; n < N; ++n)
     for (std::int64_t o = 0; o < c.OC; ++o) {
-      double acc = c.bias ? static_cast<double>(d.bias[o]) : 0.0;
-      for (std::int64_t i = 0; i < c.C; ++i)
-        acc += static_cast<double>(d.in[n * c.C + i]) * static_cast<double>(d.weight[o * c.C + i]);
+      double acc = c.bias ? widen(d.bias[o]) : 0.0;
+      for (std::int64_t i = 0; i < c.C; ++i) acc += widen(d.in[n * c.C + i]) * widen(d.weight[o * c.C + i]);
       out[n * c.OC + o] = acc;
     }
   return out;
@@ -154,6 +163,45 @@ TEST_CASE_TEMPLATE("matmul_forward on up to 8 rows (decoding): each row's bits d
         CHECK(loom::test::max_relative_error(run_forward(one, rows, unbiased), reference_forward(rows, unbiased),
                                              1.0) <= tolerance<T>());
       }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("matmul_forward with a residual gives matmul_forward then add_to, bit for bit", T, float, double,
+                   loom::bf16) {
+  // Every path: up to 8 rows (few_rows_forward), the staged bf16 GEMM, the in-place float one;
+  // with and without the bias; 1 and 2 threads.
+  for (const int threads : {1, 2}) {
+    const cpu be(threads);
+    for (const Case& c : cases) {
+      const std::string bias = c.bias ? "with bias" : "without bias";
+      INFO("threads " << threads << ", [" << c.B << ", " << c.T << ", " << c.C << "] x " << c.OC << ", " << bias);
+      const auto d = make_data<T>(c, 23);
+      const std::vector<T> residual = loom::test::random_vector<T>(c.B * c.T * c.OC, 29);
+      std::vector<T> expected = run_forward(be, d, c);
+      loom::kernels::add_to<T>(be, Tensor<T>(expected.data(), rows_shape(c, c.OC)),
+                               Tensor<const T>(residual.data(), rows_shape(c, c.OC)));
+      std::vector<T> got(expected.size(), T(7));
+      loom::kernels::matmul_forward<T>(
+          be, Tensor<T>(got.data(), rows_shape(c, c.OC)), Tensor<const T>(d.in.data(), rows_shape(c, c.C)),
+          Tensor<const T>(d.weight.data(), {c.OC, c.C}),
+          c.bias ? Tensor<const T>(d.bias.data(), {c.OC}) : Tensor<const T>{},
+          Tensor<const T>(residual.data(), rows_shape(c, c.OC)));
+      CHECK(got == expected);
+      // And the sum itself, against double loops: the residual is really added. Relative to the
+      // sum of the terms' magnitudes (+ 1), as the sum may cancel (bf16: two roundings of 2^-9).
+      const std::vector<double> product = reference_forward(d, c);
+      double worst = 0;
+      for (std::int64_t n = 0; n < c.B * c.T; ++n) {
+        for (std::int64_t o = 0; o < c.OC; ++o) {
+          const std::size_t j = static_cast<std::size_t>(n * c.OC + o);
+          double magnitude = 1 + std::abs(widen(residual[j])) + (c.bias ? std::abs(widen(d.bias[o])) : 0.0);
+          for (std::int64_t i = 0; i < c.C; ++i)
+            magnitude += std::abs(widen(d.in[n * c.C + i]) * widen(d.weight[o * c.C + i]));
+          worst = std::max(worst, std::abs(widen(got[j]) - product[j] - widen(residual[j])) / magnitude);
+        }
+      }
+      CHECK(worst <= (std::is_same_v<T, loom::bf16> ? 1.0 / 256 : tolerance<T>()));
     }
   }
 }
@@ -316,6 +364,10 @@ TEST_CASE("matmul kernels reject wrong shapes") {
                "matmul_forward: argument out");
   expect_error([&] { matmul_forward<float>(be, out_v, in_v, w_v, Tensor<const float>(big.data(), {OC + 1})); },
                "matmul_forward: argument bias");
+  expect_error([&] { matmul_forward<float>(be, out_v, in_v, w_v, b_v, Tensor<const float>(big.data(), {N, OC + 1})); },
+               "matmul_forward: argument residual shape: got [7, 4]; expected 7 rows of 3");
+  expect_error([&] { matmul_forward<float>(be, out_v, in_v, w_v, b_v, Tensor<const float>(out_v)); },
+               "matmul_forward: argument residual: got out itself; a tensor other than out");
 
   const Tensor<const float> dout_v(dout.data(), {N, OC});
   const Tensor<float> din_v(din.data(), {N, C}), dw_v(dw.data(), {OC, C}), db_v(db.data(), {OC});

@@ -13,6 +13,7 @@
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
+#include "loom/backend/cpu/elementwise.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
@@ -245,11 +246,14 @@ void forward_in_place(const cpu& be, T* out, const T* in, const T* weight, const
 
 namespace loom::inline kernels {
 
-//! out[N,OC] = in[N,C] · weight[OC,C]^T + bias[OC] with N = in's rows, C = in's last extent;
-//! `in` and `out` may carry leading axes ([B,T,C] → [B,T,OC]). An empty `bias` means no bias.
+//! out[N,OC] = in[N,C] · weight[OC,C]^T + bias[OC] + residual[N,OC] with N = in's rows, C = in's
+//! last extent; `in`, `out` and `residual` may carry leading axes ([B,T,C] → [B,T,OC]). An empty
+//! `bias` means no bias, an empty `residual` no residual (which must not be `out`). The residual
+//! is added after the product's rounding (add_to), so the bits are those of matmul_forward
+//! followed by add_to; the CUDA backend may add it before its one rounding instead.
 template <class T>
-void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight,
-                    Tensor<const T> bias) {
+void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight, Tensor<const T> bias,
+                    Tensor<const T> residual = {}) {
   namespace d = detail::matmul;
   constexpr const char* kernel = "matmul_forward";
   // Plain variables, not structured bindings: OpenMP regions below must capture them.
@@ -257,6 +261,7 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
   const std::int64_t N = dims.rows, C = dims.in_features, OC = dims.out_features;
   d::check_matrix(out, N, OC, kernel, "out");
   if (!bias.empty()) check_shape(bias, Shape{OC}, kernel, "bias");
+  if (!residual.empty()) detail::check_residual(residual, out, N, OC, kernel);
   if (N == 0 || OC == 0) return;
 
   if (N <= d::few_rows_max) {
@@ -267,6 +272,7 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
   } else {
     d::forward_in_place(be, out.data(), in.data(), weight.data(), bias.empty() ? nullptr : bias.data(), N, C, OC);
   }
+  if (!residual.empty()) add_to<T>(be, out, residual);
 }
 
 //! Backward of matmul_forward, accumulating: din[N,C] += dout·weight, dweight[OC,C] +=

@@ -129,7 +129,7 @@ bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, 
                       .compute_type = compute_type<T>(be),
                       .epilogue = epilogue,
                       .aux_ld = aux_ld,
-                      .alignment = common_alignment({a, b, c, operands.bias, operands.aux})};
+                      .alignment = common_alignment({a, b, c, operands.bias, operands.aux, operands.addend})};
   LtGemmPlan& plan = lt.plan(key, operands);
   if (!plan.found()) {
     ++lt.counts().unfused;
@@ -215,14 +215,16 @@ void bias_grad(cuda& be, T* dbias, const T* dout, std::int64_t rows, std::int64_
 
 namespace loom::inline kernels {
 
-//! out[N,OC] = in[N,C] · weight[OC,C]^T + bias[OC] with N = in's rows, C = in's last extent;
-//! `in` and `out` may carry leading axes ([B,T,C] → [B,T,OC]). An empty `bias` means no bias.
-//! The bias rows written by a kernel, then one cuBLAS GEMM accumulating onto them (TF32 products
-//! for float, bf16 products for bf16, fp32 accumulation); with cuda::gemm_epilogues(), one
-//! cuBLASLt GEMM that adds the bias in fp32 before its one rounding.
+//! out[N,OC] = in[N,C] · weight[OC,C]^T + bias[OC] + residual[N,OC] with N = in's rows, C = in's
+//! last extent; `in`, `out` and `residual` may carry leading axes ([B,T,C] → [B,T,OC]). An empty
+//! `bias` means no bias, an empty `residual` no residual (which must not be `out`). The bias rows
+//! written by a kernel, then one cuBLAS GEMM accumulating onto them (TF32 products for float, bf16
+//! products for bf16, fp32 accumulation), then the residual added (add_to); with
+//! cuda::gemm_epilogues(), one cuBLASLt GEMM that adds the bias and the residual (its C) in fp32
+//! before its one rounding, so the residual costs one read instead of add_to's pass.
 template <class T>
-void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight,
-                    Tensor<const T> bias) {
+void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T> weight, Tensor<const T> bias,
+                    Tensor<const T> residual = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
   constexpr const char* kernel = "matmul_forward";
@@ -230,13 +232,17 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
   const std::int64_t N = dims.rows, C = dims.in_features, OC = dims.out_features;
   detail::cuda_kernels::check_rows(out, N, OC, kernel, "out");
   if (!bias.empty()) check_shape(bias, Shape{OC}, kernel, "bias");
+  if (!residual.empty()) detail::check_residual(residual, out, N, OC, kernel);
   if (N == 0 || OC == 0) return;
   check_data(in, kernel, "in");
 
   detail::cuda_kernels::activate(be);
-  if (!bias.empty() && C > 0 && be.gemm_epilogues() &&
-      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), 0.0f, CUBLASLT_EPILOGUE_BIAS,
-                 {.bias = bias.data()}, 0, kernel))
+  const bool adds = !bias.empty() || !residual.empty();
+  if (adds && C > 0 && be.gemm_epilogues() &&
+      d::lt_gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), residual.empty() ? 0.0f : 1.0f,
+                 bias.empty() ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BIAS,
+                 {.bias = bias.empty() ? nullptr : bias.data(), .addend = residual.empty() ? nullptr : residual.data()},
+                 0, kernel))
     return;
   if (!bias.empty())
     d::fill_bias(be, out.data(), bias.data(), N, OC);
@@ -244,6 +250,7 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
     be.fill_zero(out.data(), sizeof(T) * static_cast<std::size_t>(N * OC));
   if (C > 0)
     d::gemm(be, d::forward_gemm(N, C, OC), weight.data(), in.data(), out.data(), bias.empty() ? 0.0f : 1.0f, kernel);
+  if (!residual.empty()) add_to<T>(be, out, residual);
 }
 
 //! Backward of matmul_forward, accumulating: din[N,C] += dout·weight, dweight[OC,C] +=

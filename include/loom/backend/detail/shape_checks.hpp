@@ -19,4 +19,15 @@ void check_rows(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const 
                 "expected " + to_text(rows) + " rows of " + to_text(cols) + " (all axes but the last are rows)");
 }
 
+//! Checks a matmul_forward's `residual`: [rows, cols] as `out` is, and not `out` itself (the sum
+//! is written over out).
+template <class T>
+void check_residual(const Tensor<const T>& residual, const Tensor<T>& out, std::int64_t rows, std::int64_t cols,
+                    const char* kernel) {
+  check_rows(residual, rows, cols, kernel, "residual");
+  if (residual.data() == out.data()) [[unlikely]]
+    throw Error(std::string(kernel) + ": argument residual", "out itself",
+                "a tensor other than out (the sum is written over out)");
+}
+
 }  // namespace loom::detail

@@ -447,21 +447,15 @@ class Model {
       attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), attention_keys(a),
                                drop);
     // Row-parallel projection (g: sum the partial sums; the bias rides on the first rank).
-    const Tensor<T> attn_sums = split_.split() ? whole : b.r1;
-    matmul_forward<T>(be, attn_sums, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
-    split_.reduce(attn_sums, b.r1);
-    split_.drop(be, b.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
-    add_to<T>(be, b.r1, input);
+    split_.project_add(be, b.r1, whole, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b), input,
+                       a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
     layernorm_forward<T>(be, b.h, b.ln1_mean, b.ln1_rstd, b.r1, param(p, o.ln1_w, {C}), param(p, o.ln1_b, {C}),
                          eps());
     // MLP: column-parallel fc with GELU, then row-parallel proj.
     matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, split_.gather(b.h, whole), param(p, o.fc_w, {F, C}),
                            param(p, o.fc_b, {F}), config_.gelu);
-    const Tensor<T> mlp_sums = split_.split() ? whole : b.r2;
-    matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
-    split_.reduce(mlp_sums, b.r2);
-    split_.drop(be, b.r2, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
-    add_to<T>(be, b.r2, b.h);
+    split_.project_add(be, b.r2, whole, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b),
+                       b.h, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
     layernorm_forward<T>(be, split_.local(a.output, s), b.ln2_mean, b.ln2_rstd, b.r2, param(p, o.ln2_w, {C}),
                          param(p, o.ln2_b, {C}), eps());
   }
@@ -544,8 +538,16 @@ class Model {
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
-    zero<T>(be, a.workspace);
+    zero_accumulated(be, d);
     block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
+  }
+
+  //! Zeroes what the chain accumulates into. The rest of the workspace is written before it is
+  //! read (fch and mlp_out written, gathered by the collectives; the chain zeroes partial and
+  //! norm_grads itself), so zeroing all of it would spend a pass of 4·C a row for nothing.
+  void zero_accumulated(B& be, const BlockGrads& d) const {
+    const Tensor<T> accumulated[] = {d.r2, d.h, d.r1, d.atty, d.qkv};
+    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
   }
 
   //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
@@ -570,9 +572,7 @@ class Model {
     }
     d.fch = st.fch;
     d.qkv = st.qkv;
-    // Everything the chain accumulates into starts at zero (fch is written).
-    const Tensor<T> accumulated[] = {d.r2, d.h, d.r1, d.atty, d.qkv};
-    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
+    zero_accumulated(be, d);
     block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
   }
 

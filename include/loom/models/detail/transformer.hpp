@@ -354,6 +354,23 @@ class RowSplit {
             MicroBatchShape s) const {
     hidden_dropout<T>(be, x, key, layer, site, rate, s.seq * channels_, rows(s).first * channels_);
   }
+  //! A row-parallel linear layer and the residual connection after it: this rank's rows `out` =
+  //! `residual` + drop(g(in · weight^T + bias)), the partial sums in `whole` [N, C] when the rows
+  //! are split (else in `out`). With nothing between the product and the sum (a group of one, no
+  //! hidden dropout at `site`), the residual goes into matmul_forward: the CUDA backend's GEMM then
+  //! adds it in its epilogue, which saves add_to's pass over three [N, C] tensors.
+  template <class T, Backend B>
+  void project_add(B& be, Tensor<T> out, Tensor<T> whole, std::type_identity_t<Tensor<const T>> in,
+                   std::type_identity_t<Tensor<const T>> weight, std::type_identity_t<Tensor<const T>> bias,
+                   std::type_identity_t<Tensor<const T>> residual, const DropoutKey& key, int layer, DropoutSite site,
+                   double rate, MicroBatchShape s) const {
+    if (group_.size() == 1 && !dropping(key, rate)) return matmul_forward<T>(be, out, in, weight, bias, residual);
+    const Tensor<T> sums = split_ ? whole : out;
+    matmul_forward<T>(be, sums, in, weight, bias);
+    reduce(sums, out);
+    drop(be, out, key, layer, site, rate, s);
+    add_to<T>(be, out, residual);
+  }
   //! The output gradient of `layer`'s hidden dropout `site`, this rank's rows, through the mask
   //! (in `scratch` when the pass drops).
   template <class T, Backend B>

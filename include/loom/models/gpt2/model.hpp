@@ -498,23 +498,17 @@ class Model {
       attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
     else
       attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
-    // Row-parallel projection (g: sum the partial sums over the group). The replicated bias
-    // rides on the first rank's partial sum, so the sum adds it once at no extra pass. Dropout
-    // acts on the whole branch: each rank drops its rows of the one mask.
-    const Tensor<T> attn_sums = split_.split() ? whole : b.res2;
-    matmul_forward<T>(be, attn_sums, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b));
-    split_.reduce(attn_sums, b.res2);
-    split_.drop(be, b.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
-    add_to<T>(be, b.res2, input);
+    // Row-parallel projection (g: sum the partial sums over the group), then the residual. The
+    // replicated bias rides on the first rank's partial sum, so the sum adds it once at no extra
+    // pass. Dropout acts on the whole branch: each rank drops its rows of the one mask.
+    split_.project_add(be, b.res2, whole, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b), input,
+                       a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
     layernorm_forward<T>(be, b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
     // MLP: column-parallel fc, then row-parallel proj.
     matmul_gelu_forward<T>(be, b.fch_gelu, b.fch, split_.gather(b.ln2, whole), param(p, o.fc_w, {F, C}),
                            param(p, o.fc_b, {F}), config_.gelu);
-    const Tensor<T> mlp_sums = split_.split() ? whole : output;
-    matmul_forward<T>(be, mlp_sums, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b));
-    split_.reduce(mlp_sums, output);
-    split_.drop(be, output, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
-    add_to<T>(be, output, b.res2);
+    split_.project_add(be, output, whole, b.fch_gelu, param(p, o.fcproj_w, {C, F}), row_bias(p, o.fcproj_b),
+                       b.res2, a.dropout, layer, tr::mlp_site, config_.hidden_dropout, s);
   }
 
   //! block_forward's arithmetic on `n` new rows of one or more sequences (Model::decode), with
@@ -542,13 +536,12 @@ class Model {
                           Tensor<const T>{qkv.data() + first * 3 * C, Shape{r, 3 * C}}, sequences[s].keys,
                           sequences[s].values, sequences[s].past, static_cast<int>(heads_));
     }
-    matmul_forward<T>(be, res2, Tensor<const T>(atty), param(p, o.proj_w, {C, C}), param(p, o.proj_b, {C}));
-    add_to<T>(be, res2, input);
+    matmul_forward<T>(be, res2, Tensor<const T>(atty), param(p, o.proj_w, {C, C}), param(p, o.proj_b, {C}), input);
     layernorm_forward<T>(be, ln2, mean, rstd, Tensor<const T>(res2), param(p, o.ln2_w, {C}), param(p, o.ln2_b, {C}));
     matmul_gelu_forward<T>(be, fch_gelu, fch, Tensor<const T>(ln2), param(p, o.fc_w, {F, C}), param(p, o.fc_b, {F}),
                            config_.gelu);
-    matmul_forward<T>(be, output, Tensor<const T>(fch_gelu), param(p, o.fcproj_w, {C, F}), param(p, o.fcproj_b, {C}));
-    add_to<T>(be, output, Tensor<const T>(res2));
+    matmul_forward<T>(be, output, Tensor<const T>(fch_gelu), param(p, o.fcproj_w, {C, F}), param(p, o.fcproj_b, {C}),
+                      Tensor<const T>(res2));
   }
 
   //! A row-parallel linear layer's bias: on the first rank only (see block_forward).
@@ -641,9 +634,18 @@ class Model {
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
-    zero<T>(be, a.workspace);
+    zero_accumulated(be, d);
     d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
     block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
+  }
+
+  //! Zeroes what the chain accumulates into. The rest of the workspace is written before it is
+  //! read (res2 copied into, fch and dropped written, gathered by the collectives; the chain
+  //! zeroes partial and norm_grads itself), so zeroing all of it, 11·C of every row where these
+  //! are 6·C, would spend a pass of 5·C a row for nothing.
+  void zero_accumulated(B& be, const BlockGrads& d) const {
+    const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
+    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
   }
 
   //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
@@ -656,9 +658,7 @@ class Model {
     const BlockStash st = carve_block_stash(stash, s);
     d.fch = st.fch;
     d.qkv = st.qkv;
-    // Everything the chain accumulates into starts at zero (res2 is copied into, fch written).
-    const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
-    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
+    zero_accumulated(be, d);
     if (split_.split()) {
       // The chain gathers the four whole operands of the weight GEMMs into the stash.
       d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);

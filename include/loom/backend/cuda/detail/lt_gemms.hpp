@@ -49,11 +49,13 @@ struct LtGemmKeyHash {
 };
 
 //! The epilogue pointers of one GEMM: `bias` is the bias read by CUBLASLT_EPILOGUE_BIAS, or the
-//! bias gradient written by BGRADB; `aux` the GELU input, written by GELU_AUX and read by DGELU.
-//! Unused ones are null.
+//! bias gradient written by BGRADB; `aux` the GELU input, written by GELU_AUX and read by DGELU;
+//! `addend` the matrix C of beta C where it is not D (D's layout; a residual added in the same
+//! pass). Unused ones are null (no addend: C is D).
 struct LtEpilogueOperands {
   const void* bias = nullptr;
   const void* aux = nullptr;
+  const void* addend = nullptr;
 };
 
 //! One planned GEMM: its descriptors and the algorithm the heuristic chose, or found() false
@@ -80,14 +82,16 @@ class LtGemmPlan {
   //! Workspace bytes the chosen algorithm needs.
   std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
 
-  //! D = epilogue(op(A) op(B) + beta D) into `d` on `stream`, with this call's epilogue pointers
-  //! (the descriptor keeps the last ones; they must have the key's alignment).
+  //! D = epilogue(op(A) op(B) + beta C) into `d` on `stream`, C being `operands.addend` or else D,
+  //! with this call's epilogue pointers (the descriptor keeps the last ones; they must have the
+  //! key's alignment).
   void run(cublasLtHandle_t handle, const void* a, const void* b, void* d, float beta, LtEpilogueOperands operands,
            void* workspace, cudaStream_t stream, const char* kernel) {
     if (operands.bias != nullptr) set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, operands.bias);
     if (operands.aux != nullptr) set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, operands.aux);
     const float alpha = 1.0f;
-    const cublasStatus_t status = cublasLtMatmul(handle, desc_, &alpha, a, a_, b, b_, &beta, d, c_, d, c_, &algo_,
+    const void* c = operands.addend != nullptr ? operands.addend : d;
+    const cublasStatus_t status = cublasLtMatmul(handle, desc_, &alpha, a, a_, b, b_, &beta, c, c_, d, c_, &algo_,
                                                  workspace, workspace_bytes_, stream);
     if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
       cublas_check(status, (std::string(kernel) + ": cublasLtMatmul").c_str());
