@@ -34,10 +34,10 @@ std::vector<T> noisy_parameters(const ParameterLayout& layout) {
   return v;
 }
 
-//! A quiet NaN of T (float, double or bf16).
+//! `n` quiet NaNs of T (float, double or bf16): scratch a model must write before it reads.
 template <class T>
-T not_a_number() {
-  return static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+std::vector<T> garbage(std::int64_t n) {
+  return std::vector<T>(static_cast<std::size_t>(n), static_cast<T>(std::numeric_limits<float>::quiet_NaN()));
 }
 
 //! How a whole-model backward runs: combined, or each layer's input pass then its weight pass.
@@ -82,7 +82,7 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
     input_grad.assign(l == 0 ? 0 : hidden, T(0));
     // Scratch starts as NaN, as the Trainer's holds an earlier layer's leftovers: a backward that
     // reads what it has not written shows up.
-    std::vector<T> workspace(static_cast<std::size_t>(model.workspace_elements(l, s)), not_a_number<T>());
+    std::vector<T> workspace = garbage<T>(model.workspace_elements(l, s));
     const BackwardArgs<T> b{.tokens = tokens, .targets = targets,
                             .input = l == 0 ? Tensor<const T>{} : Tensor<const T>(outputs[l - 1].data(), hidden_shape),
                             .output_grad = l + 1 < layers ? Tensor<const T>(output_grad.data(), hidden_shape)
@@ -96,7 +96,7 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
     if (pass == Pass::combined) {
       model.backward(be, l, p, g, b);
     } else {
-      std::vector<T> stash(static_cast<std::size_t>(model.stash_elements(l, s)), not_a_number<T>());
+      std::vector<T> stash = garbage<T>(model.stash_elements(l, s));
       model.backward_input(be, l, p, g, b, flat(stash));
       // The weight pass reads neither the output gradient, the input gradient nor the workspace.
       BackwardArgs<T> w = b;

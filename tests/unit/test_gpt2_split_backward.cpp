@@ -11,7 +11,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -43,11 +42,6 @@ static_assert(!SplitBackwardModel<WithoutWeightPass>);
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
-template <class T>
-std::vector<T> garbage(std::int64_t n) {
-  return std::vector<T>(static_cast<std::size_t>(n), std::numeric_limits<T>::quiet_NaN());
 }
 
 //! GPT-2's initial values plus noise keyed by (name, global index): every tensor-parallel rank

@@ -642,7 +642,7 @@ class Model {
   //! Zeroes what the chain accumulates into. The rest of the workspace is written before it is
   //! read (res2 copied into, fch and dropped written, gathered by the collectives; the chain
   //! zeroes partial and norm_grads itself), so zeroing all of it, 11·C of every row where these
-  //! are 6·C, would spend a pass of 5·C a row for nothing.
+  //! are 6·C (at tp = 1), would spend a pass of 5·C a row for nothing.
   void zero_accumulated(B& be, const BlockGrads& d) const {
     const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
     for (const Tensor<T>& t : accumulated) zero<T>(be, t);
