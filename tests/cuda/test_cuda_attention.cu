@@ -327,10 +327,10 @@ std::vector<float> scratch_block(const Case& c) {
 //! attention_backward's steps on the host: the same plans, offsets and order.
 void emulate_backward(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
                       const std::vector<float>& qkv, const std::vector<float>& att,
-                      AttentionMask mask = AttentionMask::causal) {
+                      AttentionMask mask = AttentionMask::causal, GradientWrite write = GradientWrite::accumulate) {
   std::vector<float> dpre = scratch_block(c);
   ca::backward_steps(dims(c, mask), dqkv.data(), dout.data(), qkv.data(), att.data(), dpre.data(), emulate_cublas,
-                     host_softmax_grad(c, mask));
+                     host_softmax_grad(c, mask), ca::NoDropout{}, write);
 }
 
 //! attention_forward_lse's steps on the host.
@@ -349,7 +349,7 @@ void emulate_forward_lse(const Case& c, const std::vector<float>& qkv, std::vect
 //! attention_backward_lse's steps on the host.
 void emulate_backward_lse(const Case& c, std::vector<float>& dqkv, const std::vector<float>& dout,
                           const std::vector<float>& qkv, const std::vector<float>& lse,
-                          AttentionMask mask = AttentionMask::causal) {
+                          AttentionMask mask = AttentionMask::causal, GradientWrite write = GradientWrite::accumulate) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.hs));
   std::vector<float> att = scratch_block(c), dpre = scratch_block(c);
   ca::backward_lse_steps(
@@ -358,7 +358,7 @@ void emulate_backward_lse(const Case& c, std::vector<float>& dqkv, const std::ve
         for (std::int64_t row = 0; row < rows; ++row)
           host_probabilities_row(scores + row * c.T, lse_b[row], keys_seen(mask, row % c.T, c.T), c.T, scale);
       },
-      host_softmax_grad(c, mask));
+      host_softmax_grad(c, mask), ca::NoDropout{}, write);
 }
 
 struct Data {
@@ -423,6 +423,16 @@ TEST_CASE("the attention algorithm with the cuBLAS plans matches the reference (
       std::vector<float> lse_dqkv = data.dqkv0;
       emulate_backward_lse(c, lse_dqkv, data.dout, data.qkv, lse, mask);
       check_reference(lse_dqkv, lse_dref, float_tolerance, "dqkv (lse)");
+
+      // Overwriting (GradientWrite::overwrite, beta 0): dqkv starts as NaN and ends as the gradient.
+      const std::vector<float> zeros(data.dqkv0.size(), 0.0f);
+      std::vector<float> written(zeros.size(), not_a_number), lse_written(zeros.size(), not_a_number);
+      emulate_backward(c, written, data.dout, data.qkv, att_in, mask, GradientWrite::overwrite);
+      check_reference(written, backward_reference(c, data.qkv, att_in, data.dout, zeros, nullptr, mask),
+                      float_tolerance, "dqkv (overwrite)");
+      emulate_backward_lse(c, lse_written, data.dout, data.qkv, lse, mask, GradientWrite::overwrite);
+      check_reference(lse_written, backward_reference(c, data.qkv, att_in, data.dout, zeros, &ref.att, mask),
+                      float_tolerance, "dqkv (lse, overwrite)");
     }
   }
 }
@@ -915,6 +925,36 @@ TEST_CASE("attention_backward_lse accumulates the reference gradient (both masks
         check_reference(got, ref, tf32_tolerance, "dqkv");
         check_same_bits(run, first, {std::move(got)});
       }
+    }
+  }
+}
+
+TEST_CASE("attention_backward and attention_backward_lse with GradientWrite::overwrite write the reference gradient "
+          "over NaN (both masks)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  for (const AttentionMask mask : both_masks) {
+    for (const Case& c : device_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(c);
+      const Data data = make_data(c, 600);
+      const ForwardReference forward = forward_reference(c, data.qkv, mask);
+      const std::vector<float> att_in = to_float(forward.att.value), zeros(data.dqkv0.size(), 0.0f),
+                               nans(zeros.size(), not_a_number);
+      const Shape qkv_shape{c.B, c.T, 3 * c.C()};
+      const DeviceTensor qkv(be, data.qkv, qkv_shape), dout(be, data.dout, Shape{c.B, c.T, c.C()}),
+          att(be, att_in, Shape{c.B, c.NH, c.T, c.T}), out(be, to_float(forward.out.value), Shape{c.B, c.T, c.C()}),
+          lse(be, to_float(forward.lse.value), Shape{c.B, c.NH, c.T});
+      const DeviceTensor stored(be, nans, qkv_shape), recomputed(be, nans, qkv_shape);
+      attention_backward<float>(be, stored.view(), dout.cview(), qkv.cview(), att.cview(), static_cast<int>(c.NH),
+                                mask, {}, GradientWrite::overwrite);
+      attention_backward_lse<float>(be, recomputed.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(),
+                                    static_cast<int>(c.NH), mask, {}, GradientWrite::overwrite);
+      check_reference(stored.to_host(be), backward_reference(c, data.qkv, att_in, data.dout, zeros, nullptr, mask),
+                      tf32_tolerance, "dqkv");
+      check_reference(recomputed.to_host(be),
+                      backward_reference(c, data.qkv, att_in, data.dout, zeros, &forward.att, mask), tf32_tolerance,
+                      "dqkv (lse)");
     }
   }
 }

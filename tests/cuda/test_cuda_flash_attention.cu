@@ -222,15 +222,20 @@ struct Result {
 //! The forward, then the backward from its own out and lse (the training path), on the host,
 //! with each warp owning M blocks of 16 rows (the kernels' template argument; 1 by default) and
 //! the tiles in the layout of `Tiles` (mma.sync's padded rows by default; GroupTiles, wgmma's, at
-//! head size 64 only); with `drop`, the bodies built to draw its mask.
+//! head size 64 only); with `drop`, the bodies built to draw its mask. With `write` = overwrite
+//! dqkv starts as NaN and the backward writes it (after zero_padding_block where padded), as
+//! flash_backward runs them.
 template <int M = 1, class Tiles = fl::PaddedTiles>
 Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
-                   const Lengths& lengths = {}, const AttentionDropout* drop = nullptr) {
+                   const Lengths& lengths = {}, const AttentionDropout* drop = nullptr,
+                   GradientWrite write = GradientWrite::accumulate) {
   const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
                         mask, lengths.empty() ? nullptr : lengths.data()};
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  Result r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)), data.dqkv0,
-               std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan)};
+  const bool accumulate = write == GradientWrite::accumulate;
+  Result r{std::vector<bf16>(static_cast<std::size_t>(c.B * c.T * c.C()), bf16(nan)),
+           accumulate ? data.dqkv0 : std::vector<bf16>(data.dqkv0.size(), bf16(nan)),
+           std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan)};
   std::vector<float> delta(r.lse.size(), nan);
   const std::int64_t grid_x = c.B * c.NH, grid_y = fl::row_tiles(c.T, M), rows = c.B * c.NH * c.T;
   detail::cuda_attention::with_head_size(c.dims(), [&]<int HS>() {
@@ -248,7 +253,9 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
         fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
       });
       const fl::BackwardArgs ba{shape,        data.qkv.data(), data.dout.data(), r.lse.data(),
-                                delta.data(), r.dqkv.data()};
+                                delta.data(), r.dqkv.data(), accumulate};
+      if (!accumulate && !lengths.empty())
+        run_grid(c.B * c.T, 1, 0, [&](HostThread& th) { fl::zero_padding_block(th, ba); });
       run_grid(grid_x, grid_y, fl::KeyValueGradSmem<HS, Tiles>::total, [&](HostThread& th) {
         if (drop != nullptr)
           fl::key_value_grad_block<HS, M, true, Tiles>(th, ba, *drop);
@@ -487,6 +494,47 @@ TEST_CASE("the tiled kernels' bodies match the reference on padded sequences, bo
           }
         }
       CHECK(wrong == 0);
+    }
+  }
+}
+
+//! Whether two results hold the same values (a zero's sign aside; a NaN matches nothing).
+bool same_values(const std::vector<bf16>& a, const std::vector<bf16>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!(static_cast<float>(a[i]) == static_cast<float>(b[i]))) return false;
+  return true;
+}
+
+//! The overwriting backward's cases: the padded ones, and one unpadded of head size 64 (the
+//! warpgroup bodies' too) over three tiles.
+std::vector<PaddedCase> overwrite_cases() {
+  std::vector<PaddedCase> cases = padded_cases();
+  cases.push_back({{2, 129, 2, 64}, {}});
+  return cases;
+}
+
+//! `data` with dqkv0 = 0: what an overwriting backward must match by accumulating.
+Data with_zero_gradient(Data data) {
+  std::fill(data.dqkv0.begin(), data.dqkv0.end(), bf16(0.0f));
+  return data;
+}
+
+TEST_CASE("an overwriting backward writes all of dqkv, padding 0: accumulating into zeros' bits (host emulation)") {
+  std::uint32_t seed = 450;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : overwrite_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = with_zero_gradient(make_data(pc.shape, seed += 10));
+      const Result accumulated = run_on_host(pc.shape, data, mask, pc.lengths);
+      const Result written = run_on_host(pc.shape, data, mask, pc.lengths, nullptr, GradientWrite::overwrite);
+      CHECK(same_values(written.dqkv, accumulated.dqkv));
+      if (pc.shape.hs == fl::group_head_size) {  // the warpgroup bodies too
+        const Result group =
+            run_on_host<1, fl::GroupTiles>(pc.shape, data, mask, pc.lengths, nullptr, GradientWrite::overwrite);
+        CHECK(same_values(group.dqkv, accumulated.dqkv));
+      }
     }
   }
 }
@@ -868,14 +916,16 @@ TEST_CASE("with attention dropout the warpgroup bodies give the mma.sync bodies'
 //! The forward and backward through the public kernels on `be` (flash or cuBLAS per its switch),
 //! with `dropout` (inactive by default).
 Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
-                     const Lengths& lengths = {}, const AttentionDropout& dropout = {}) {
+                     const Lengths& lengths = {}, const AttentionDropout& dropout = {},
+                     GradientWrite write = GradientWrite::accumulate) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const DeviceArray<std::int32_t> device_lengths(be, lengths.empty() ? Lengths(1, 0) : lengths,
                                                  Shape{lengths.empty() ? 1 : c.B});
   const AttentionKeys keys = lengths.empty() ? AttentionKeys(mask) : AttentionKeys(mask, device_lengths.cview());
   const Shape qkv_shape{c.B, c.T, 3 * c.C()}, out_shape{c.B, c.T, c.C()};
   const DeviceArray<bf16> qkv(be, data.qkv, qkv_shape), dout(be, data.dout, out_shape),
-      dqkv(be, data.dqkv0, qkv_shape);
+      dqkv(be, write == GradientWrite::accumulate ? data.dqkv0 : std::vector<bf16>(data.dqkv0.size(), bf16(nan)),
+           qkv_shape);
   const DeviceArray<bf16> out(be, std::vector<bf16>(static_cast<std::size_t>(out_shape.numel()), bf16(nan)),
                               out_shape);
   const DeviceArray<float> lse(be, std::vector<float>(static_cast<std::size_t>(c.B * c.NH * c.T), nan),
@@ -883,7 +933,7 @@ Result run_on_device(cuda& be, const Case& c, const Data& data, AttentionMask ma
   const int heads = static_cast<int>(c.NH);
   attention_forward_lse<bf16>(be, out.view(), lse.view(), qkv.cview(), heads, keys, dropout);
   attention_backward_lse<bf16>(be, dqkv.view(), dout.cview(), qkv.cview(), out.cview(), lse.cview(), heads, keys,
-                               dropout);
+                               dropout, write);
   return {out.to_host(be), dqkv.to_host(be), lse.to_host(be)};
 }
 
@@ -1031,6 +1081,31 @@ TEST_CASE("padded batches on the tiled kernels match the reference and the cuBLA
       const Data data = make_data(pc.shape, seed += 10);
       check_switched(be, flash_switch(be), pc, data, mask, reference(pc.shape, data, mask, pc.lengths), {},
                      cublas_lse_tolerance);
+    }
+  }
+  be.set_flash_attention(true);
+}
+
+TEST_CASE("on the GPU an overwriting backward writes all of dqkv: the tiled kernels give accumulating into zeros' "
+          "bits, the cuBLAS path the reference (both masks, padded or not)") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  if (!tiled_kernels_run(be)) return;
+  std::uint32_t seed = 1500;
+  for (const AttentionMask mask : both_masks) {
+    for (const PaddedCase& pc : overwrite_cases()) {
+      INFO(loom::name(mask));
+      CAPTURE(pc.shape);
+      const Data data = with_zero_gradient(make_data(pc.shape, seed += 10));
+      for (const bool flash : {true, false}) {
+        INFO(std::string(flash ? "tiled kernels" : "cuBLAS path"));
+        be.set_flash_attention(flash);
+        const Result accumulated = run_on_device(be, pc.shape, data, mask, pc.lengths);
+        const Result written = run_on_device(be, pc.shape, data, mask, pc.lengths, {}, GradientWrite::overwrite);
+        if (flash) CHECK(same_values(written.dqkv, accumulated.dqkv));
+        check_all(reference(pc.shape, data, mask, pc.lengths), written.out, written.lse, written.dqkv,
+                  flash ? lse_tolerance : cublas_lse_tolerance);
+      }
     }
   }
   be.set_flash_attention(true);

@@ -441,6 +441,15 @@ TEST_CASE("matmul_backward accumulates din, dweight and dbias; empty ones are sk
     CHECK(dweight_split.to_host(be) == dweight_all);
     CHECK(dbias_split.to_host(be) == dbias_all);
 
+    // din written over NaN (GradientWrite::overwrite, beta 0): the product alone.
+    const DeviceTensor din_written(be, std::vector<float>(data.din0.size(), std::nanf("")), Shape{c.N, c.C});
+    matmul_backward<float>(be, din_written.view(), Tensor<float>{}, Tensor<float>{}, dout.cview(), in.cview(),
+                           weight.cview(), GradientWrite::overwrite);
+    MatmulData from_zero = data;
+    std::fill(from_zero.din0.begin(), from_zero.din0.end(), 0.0f);
+    const Reference product_ref = matmul_input_grad_reference(c, from_zero);
+    check_close(din_written.to_host(be), product_ref.value, product_ref.magnitude, tf32_tolerance, "din (overwrite)");
+
     // Without dbias (the tied LM head): din and dweight still computed.
     const DeviceTensor din_nobias(be, data.din0, Shape{c.N, c.C}),
         dweight_nobias(be, data.dweight0, Shape{c.OC, c.C});
@@ -596,6 +605,24 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
     const LayernormGrads ref = layernorm_backward_reference(c, x, w, g, din0, dw0, db0, stats);
     const DeviceTensor in(be, x, Shape{c.N, c.C}), weight(be, w, Shape{c.C}), dout(be, g, Shape{c.N, c.C}),
         mean(be, stats.mean, Shape{c.N}), rstd(be, stats.rstd, Shape{c.N});
+    // With a residual, written over NaN (GPT-2's dres2), and added on: din starts from residual
+    // (+ din0) in the reference.
+    const std::vector<float> res = random_floats(c.N * c.C, 407, -4.0f, 4.0f);
+    const DeviceTensor residual(be, res, Shape{c.N, c.C});
+    for (const GradientWrite write : {GradientWrite::overwrite, GradientWrite::accumulate}) {
+      const bool accumulate = write == GradientWrite::accumulate;
+      CAPTURE(accumulate);
+      std::vector<float> base(res);
+      if (accumulate)
+        for (std::size_t i = 0; i < base.size(); ++i) base[i] += din0[i];
+      const DeviceTensor din(be, accumulate ? din0 : std::vector<float>(din0.size(), std::nanf("")),
+                             Shape{c.N, c.C}),
+          dweight(be, dw0, Shape{c.C}), dbias(be, db0, Shape{c.C});
+      layernorm_backward<float>(be, din.view(), dweight.view(), dbias.view(), dout.cview(), in.cview(),
+                                weight.cview(), mean.cview(), rstd.cview(), residual.cview(), write);
+      check_grads(layernorm_backward_reference(c, x, w, g, base, dw0, db0, stats), din.to_host(be),
+                  dweight.to_host(be), dbias.to_host(be));
+    }
     std::vector<float> first_din, first_dw, first_db;
     for (int run = 0; run < 2; ++run) {
       CAPTURE(run);
@@ -623,7 +650,7 @@ template <class T, int P>
 void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din, std::vector<T>& dweight,
                             std::vector<T>& dbias, const std::vector<T>& dout, const std::vector<T>& in,
                             const std::vector<T>& weight, const std::vector<float>& mean,
-                            const std::vector<float>& rstd) {
+                            const std::vector<float>& rstd, const T* residual = nullptr, bool accumulate = true) {
   namespace ln = detail::cuda_layernorm;
   namespace k = detail::cuda_kernels;
   static_assert(ln::fused_vectors<T>(P));
@@ -631,11 +658,13 @@ void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din,
   const std::int64_t blocks = ln::fused_blocks(N);
   // NaN: a partial the body does not write shows in the totals.
   std::vector<float> partials(static_cast<std::size_t>(2 * blocks * C), std::numeric_limits<float>::quiet_NaN());
-  const ln::BackwardArgs<T> args{din.data(),  dout.data(), in.data(),       weight.data(),
-                                 mean.data(), rstd.data(), partials.data(), N,
-                                 C};
+  const ln::BackwardArgs<T> args{din.data(),  dout.data(), in.data(),       weight.data(), mean.data(),
+                                 rstd.data(), partials.data(), N, C, residual, accumulate};
   run_grid(
-      blocks, 1, 2 * C * sizeof(float), [&](HostThread& th) { ln::fused_backward_block<T, P>(th, args); },
+      blocks, 1, 2 * C * sizeof(float),
+      [&](HostThread& th) {
+        ln::with_gradient_base(args, [&]<ln::GradientBase Base>() { ln::fused_backward_block<T, P, Base>(th, args); });
+      },
       ln::fused_threads);
   const k::ColumnOutputs<T, 2> outputs{{dweight.data(), dbias.data()}};
   run_grid(
@@ -644,11 +673,16 @@ void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din,
 }
 
 //! One host case of the fused backward against the double reference: float at float_tolerance,
-//! bf16 (inputs rounded first, each result rounded once: 2^-9 of its magnitude) at 1e-2.
+//! bf16 (inputs rounded first, each result rounded once: 2^-9 of its magnitude) at 1e-2. With
+//! `residual`, din also gets a residual; with `write` = overwrite din starts as NaN and is written.
 template <class T, int P>
-void check_fused_backward_on_host(const LayernormCase& c) {
+void check_fused_backward_on_host(const LayernormCase& c, bool residual = false,
+                                  GradientWrite write = GradientWrite::accumulate) {
   CAPTURE(c.N);
   CAPTURE(c.C);
+  CAPTURE(residual);
+  const bool accumulate = write == GradientWrite::accumulate;
+  CAPTURE(accumulate);
   // Rounded to T first, so that the reference sees the kernel's inputs.
   const std::vector<float> x = floats_of(cast_to<T>(random_floats(c.N * c.C, 410, c.offset - 1, c.offset + 1)));
   const std::vector<float> w = floats_of(cast_to<T>(random_floats(c.C, 411, 0.5f, 1.5f)));
@@ -657,10 +691,16 @@ void check_fused_backward_on_host(const LayernormCase& c) {
   const std::vector<float> dw0 = floats_of(cast_to<T>(random_floats(c.C, 414)));
   const std::vector<float> db0 = floats_of(cast_to<T>(random_floats(c.C, 415)));
   const LayernormStats stats = layernorm_forward_reference(c.N, c.C, x, w, std::vector<float>(static_cast<std::size_t>(c.C)), 1e-5);
-  const LayernormGrads ref = layernorm_backward_reference(c, x, w, g, din0, dw0, db0, stats);
-  std::vector<T> din = cast_to<T>(din0), dweight = cast_to<T>(dw0), dbias = cast_to<T>(db0);
+  const std::vector<float> res = floats_of(cast_to<T>(random_floats(c.N * c.C, 416, -4.0f, 4.0f)));
+  // What din starts from in the reference: its old value where accumulating, plus the residual.
+  std::vector<float> base(din0.size(), 0.0f);
+  for (std::size_t i = 0; i < base.size(); ++i) base[i] = (accumulate ? din0[i] : 0.0f) + (residual ? res[i] : 0.0f);
+  const LayernormGrads ref = layernorm_backward_reference(c, x, w, g, base, dw0, db0, stats);
+  std::vector<T> din = accumulate ? cast_to<T>(din0) : std::vector<T>(din0.size(), T(std::nanf(""))),
+                 dweight = cast_to<T>(dw0), dbias = cast_to<T>(db0);
+  const std::vector<T> res_t = cast_to<T>(res);
   fused_backward_on_host<T, P>(c.N, c.C, din, dweight, dbias, cast_to<T>(g), cast_to<T>(x), cast_to<T>(w), stats.mean,
-                               stats.rstd);
+                               stats.rstd, residual ? res_t.data() : nullptr, accumulate);
   check_grads(ref, floats_of(din), floats_of(dweight), floats_of(dbias),
               std::is_same_v<T, float> ? float_tolerance : 1e-2);
 }
@@ -674,6 +714,13 @@ TEST_CASE("layernorm_backward's fused body and the column totals match the host 
   check_fused_backward_on_host<float, 5>({70, 640, 10});
   check_fused_backward_on_host<bf16, 1>({32, 256, 0});
   check_fused_backward_on_host<bf16, 3>({45, 768, 0});
+  // A residual and an overwrite (GPT-2's dres2 = dout + ln2's gradient), and a residual added on.
+  for (const bool residual : {false, true}) {
+    check_fused_backward_on_host<float, 4>({33, 512, 0}, residual, GradientWrite::overwrite);
+    check_fused_backward_on_host<bf16, 3>({45, 768, 0}, residual, GradientWrite::overwrite);
+  }
+  check_fused_backward_on_host<float, 5>({70, 640, 10}, true);
+  check_fused_backward_on_host<bf16, 3>({45, 768, 0}, true);
 }
 
 TEST_CASE("layernorm kernels reject wrong shapes, naming the argument") {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/rng.hpp"
 
@@ -64,6 +65,16 @@ double max_relative_error(const A& a, const B& b, double floor = 1e-6) {
 template <class T>
 constexpr double tolerance() {
   return sizeof(T) == sizeof(double) ? 1e-12 : 1e-5;
+}
+
+//! Whether a and b hold the same values (a zero's sign aside; a NaN matches nothing): what an
+//! overwriting kernel (GradientWrite::overwrite) must give against accumulating into zeros.
+template <class T>
+bool same_values(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!(loom::to_accumulate(a[i]) == loom::to_accumulate(b[i]))) return false;
+  return true;
 }
 
 //! Runs `call`, which must throw loom::Error whose message contains `fragment`.

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -103,11 +104,13 @@ struct SavesProbs {
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const Run<T>& r, const Case& c, loom::AttentionKeys mask = AttentionMask::causal) {
+                       const Run<T>& r, const Case& c, loom::AttentionKeys mask = AttentionMask::causal,
+                       loom::GradientWrite write = loom::GradientWrite::accumulate) {
     loom::kernels::attention_backward<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                          Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                          Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
-                                         Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T, c.T}), c.NH, mask);
+                                         Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T, c.T}), c.NH, mask, {},
+                                         write);
   }
 };
 
@@ -125,12 +128,14 @@ struct SavesLse {
     return r;
   }
   static void backward(const cpu& be, std::vector<T>& dqkv, const std::vector<T>& dout, const std::vector<T>& qkv,
-                       const Run<T>& r, const Case& c, loom::AttentionKeys mask = AttentionMask::causal) {
+                       const Run<T>& r, const Case& c, loom::AttentionKeys mask = AttentionMask::causal,
+                       loom::GradientWrite write = loom::GradientWrite::accumulate) {
     loom::kernels::attention_backward_lse<T>(be, Tensor<T>(dqkv.data(), {c.B, c.T, 3 * c.C}),
                                              Tensor<const T>(dout.data(), {c.B, c.T, c.C}),
                                              Tensor<const T>(qkv.data(), {c.B, c.T, 3 * c.C}),
                                              Tensor<const T>(r.out.data(), {c.B, c.T, c.C}),
-                                             Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T}), c.NH, mask);
+                                             Tensor<const T>(r.saved.data(), {c.B, c.NH, c.T}), c.NH, mask, {},
+                                             write);
   }
 };
 
@@ -708,8 +713,40 @@ TEST_CASE_TEMPLATE_DEFINE("attention kernels give the same bits on 1 and 2 threa
     }
   }
 }
+TEST_CASE_TEMPLATE_DEFINE("attention backward with GradientWrite::overwrite writes dqkv over anything, padding 0: "
+                          "accumulating into zeros' bits",
+                          Kernels, overwrites) {
+  using T = typename Kernels::type;
+  const T nan(std::numeric_limits<float>::quiet_NaN());
+  std::vector<PaddedCase> overwrite_cases = padded_cases();
+  overwrite_cases.push_back({{2, 70, 12, 3}, {}});  // unpadded, more than one 64-row block
+  for (const int threads : {1, 2}) {
+    const cpu be(threads);
+    for (const AttentionMask mask : both_masks) {
+      for (const PaddedCase& pc : overwrite_cases) {
+        const Case& c = pc.c;
+        INFO("threads " << threads << ", " << loom::name(mask) << ", T " << c.T << ", "
+                        << (pc.lengths.empty() ? "unpadded" : "padded"));
+        const loom::AttentionKeys keys = pc.lengths.empty() ? loom::AttentionKeys(mask) : padded_keys(mask, pc.lengths);
+        const auto qkv = loom::test::random_vector<T>(c.B * c.T * 3 * c.C, 51);
+        const auto dout = loom::test::random_vector<T>(c.B * c.T * c.C, 52);
+        const auto r = Kernels::forward(be, qkv, c, keys);
+        std::vector<T> accumulated(qkv.size(), T(0.0f)), written(qkv.size(), nan);
+        Kernels::backward(be, accumulated, dout, qkv, r, c, keys);
+        Kernels::backward(be, written, dout, qkv, r, c, keys, loom::GradientWrite::overwrite);
+        std::size_t differ = 0;  // a zero's sign aside; a NaN left over differs
+        for (std::size_t i = 0; i < qkv.size(); ++i)
+          differ += !(loom::to_accumulate(written[i]) == loom::to_accumulate(accumulated[i]));
+        CHECK(differ == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE_TEMPLATE_APPLY(accumulates, KernelPairs);
 TEST_CASE_TEMPLATE_APPLY(thread_count, KernelPairs);
+//! bf16 too: its heads run on widened copies (the slice of dqkv zeroed there, not read).
+TEST_CASE_TEMPLATE_APPLY(overwrites, decltype(std::tuple_cat(KernelPairs{}, std::tuple<SavesProbs<loom::bf16>>{})));
 
 TEST_CASE("attention kernels reject bad shapes and head counts") {
   const cpu be(1);

@@ -1,14 +1,18 @@
 // LayerNorm kernels: forward and backward against plain two-pass loops, backward against central
-// differences, the accumulate convention, shape checks and thread-count determinism.
+// differences, the accumulate convention, the backward's residual and overwrite, shape checks and
+// thread-count determinism.
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "loom/backend/cpu/elementwise.hpp"
 #include "loom/backend/cpu/layernorm.hpp"
 #include "support/gradcheck.hpp"
 
@@ -247,6 +251,91 @@ TEST_CASE_TEMPLATE("layernorm_backward accumulates into every gradient", T, floa
   }
 }
 
+//! The backward in every form on `T` (float, double or bf16, whose statistics are float): din
+//! from `din0`, optionally a residual and overwrite; returns din, dweight, dbias (both from prior
+//! values 0.25).
+template <class T>
+struct ResidualRun {
+  const cpu& be;
+  const Case& c;
+  std::vector<T> in, weight, bias, dout, residual;
+  std::vector<loom::accumulate_t<T>> mean, rstd;
+
+  ResidualRun(const cpu& b, const Case& k, std::uint64_t seed) : be(b), c(k) {
+    const std::int64_t N = c.B * c.T;
+    in = loom::test::random_vector<T>(N * c.C, seed, -1.0, 1.0);
+    weight = loom::test::random_vector<T>(c.C, seed + 1, 0.5, 1.5);
+    bias = loom::test::random_vector<T>(c.C, seed + 2);
+    dout = loom::test::random_vector<T>(N * c.C, seed + 3);
+    residual = loom::test::random_vector<T>(N * c.C, seed + 4, -4.0, 4.0);
+    mean.resize(N);
+    rstd.resize(N);
+    std::vector<T> out(N * c.C);
+    using A = loom::accumulate_t<T>;
+    loom::kernels::layernorm_forward<T>(be, Tensor<T>(out.data(), {N, c.C}), Tensor<A>(mean.data(), {N}),
+                                        Tensor<A>(rstd.data(), {N}), Tensor<const T>(in.data(), {N, c.C}),
+                                        Tensor<const T>(weight.data(), {c.C}), Tensor<const T>(bias.data(), {c.C}));
+  }
+  Grads<T> operator()(std::vector<T> din0, bool with_residual, loom::GradientWrite write) const {
+    const std::int64_t N = c.B * c.T;
+    Grads<T> g{std::move(din0), std::vector<T>(c.C, T(0.25f)), std::vector<T>(c.C, T(0.25f))};
+    loom::kernels::layernorm_backward<T>(
+        be, Tensor<T>(g.din.data(), {N, c.C}), Tensor<T>(g.dweight.data(), {c.C}), Tensor<T>(g.dbias.data(), {c.C}),
+        Tensor<const T>(dout.data(), {N, c.C}), Tensor<const T>(in.data(), {N, c.C}),
+        Tensor<const T>(weight.data(), {c.C}), Tensor<const loom::accumulate_t<T>>(mean.data(), {N}),
+        Tensor<const loom::accumulate_t<T>>(rstd.data(), {N}),
+        with_residual ? Tensor<const T>(residual.data(), {N, c.C}) : Tensor<const T>{}, write);
+    return g;
+  }
+};
+
+using loom::test::same_values;
+
+TEST_CASE_TEMPLATE("layernorm_backward's residual and overwrite give the bits of copy or add_to, then the backward",
+                   T, float, double, loom::bf16) {
+  using loom::GradientWrite;
+  const T nan(std::numeric_limits<float>::quiet_NaN());
+  for (const int threads : {1, 2}) {
+    const cpu be(threads);
+    for (const Case& c : cases) {
+      INFO("threads " << threads << ", [" << c.B << ", " << c.T << ", " << c.C << "]");
+      const ResidualRun<T> run(be, c, 91);
+      const std::size_t n = run.dout.size();
+      const std::vector<T> zeros(n, T(0.0f)), garbage(n, nan);
+      const Grads<T> plain = run(zeros, false, GradientWrite::accumulate);
+      // Overwrite: din never read (NaN), the bits of accumulating into zeros.
+      const Grads<T> written = run(garbage, false, GradientWrite::overwrite);
+      CHECK(same_values(written.din, plain.din));
+      CHECK(written.dweight == plain.dweight);
+      CHECK(written.dbias == plain.dbias);
+      // Overwrite with a residual: the bits of copying the residual into din, then accumulating.
+      const Grads<T> copied = run(run.residual, false, GradientWrite::accumulate);
+      const Grads<T> residual_written = run(garbage, true, GradientWrite::overwrite);
+      CHECK(same_values(residual_written.din, copied.din));
+      CHECK(residual_written.dweight == plain.dweight);
+      // Accumulate with a residual into zeros (a model's input gradient): add_to's bits, then the
+      // backward's.
+      std::vector<T> added = zeros;
+      loom::kernels::add_to<T>(be, Tensor<T>(added.data(), {static_cast<std::int64_t>(n)}),
+                               Tensor<const T>(run.residual.data(), {static_cast<std::int64_t>(n)}));
+      CHECK(same_values(run(zeros, true, GradientWrite::accumulate).din,
+                        run(added, false, GradientWrite::accumulate).din));
+      // Onto a nonzero din, in double: din0 + residual + the change.
+      const std::vector<T> prior = loom::test::random_vector<T>(n, 95);
+      const Grads<T> onto = run(prior, true, GradientWrite::accumulate);
+      double worst = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const double want = static_cast<double>(loom::to_accumulate(prior[i])) +
+                            static_cast<double>(loom::to_accumulate(run.residual[i])) +
+                            static_cast<double>(loom::to_accumulate(plain.din[i]));
+        worst = std::max(worst, std::abs(static_cast<double>(loom::to_accumulate(onto.din[i])) - want) /
+                                    (1 + std::abs(want)));
+      }
+      CHECK(worst <= (std::is_same_v<T, loom::bf16> ? 1.0 / 128 : 10 * tolerance<T>()));
+    }
+  }
+}
+
 TEST_CASE_TEMPLATE("layernorm kernels give the same bits on 1 and 2 threads", T, float, double) {
   const cpu one(1), two(2);
   const Case c{2, 67, 129, 0.0};
@@ -305,4 +394,9 @@ TEST_CASE("layernorm kernels reject wrong shapes") {
                "layernorm_backward: argument mean");
   expect_error([&] { layernorm_backward<float>(be, din_v, dw_v, db_v, dout_v, in_v, w_v, mean_v, Tensor<const float>(big.data(), {2})); },
                "layernorm_backward: argument rstd");
+  const Tensor<const float> wide(big.data(), {N, C + 1});
+  expect_error([&] { layernorm_backward<float>(be, din_v, dw_v, db_v, dout_v, in_v, w_v, mean_v, rstd_v, wide); },
+               "layernorm_backward: argument residual");
+  expect_error([&] { layernorm_backward<float>(be, din_v, dw_v, db_v, dout_v, in_v, w_v, mean_v, rstd_v, din_v); },
+               "layernorm_backward: argument residual: got din itself; a tensor other than din");
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -69,14 +70,17 @@ Grads<T> zero_grads(const Case& c) {
 
 template <class T>
 void run_backward(const cpu& be, Grads<T>& g, const std::vector<T>& dout, const Data<T>& d,
-                  const Case& c, bool with_din = true, bool with_dbias = true, bool with_dweight = true) {
+                  const Case& c, bool with_din = true, bool with_dbias = true, bool with_dweight = true,
+                  loom::GradientWrite din_write = loom::GradientWrite::accumulate) {
   loom::kernels::matmul_backward<T>(
       be, with_din ? Tensor<T>(g.din.data(), rows_shape(c, c.C)) : Tensor<T>{},
       with_dweight ? Tensor<T>(g.dweight.data(), {c.OC, c.C}) : Tensor<T>{},
       with_dbias ? Tensor<T>(g.dbias.data(), {c.OC}) : Tensor<T>{},
       Tensor<const T>(dout.data(), rows_shape(c, c.OC)), Tensor<const T>(d.in.data(), rows_shape(c, c.C)),
-      Tensor<const T>(d.weight.data(), {c.OC, c.C}));
+      Tensor<const T>(d.weight.data(), {c.OC, c.C}), din_write);
 }
+
+using loom::test::same_values;
 
 //! x in double (bf16 through float, which holds it exactly).
 template <class T>
@@ -276,6 +280,32 @@ TEST_CASE_TEMPLATE("matmul_backward accumulates into every gradient", T, float, 
           accumulate_tolerance);
     CHECK(loom::test::max_relative_error(accumulated.dbias, expect(prior.dbias, fresh.dbias), 1.0) <=
           accumulate_tolerance);
+  }
+}
+
+TEST_CASE_TEMPLATE("matmul_backward with GradientWrite::overwrite writes din over anything: accumulating into zeros' "
+                   "bits",
+                   T, float, double, loom::bf16) {
+  // Every path (the staged bf16 GEMM; Eigen's coefficient-wise product on small shapes and its
+  // blocked GEMM on the last), 1 and 2 threads. din starts as NaN: a read of it would show.
+  for (const int threads : {1, 2}) {
+    const cpu be(threads);
+    for (const Case& c : cases) {
+      INFO("threads " << threads << ", [" << c.B << ", " << c.T << ", " << c.C << "] x " << c.OC);
+      const auto d = make_data<T>(c, 81);
+      const auto dout = loom::test::random_vector<T>(c.B * c.T * c.OC, 82);
+      const Grads<T> prior{std::vector<T>(c.B * c.T * c.C, T(0)), loom::test::random_vector<T>(c.OC * c.C, 83),
+                           loom::test::random_vector<T>(c.OC, 84)};
+      auto accumulated = prior;
+      run_backward(be, accumulated, dout, d, c);
+      auto written = prior;
+      std::fill(written.din.begin(), written.din.end(), T(std::numeric_limits<float>::quiet_NaN()));
+      run_backward(be, written, dout, d, c, true, true, true, loom::GradientWrite::overwrite);
+      CHECK(same_values(written.din, accumulated.din));
+      // dweight and dbias still accumulate (onto random values here).
+      CHECK(written.dweight == accumulated.dweight);
+      CHECK(written.dbias == accumulated.dbias);
+    }
   }
 }
 

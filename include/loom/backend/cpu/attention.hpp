@@ -19,6 +19,7 @@
 
 #include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
@@ -289,11 +290,12 @@ void forward_heads(const cpu& be, const Dims& d, T* out, T* att, accumulate_t<T>
 
 //! attention_backward (from att [B,NH,T,T]) and attention_backward_lse (att null: from lse
 //! [B,NH,T] and out [B,T,C], recomputing the probabilities block by block) on checked arguments
-//! (the mask in `d`): one task per (batch, head), dqkv +=. On bf16 each head's operands (and its slice of dqkv) are
-//! widened to float, and dqkv rounded once.
+//! (the mask in `d`): one task per (batch, head), dqkv += (or with GradientWrite::overwrite, the
+//! head's slice of dqkv zeroed first, never read: the bits of accumulating into zeros). On bf16
+//! each head's operands (and its slice of dqkv) are widened to float, and dqkv rounded once.
 template <class T>
 void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att,
-                    const T* out, const accumulate_t<T>* lse, const AttentionDropout& drop) {
+                    const T* out, const accumulate_t<T>* lse, const AttentionDropout& drop, GradientWrite write) {
   using A = accumulate_t<T>;
   const std::int64_t B = d.batch, Tn = d.tokens, C = d.channels, NH = d.heads, hs = d.head_size;
   const A scale = softmax_scale<A>(hs);
@@ -333,7 +335,10 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
         A* blocks = stage;
         for (int i = 0; i < 3; ++i) {
           widen_block(q + i * C, 3 * C, 0, Tn, 0, hs, blocks + i * Tn * hs);
-          widen_block(dq + i * C, 3 * C, 0, Tn, 0, hs, blocks + (3 + i) * Tn * hs);
+          if (write == GradientWrite::accumulate)
+            widen_block(dq + i * C, 3 * C, 0, Tn, 0, hs, blocks + (3 + i) * Tn * hs);
+          else
+            std::fill_n(blocks + (3 + i) * Tn * hs, Tn * hs, A(0));
         }
         A* sg = blocks + 6 * Tn * hs;
         A* sa = a != nullptr ? sg + Tn * hs : nullptr;
@@ -346,6 +351,9 @@ void backward_heads(const cpu& be, const Dims& d, T* dqkv, const T* dout, const 
                          drop.mask, origin, dropped);
         for (int i = 0; i < 3; ++i) narrow_block(blocks + (3 + i) * Tn * hs, hs, dq + i * C, 3 * C, Tn, hs);
       } else {
+        if (write == GradientWrite::overwrite)
+          for (std::int64_t t = 0; t < Tn; ++t)
+            for (int i = 0; i < 3; ++i) std::fill_n(dq + t * 3 * C + i * C, hs, T(0));
         head_backward<A>(q, q + C, q + 2 * C, dq, dq + C, dq + 2 * C, 3 * C, g, o, C, a, l, block, work, Tn, hs,
                          scale, d.mask, length, drop.mask, origin, dropped);
       }
@@ -381,17 +389,20 @@ void attention_forward(const cpu& be, Tensor<T> out, Tensor<T> att, Tensor<const
 
 //! Multi-head self-attention backward: `dqkv` [B,T,3C] += the gradient w.r.t. `qkv` given `dout`
 //! [B,T,C] and the probabilities `att` [B,NH,T,T] saved by attention_forward with the same
-//! `keys`. Scratch is one [64, T] block per thread; nothing of size [B,NH,T,T] is allocated. On
-//! bf16 each head's operands (and its slice of dqkv) are widened to float, and dqkv rounded once.
+//! `keys`; with `dqkv_write` = GradientWrite::overwrite, dqkv = the gradient (0 at padded
+//! positions), dqkv never read. Scratch is one [64, T] block per thread; nothing of size
+//! [B,NH,T,T] is allocated. On bf16 each head's operands (and its slice of dqkv) are widened to
+//! float, and dqkv rounded once.
 template <class T>
 void attention_backward(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                         Tensor<const T> att, int num_heads, AttentionKeys keys = AttentionMask::causal,
-                        const AttentionDropout& dropout = {}) {
+                        const AttentionDropout& dropout = {}, GradientWrite dqkv_write = GradientWrite::accumulate) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward(dqkv, dout, qkv, att, num_heads, keys);
   if (d.empty()) return;
   ad::check_length_values(d, "attention_backward");
-  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr, dropout);
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), att.data(), nullptr, nullptr, dropout,
+                        dqkv_write);
 }
 
 //! Self-attention forward (causal or bidirectional, padded or not: `keys`) that keeps only the row log-sum-exp
@@ -416,16 +427,18 @@ void attention_forward_lse(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>>
 //! Per block of 64 query rows it recomputes the probabilities from one extra score GEMM,
 //! P = exp(q_t·k_s/sqrt(hs) - lse), then runs attention_backward's math with each row's softmax
 //! shift sum_s P dP taken as dout_t·out_t (FlashAttention's D; the same on the GPU). Scratch is
-//! two [64, T] blocks per thread.
+//! two [64, T] blocks per thread. `dqkv_write` as for attention_backward.
 template <class T>
 void attention_backward_lse(const cpu& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
-                            AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
+                            AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {},
+                            GradientWrite dqkv_write = GradientWrite::accumulate) {
   namespace ad = detail::attention;
   const ad::Dims d = ad::check_backward_lse(dqkv, dout, qkv, out, lse, num_heads, keys);
   if (d.empty()) return;
   ad::check_length_values(d, "attention_backward_lse");
-  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data(), dropout);
+  ad::backward_heads<T>(be, d, dqkv.data(), dout.data(), qkv.data(), nullptr, out.data(), lse.data(), dropout,
+                        dqkv_write);
 }
 
 }  // namespace loom::inline kernels

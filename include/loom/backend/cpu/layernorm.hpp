@@ -11,6 +11,7 @@
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/tensor.hpp"
@@ -81,11 +82,16 @@ void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> mea
 }
 
 //! Backward of layernorm_forward from its saved `mean` and `rstd`, accumulating: din += d in,
-//! dweight += sum over rows of dout * normalized in, dbias += sum over rows of dout.
+//! dweight += sum over rows of dout * normalized in, dbias += sum over rows of dout. `residual`
+//! (optional, [N, C] in rows as din, and not din itself) is the gradient that reaches the input
+//! around the layernorm, through a residual connection: din += residual + d in, summed in the
+//! accumulate type and rounded once. `din_write` = GradientWrite::overwrite writes din = d in (+
+//! residual) instead, never reading din: a pre-norm block's residual-stream gradient in one pass.
 template <class T>
 void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
-                        Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd) {
+                        Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd,
+                        Tensor<const T> residual = {}, GradientWrite din_write = GradientWrite::accumulate) {
   using A = accumulate_t<T>;
   namespace d = detail::layernorm;
   constexpr const char* kernel = "layernorm_backward";
@@ -99,17 +105,21 @@ void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<
   check_shape(weight, Shape{C}, kernel, "weight");
   check_numel(mean, N, kernel, "mean");
   check_numel(rstd, N, kernel, "rstd");
+  if (!residual.empty()) detail::check_residual(residual, din, N, C, kernel, "din");
   if (N == 0 || C == 0) return;
 
   const T* x_all = in.data();
+  const T* residual_all = residual.empty() ? nullptr : residual.data();
+  const bool accumulate = din_write == GradientWrite::accumulate;
   const T* g_all = dout.data();
   const T* w = weight.data();
   const A* mean_all = mean.data();
   const A* rstd_all = rstd.data();
   [[maybe_unused]] const bool parallel = N * C >= d::parallel_min_elements;
 
-  // Input gradient, row by row: din += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd
-  // with norm = (x - mean) * rstd and dnorm = weight * dout.
+  // Input gradient, row by row: din += residual + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd
+  // with norm = (x - mean) * rstd and dnorm = weight * dout; din's old value and the residual
+  // where they are taken, added in that order before the change.
   T* dx_all = din.data();
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (parallel)
   for (std::int64_t n = 0; n < N; ++n) {
@@ -126,9 +136,12 @@ void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<
     const A a = static_cast<A>(sum_dnorm / static_cast<double>(C));
     const A c = static_cast<A>(sum_dnorm_norm / static_cast<double>(C));
     T* dx = dx_all + n * C;
+    const T* res = residual_all != nullptr ? residual_all + n * C : nullptr;
     for (std::int64_t i = 0; i < C; ++i) {
       const A norm = (to_accumulate(x[i]) - m) * r;
-      dx[i] = static_cast<T>(to_accumulate(dx[i]) + (to_accumulate(w[i]) * to_accumulate(g[i]) - a - norm * c) * r);
+      A base = accumulate ? to_accumulate(dx[i]) : A(0);
+      if (res != nullptr) base = accumulate ? base + to_accumulate(res[i]) : to_accumulate(res[i]);
+      dx[i] = static_cast<T>(base + (to_accumulate(w[i]) * to_accumulate(g[i]) - a - norm * c) * r);
     }
   }
 

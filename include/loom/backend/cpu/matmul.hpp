@@ -14,6 +14,7 @@
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/cpu/elementwise.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/backend/detail/shape_checks.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
@@ -279,9 +280,12 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
 //! dout^T·in, dbias[OC] += column sums of dout. `din`, `dweight` and `dbias` may each be empty
 //! (skipped): an empty `dweight` and `dbias` give the input-gradient pass of a split backward, an
 //! empty `din` its weight-gradient pass; the two calls together compute the same bits as one.
+//! `din_write` = GradientWrite::overwrite writes din = dout·weight instead, never reading din:
+//! the bits of accumulating into zeros. dweight and dbias always accumulate.
 template <class T>
 void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
-                     Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight) {
+                     Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
+                     GradientWrite din_write = GradientWrite::accumulate) {
   namespace d = detail::matmul;
   constexpr const char* kernel = "matmul_backward";
   // Plain variables, not structured bindings: OpenMP regions below must capture them.
@@ -291,18 +295,28 @@ void matmul_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> 
   if (!dweight.empty()) check_shape(dweight, Shape{OC, C}, kernel, "dweight");
   if (!din.empty()) d::check_matrix(din, N, C, kernel, "din");
   if (!dbias.empty()) check_shape(dbias, Shape{OC}, kernel, "dbias");
+  const bool accumulate_din = din_write == GradientWrite::accumulate;
   if (N == 0 || OC == 0) return;
 
   if (C > 0) {
     if constexpr (is_narrow_storage<T>) {
       if (!din.empty())
-        d::staged_gemm<false, false>(be, din.data(), N, C, OC, dout.data(), OC, weight.data(), C, nullptr, true);
+        d::staged_gemm<false, false>(be, din.data(), N, C, OC, dout.data(), OC, weight.data(), C, nullptr,
+                                     accumulate_din);
       if (!dweight.empty())
         d::staged_gemm<true, false>(be, dweight.data(), OC, C, N, dout.data(), OC, in.data(), C, nullptr, true);
     } else {
       be.bind_gemm_threads();
       const d::ConstMatrix<T> g(dout.data(), N, OC), x(in.data(), N, C), w(weight.data(), OC, C);
-      if (!din.empty()) d::Matrix<T>(din.data(), N, C).noalias() += g * w;
+      if (!din.empty()) {
+        d::Matrix<T> dx(din.data(), N, C);
+        // Eigen evaluates both alike (coefficient-wise below its size threshold, else the GEMM
+        // into zeros or into dx), so overwriting gives the bits of accumulating into zeros.
+        if (accumulate_din)
+          dx.noalias() += g * w;
+        else
+          dx.noalias() = g * w;
+      }
       if (!dweight.empty()) d::Matrix<T>(dweight.data(), OC, C).noalias() += g.transpose() * x;
     }
   }

@@ -33,6 +33,7 @@
 #include "loom/backend/cuda/error.hpp"
 #include "loom/backend/cuda/matmul.cuh"
 #include "loom/backend/detail/attention_checks.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
 #include "loom/core/dropout.hpp"
@@ -135,11 +136,12 @@ void context_step(const attention::Dims& d, std::int64_t b, T* out, const T* att
 //! The backward of batch element b from its probabilities `att_b` ([NH,T,T]): datt into `dpre`
 //! ([NH,T,T] scratch), dv, `run_softmax_grad(dpre, att_b, b, rows)` turning datt into the score
 //! gradient in place, dq, dk. With dropout, dv comes from the dropped probabilities and datt
-//! passes through the mask before the softmax's backward.
+//! passes through the mask before the softmax's backward. `write` = overwrite runs the dq, dk
+//! and dv GEMMs with beta 0 (each is written by one GEMM; padded positions come out 0).
 template <class T, class RunGemm, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T* dout, const T* qkv,
                       const T* att_b, T* dpre, RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad,
-                      const Drop& drop = {}) {
+                      const Drop& drop = {}, GradientWrite write = GradientWrite::accumulate) {
   const std::int64_t Tn = d.tokens, C = d.channels;
   // Head 0 of batch element b; the plans step from head to head.
   const T* q = qkv + b * Tn * 3 * C;
@@ -147,12 +149,13 @@ void backward_element(const attention::Dims& d, std::int64_t b, T* dqkv, const T
   T* dq = dqkv + b * Tn * 3 * C;
   T *dk = dq + C, *dv = dq + 2 * C;
   const T* g = dout + b * Tn * C;
+  const float beta = write == GradientWrite::accumulate ? 1.0f : 0.0f;
   run_gemm(att_grad_gemm(d), v, g, dpre, 0.0f);  // datt, the whole T x T of each head
-  run_gemm(value_grad_gemm(d), g, drop.probabilities(att_b, b), dv, 1.0f);
+  run_gemm(value_grad_gemm(d), g, drop.probabilities(att_b, b), dv, beta);
   drop.gradient(dpre, b);
   run_softmax_grad(dpre, att_b, b, d.heads * Tn);  // datt -> dpre, in place
-  run_gemm(query_grad_gemm(d), k, dpre, dq, 1.0f);
-  run_gemm(key_grad_gemm(d), q, dpre, dk, 1.0f);
+  run_gemm(query_grad_gemm(d), k, dpre, dq, beta);
+  run_gemm(key_grad_gemm(d), q, dpre, dk, beta);
 }
 
 //! attention_forward's steps in order, over all batch elements: the scores of every batch
@@ -170,10 +173,11 @@ void forward_steps(const attention::Dims& d, T* out, T* att, const T* qkv, RunGe
 //! attention_backward's steps in order: backward_element for each batch element, reading att.
 template <class T, class RunGemm, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const T* att, T* dpre,
-                    RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad, const Drop& drop = {}) {
+                    RunGemm&& run_gemm, RunSoftmaxGrad&& run_softmax_grad, const Drop& drop = {},
+                    GradientWrite write = GradientWrite::accumulate) {
   const std::int64_t NH = d.heads, Tn = d.tokens;
   for (std::int64_t b = 0; b < d.batch; ++b)
-    backward_element(d, b, dqkv, dout, qkv, att + b * NH * Tn * Tn, dpre, run_gemm, run_softmax_grad, drop);
+    backward_element(d, b, dqkv, dout, qkv, att + b * NH * Tn * Tn, dpre, run_gemm, run_softmax_grad, drop, write);
 }
 
 //! attention_forward_lse's steps in order, one batch element at a time through `att_b` ([NH,T,T]
@@ -196,12 +200,13 @@ void forward_lse_steps(const attention::Dims& d, T* out, A* lse, const T* qkv, T
 template <class T, class A, class RunGemm, class RunProbabilities, class RunSoftmaxGrad, class Drop = NoDropout>
 void backward_lse_steps(const attention::Dims& d, T* dqkv, const T* dout, const T* qkv, const A* lse, T* att_b,
                         T* dpre, RunGemm&& run_gemm, RunProbabilities&& run_probabilities,
-                        RunSoftmaxGrad&& run_softmax_grad, const Drop& drop = {}) {
+                        RunSoftmaxGrad&& run_softmax_grad, const Drop& drop = {},
+                        GradientWrite write = GradientWrite::accumulate) {
   const std::int64_t rows = d.heads * d.tokens;
   for (std::int64_t b = 0; b < d.batch; ++b) {
     scores_step(d, b, qkv, att_b, run_gemm);
     run_probabilities(att_b, lse + b * rows, b, rows);
-    backward_element(d, b, dqkv, dout, qkv, att_b, dpre, run_gemm, run_softmax_grad, drop);
+    backward_element(d, b, dqkv, dout, qkv, att_b, dpre, run_gemm, run_softmax_grad, drop, write);
   }
 }
 
@@ -631,12 +636,18 @@ inline void flash_forward(const cuda& be, const attention::Dims& d, bf16* out, f
 //! of workspace (out is the dropped one, so delta needs no mask), then dk and dv (a block per 64
 //! flash::row_blocks.key_value_grad keys), then dq (a block per 64 row_blocks.query_grad queries);
 //! with an active `dropout`, the builds of the last two that draw the forward's mask again.
+//! `write` = overwrite: dqkv written, padded rows 0, never read.
 inline void flash_backward(cuda& be, const attention::Dims& d, bf16* dqkv, const bf16* dout, const bf16* qkv,
-                           const bf16* out, const float* lse, const AttentionDropout& dropout, const char* name) {
+                           const bf16* out, const float* lse, const AttentionDropout& dropout, GradientWrite write,
+                           const char* name) {
   const std::int64_t rows = d.batch * d.heads * d.tokens;
   // Returned to the cache while the stream may still use it: safe, as in attention_backward.
   const Buffer<float, cuda> delta(be, rows, MemoryCategory::workspace);
-  const flash::BackwardArgs args{flash_shape(d), qkv, dout, lse, delta.data(), dqkv};
+  const bool accumulate = write == GradientWrite::accumulate;
+  const flash::BackwardArgs args{flash_shape(d), qkv, dout, lse, delta.data(), dqkv, accumulate};
+  if (!accumulate && args.shape.lengths != nullptr)
+    launch_tiled(be, flash::zero_padding_kernel<>, dim3(static_cast<unsigned>(d.batch * d.tokens)), 0, name,
+                 "flash::zero_padding_kernel", args);
   with_head_size(d, [&]<int HS>() {
     launch_tiled(be, flash::delta_kernel<HS>, dim3(flash::delta_blocks<HS>(rows)), 0, name, "flash::delta_kernel",
                  out, dout, delta.data(), args.shape, rows);
@@ -733,11 +744,12 @@ void attention_forward(cuda& be, Tensor<T> out, Tensor<T> att, Tensor<const T> q
 //! `mask`. Scratch: the score gradient of one batch element, [NH,T,T] elements of T from the
 //! backend's caching allocator (category workspace), reused for every batch element and returned
 //! before this ends. Per batch element four cuBLAS calls and one launch; no atomics, so the result
-//! is the same bits on every run.
+//! is the same bits on every run. `dqkv_write` = GradientWrite::overwrite writes dqkv (beta 0)
+//! instead of adding into it, as on the CPU.
 template <class T>
 void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                         Tensor<const T> att, int num_heads, AttentionKeys keys = AttentionMask::causal,
-                        const AttentionDropout& dropout = {}) {
+                        const AttentionDropout& dropout = {}, GradientWrite dqkv_write = GradientWrite::accumulate) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward";
@@ -748,7 +760,7 @@ void attention_backward(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<c
   const Buffer<T, cuda> scratch(be, dims.heads * dims.tokens * dims.tokens, MemoryCategory::workspace);
   d::with_dropout<T>(be, dims, dropout, [&](const auto& drop) {
     d::backward_steps(dims, dqkv.data(), dout.data(), qkv.data(), att.data(), scratch.data(),
-                      d::gemm_runner<T>(be, kernel), d::softmax_grad_runner<T>(be, dims, kernel), drop);
+                      d::gemm_runner<T>(be, kernel), d::softmax_grad_runner<T>(be, dims, kernel), drop, dqkv_write);
   });
 }
 
@@ -800,11 +812,13 @@ void attention_forward_lse(cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> lse,
 //! be.flash_attention()) takes the SRAM-tiled kernels instead, for either mask, padded or not,
 //! with or without dropout: D = rowsum(dout·out) into B·NH·T floats of workspace, then one launch
 //! for dk and dv and one for dq (each drawing the forward's dropout mask again), each gradient
-//! element written by one block (the same bits every run).
+//! element written by one block (the same bits every run). `dqkv_write` as for
+//! attention_backward.
 template <class T>
 void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tensor<const T> qkv,
                             Tensor<const T> out, Tensor<const accumulate_t<T>> lse, int num_heads,
-                            AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {}) {
+                            AttentionKeys keys = AttentionMask::causal, const AttentionDropout& dropout = {},
+                            GradientWrite dqkv_write = GradientWrite::accumulate) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_attention;
   constexpr const char* kernel = "attention_backward_lse";
@@ -813,7 +827,8 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
   if (!d::ready_to_run(be, dims, qkv, kernel)) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (d::use_flash<T>(be, dims)) {
-      d::flash_backward(be, dims, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), dropout, kernel);
+      d::flash_backward(be, dims, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), dropout, dqkv_write,
+                        kernel);
       return;
     }
   }
@@ -827,7 +842,7 @@ void attention_backward_lse(cuda& be, Tensor<T> dqkv, Tensor<const T> dout, Tens
         [&](T* scores, const float* lse_b, std::int64_t b, std::int64_t rows) {
           d::probabilities(be, scores, lse_b, rows, dims.tokens, scale, d::row_keys(dims, b), kernel);
         },
-        d::softmax_grad_runner<T>(be, dims, kernel), drop);
+        d::softmax_grad_runner<T>(be, dims, kernel), drop, dqkv_write);
   });
 }
 

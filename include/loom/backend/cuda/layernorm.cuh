@@ -10,6 +10,8 @@
 #include "loom/backend/cuda/detail/column_sums.cuh"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/backend/detail/shape_checks.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
@@ -45,11 +47,21 @@ __global__ void forward_kernel(T* out, A* mean, A* rstd, const T* in, const T* w
     o[i] = static_cast<T>((to_accumulate(x[i]) - m) * r * to_accumulate(weight[i]) + to_accumulate(bias[i]));
 }
 
-//! One warp per row: din += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd with
-//! norm = (x - mean) * rstd and dnorm = weight * dout.
+//! What an input-gradient element starts from before layernorm's change is added: din's old
+//! value where `accumulate`, then plus the residual's element where `residual` is given (the CPU
+//! kernel's order), else 0.
+template <class A, class T>
+LOOM_HD inline A gradient_base(bool accumulate, T old, const T* residual, T residual_value) {
+  if (residual == nullptr) return accumulate ? to_accumulate(old) : A(0);
+  return accumulate ? to_accumulate(old) + to_accumulate(residual_value) : to_accumulate(residual_value);
+}
+
+//! One warp per row: din = base + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd with
+//! norm = (x - mean) * rstd, dnorm = weight * dout and base as gradient_base gives it.
 template <class T, class A = accumulate_t<T>>
 __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* weight, const A* mean,
-                                  const A* rstd, std::int64_t rows, std::int64_t cols) {
+                                  const A* rstd, std::int64_t rows, std::int64_t cols, const T* residual,
+                                  bool accumulate) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t row =
       static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -66,9 +78,11 @@ __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* w
   const A a = cuda_kernels::warp_sum(sum_dnorm) / static_cast<A>(cols);
   const A c = cuda_kernels::warp_sum(sum_dnorm_norm) / static_cast<A>(cols);
   T* dx = din + row * cols;
+  const T* res = residual != nullptr ? residual + row * cols : nullptr;
   for (std::int64_t i = lane; i < cols; i += 32) {
     const A norm = (to_accumulate(x[i]) - m) * r;
-    dx[i] = static_cast<T>(to_accumulate(dx[i]) + (to_accumulate(weight[i]) * to_accumulate(g[i]) - a - norm * c) * r);
+    const A base = gradient_base<A>(accumulate, accumulate ? dx[i] : T{}, res, res != nullptr ? res[i] : T{});
+    dx[i] = static_cast<T>(base + (to_accumulate(weight[i]) * to_accumulate(g[i]) - a - norm * c) * r);
   }
 }
 
@@ -79,7 +93,8 @@ __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* w
 //! bf16, 16 times its forward; here each row costs two round trips to memory.
 template <class T, int P, class A = accumulate_t<T>>
 __global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, const T* weight, const A* mean,
-                                         const A* rstd, std::int64_t rows, std::int64_t cols) {
+                                         const A* rstd, std::int64_t rows, std::int64_t cols, const T* residual,
+                                         bool accumulate) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -103,22 +118,26 @@ __global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, con
   const A a = cuda_kernels::warp_sum(sum_dnorm) / static_cast<A>(cols);
   const A c = cuda_kernels::warp_sum(sum_dnorm_norm) / static_cast<A>(cols);
   for (int p = 0; p < P; ++p) {
-    V* dx = reinterpret_cast<V*>(din + row * cols + static_cast<std::int64_t>(p * 32 + lane) * E);
-    V d = *dx;
+    const std::int64_t at = row * cols + static_cast<std::int64_t>(p * 32 + lane) * E;
+    V* dx = reinterpret_cast<V*>(din + at);
+    const V d = accumulate ? *dx : V{};
+    const V rv = residual != nullptr ? *reinterpret_cast<const V*>(residual + at) : V{};
+    V out;
     for (int e = 0; e < E; ++e) {
       const A norm = (to_accumulate(x[p].value[e]) - m) * r;
       const A dnorm = to_accumulate(w[p].value[e]) * to_accumulate(g[p].value[e]);
-      d.value[e] = static_cast<T>(to_accumulate(d.value[e]) + (dnorm - a - norm * c) * r);
+      const A base = gradient_base<A>(accumulate, d.value[e], residual, rv.value[e]);
+      out.value[e] = static_cast<T>(base + (dnorm - a - norm * c) * r);
     }
-    *dx = d;
+    *dx = out;
   }
 }
 
 //! The vectors per lane input_grad_vector_kernel takes for `cols` columns of T with these
-//! pointers: 1..8, or 0 where it does not apply (cols not a multiple of 32 vectors, more than 8
-//! per lane, or a pointer not 16-byte aligned).
+//! pointers (nulls ignored): 1..8, or 0 where it does not apply (cols not a multiple of 32
+//! vectors, more than 8 per lane, or a pointer not 16-byte aligned).
 template <class T>
-int input_grad_vectors(std::int64_t cols, const void* const (&pointers)[4]) {
+int input_grad_vectors(std::int64_t cols, const void* const (&pointers)[5]) {
   constexpr std::int64_t row_vector = 32 * cuda_kernels::Vector16<T>::elements;
   if (cols % row_vector != 0 || cols / row_vector > 8) return 0;
   for (const void* p : pointers)
@@ -149,7 +168,8 @@ static_assert(fused_vectors<bf16>(3) && !fused_vectors<bf16>(4) && fused_vectors
 
 //! What the fused backward reads and writes: din, dout, in [rows, cols], weight [cols], mean and
 //! rstd [rows], and the parameter-gradient partials [2][fused_blocks(rows)][cols] (dweight's,
-//! then dbias's).
+//! then dbias's); din's base as gradient_base takes it: the residual [rows, cols] or null, and
+//! whether din's old value is added (the fused kernel has both in its Base instead).
 template <class T, class A = accumulate_t<T>>
 struct BackwardArgs {
   T* din;
@@ -160,6 +180,8 @@ struct BackwardArgs {
   const A* rstd;
   A* partials;
   std::int64_t rows, cols;
+  const T* residual = nullptr;
+  bool accumulate = true;
 };
 
 //! Layernorm's backward in one pass over the rows (cols = 32 P E, every pointer 16-byte aligned):
@@ -171,8 +193,21 @@ struct BackwardArgs {
 //! are read once for all three gradients, where the two-pass backward reads them again for the
 //! parameter gradients (0.83 ms of a GPT-2 small step at batch 16 on an H200). Shared memory:
 //! 2 cols A.
+//! What the fused backward adds its change to, known when it is compiled: din's old value
+//! (accumulate), nothing (overwrite), the residual, or both. As a runtime choice it cost the
+//! bf16 kernel at C = 768 40 bytes of spills at its 128 registers (ptxas, CUDA 13, sm_90a);
+//! compiled in, none of the four spills there.
+enum class GradientBase : std::uint8_t { din, zero, residual, din_and_residual };
+
+//! The base for `a`'s residual and accumulate.
+template <class T>
+constexpr GradientBase gradient_base_of(const BackwardArgs<T>& a) noexcept {
+  if (a.residual == nullptr) return a.accumulate ? GradientBase::din : GradientBase::zero;
+  return a.accumulate ? GradientBase::din_and_residual : GradientBase::residual;
+}
+
 LOOM_BLOCK_BODY
-template <class T, int P, class Thread, class A = accumulate_t<T>>
+template <class T, int P, GradientBase Base, class Thread, class A = accumulate_t<T>>
 LOOM_HD void fused_backward_block(Thread& th, const BackwardArgs<T>& a) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
@@ -216,13 +251,20 @@ LOOM_HD void fused_backward_block(Thread& th, const BackwardArgs<T>& a) {
       const std::int64_t column = static_cast<std::int64_t>(p * 32 + lane) * E;
       const V w = *reinterpret_cast<const V*>(a.weight + column);
       V* dx = reinterpret_cast<V*>(a.din + row * cols + column);
-      V d = *dx;
+      constexpr bool old = Base == GradientBase::din || Base == GradientBase::din_and_residual;
+      constexpr bool with_residual = Base == GradientBase::residual || Base == GradientBase::din_and_residual;
+      // d: din's old value, or where only the residual is added, the residual's.
+      V d{}, rv{};
+      if constexpr (old) d = *dx;
+      if constexpr (with_residual) (old ? rv : d) = *reinterpret_cast<const V*>(a.residual + row * cols + column);
       LOOM_UNROLL
       for (int e = 0; e < E; ++e) {
         const A norm = (to_accumulate(x[p].value[e]) - m) * rs, gradient = to_accumulate(g[p].value[e]);
         const A dnorm = to_accumulate(w.value[e]) * gradient;
         const A change = (dnorm - mean_dnorm - norm * mean_dnorm_norm) * rs;
-        d.value[e] = static_cast<T>(to_accumulate(d.value[e]) + change);
+        A base = Base == GradientBase::zero ? A(0) : to_accumulate(d.value[e]);
+        if constexpr (Base == GradientBase::din_and_residual) base += to_accumulate(rv.value[e]);
+        d.value[e] = static_cast<T>(base + change);
         dweight[p][e] += norm * gradient;
         dbias[p][e] += gradient;
       }
@@ -265,10 +307,21 @@ struct ParamGradTerms {
 };
 
 //! fused_backward_block on the GPU: fused_threads threads, 2 cols A of dynamic shared memory.
-template <class T, int P>
+template <class T, int P, GradientBase Base>
 __global__ void __launch_bounds__(fused_threads, 2) fused_backward_kernel(BackwardArgs<T> a) {
   cuda_kernels::BlockThread th;
-  fused_backward_block<T, P>(th, a);
+  fused_backward_block<T, P, Base>(th, a);
+}
+
+//! Runs `f.template operator()<Base>()` for a's GradientBase.
+template <class T, class F>
+void with_gradient_base(const BackwardArgs<T>& a, F&& f) {
+  switch (gradient_base_of(a)) {
+    case GradientBase::din: f.template operator()<GradientBase::din>(); break;
+    case GradientBase::zero: f.template operator()<GradientBase::zero>(); break;
+    case GradientBase::residual: f.template operator()<GradientBase::residual>(); break;
+    case GradientBase::din_and_residual: f.template operator()<GradientBase::din_and_residual>(); break;
+  }
 }
 
 }  // namespace loom::detail::cuda_layernorm
@@ -302,11 +355,14 @@ void layernorm_forward(const cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> me
 }
 
 //! Backward of layernorm_forward from its saved `mean` and `rstd`, accumulating: din += d in,
-//! dweight += sum over rows of dout * normalized in, dbias += sum over rows of dout.
+//! dweight += sum over rows of dout * normalized in, dbias += sum over rows of dout. `residual`
+//! and `din_write` as on the CPU: din += residual + d in, or with GradientWrite::overwrite din =
+//! (residual +) d in without reading din, summed in the accumulate type and rounded once.
 template <class T>
 void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
-                        Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd) {
+                        Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd,
+                        Tensor<const T> residual = {}, GradientWrite din_write = GradientWrite::accumulate) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;
   namespace d = detail::cuda_layernorm;
@@ -320,12 +376,15 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
   check_shape(weight, Shape{C}, kernel, "weight");
   check_numel(mean, N, kernel, "mean");
   check_numel(rstd, N, kernel, "rstd");
+  if (!residual.empty()) detail::check_residual(residual, din, N, C, kernel, "din");
   if (N == 0 || C == 0) return;
   check_data(in, kernel, "in");
   k::check_column_sum_rows(N, kernel);
 
   k::activate(be);
-  const int vectors = d::input_grad_vectors<T>(C, {din.data(), dout.data(), in.data(), weight.data()});
+  const T* res = residual.empty() ? nullptr : residual.data();
+  const bool accumulate = din_write == GradientWrite::accumulate;
+  const int vectors = d::input_grad_vectors<T>(C, {din.data(), dout.data(), in.data(), weight.data(), res});
   if (d::fused_vectors<T>(vectors)) {
     using A = accumulate_t<T>;
     // check_column_sum_rows above bounds N far below a grid's 2^31 - 1 blocks of fused_rows.
@@ -333,11 +392,14 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
     // Returned to the cache while the stream may still use it: safe, as in attention_backward.
     const Buffer<A, cuda> partials(be, 2 * blocks * C, MemoryCategory::workspace);
     const d::BackwardArgs<T> args{din.data(), dout.data(), in.data(), weight.data(), mean.data(),
-                                  rstd.data(), partials.data(), N, C};
+                                  rstd.data(), partials.data(), N, C, res, accumulate};
     const auto fused = [&]<int P>() {
-      if constexpr (d::fused_vectors<T>(P))  // the widths this T never takes are not compiled
-        d::fused_backward_kernel<T, P>
-            <<<static_cast<unsigned>(blocks), d::fused_threads, 2 * C * sizeof(A), be.stream()>>>(args);
+      if constexpr (d::fused_vectors<T>(P)) {  // the widths this T never takes are not compiled
+        d::with_gradient_base(args, [&]<d::GradientBase Base>() {
+          d::fused_backward_kernel<T, P, Base>
+              <<<static_cast<unsigned>(blocks), d::fused_threads, 2 * C * sizeof(A), be.stream()>>>(args);
+        });
+      }
     };
     switch (vectors) {
       case 1: fused.template operator()<1>(); break;
@@ -353,7 +415,7 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
   }
   const auto launch = [&](auto input_grad) {
     input_grad<<<k::row_blocks(N), 32 * k::warps_per_block, 0, be.stream()>>>(
-        din.data(), dout.data(), in.data(), weight.data(), mean.data(), rstd.data(), N, C);
+        din.data(), dout.data(), in.data(), weight.data(), mean.data(), rstd.data(), N, C, res, accumulate);
   };
   switch (vectors) {
     case 1: launch(d::input_grad_vector_kernel<T, 1>); break;

@@ -21,6 +21,7 @@
 #include "loom/backend/cuda/detail/lt_gemms.hpp"
 #include "loom/backend/cuda/elementwise.cuh"
 #include "loom/backend/cuda/error.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/bf16.hpp"
 #include "loom/core/buffer.hpp"
@@ -258,9 +259,11 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
 //! the dweight GEMM's epilogue). `din`, `dweight` and `dbias` may each be empty
 //! (skipped): an empty `dweight` and `dbias` give the input-gradient pass of a split backward, an
 //! empty `din` its weight-gradient pass; the two calls together compute the same bits as one.
+//! `din_write` = GradientWrite::overwrite writes din = dout·weight (beta 0: din is not read).
 template <class T>
 void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
-                     Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight) {
+                     Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
+                     GradientWrite din_write = GradientWrite::accumulate) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
   constexpr const char* kernel = "matmul_backward";
@@ -270,6 +273,7 @@ void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias
   if (!dweight.empty()) check_shape(dweight, Shape{OC, C}, kernel, "dweight");
   if (!din.empty()) detail::cuda_kernels::check_rows(din, N, C, kernel, "din");
   if (!dbias.empty()) check_shape(dbias, Shape{OC}, kernel, "dbias");
+  const bool accumulate_din = din_write == GradientWrite::accumulate;
   if (N == 0 || OC == 0) return;
   if (!dweight.empty()) check_data(in, kernel, "in");
   if (!dbias.empty()) detail::cuda_kernels::check_column_sum_rows(N, kernel);
@@ -278,7 +282,8 @@ void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias
   bool bias_done = false;
   if (C > 0) {
     if (!din.empty())
-      d::gemm(be, d::input_grad_gemm(N, C, OC), weight.data(), dout.data(), din.data(), 1.0f, kernel);
+      d::gemm(be, d::input_grad_gemm(N, C, OC), weight.data(), dout.data(), din.data(), accumulate_din ? 1.0f : 0.0f,
+              kernel);
     if (!dweight.empty()) {
       if (!dbias.empty() && be.gemm_epilogues())
         bias_done = d::weight_and_bias_grad(be, dweight.data(), dbias.data(), dout.data(), in.data(), N, C, OC, kernel);

@@ -19,15 +19,15 @@ void check_rows(const Tensor<T>& t, std::int64_t rows, std::int64_t cols, const 
                 "expected " + to_text(rows) + " rows of " + to_text(cols) + " (all axes but the last are rows)");
 }
 
-//! Checks a matmul_forward's `residual`: [rows, cols] as `out` is, and not `out` itself (the sum
-//! is written over out).
+//! Checks a kernel's `residual` (matmul_forward's, layernorm_backward's): [rows, cols] as its
+//! output `out` (called `out_name`) is, and not that tensor itself (the sum is written over it).
 template <class T>
 void check_residual(const Tensor<const T>& residual, const Tensor<T>& out, std::int64_t rows, std::int64_t cols,
-                    const char* kernel) {
+                    const char* kernel, const char* out_name = "out") {
   check_rows(residual, rows, cols, kernel, "residual");
   if (residual.data() == out.data()) [[unlikely]]
-    throw Error(std::string(kernel) + ": argument residual", "out itself",
-                "a tensor other than out (the sum is written over out)");
+    throw Error(std::string(kernel) + ": argument residual", std::string(out_name) + " itself",
+                std::string("a tensor other than ") + out_name + " (the sum is written over " + out_name + ")");
 }
 
 }  // namespace loom::detail

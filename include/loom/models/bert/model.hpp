@@ -20,6 +20,7 @@
 
 #include "loom/backend/attention_mask.hpp"
 #include "loom/backend/concepts.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/comm/ref.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
@@ -538,16 +539,7 @@ class Model {
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
-    zero_accumulated(be, d);
     block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
-  }
-
-  //! Zeroes what the chain accumulates into. The rest of the workspace is written before it is
-  //! read (fch and mlp_out written, gathered by the collectives; the chain zeroes partial and
-  //! norm_grads itself), so zeroing all of it would spend a pass of 4·C a row for nothing.
-  void zero_accumulated(B& be, const BlockGrads& d) const {
-    const Tensor<T> accumulated[] = {d.r2, d.h, d.r1, d.atty, d.qkv};
-    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
   }
 
   //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
@@ -572,7 +564,6 @@ class Model {
     }
     d.fch = st.fch;
     d.qkv = st.qkv;
-    zero_accumulated(be, d);
     block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
   }
 
@@ -591,9 +582,11 @@ class Model {
     matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, input, param(p, o.qkv_w, {3 * Ca, C}));
   }
 
-  //! A block's backward from the output gradient to the input gradient, into the zeroed
-  //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
-  //! skipped when `w` is empty (backward_input).
+  //! A block's backward from the output gradient to the input gradient, through the gradients
+  //! `d`, whose contents on entry do not matter: each kernel overwrites its output there
+  //! (GradientWrite::overwrite), which spares zeroing them and reading the zeros back. The
+  //! linear layers' weight gradients go to `w` in the same calls, or are skipped when `w` is
+  //! empty (backward_input).
   void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
                             const BlockLinearGrads& w) const {
@@ -602,11 +595,13 @@ class Model {
     const bool split = split_.split();
     const Tensor<T> input_grad = split_.local(a.input_grad, s);
     const Tensor<const T> input = split_.local(a.input, s);
+    constexpr GradientWrite overwrite = GradientWrite::overwrite;
     if (split_.split()) zero<T>(be, d.norm_grads);
     // out = LN2(r2): the output gradient is whole on every rank (or this rank's rows: then the
     // layernorms' gradients are partial sums, summed over the group at the end).
     layernorm_backward<T>(be, d.r2, norm_grad(g, o.ln2_w, d.norm_grads, 0), norm_grad(g, o.ln2_b, d.norm_grads, 1),
-                          split_.local(a.output_grad, s), b.r2, param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
+                          split_.local(a.output_grad, s), b.r2, param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd, {},
+                          overwrite);
     // r2 = h + dropout(mlp(h)): the MLP branch gets r2's gradient through the mask. g backward:
     // whole on every rank (gathered under sequence parallelism), so each rank's row-parallel
     // bias gradient is already the whole one.
@@ -621,32 +616,31 @@ class Model {
     // f backward: the ranks' shares of the MLP branch sum to its whole gradient (this rank's rows
     // of it under sequence parallelism); then the residual's.
     const Tensor<T> dh = split ? d.partial : d.h;
-    if (split) zero<T>(be, dh);
-    matmul_backward<T>(be, dh, w.fc_w, w.fc_b, d.fch, split_.gather(b.h, d.h_whole), param(p, o.fc_w, {F, C}));
+    matmul_backward<T>(be, dh, w.fc_w, w.fc_b, d.fch, split_.gather(b.h, d.h_whole), param(p, o.fc_w, {F, C}),
+                       overwrite);
     split_.reduce(dh, d.h);
     add_to<T>(be, d.h, d.r2);
     // h = LN1(r1); r1 = x + attn(x).
     layernorm_backward<T>(be, d.r1, norm_grad(g, o.ln1_w, d.norm_grads, 2), norm_grad(g, o.ln1_b, d.norm_grads, 3),
-                          d.h, b.r1, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
+                          d.h, b.r1, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd, {}, overwrite);
     add_to<T>(be, input_grad, d.r1);
     // r1 = x + dropout(attn(x)): the branch's gradient through the mask, in place once the
     // residual has it (under backward_input without sequence parallelism d.r1 is the stash
     // attn.proj's weight GEMM reads).
     split_.drop(be, d.r1, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.r1, d.r1_whole), b.atty,
-                       param(p, o.proj_w, {C, Ca}));
+                       param(p, o.proj_w, {C, Ca}), overwrite);
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
       attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a),
-                            drop);
+                            drop, overwrite);
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                attention_keys(a), drop);
+                                attention_keys(a), drop, overwrite);
     // The input's attention-branch gradient, summed over the group, lands in d.h (no longer read).
     const Tensor<T> dx_attention = split ? d.partial : d.h;
-    zero<T>(be, dx_attention);
     matmul_backward<T>(be, dx_attention, w.qkv_w, w.qkv_b, d.qkv, split_.gather(input, d.input_whole),
-                       param(p, o.qkv_w, {3 * Ca, C}));
+                       param(p, o.qkv_w, {3 * Ca, C}), overwrite);
     split_.reduce(dx_attention, d.h);
     add_to<T>(be, input_grad, d.h);
     split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),

@@ -21,6 +21,7 @@
 
 #include "loom/backend/attention_mask.hpp"
 #include "loom/backend/concepts.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/comm/ref.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
@@ -634,18 +635,8 @@ class Model {
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
-    zero_accumulated(be, d);
     d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
     block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
-  }
-
-  //! Zeroes what the chain accumulates into. The rest of the workspace is written before it is
-  //! read (res2 copied into, fch and dropped written, gathered by the collectives; the chain
-  //! zeroes partial and norm_grads itself), so zeroing all of it, 11·C of every row where these
-  //! are 6·C (at tp = 1), would spend a pass of 5·C a row for nothing.
-  void zero_accumulated(B& be, const BlockGrads& d) const {
-    const Tensor<T> accumulated[] = {d.ln2, d.atty, d.qkv, d.ln1};
-    for (const Tensor<T>& t : accumulated) zero<T>(be, t);
   }
 
   //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
@@ -658,7 +649,6 @@ class Model {
     const BlockStash st = carve_block_stash(stash, s);
     d.fch = st.fch;
     d.qkv = st.qkv;
-    zero_accumulated(be, d);
     if (split_.split()) {
       // The chain gathers the four whole operands of the weight GEMMs into the stash.
       d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
@@ -693,9 +683,11 @@ class Model {
     matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, ln1, param(p, o.qkv_w, {3 * Ca, C}));
   }
 
-  //! A block's backward from the output gradient to the input gradient, into the zeroed
-  //! gradients `d`. The linear layers' weight gradients go to `w` in the same calls, or are
-  //! skipped when `w` is empty (backward_input).
+  //! A block's backward from the output gradient to the input gradient, through the gradients
+  //! `d`, whose contents on entry do not matter: each kernel overwrites its output there
+  //! (GradientWrite::overwrite), which spares zeroing them and reading the zeros back. The
+  //! linear layers' weight gradients go to `w` in the same calls, or are skipped when `w` is
+  //! empty (backward_input).
   void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
                             const BlockLinearGrads& w) const {
@@ -711,37 +703,41 @@ class Model {
     // The column-parallel layers' input gradients are partial sums (f backward): summed in place,
     // or under sequence parallelism in d.partial and reduce-scattered into this rank's rows.
     const Tensor<T> dln2 = split_.split() ? d.partial : d.ln2, dln1 = split_.split() ? d.partial : d.ln1;
+    constexpr GradientWrite overwrite = GradientWrite::overwrite;
     // output = res2 + dropout(mlp(ln2(res2))): the residual passes the gradient straight
     // through, the MLP branch gets it through the mask (d.mlp_out). g backward: the output
     // gradient whole on every rank (gathered under sequence parallelism), so each rank's
     // (replicated) row-parallel bias gradient is already the whole one.
-    copy<T>(be, d.res2, a.output_grad);
     gelu_matmul_backward<T>(be, d.fch, w.fcproj_w, w.fcproj_b, split_.gather(d.mlp_out, d.mlp_whole), b.fch_gelu,
                             param(p, o.fcproj_w, {C, F}), b.fch, config_.gelu);
-    if (split_.split()) zero<T>(be, dln2);
-    matmul_backward<T>(be, dln2, w.fc_w, w.fc_b, d.fch, split_.gather(b.ln2, d.ln2_whole), param(p, o.fc_w, {F, C}));
+    matmul_backward<T>(be, dln2, w.fc_w, w.fc_b, d.fch, split_.gather(b.ln2, d.ln2_whole), param(p, o.fc_w, {F, C}),
+                       overwrite);
     split_.reduce(dln2, d.ln2);
+    // dres2 = the output gradient (the residual) + ln2's input gradient, written in one pass.
     layernorm_backward<T>(be, d.res2, norm_grad(o.ln2_w, 0), norm_grad(o.ln2_b, 1), d.ln2, b.res2,
-                          param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd);
-    // res2 = input + dropout(attn(ln1(input))): the branch's gradient through the mask, in place
-    // once the residual has it (under backward_input without sequence parallelism d.res2 is the
-    // stash attn.proj's weight GEMM reads).
-    add_to<T>(be, input_grad, d.res2);
+                          param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd, split_.local(a.output_grad, s), overwrite);
+    // res2 = input + dropout(attn(ln1(input))): the input gradient gets dres2 (the residual) and
+    // ln1's input gradient. The branch gets dres2 through the mask, in place (under backward_input
+    // without sequence parallelism d.res2 is the stash attn.proj's weight GEMM reads); where it
+    // drops, the residual's share goes to the input gradient first.
+    const bool drops = tr::dropping(a.dropout, config_.hidden_dropout);
+    if (drops) add_to<T>(be, input_grad, d.res2);
     split_.drop(be, d.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.res2, d.res2_whole), b.atty,
-                       param(p, o.proj_w, {C, Ca}));
+                       param(p, o.proj_w, {C, Ca}), overwrite);
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
     if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a), drop);
+      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a), drop,
+                            overwrite);
     else
       attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                attention_keys(a), drop);
-    if (split_.split()) zero<T>(be, dln1);
+                                attention_keys(a), drop, overwrite);
     matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, split_.gather(b.ln1, d.ln1_whole),
-                       param(p, o.qkv_w, {3 * Ca, C}));
+                       param(p, o.qkv_w, {3 * Ca, C}), overwrite);
     split_.reduce(dln1, d.ln1);
     layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, split_.local(a.input, s),
-                          param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd);
+                          param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd,
+                          drops ? Tensor<const T>{} : Tensor<const T>(d.res2));
     split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
                                              grad(g, o.ln1_b, {C})});
   }

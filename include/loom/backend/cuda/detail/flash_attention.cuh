@@ -137,7 +137,8 @@ struct ForwardArgs {
   float* lse;
 };
 
-//! Backward: reads qkv, dout, lse and delta; adds into dqkv.
+//! Backward: reads qkv, dout, lse and delta; adds into dqkv (`accumulate`), or writes it (0 at
+//! padded positions) without reading it.
 struct BackwardArgs {
   Shape shape;
   const bf16* qkv;
@@ -145,6 +146,7 @@ struct BackwardArgs {
   const float* lse;
   const float* delta;
   bf16* dqkv;
+  bool accumulate = true;
 };
 
 //! Where a block works: batch element b, head h (blockIdx.x = b NH + h).
@@ -355,10 +357,11 @@ LOOM_HD inline void to_a(FragmentA& a, const FragmentC& left, const FragmentC& r
 }
 
 //! dst[row, 8 n + c] += acc[r][n] for the warp's M blocks of 16 rows starting at token `first`
-//! (block r at first + 16 r; rows >= `tokens` skipped), each sum rounded to bf16 once.
+//! (block r at first + 16 r; rows >= `tokens` skipped), each sum rounded to bf16 once; or, where
+//! !accumulate, dst = acc without reading dst (the padding past `tokens` is zero_padding_block's).
 template <int M, int N>
 LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[M][N], std::int64_t first,
-                             std::int64_t tokens, Lane ln) {
+                             std::int64_t tokens, bool accumulate, Lane ln) {
   LOOM_UNROLL
   for (int r = 0; r < M; ++r) {
     LOOM_UNROLL
@@ -369,7 +372,10 @@ LOOM_HD inline void add_rows(bf16* dst, std::int64_t ld, const FragmentC (&acc)[
       LOOM_UNROLL
       for (int n = 0; n < N; ++n) {
         LOOM_UNROLL
-        for (int c = 0; c < 2; ++c) d[8 * n + c] = bf16(static_cast<float>(d[8 * n + c]) + acc[r][n][2 * i + c]);
+        for (int c = 0; c < 2; ++c) {
+          const float value = acc[r][n][2 * i + c];
+          d[8 * n + c] = bf16(accumulate ? static_cast<float>(d[8 * n + c]) + value : value);
+        }
       }
     }
   }
@@ -943,6 +949,19 @@ LOOM_HD inline void load_pack(float (&to)[pack], const bf16* p) {
 #endif
 }
 
+//! An overwriting backward's padding (a.accumulate false, a.shape.lengths given): the block's row
+//! of dqkv (blockIdx.x = b T + t), all 3 C columns, set to 0 where t is at or past sequence b's
+//! length. Not in the tiled kernels, which write the real rows only: writing the padding there
+//! cost them registers (ptxas spilled more in key_value_grad at HS 64).
+LOOM_BLOCK_BODY
+template <class Thread>
+LOOM_HD void zero_padding_block(Thread& th, const BackwardArgs& a) {
+  const Shape& sh = a.shape;
+  const std::int64_t row = th.block_x(), t = row % sh.tokens, width = 3 * sh.channels;
+  if (t < sh.length(row / sh.tokens)) return;
+  for (std::int64_t j = th.thread(); j < width; j += threads) a.dqkv[row * width + j] = bf16(0.0f);
+}
+
 //! delta[b, h, t] = sum_c dout[b, t, h hs + c] out[b, t, h hs + c] in float over the `rows` rows
 //! of [B, NH, T]: delta_lanes<HS> lanes per row, delta_rows<HS> rows per block, each lane one pack
 //! of 8 channels where both tensors' rows start 16-byte aligned (`vectors`), else channels lane,
@@ -1088,8 +1107,8 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
     }
   }
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
-  add_rows(dqkv_bh + C, ld, dk, first, length, ln);
-  add_rows(dqkv_bh + 2 * C, ld, dv, first, length, ln);
+  add_rows(dqkv_bh + C, ld, dk, first, length, a.accumulate, ln);
+  add_rows(dqkv_bh + 2 * C, ld, dv, first, length, a.accumulate, ln);
 }
 
 //! The gradient of 64 M queries of one (batch, head): dq of rows qt 64 M .., a warp's M blocks of
@@ -1181,7 +1200,7 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
       Tiles::template accumulate_ab<HS>(th, dq, dp, k_step, ln);  // dQ += dS K
     }
   }
-  add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, length, ln);
+  add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, length, a.accumulate, ln);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1366,6 +1385,10 @@ inline constexpr RowBlocks row_blocks{};
 template <int HS, int M = row_blocks.forward, int Blocks = blocks_per_sm(HS, M)>
 __global__ void __launch_bounds__(threads, Blocks) forward_kernel(ForwardArgs a) {
   LOOM_FLASH_RUN(forward_block<HS, M>(th, a))
+}
+template <int = 0>  // a template: defined in a header, once for every program
+__global__ void __launch_bounds__(threads) zero_padding_kernel(BackwardArgs a) {
+  LOOM_FLASH_RUN(zero_padding_block(th, a))
 }
 template <int HS>
 __global__ void __launch_bounds__(threads) delta_kernel(const bf16* out, const bf16* dout, float* delta, Shape sh,
