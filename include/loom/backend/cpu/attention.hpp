@@ -19,12 +19,12 @@
 
 #include "loom/backend/attention_mask.hpp"
 #include "loom/backend/cpu/cpu.hpp"
-#include "loom/backend/gradient_write.hpp"
 #include "loom/backend/cpu/detail/array_map.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
 #include "loom/backend/cpu/dropout.hpp"
 #include "loom/backend/detail/attention_checks.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"

@@ -47,21 +47,43 @@ __global__ void forward_kernel(T* out, A* mean, A* rstd, const T* in, const T* w
     o[i] = static_cast<T>((to_accumulate(x[i]) - m) * r * to_accumulate(weight[i]) + to_accumulate(bias[i]));
 }
 
-//! What an input-gradient element starts from before layernorm's change is added: din's old
-//! value where `accumulate`, then plus the residual's element where `residual` is given (the CPU
-//! kernel's order), else 0.
+//! What layernorm's input-gradient change is added to: din's old value (accumulate), nothing
+//! (overwrite), the residual, or both, in that order (the CPU kernel's). The fused kernel has it
+//! compiled in: as a runtime choice it cost the bf16 kernel at C = 768 40 bytes of spills at its
+//! 128 registers (ptxas, CUDA 13, sm_90a); compiled in, none of the four spills there.
+enum class GradientBase : std::uint8_t { din, zero, residual, din_and_residual };
+
+//! The base for a residual given or not and din accumulated or overwritten.
+LOOM_HD constexpr GradientBase gradient_base_of(bool residual, bool accumulate) noexcept {
+  if (!residual) return accumulate ? GradientBase::din : GradientBase::zero;
+  return accumulate ? GradientBase::din_and_residual : GradientBase::residual;
+}
+//! Whether `base` reads din's old value.
+LOOM_HD constexpr bool reads_din(GradientBase base) noexcept {
+  return base == GradientBase::din || base == GradientBase::din_and_residual;
+}
+//! Whether `base` reads the residual.
+LOOM_HD constexpr bool reads_residual(GradientBase base) noexcept {
+  return base == GradientBase::residual || base == GradientBase::din_and_residual;
+}
+
+//! One element's base from din's old value and the residual's (each used only where `base` reads it).
 template <class A, class T>
-LOOM_HD inline A gradient_base(bool accumulate, T old, const T* residual, T residual_value) {
-  if (residual == nullptr) return accumulate ? to_accumulate(old) : A(0);
-  return accumulate ? to_accumulate(old) + to_accumulate(residual_value) : to_accumulate(residual_value);
+LOOM_HD inline A base_value(GradientBase base, T old, T residual) {
+  switch (base) {
+    case GradientBase::din: return to_accumulate(old);
+    case GradientBase::zero: return A(0);
+    case GradientBase::residual: return to_accumulate(residual);
+    default: return to_accumulate(old) + to_accumulate(residual);
+  }
 }
 
 //! One warp per row: din = base + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd with
-//! norm = (x - mean) * rstd, dnorm = weight * dout and base as gradient_base gives it.
+//! norm = (x - mean) * rstd, dnorm = weight * dout and base as base_value gives it.
 template <class T, class A = accumulate_t<T>>
 __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* weight, const A* mean,
                                   const A* rstd, std::int64_t rows, std::int64_t cols, const T* residual,
-                                  bool accumulate) {
+                                  GradientBase base) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t row =
       static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -78,11 +100,11 @@ __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* w
   const A a = cuda_kernels::warp_sum(sum_dnorm) / static_cast<A>(cols);
   const A c = cuda_kernels::warp_sum(sum_dnorm_norm) / static_cast<A>(cols);
   T* dx = din + row * cols;
-  const T* res = residual != nullptr ? residual + row * cols : nullptr;
+  const T* res = reads_residual(base) ? residual + row * cols : nullptr;
   for (std::int64_t i = lane; i < cols; i += 32) {
     const A norm = (to_accumulate(x[i]) - m) * r;
-    const A base = gradient_base<A>(accumulate, accumulate ? dx[i] : T{}, res, res != nullptr ? res[i] : T{});
-    dx[i] = static_cast<T>(base + (to_accumulate(weight[i]) * to_accumulate(g[i]) - a - norm * c) * r);
+    const A start = base_value<A>(base, reads_din(base) ? dx[i] : T{}, reads_residual(base) ? res[i] : T{});
+    dx[i] = static_cast<T>(start + (to_accumulate(weight[i]) * to_accumulate(g[i]) - a - norm * c) * r);
   }
 }
 
@@ -94,7 +116,7 @@ __global__ void input_grad_kernel(T* din, const T* dout, const T* in, const T* w
 template <class T, int P, class A = accumulate_t<T>>
 __global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, const T* weight, const A* mean,
                                          const A* rstd, std::int64_t rows, std::int64_t cols, const T* residual,
-                                         bool accumulate) {
+                                         GradientBase base) {
   using V = cuda_kernels::Vector16<T>;
   constexpr int E = V::elements;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -120,14 +142,13 @@ __global__ void input_grad_vector_kernel(T* din, const T* dout, const T* in, con
   for (int p = 0; p < P; ++p) {
     const std::int64_t at = row * cols + static_cast<std::int64_t>(p * 32 + lane) * E;
     V* dx = reinterpret_cast<V*>(din + at);
-    const V d = accumulate ? *dx : V{};
-    const V rv = residual != nullptr ? *reinterpret_cast<const V*>(residual + at) : V{};
+    const V d = reads_din(base) ? *dx : V{};
+    const V rv = reads_residual(base) ? *reinterpret_cast<const V*>(residual + at) : V{};
     V out;
     for (int e = 0; e < E; ++e) {
       const A norm = (to_accumulate(x[p].value[e]) - m) * r;
       const A dnorm = to_accumulate(w[p].value[e]) * to_accumulate(g[p].value[e]);
-      const A base = gradient_base<A>(accumulate, d.value[e], residual, rv.value[e]);
-      out.value[e] = static_cast<T>(base + (dnorm - a - norm * c) * r);
+      out.value[e] = static_cast<T>(base_value<A>(base, d.value[e], rv.value[e]) + (dnorm - a - norm * c) * r);
     }
     *dx = out;
   }
@@ -168,8 +189,8 @@ static_assert(fused_vectors<bf16>(3) && !fused_vectors<bf16>(4) && fused_vectors
 
 //! What the fused backward reads and writes: din, dout, in [rows, cols], weight [cols], mean and
 //! rstd [rows], and the parameter-gradient partials [2][fused_blocks(rows)][cols] (dweight's,
-//! then dbias's); din's base as gradient_base takes it: the residual [rows, cols] or null, and
-//! whether din's old value is added (the fused kernel has both in its Base instead).
+//! then dbias's); the residual [rows, cols] or null, and whether din's old value is added (the
+//! kernel has their GradientBase compiled in).
 template <class T, class A = accumulate_t<T>>
 struct BackwardArgs {
   T* din;
@@ -193,19 +214,6 @@ struct BackwardArgs {
 //! are read once for all three gradients, where the two-pass backward reads them again for the
 //! parameter gradients (0.83 ms of a GPT-2 small step at batch 16 on an H200). Shared memory:
 //! 2 cols A.
-//! What the fused backward adds its change to, known when it is compiled: din's old value
-//! (accumulate), nothing (overwrite), the residual, or both. As a runtime choice it cost the
-//! bf16 kernel at C = 768 40 bytes of spills at its 128 registers (ptxas, CUDA 13, sm_90a);
-//! compiled in, none of the four spills there.
-enum class GradientBase : std::uint8_t { din, zero, residual, din_and_residual };
-
-//! The base for `a`'s residual and accumulate.
-template <class T>
-constexpr GradientBase gradient_base_of(const BackwardArgs<T>& a) noexcept {
-  if (a.residual == nullptr) return a.accumulate ? GradientBase::din : GradientBase::zero;
-  return a.accumulate ? GradientBase::din_and_residual : GradientBase::residual;
-}
-
 LOOM_BLOCK_BODY
 template <class T, int P, GradientBase Base, class Thread, class A = accumulate_t<T>>
 LOOM_HD void fused_backward_block(Thread& th, const BackwardArgs<T>& a) {
@@ -251,20 +259,15 @@ LOOM_HD void fused_backward_block(Thread& th, const BackwardArgs<T>& a) {
       const std::int64_t column = static_cast<std::int64_t>(p * 32 + lane) * E;
       const V w = *reinterpret_cast<const V*>(a.weight + column);
       V* dx = reinterpret_cast<V*>(a.din + row * cols + column);
-      constexpr bool old = Base == GradientBase::din || Base == GradientBase::din_and_residual;
-      constexpr bool with_residual = Base == GradientBase::residual || Base == GradientBase::din_and_residual;
-      // d: din's old value, or where only the residual is added, the residual's.
       V d{}, rv{};
-      if constexpr (old) d = *dx;
-      if constexpr (with_residual) (old ? rv : d) = *reinterpret_cast<const V*>(a.residual + row * cols + column);
+      if constexpr (reads_din(Base)) d = *dx;
+      if constexpr (reads_residual(Base)) rv = *reinterpret_cast<const V*>(a.residual + row * cols + column);
       LOOM_UNROLL
       for (int e = 0; e < E; ++e) {
         const A norm = (to_accumulate(x[p].value[e]) - m) * rs, gradient = to_accumulate(g[p].value[e]);
         const A dnorm = to_accumulate(w.value[e]) * gradient;
         const A change = (dnorm - mean_dnorm - norm * mean_dnorm_norm) * rs;
-        A base = Base == GradientBase::zero ? A(0) : to_accumulate(d.value[e]);
-        if constexpr (Base == GradientBase::din_and_residual) base += to_accumulate(rv.value[e]);
-        d.value[e] = static_cast<T>(base + change);
+        d.value[e] = static_cast<T>(base_value<A>(Base, d.value[e], rv.value[e]) + change);
         dweight[p][e] += norm * gradient;
         dbias[p][e] += gradient;
       }
@@ -316,7 +319,7 @@ __global__ void __launch_bounds__(fused_threads, 2) fused_backward_kernel(Backwa
 //! Runs `f.template operator()<Base>()` for a's GradientBase.
 template <class T, class F>
 void with_gradient_base(const BackwardArgs<T>& a, F&& f) {
-  switch (gradient_base_of(a)) {
+  switch (gradient_base_of(a.residual != nullptr, a.accumulate)) {
     case GradientBase::din: f.template operator()<GradientBase::din>(); break;
     case GradientBase::zero: f.template operator()<GradientBase::zero>(); break;
     case GradientBase::residual: f.template operator()<GradientBase::residual>(); break;
@@ -415,7 +418,8 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
   }
   const auto launch = [&](auto input_grad) {
     input_grad<<<k::row_blocks(N), 32 * k::warps_per_block, 0, be.stream()>>>(
-        din.data(), dout.data(), in.data(), weight.data(), mean.data(), rstd.data(), N, C, res, accumulate);
+        din.data(), dout.data(), in.data(), weight.data(), mean.data(), rstd.data(), N, C, res,
+        d::gradient_base_of(res != nullptr, accumulate));
   };
   switch (vectors) {
     case 1: launch(d::input_grad_vector_kernel<T, 1>); break;
