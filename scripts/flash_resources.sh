@@ -9,7 +9,11 @@
 # threads that the registers let share an SM (65536 registers an SM on sm_80 and sm_90). Each
 # kernel is named <HS, M, Blocks>: head size, 16-row blocks a warp owns, and the blocks an SM its
 # __launch_bounds__ asks for; the library's M (flash::row_blocks) and, at hs <= 64, M = 2; and the
-# *_dropout_kernel builds (attention dropout) at the library's M.
+# *_dropout_kernel builds (attention dropout) at the library's M; at arch 90a, the wgmma builds too.
+#
+# Where nvdisasm is found (NVDISASM, PATH or the CUDA toolkit; the toolkit here lacks it: `pip
+# install nvidia-cuda-nvdisasm` puts one under site-packages/nvidia/cu13/bin), it then prints the
+# instructions of one step of each kernel's tile loop (scripts/flash_instructions.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 arch=${1:-90}
@@ -35,24 +39,43 @@ trap 'rm -rf "$work"' EXIT
     echo "template __global__ void fl::key_value_grad_kernel<$hs, 2>(fl::BackwardArgs);"
     echo "template __global__ void fl::query_grad_kernel<$hs, 2>(fl::BackwardArgs);"
   done
+  if [[ $arch == 90a ]]; then
+    for drop in false true; do
+      echo "template __global__ void fl::forward_group_kernel<$drop>(fl::ForwardArgs, loom::AttentionDropout);"
+      echo "template __global__ void fl::key_value_grad_group_kernel<$drop>(fl::BackwardArgs, loom::AttentionDropout);"
+      echo "template __global__ void fl::query_grad_group_kernel<$drop>(fl::BackwardArgs, loom::AttentionDropout);"
+    done
+  fi
 } > "$work/kernels.cu"
 
 "$nvcc" -std=c++20 -O3 -arch="sm_$arch" -Iinclude --expt-relaxed-constexpr --resource-usage \
-  -c "$work/kernels.cu" -o "$work/kernels.o" 2>&1 | awk '
+  -cubin "$work/kernels.cu" -o "$work/kernels.cubin" 2>&1 | awk '
   /Compiling entry function/ {
-    match($0, /flash[0-9]+[a-z_]+ILi[0-9]+ELi[0-9]+ELi[0-9]+/); s = substr($0, RSTART, RLENGTH)
-    sub(/^flash[0-9]+/, "", s); gsub(/ELi/, ",", s); split(s, part, "ILi"); name = part[1] "<" part[2] ">"
+    if (match($0, /flash[0-9]+[a-z_]+ILi[0-9]+ELi[0-9]+ELi[0-9]+/)) {
+      s = substr($0, RSTART, RLENGTH)
+      sub(/^flash[0-9]+/, "", s); gsub(/ELi/, ",", s); split(s, part, "ILi"); name = part[1] "<" part[2] ">"
+    } else if (match($0, /flash[0-9]+[a-z_]+ILb[01]/)) {  # the wgmma kernels: <dropout>
+      s = substr($0, RSTART, RLENGTH); sub(/^flash[0-9]+/, "", s)
+      split(s, part, "ILb"); name = part[1] "<" (part[2] == "1" ? "true" : "false") ">"
+    }
   }
   /bytes spill stores/ { stores[name] = $5; loads[name] = $9 }
   /Used [0-9]+ registers/ { for (i = 1; i <= NF; ++i) if ($i == "Used") regs[name] = $(i + 1); order[++n] = name }
   /error/ { print; failed = 1 }
   END {
-    printf "%-30s %9s %13s %12s %13s\n", "kernel (sm_'"$arch"')", "registers", "spill stores", "spill loads", "blocks an SM"
+    printf "%-40s %9s %13s %12s %13s\n", "kernel (sm_'"$arch"')", "registers", "spill stores", "spill loads", "blocks an SM"
     for (i = 1; i <= n; ++i) {
       k = order[i]; r = regs[k]
       # Registers are allocated per warp in units of 256 (8 a thread).
       per_thread = int((r + 7) / 8) * 8
-      printf "%-30s %9d %13d %12d %13d\n", k, r, stores[k], loads[k], int(65536 / (per_thread * 128))
+      printf "%-40s %9d %13d %12d %13d\n", k, r, stores[k], loads[k], int(65536 / (per_thread * 128))
     }
     exit failed
   }'
+
+nvdisasm=${NVDISASM:-$(command -v nvdisasm || echo /usr/local/cuda/bin/nvdisasm)}
+if [[ -x $nvdisasm ]]; then
+  echo
+  echo "instructions of one step of each kernel's tile loop (static; unmasked: without the masking)"
+  "$nvdisasm" "$work/kernels.cubin" | python3 scripts/flash_instructions.py
+fi

@@ -16,10 +16,11 @@
 //!   - key_value_grad: a block owns 64 keys (a warp 16); it walks the query tiles from its own
 //!     (causal; from 0, bidirectional) to the last, each in two halves of 32 queries (fewer
 //!     registers), recomputing S^T = K Q^T, P^T = exp(S^T scale - lse), dP^T = V dO^T and
-//!     dS^T = P^T (dP^T - D) scale, and accumulates dV += P^T dO and dK += dS^T Q in registers;
+//!     dS^T = P^T (dP^T - D), and accumulates dV += P^T dO and dK += dS^T Q in registers (dK
+//!     times the scale at the end);
 //!   - query_grad: a block owns 64 queries (a warp 16); it walks the key tiles 0..its own
 //!     (causal) or all of them (bidirectional), recomputing S, P, dP and dS the same way, and
-//!     accumulates dQ += dS K.
+//!     accumulates dQ += dS K (times the scale at the end).
 //!   The score work is done twice (once per kernel), the price of a fixed summation order.
 //! - Each kernel takes M, the 16-row blocks a warp owns (above, M = 1; row_blocks says which the
 //!   library launches): with M = 2 a block owns 128 rows, and each B fragment a warp reads from
@@ -37,10 +38,12 @@
 //! The mask enters in two places only: which tiles a block walks (query_tile, key_tiles,
 //! first_query_tile) and, per row of the warp, which keys or queries count (the last key a query
 //! sees, t or T - 1; the first query a key meets, the key or 0), computed once before the walk;
-//! the loops themselves are the same for both masks. A padded sequence (Shape::lengths) enters
-//! the same way, as if it were `length` tokens long: blocks of padded keys or queries only do
-//! nothing, and a padded query's out and lse are written 0. Causal blocks walk 1 to tiles(T) tiles, the
-//! longest first; bidirectional blocks all walk tiles(T), about twice a causal layer's work.
+//! the loops themselves are the same for both masks. A tile (or step) that every row of the warp
+//! sees whole skips the masking; the others set their masked scores to -inf first. A padded
+//! sequence (Shape::lengths) enters the same way, as if it were `length` tokens long: blocks of
+//! padded keys or queries only do nothing, and a padded query's out and lse are written 0.
+//! Causal blocks walk 1 to tiles(T) tiles, the longest first; bidirectional blocks all walk
+//! tiles(T), about twice a causal layer's work.
 //!
 //! Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"): lane
 //! l = 4 group + pair holds, of a 16 x 16 A block, rows group and group + 8 at columns 2 pair,
@@ -440,6 +443,19 @@ LOOM_HD inline void accumulate_ab(Thread& th, FragmentC (&acc)[M][HS / 8], const
   }
 }
 
+//! acc *= factor, element by element.
+template <int M, int N>
+LOOM_HD inline void scale_fragments(FragmentC (&acc)[M][N], float factor) noexcept {
+  LOOM_UNROLL
+  for (int r = 0; r < M; ++r) {
+    LOOM_UNROLL
+    for (int n = 0; n < N; ++n) {
+      LOOM_UNROLL
+      for (int i = 0; i < 4; ++i) acc[r][n][i] *= factor;
+    }
+  }
+}
+
 //! Zeros of a register array of fragments.
 template <int M, int N>
 LOOM_HD inline void zero(FragmentC (&acc)[M][N]) noexcept {
@@ -722,6 +738,63 @@ LOOM_HD inline void keep_bits_by_columns(Thread& th, std::uint32_t (&keep)[M][2]
   }
 }
 
+//! 2^x for the softmax's exponentials: on the GPU one ex2.approx.ftz (exp2f adds a compare and
+//! two predicated multiplies per call to keep results under 2^-126, which are nothing beside a
+//! row's largest term, 1; PTX ISA: 2^-inf = +0), on the host std::exp2.
+LOOM_HD inline float exp2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+
+//! Sets to -inf the scores of the M [16, 8 N] score blocks `s` (rows queries, columns the keys
+//! from `first_key`) whose key is past the last one its row sees (`last`, by row group + 8 i of
+//! block r): a masked score's probability is then 2^-inf = 0, and its dS 0.
+template <int M, int N>
+LOOM_HD inline void mask_keys_after(FragmentC (&s)[M][N], const std::int64_t (&last)[M][2], std::int64_t first_key,
+                                    Lane ln) {
+  LOOM_UNROLL
+  for (int r = 0; r < M; ++r) {
+    LOOM_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      // Compared with the lane's first column, so that each element's test is against a constant.
+      const int last_column = tile_column(last[r][i], first_key, -1, 8 * N - 1) - 2 * ln.pair;
+      LOOM_UNROLL
+      for (int j = 0; j < N; ++j) {
+        LOOM_UNROLL
+        for (int c = 0; c < 2; ++c)
+          if (8 * j + c > last_column) s[r][j][2 * i + c] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  }
+}
+
+//! Sets to -inf the scores of the M [16, 8 N] transposed score blocks `st` (rows keys, columns
+//! queries from column `first` of their tile) whose query is outside [lowest, end) (`lowest` by
+//! key row group + 8 i of block r; tile columns).
+template <int M, int N>
+LOOM_HD inline void mask_queries_outside(FragmentC (&st)[M][N], const int (&lowest)[M][2], int end, int first,
+                                         Lane ln) {
+  const int lane_first = first + 2 * ln.pair;
+  LOOM_UNROLL
+  for (int r = 0; r < M; ++r) {
+    LOOM_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const int from = lowest[r][i] - lane_first, to = end - lane_first;  // the lane's columns [from, to)
+      LOOM_UNROLL
+      for (int j = 0; j < N; ++j) {
+        LOOM_UNROLL
+        for (int c = 0; c < 2; ++c)
+          if (8 * j + c < from || 8 * j + c >= to) st[r][j][2 * i + c] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The kernel bodies, run by every thread of a block of `threads`.
 
@@ -828,6 +901,8 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDrop
   // A key tile past the last key any row of the warp sees is masked for all of them: the warp
   // skips it (M > 1: the block walks the tiles its last warp needs; with M = 1 none is skipped).
   const std::int64_t warp_last = last_key(sh, first + warp_rows * M - 1, length);
+  // The last key the warp's first row sees, the fewest of its rows (last_key never falls).
+  const std::int64_t warp_first_last = last_key(sh, first, length);
   // A tile of padded queries only (the same for the whole block) walks no key tile: its rows are
   // written as zeros below.
   const std::int64_t end = qt * tile * M < length ? key_tiles(sh, qt, length, M) : 0;
@@ -852,35 +927,32 @@ LOOM_HD void forward_block(Thread& th, const ForwardArgs& a, const AttentionDrop
     FragmentC s[M][tile_blocks];
     zero(s);
     Tiles::template product_abt<HS>(th, s, q, k(kt), ln);
-    // Online softmax: a key counts where key <= last (t, the causal mask; or length - 1). Tile 0
-    // holds key 0, which every row sees, so m is finite from the first tile on; a later tile may
-    // hold no key a row sees (M > 1): its max is -inf, m stays, alpha = 1 and p = 0.
+    // A key counts where key <= last (t, the causal mask; or length - 1). Only a tile that holds
+    // a key past the warp's first row's last one has anything to mask (causal: the diagonal
+    // tile; padded: the sequence's last): the others skip the compare and select per score.
+    if ((kt + 1) * tile - 1 > warp_first_last) mask_keys_after(s, last, kt * tile, ln);
+    // Online softmax, in base 2 (scale2 = scale log2 e > 0, so the raw max gives the scaled one):
+    // p = 2^(x scale2 - m) is one fused multiply-add and one ex2. Tile 0 holds key 0, which every
+    // row sees, so m is finite from the first tile on; a later tile may hold no key a row sees
+    // (M > 1): its max is -inf, m stays, alpha = 1 and p = 0.
     LOOM_UNROLL
     for (int r = 0; r < M; ++r) {
       LOOM_UNROLL
       for (int i = 0; i < 2; ++i) {
-        const int last_column = tile_column(last[r][i], kt * tile, -1, tile - 1);
         float tile_max = -std::numeric_limits<float>::infinity();
         LOOM_UNROLL
-        for (int j = 0; j < tile_blocks; ++j) {
-          LOOM_UNROLL
-          for (int c = 0; c < 2; ++c) {
-            float& x = s[r][j][2 * i + c];
-            x = 8 * j + 2 * ln.pair + c <= last_column ? x * scale2 : -std::numeric_limits<float>::infinity();
-            tile_max = fmaxf(tile_max, x);
-          }
-        }
+        for (int j = 0; j < tile_blocks; ++j) tile_max = fmaxf(tile_max, fmaxf(s[r][j][2 * i], s[r][j][2 * i + 1]));
         tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 1));  // the 4 lanes of the row
         tile_max = fmaxf(tile_max, th.shuffle_xor(tile_max, 2));
-        const float m_new = fmaxf(m[r][i], tile_max);
-        const float alpha = exp2f(m[r][i] - m_new);
+        const float m_new = fmaxf(m[r][i], tile_max * scale2);
+        const float alpha = exp2_approx(m[r][i] - m_new);
         float sum = 0.0f;
         LOOM_UNROLL
         for (int j = 0; j < tile_blocks; ++j) {
           LOOM_UNROLL
           for (int c = 0; c < 2; ++c) {
             float& x = s[r][j][2 * i + c];
-            x = exp2f(x - m_new);
+            x = exp2_approx(fmaf(x, scale2, -m_new));
             sum += x;
             if constexpr (Drop) x = keep[r][i] >> (2 * j + c) & 1u ? x * drop_scale : 0.0f;
           }
@@ -1049,6 +1121,10 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
   // padded. (With M = 1 only half a diagonal tile would be skipped, and the branch made ptxas
   // spill about 50 bytes more.)
   const std::int64_t warp_lowest = first >= length ? tiles(length) * tile : sh.causal() ? first : 0;
+  // The first query that every key of the warp meets (its last key's lowest, the most; the length
+  // where any of its keys is padded): a step from there to the length needs no mask.
+  const std::int64_t warp_last_key = first + warp_rows * M - 1;
+  const std::int64_t warp_highest_lowest = warp_last_key >= length ? length : sh.causal() ? warp_last_key : 0;
   const auto start = [&](std::int64_t qtile) {  // start_tiles commits the rows' copies with its own
     start_rows(th, lse(qtile), a.lse + at.bh * T, qtile * tile, T, 0);
     start_rows(th, delta(qtile), a.delta + at.bh * T, qtile * tile, T, 32);  // another warp
@@ -1089,23 +1165,28 @@ LOOM_HD void key_value_grad_block(Thread& th, const BackwardArgs& a, const Atten
       zero(dpt);
       Tiles::template product_abt<HS>(th, st, k, q_step, ln);
       Tiles::template product_abt<HS>(th, dpt, v, g_step, ln);  // dP^T = V dO^T
-      // The mask selects the exponent (-inf: p = 0, then dS = 0), not the results: a select after
-      // the exponential compiled to a branch around it per element.
-      for_each_element(st, dpt, ln, [&](float& p, float& ds, int r, int i, int col, int bit) {
-        const bool valid = first_query + col < end && first_query + col >= lowest_column[r][i];
-        p = exp2f(valid ? fmaf(p, scale2, -lse_step[col] * log2e) : -std::numeric_limits<float>::infinity());
+      // Only a step with a query that some key of the warp does not meet (causal: the diagonal;
+      // padded: past the length) masks: the masked scores become -inf, so p = 0 and dS = 0.
+      const std::int64_t step_first = qtile * tile + first_query;
+      if (step_first < warp_highest_lowest || step_first + step > length)
+        mask_queries_outside(st, lowest_column, end, first_query, ln);
+      // dS^T without the softmax scale, which multiplies dK once at the end.
+      for_each_element(st, dpt, ln, [&](float& p, float& ds, [[maybe_unused]] int r, [[maybe_unused]] int i,
+                                        int col, [[maybe_unused]] int bit) {
+        p = exp2_approx(fmaf(p, scale2, -lse_step[col] * log2e));
         if constexpr (Drop) {
           const float z = keep[r][i] >> bit & 1u ? drop_scale : 0.0f;
-          ds = p * (ds * z - delta_step[col]) * sh.scale;
+          ds = p * (ds * z - delta_step[col]);
           p *= z;
         } else {
-          ds = p * (ds - delta_step[col]) * sh.scale;
+          ds = p * (ds - delta_step[col]);
         }
       });
       Tiles::template accumulate_ab<HS>(th, dv, st, g_step, ln);   // dV += P^T dO
       Tiles::template accumulate_ab<HS>(th, dk, dpt, q_step, ln);  // dK += dS^T Q
     }
   }
+  scale_fragments(dk, sh.scale);
   bf16* dqkv_bh = a.dqkv + at.b * T * ld + at.h * HS;
   add_rows(dqkv_bh + C, ld, dk, first, length, a.accumulate, ln);
   add_rows(dqkv_bh + 2 * C, ld, dv, first, length, a.accumulate, ln);
@@ -1151,6 +1232,8 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
   // masked for all its rows, and everything where its rows are all padded.
   const std::int64_t last_real_row = (first + warp_rows * M < length ? first + warp_rows * M : length) - 1;
   const std::int64_t warp_last = last_real_row >= first ? last_key(sh, last_real_row, length) : -1;
+  // The last key every row of the warp sees (its first row's; none where a row is padded).
+  const std::int64_t warp_first_last = first + warp_rows * M - 1 < length ? last_key(sh, first, length) : -1;
   FragmentC dq[M][HS / 8];
   zero(dq);
   const float scale2 = sh.scale * log2e;
@@ -1182,24 +1265,23 @@ LOOM_HD void query_grad_block(Thread& th, const BackwardArgs& a, const Attention
       zero(dp);
       Tiles::template product_abt<HS>(th, s, q, k_step, ln);
       Tiles::template product_abt<HS>(th, dp, g, v(kt) + first_key * tile_ld, ln);  // dP = dO V^T
-      int last_column[M][2];
-      LOOM_UNROLL
-      for (int r = 0; r < M; ++r) {
-        LOOM_UNROLL
-        for (int i = 0; i < 2; ++i) last_column[r][i] = tile_column(last[r][i], kt * tile + first_key, -1, step - 1);
-      }
-      // The mask selects the exponent (-inf: p = 0, then dS = 0); key_value_grad_block says why.
-      for_each_element(s, dp, ln, [&](float& score, float& ds, int r, int i, int col, [[maybe_unused]] int bit) {
-        const float p = exp2f(col <= last_column[r][i] ? fmaf(score, scale2, -lse[r][i])
-                                                       : -std::numeric_limits<float>::infinity());
+      // Only a step with a key that some row of the warp does not see (causal: the diagonal;
+      // padded: past the length, or a padded row) masks: the masked scores become -inf, so p = 0
+      // and dS = 0.
+      if (kt * tile + first_key + step - 1 > warp_first_last) mask_keys_after(s, last, kt * tile + first_key, ln);
+      // dS without the softmax scale, which multiplies dQ once at the end.
+      for_each_element(s, dp, ln, [&](float& score, float& ds, int r, int i, [[maybe_unused]] int col,
+                                      [[maybe_unused]] int bit) {
+        const float p = exp2_approx(fmaf(score, scale2, -lse[r][i]));
         if constexpr (Drop)
-          ds = p * ((keep[r][i] >> bit & 1u ? ds * drop_scale : 0.0f) - delta[r][i]) * sh.scale;
+          ds = p * ((keep[r][i] >> bit & 1u ? ds * drop_scale : 0.0f) - delta[r][i]);
         else
-          ds = p * (ds - delta[r][i]) * sh.scale;
+          ds = p * (ds - delta[r][i]);
       });
       Tiles::template accumulate_ab<HS>(th, dq, dp, k_step, ln);  // dQ += dS K
     }
   }
+  scale_fragments(dq, sh.scale);
   add_rows(a.dqkv + at.b * T * ld + at.h * HS, ld, dq, first, length, a.accumulate, ln);
 }
 
