@@ -827,8 +827,7 @@ class Model {
     if (M == 0) return;
     const HeadSaved& h = predicted.saved;
     const Tensor<T> dt = rows(w.dt, 0, M), dact = rows(w.dact, 0, M);
-    zero<T>(be, dt);
-    zero<T>(be, dact);
+    // dt is written, not read, by either path; dact by the layernorm's backward.
     if (chunked_logits()) {
       detail::transformer::chunked_unembedding_loss_backward<T>(
           be, dt, unembedding_grads ? grad(g, wte_, {vocab_rows_, C}) : Tensor<T>{},
@@ -840,12 +839,13 @@ class Model {
       detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, predicted.targets, vocab_begin_,
                                                            config_.vocab_size, a.loss_scale);
       if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
-      matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.logits, h.t, param(p, wte_, {vocab_rows_, C}));
+      matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.logits, h.t, param(p, wte_, {vocab_rows_, C}),
+                         GradientWrite::overwrite);
     }
     // f backward of the column-parallel logits: sum the slices' shares of dt.
     nn::column_parallel_input_grad(tensor_parallel_, dt);
     layernorm_backward<T>(be, dact, grad(g, lnm_weight_, {C}), grad(g, lnm_bias_, {C}), dt, h.act,
-                          param(p, lnm_weight_, {C}), h.mean, h.rstd);
+                          param(p, lnm_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
     // dt is spent: it becomes the gradient w.r.t. pre.
     const Tensor<T> dpre = dt;
     zero<T>(be, dpre);

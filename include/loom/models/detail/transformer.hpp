@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "loom/backend/concepts.hpp"
+#include "loom/backend/gradient_write.hpp"
 #include "loom/comm/ref.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/buffer.hpp"
@@ -460,9 +461,9 @@ double chunked_unembedding_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<
 }
 
 //! The backward of chunked_unembedding_loss: per chunk, the logits again, dlogits from them and
-//! the forward's `stats` (scaled by `loss_scale`), then `dx` [N, C] += dlogits · w, and `dw` +=
-//! dlogitsᵀ · x and `dbias` += its column sums where they are not empty. Communicates nothing:
-//! the caller sums dx over the group.
+//! the forward's `stats` (scaled by `loss_scale`), then `dx` [N, C] = dlogits · w (written, not
+//! read: each chunk writes its own rows), and `dw` += dlogitsᵀ · x and `dbias` += its column sums
+//! where they are not empty. Communicates nothing: the caller sums dx over the group.
 template <class T, Backend B>
 void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor<T> dbias,
                                        const LogitScratch<T>& scratch, const LogitStatistics& stats, Tensor<const T> x,
@@ -478,7 +479,7 @@ void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor
                                              Tensor<const double>(rows(stats.row_max, first, k)),
                                              Tensor<const double>(stats.partials.data() + 2 * first, {2, k}),
                                              rows(targets, first, k), vocab_begin, vocab_size, loss_scale);
-    matmul_backward<T>(be, rows(dx, first, k), dw, dbias, logits, rows(x, first, k), w);
+    matmul_backward<T>(be, rows(dx, first, k), dw, dbias, logits, rows(x, first, k), w, GradientWrite::overwrite);
   }
 }
 

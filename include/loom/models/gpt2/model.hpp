@@ -832,8 +832,7 @@ class Model {
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");
     Carver c{a.workspace.data()};
     const HeadWorkspace w = head_workspace(c, s);
-    const Tensor<T> dlnf = w.dlnf;
-    zero<T>(be, dlnf);
+    const Tensor<T> dlnf = w.dlnf;  // written, not read, by either path
     if (chunked_logits()) {
       detail::transformer::chunked_unembedding_loss_backward<T>(
           be, dlnf, dwte, Tensor<T>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
@@ -842,7 +841,8 @@ class Model {
       // dlogits overwrite the logits they are computed from (this rank's slice).
       detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, a.targets.reshape({N}), vocab_begin_,
                                                            config_.vocab_size, a.loss_scale);
-      matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}));
+      matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}),
+                         GradientWrite::overwrite);
     }
     // f backward of the column-parallel logits: sum the slices' shares of dlnf (this rank's rows
     // of the sum under sequence parallelism, reduce-scattered in place).
