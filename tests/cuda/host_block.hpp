@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -92,6 +93,13 @@ class HostThread {
     return other;
   }
   std::uint32_t shuffle_xor(std::uint32_t value, int mask) const { return shuffle(value, thread_ % 32 ^ mask); }
+  //! A double's two words, each by the integer shuffle (__shfl_xor_sync's double overload).
+  double shuffle_xor(double value, int mask) const {
+    const auto bits = std::bit_cast<std::uint64_t>(value);
+    const std::uint64_t low = shuffle_xor(static_cast<std::uint32_t>(bits), mask);
+    const std::uint64_t high = shuffle_xor(static_cast<std::uint32_t>(bits >> 32), mask);
+    return std::bit_cast<double>(low | high << 32);
+  }
   //! `value` of lane `lane` of this thread's warp (__shfl_sync).
   std::uint32_t shuffle(std::uint32_t value, int lane) const {
     block_.words[thread_] = value;

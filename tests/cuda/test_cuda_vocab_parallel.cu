@@ -25,6 +25,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "device_check.hpp"
@@ -694,6 +695,165 @@ TEST_CASE("the cross-entropy backward's row body matches the double reference, i
       check(backward_on_host<4, true>(c, logits, targets, 0.25f, in_place), "dlogits, W = 4");
       check(backward_on_host<4, false>(c, probs, targets, 0.25f, in_place), "dlogits from probabilities, W = 4");
     }
+  }
+}
+
+//! What the fused row body and the three it replaces write, as floats.
+struct FusedRows {
+  std::vector<float> losses, dlogits;
+  std::vector<double> row_max, partials;
+};
+
+//! The statistics kernel's rows (row_statistics and thread 0's writes), the losses (loss_of) and
+//! the backward's rows from the logits in place, each as a grid on the host: the three kernels a
+//! group of one ran before the fused one. T = float or bf16, W values a pack.
+template <class T, int W>
+FusedRows three_bodies_on_host(const CrossEntropyCase& c, const std::vector<T>& logits,
+                               const std::vector<std::int32_t>& targets, float scale) {
+  namespace cvp = detail::cuda_vocab_parallel;
+  using P = detail::cuda_kernels::Pack<T, W>;
+  const std::int64_t N = c.N, used = (c.vocab + W - 1) / W;
+  std::vector<double> row_max(static_cast<std::size_t>(N), -3.0), partials(static_cast<std::size_t>(2 * N), -5.0);
+  run_grid(
+      N, 1, cvp::reduction_bytes,
+      [&](HostThread& th) {
+        const std::int64_t n = th.block_x();
+        const T* row = logits.data() + n * c.padded;
+        const cvp::RowStatistics r = cvp::row_statistics<T, W>(th, reinterpret_cast<const P*>(row), used, c.vocab,
+                                                               reinterpret_cast<double*>(th.shared()));
+        if (th.thread() == 0) {
+          row_max[n] = r.top;
+          partials[n] = r.sum;
+          partials[N + n] = cvp::target_logit(row, targets[n], c.vocab, 0);
+        }
+      },
+      cvp::row_threads);
+  FusedRows out{std::vector<float>(static_cast<std::size_t>(N)), {}, row_max, partials};
+  for (std::int64_t n = 0; n < N; ++n) out.losses[n] = cvp::loss_of(row_max[n], partials[n], partials[N + n], targets[n]);
+  std::vector<T> d = logits;
+  run_grid(
+      N, 1, 0,
+      [&](HostThread& th) {
+        cvp::backward_row<T, W, true>(th, d.data(), d.data(), row_max.data(), partials.data(), targets.data(),
+                                      th.block_x(), c.padded, c.vocab, 0, scale);
+      },
+      cvp::row_threads);
+  out.dlogits = floats_of(d);
+  return out;
+}
+
+//! The fused row body on the host, the row staged in the block's shared memory or not.
+template <class T, int W, bool Staged>
+FusedRows fused_on_host(const CrossEntropyCase& c, const std::vector<T>& logits,
+                        const std::vector<std::int32_t>& targets, float scale) {
+  namespace cvp = detail::cuda_vocab_parallel;
+  const std::int64_t N = c.N;
+  std::vector<float> losses(static_cast<std::size_t>(N), -7.0f);
+  std::vector<double> row_max(static_cast<std::size_t>(N), -3.0), partials(static_cast<std::size_t>(2 * N), -5.0);
+  std::vector<T> d = logits;
+  const std::size_t bytes = Staged ? cvp::staged_bytes<T, W>(c.vocab) : cvp::reduction_bytes;
+  run_grid(
+      N, 1, bytes,
+      [&](HostThread& th) {
+        cvp::forward_backward_row<T, W, Staged>(th, d.data(), losses.data(), row_max.data(), partials.data(),
+                                                targets.data(), th.block_x(), N, c.padded, c.vocab, scale);
+      },
+      cvp::row_threads);
+  return {losses, floats_of(d), row_max, partials};
+}
+
+template <class T, int W>
+void check_fused_on_host(const CrossEntropyCase& c, const std::vector<T>& logits,
+                         const std::vector<std::int32_t>& targets, float scale) {
+  const FusedRows want = three_bodies_on_host<T, W>(c, logits, targets, scale);
+  for (const FusedRows& got : {fused_on_host<T, W, true>(c, logits, targets, scale),
+                               fused_on_host<T, W, false>(c, logits, targets, scale)}) {
+    check_same_bits(got.losses, want.losses, "losses");
+    check_same_bits(got.dlogits, want.dlogits, "dlogits");
+    CHECK(got.row_max == want.row_max);
+    CHECK(got.partials == want.partials);
+  }
+  // And right: the double reference of the logits as they are (rounded to T).
+  if constexpr (std::is_same_v<T, float>) {
+    const CrossEntropyReference ref = reference(c, logits, targets, scale);
+    check_close(want.losses, ref.losses, float_tolerance, "losses against the double reference");
+    check_close(want.dlogits, ref.dlogits, float_tolerance, "dlogits against the double reference");
+  }
+}
+
+TEST_CASE("the fused cross-entropy row body gives the statistics, losses and backward bodies' bits (host emulation)") {
+  // A row of one pack; rows wider than the block's threads and than eight packs a thread (the
+  // staging's batches and its tail); GPT-2's vocabulary; an odd width (W = 1 only) with targets
+  // outside [0, vocab).
+  for (const CrossEntropyCase c : {CrossEntropyCase{5, 7, 8, 1}, CrossEntropyCase{4, 1000, 1200, 1},
+                                   CrossEntropyCase{3, 20000, 20000, 1}, CrossEntropyCase{2, 50257, 50304, 1},
+                                   CrossEntropyCase{7, 10, 21, 1}}) {
+    CAPTURE(c.N);
+    CAPTURE(c.vocab);
+    CAPTURE(c.padded);
+    const std::vector<float> logits = make_logits(c, 19);
+    std::vector<std::int32_t> targets = make_targets(c);
+    if (c.padded == 21) targets = {3, -1, 10, 25, int32_max, int32_min, 9};
+    check_fused_on_host<float, 1>(c, logits, targets, 0.25f);
+    if (c.padded % 8 != 0) continue;
+    check_fused_on_host<float, 4>(c, logits, targets, 0.25f);
+    check_fused_on_host<bf16, 1>(c, cast_to<bf16>(logits), targets, 1.0f / 3.0f);
+    check_fused_on_host<bf16, 8>(c, cast_to<bf16>(logits), targets, 1.0f / 3.0f);
+  }
+}
+
+TEST_CASE("cross_entropy_forward_backward on the GPU: the three kernels' bits, staged or not, and the gradient kept") {
+  if (!have_gpu()) return;
+  loom::cuda be(0);
+  // Rows staged in shared memory (bf16 and float at 1,200 columns, bf16 at GPT-2's vocabulary) and
+  // read twice (float at GPT-2's vocabulary: 201 KB a row, more than two blocks an SM hold); one
+  // unaligned width.
+  for (const CrossEntropyCase c : {CrossEntropyCase{6, 1000, 1200, 1}, CrossEntropyCase{4, 50257, 50304, 1},
+                                   CrossEntropyCase{7, 10, 21, 1}}) {
+    CAPTURE(c.N);
+    CAPTURE(c.padded);
+    const std::int64_t N = c.N;
+    const std::vector<float> logits = make_logits(c, 29);
+    const std::vector<std::int32_t> targets = make_targets(c);
+    const DeviceIds target_device(be, targets, Shape{N});
+    const auto both = [&]<class T>(const std::vector<T>& x, float scale) {
+      // The three kernels, as vocab_parallel_loss runs them for evaluation...
+      const DeviceArray<T> unfused(be, x, Shape{N, c.padded}), fused(be, x, Shape{N, c.padded});
+      const DeviceDoubles row_max(be, std::vector<double>(N, -3.0), Shape{N}),
+          partials(be, std::vector<double>(2 * N, -5.0), Shape{2, N}),
+          fused_max(be, std::vector<double>(N, -3.0), Shape{N}),
+          fused_partials(be, std::vector<double>(2 * N, -5.0), Shape{2, N}),
+          flag(be, std::vector<double>{-1.0}, Shape{1});
+      const DeviceTensor losses(be, std::vector<float>(N, -7.0f), Shape{N}),
+          fused_losses(be, std::vector<float>(N, -7.0f), Shape{N});
+      vocab_parallel_cross_entropy_statistics<T>(be, row_max.view(), partials.view(), unfused.cview(),
+                                                 target_device.cview(), 0, c.vocab);
+      vocab_parallel_cross_entropy_losses<T>(be, losses.view(), row_max.cview(), partials.cview(),
+                                             target_device.cview());
+      vocab_parallel_cross_entropy_backward<T>(be, unfused.view(), unfused.cview(), row_max.cview(), partials.cview(),
+                                               target_device.cview(), 0, c.vocab, scale);
+      // ... and fused.
+      cross_entropy_forward_backward<T>(be, fused_losses.view(), fused_max.view(), fused_partials.view(), fused.view(),
+                                        target_device.cview(), c.vocab, scale, flag.view());
+      check_same_bits(fused_losses.to_host(be), losses.to_host(be), "losses");
+      check_same_bits(floats_of(fused.to_host(be)), floats_of(unfused.to_host(be)), "dlogits");
+      CHECK(fused_max.to_host(be) == row_max.to_host(be));
+      CHECK(fused_partials.to_host(be) == partials.to_host(be));
+      CHECK(flag.to_host(be) == std::vector<double>{static_cast<double>(scale)});
+      // The backward told that the gradient is there keeps it; at twice the scale, doubles it.
+      vocab_parallel_cross_entropy_backward<T>(be, fused.view(), fused.cview(), fused_max.cview(),
+                                               fused_partials.cview(), target_device.cview(), 0, c.vocab, scale,
+                                               flag.cview());
+      check_same_bits(floats_of(fused.to_host(be)), floats_of(unfused.to_host(be)), "dlogits kept");
+      vocab_parallel_cross_entropy_backward<T>(be, fused.view(), fused.cview(), fused_max.cview(),
+                                               fused_partials.cview(), target_device.cview(), 0, c.vocab,
+                                               2.0f * scale, flag.cview());
+      std::vector<float> doubled = floats_of(unfused.to_host(be));
+      for (float& v : doubled) v = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(v)) * 2.0f));
+      check_same_bits(floats_of(fused.to_host(be)), doubled, "dlogits rescaled");
+    };
+    both(logits, 0.25f);
+    both(cast_to<bf16>(logits), 1.0f / 3.0f);
   }
 }
 

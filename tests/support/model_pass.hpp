@@ -43,13 +43,18 @@ std::vector<T> garbage(std::int64_t n) {
 //! How a whole-model backward runs: combined, or each layer's input pass then its weight pass.
 enum class Pass { combined, split };
 
+//! Whether a forward whose backward follows is told that backward's loss scale
+//! (ForwardArgs::loss_scale), as the Trainer tells it, or not (a head then leaves its logits for
+//! the backward).
+enum class Announce { backward, nothing };
+
 //! The mean loss of `batch` (anything with [B, T] tokens_view() and targets_view(); targets < 0
 //! ignored) and, when `grads` is non-null, its gradient w.r.t. every parameter, layer by layer on
 //! one rank; `dropout` keys the forward's and backward's dropout masks.
 template <class M, class Batch>
 double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::scalar_type>& params,
                          const Batch& batch, std::vector<typename M::scalar_type>* grads, Pass pass = Pass::combined,
-                         DropoutKey dropout = {}) {
+                         DropoutKey dropout = {}, Announce announce = Announce::backward) {
   using T = typename M::scalar_type;
   const Tensor<const std::int32_t> tokens = batch.tokens_view(), targets = batch.targets_view();
   Tensor<const std::int32_t> lengths{};  // a padded batch's sequence lengths
@@ -60,6 +65,9 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
   const Shape hidden_shape{s.batch, s.seq, static_cast<std::int64_t>(hidden) / (s.batch * s.seq)};
   std::vector<std::vector<T>> saved(static_cast<std::size_t>(layers)), outputs(static_cast<std::size_t>(layers));
   const ParameterView<const T> p(params.data());
+  double target_count = 0;
+  for (std::int32_t t : targets) target_count += t >= 0;
+  const auto loss_scale = static_cast<accumulate_t<T>>(1.0 / target_count);
   double loss = 0;
   for (int l = 0; l < layers; ++l) {
     saved[l].resize(static_cast<std::size_t>(model.activation_elements(l, s)));
@@ -69,11 +77,11 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
                            .output = l + 1 < layers ? Tensor<T>(outputs[l].data(), hidden_shape) : Tensor<T>{},
                            .saved = flat(saved[l]),
                            .dropout = dropout,
-                           .lengths = lengths};
+                           .lengths = lengths,
+                           .loss_scale = grads != nullptr && announce == Announce::backward ? loss_scale
+                                                                                             : accumulate_t<T>(0)};
     loss += model.forward(be, l, p, f);
   }
-  double target_count = 0;
-  for (std::int32_t t : targets) target_count += t >= 0;
   if (grads == nullptr) return loss / target_count;
   grads->assign(params.size(), T(0));
   const ParameterView<T> g(grads->data());
@@ -90,7 +98,7 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
                             .input_grad = l == 0 ? Tensor<T>{} : Tensor<T>(input_grad.data(), hidden_shape),
                             .saved = flat(saved[l]),
                             .workspace = flat(workspace),
-                            .loss_scale = static_cast<accumulate_t<T>>(1.0 / target_count),
+                            .loss_scale = loss_scale,
                             .dropout = dropout,
                             .lengths = lengths};
     if (pass == Pass::combined) {

@@ -8,12 +8,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "loom/backend/cpu/embedding.hpp"
+#include "loom/backend/cpu/reduction.hpp"
 #include "loom/backend/cpu/softmax_cross_entropy.hpp"
 #include "loom/backend/cpu/vocab_parallel.hpp"
+#include "loom/core/bf16.hpp"
 #include "support/gradcheck.hpp"
 
 namespace {
@@ -471,4 +474,142 @@ TEST_CASE("vocab-parallel kernels reject bad arguments, naming them") {
                                                                Tensor<const float>(x.data(), {2, 4}), 0, Tensor<const float>{});
       },
       "token at tokens[0, 1]");
+}
+
+namespace {
+
+//! What the fused kernel and the three kernels it replaces write: losses, statistics, dlogits.
+template <class T>
+struct Fused {
+  std::vector<loom::accumulate_t<T>> losses;
+  std::vector<double> row_max, partials;
+  std::vector<T> dlogits;
+};
+
+//! The statistics, the losses and the backward from the logits in place (one slice: the whole
+//! vocabulary), as vocab_parallel_loss runs them where no backward is announced.
+template <class T>
+Fused<T> three_kernels(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets,
+                       const Case& c, loom::accumulate_t<T> scale) {
+  using A = loom::accumulate_t<T>;
+  const std::int64_t N = c.N;
+  Fused<T> r{std::vector<A>(N, A(-7)), std::vector<double>(N, -3.0), std::vector<double>(2 * N, -5.0), logits};
+  const Tensor<const std::int32_t> target_view(targets.data(), {N});
+  loom::kernels::vocab_parallel_cross_entropy_statistics<T>(be, Tensor<double>(r.row_max.data(), {N}),
+                                                            Tensor<double>(r.partials.data(), {2, N}),
+                                                            Tensor<const T>(logits.data(), {N, c.padded}),
+                                                            target_view, 0, c.vocab);
+  const Tensor<const double> row_max(r.row_max.data(), {N}), partials(r.partials.data(), {2, N});
+  loom::kernels::vocab_parallel_cross_entropy_losses<T>(be, Tensor<A>(r.losses.data(), {N}), row_max, partials,
+                                                        target_view);
+  loom::kernels::vocab_parallel_cross_entropy_backward<T>(be, Tensor<T>(r.dlogits.data(), {N, c.padded}),
+                                                          Tensor<const T>(r.dlogits.data(), {N, c.padded}), row_max,
+                                                          partials, target_view, 0, c.vocab, scale);
+  return r;
+}
+
+//! cross_entropy_forward_backward on the same logits; `gradient_scale` gets its flag.
+template <class T>
+Fused<T> fused(const cpu& be, const std::vector<T>& logits, const std::vector<std::int32_t>& targets, const Case& c,
+               loom::accumulate_t<T> scale, double& gradient_scale) {
+  using A = loom::accumulate_t<T>;
+  const std::int64_t N = c.N;
+  Fused<T> r{std::vector<A>(N, A(-7)), std::vector<double>(N, -3.0), std::vector<double>(2 * N, -5.0), logits};
+  gradient_scale = -1.0;
+  loom::kernels::cross_entropy_forward_backward<T>(
+      be, Tensor<A>(r.losses.data(), {N}), Tensor<double>(r.row_max.data(), {N}),
+      Tensor<double>(r.partials.data(), {2, N}), Tensor<T>(r.dlogits.data(), {N, c.padded}),
+      Tensor<const std::int32_t>(targets.data(), {N}), c.vocab, scale, Tensor<double>(&gradient_scale, {1}));
+  return r;
+}
+
+//! Bit for bit (-0 and 0 apart).
+template <class U>
+bool same_bits(const std::vector<U>& a, const std::vector<U>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(U)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("cross_entropy_forward_backward writes the three kernels' bits: statistics, losses, dlogits", T,
+                   float, double, loom::bf16) {
+  using A = loom::accumulate_t<T>;
+  // One slice of each case's padded vocabulary; no padding; rows past the kernels' thread
+  // threshold (so 2 threads split them).
+  std::vector<Case> whole;
+  for (const Case& c : cases) whole.push_back({c.N, c.vocab, c.padded, 1});
+  whole.push_back({4, 9, 9, 1});
+  whole.push_back({40, 1000, 1024, 1});
+  for (const Case& c : whole) {
+    CAPTURE(c.N);
+    CAPTURE(c.vocab);
+    CAPTURE(c.padded);
+    const auto logits = make_logits<T>(c, 23);
+    std::vector<std::int32_t> targets = make_targets(c);
+    targets.back() = -5;  // a second ignored row, the last
+    for (const int threads : {1, 2}) {
+      CAPTURE(threads);
+      const cpu be(threads);
+      const A scale = A(1) / A(3 * c.N);
+      const Fused<T> want = three_kernels<T>(be, logits, targets, c, scale);
+      double flag = 0;
+      const Fused<T> got = fused<T>(be, logits, targets, c, scale, flag);
+      CHECK(same_bits(got.losses, want.losses));
+      CHECK(same_bits(got.row_max, want.row_max));
+      CHECK(same_bits(got.partials, want.partials));
+      CHECK(same_bits(got.dlogits, want.dlogits));
+      CHECK(flag == static_cast<double>(scale));
+
+      // The backward told so keeps the gradient; at another scale it rescales it (kernels::scale's
+      // bits); told 0, it computes the gradient from what it takes to be logits.
+      const std::int64_t N = c.N;
+      const auto backward = [&](std::vector<T>& d, A at, double told) {
+        loom::kernels::vocab_parallel_cross_entropy_backward<T>(
+            be, Tensor<T>(d.data(), {N, c.padded}), Tensor<const T>(d.data(), {N, c.padded}),
+            Tensor<const double>(got.row_max.data(), {N}), Tensor<const double>(got.partials.data(), {2, N}),
+            Tensor<const std::int32_t>(targets.data(), {N}), 0, c.vocab, at, Tensor<const double>(&told, {1}));
+      };
+      std::vector<T> kept = got.dlogits;
+      backward(kept, scale, flag);
+      CHECK(same_bits(kept, want.dlogits));
+      std::vector<T> doubled = got.dlogits, want_doubled = got.dlogits;
+      loom::kernels::scale<T>(be, Tensor<T>(want_doubled.data(), {N, c.padded}), 2.0);
+      backward(doubled, A(2) * scale, flag);
+      CHECK(same_bits(doubled, want_doubled));
+      std::vector<T> computed = logits;
+      backward(computed, scale, 0.0);
+      CHECK(same_bits(computed, want.dlogits));
+    }
+  }
+}
+
+TEST_CASE("cross_entropy_forward_backward and the backward's gradient_scale reject bad arguments, naming them") {
+  const cpu be(1);
+  std::vector<float> x(8, 0.f), losses(2);
+  std::vector<double> m(2), partials(4), flag(2);
+  std::vector<std::int32_t> targets{1, 3};
+  const auto run = [&](std::int64_t columns, std::int64_t vocab, float scale, std::int64_t flags,
+                       std::int64_t loss_rows) {
+    loom::kernels::cross_entropy_forward_backward<float>(
+        be, Tensor<float>(losses.data(), {loss_rows}), Tensor<double>(m.data(), {2}),
+        Tensor<double>(partials.data(), {2, 2}), Tensor<float>(x.data(), {2, columns}),
+        Tensor<const std::int32_t>(targets.data(), {2}), vocab, scale, Tensor<double>(flag.data(), {flags}));
+  };
+  expect_error([&] { run(4, 5, 1.f, 1, 2); }, "logits columns");
+  expect_error([&] { run(4, 4, 0.f, 1, 2); }, "scale");
+  expect_error([&] { run(4, 4, std::numeric_limits<float>::quiet_NaN(), 1, 2); }, "scale");
+  expect_error([&] { run(4, 4, 1.f, 2, 2); }, "gradient_scale");
+  expect_error([&] { run(4, 4, 1.f, 1, 1); }, "losses");
+  targets[1] = 4;
+  expect_error([&] { run(4, 4, 1.f, 1, 2); }, "targets[1]");
+  targets[1] = 3;
+  std::vector<float> other(8);
+  expect_error(
+      [&] {
+        loom::kernels::vocab_parallel_cross_entropy_backward<float>(
+            be, Tensor<float>(other.data(), {2, 4}), Tensor<const float>(x.data(), {2, 4}),
+            Tensor<const double>(m.data(), {2}), Tensor<const double>(partials.data(), {4}),
+            Tensor<const std::int32_t>(targets.data(), {2}), 0, 4, 1.f, Tensor<const double>(flag.data(), {1}));
+      },
+      "dlogits");
 }

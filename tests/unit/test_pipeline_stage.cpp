@@ -290,13 +290,14 @@ void check_activation_memory(S schedule, Slots slots) {
     trainer.step(make_batch(0, m, pipeline_seq, pipeline_config().vocab_size));
     trainer.step(make_batch(1, m, pipeline_seq, pipeline_config().vocab_size));  // reuses the slots
 
-    // One slot: what every local layer saves, the hidden states between its layers and from
-    // the neighbour stages, and (split backward) the stash from I to W.
+    // One slot: what every local layer saves (each range starting 16-byte aligned: 4 floats),
+    // the hidden states between its layers and from the neighbour stages, and (split backward)
+    // the stash from I to W.
     const auto& stage = trainer.stage();
     const MicroBatchShape shape{1, pipeline_seq};
     std::int64_t saved = 0, stash = 0;
     for (int l = 0; l < stage.num_layers(); ++l) {
-      saved += stage.activation_elements(l, shape);
+      saved += (stage.activation_elements(l, shape) + 3) / 4 * 4;
       if constexpr (requires { S::splits_backward; }) stash += stage.stash_elements(l, shape);
     }
     const int s = trainer.pipeline_rank();

@@ -99,8 +99,10 @@ TEST_CASE("a recomputed layer keeps nothing in the slot; one buffer holds one la
   const gpt2::Config config = recompute_gpt2_config();
   const Gpt model(config);
   const MicroBatchShape shape{2, seq};
-  const std::int64_t hidden = model.hidden_elements(shape), block = model.activation_elements(1, shape),
-                     head = model.activation_elements(config.num_layers + 1, shape);
+  // The Trainer starts each layer's range 16-byte aligned (4 floats).
+  const auto aligned = [](std::int64_t elements) { return (elements + 3) / 4 * 4; };
+  const std::int64_t hidden = model.hidden_elements(shape), block = aligned(model.activation_elements(1, shape)),
+                     head = aligned(model.activation_elements(config.num_layers + 1, shape));
   const auto trained = [&](int recompute_layers) {
     cpu be(1);
     Trainer<Gpt, AdamW> trainer(be, Gpt(config), AdamW({.weight_decay = 0.1}), parity_lr(),
@@ -235,9 +237,10 @@ TEST_CASE("a head with chunked logits keeps its 3 doubles a row but not the logi
   const auto compare = [&](const auto& stored, const auto& chunked, const auto& batch, std::int64_t head) {
     using T = typename std::decay_t<decltype(stored)>::scalar_type;
     const std::int64_t V = stored.config().padded_vocab_size;
-    // Both keep each row's statistics (the unchunked head's backward normalises its exps with them).
+    // Both keep each row's statistics (the unchunked head's backward normalises its exps with
+    // them); the stored head also the scale of the gradient its forward may write (a double).
     CHECK(stored.activation_elements(static_cast<int>(head), s) - chunked.activation_elements(static_cast<int>(head), s) ==
-          N * V);
+          N * V + static_cast<std::int64_t>(sizeof(double) / sizeof(T)));
     const std::vector<T> params = noisy_parameters<T>(stored.layout());
     std::vector<T> expected, got;
     const double loss = loss_and_gradient(stored, be, params, batch, &expected);
@@ -275,6 +278,36 @@ TEST_CASE("a head with chunked logits keeps its 3 doubles a row but not the logi
   CHECK(fresh.memory().peak(MemoryCategory::workspace) == 0);
   CHECK(head_loss({}) == in_workspace);
   CHECK(fresh.memory().peak(MemoryCategory::workspace) == 7 * gpt.padded_vocab_size * std::int64_t{sizeof(float)});
+}
+
+TEST_CASE("a head told its backward's loss scale gives the loss and gradients of one that is not, bit for bit") {
+  // Told (ForwardArgs::loss_scale, as the Trainer tells it), a head on one rank writes the
+  // gradient of its logits over them as it computes the loss (cross_entropy_forward_backward);
+  // not told, the backward computes it from the logits and their statistics. Combined and split
+  // backward, float and bf16, GPT-2 and BERT; the chunked head, which keeps no logits, alike.
+  cpu be(2);
+  const auto compare = [&](const auto& model, const auto& batch) {
+    using T = typename std::decay_t<decltype(model)>::scalar_type;
+    const std::vector<float> noisy = noisy_parameters<float>(model.layout());
+    std::vector<T> params(noisy.size());
+    for (std::size_t i = 0; i < noisy.size(); ++i) params[i] = static_cast<T>(noisy[i]);
+    for (const Pass pass : {Pass::combined, Pass::split}) {
+      CAPTURE(pass == Pass::split);
+      std::vector<T> told, untold;
+      const double told_loss = loss_and_gradient(model, be, params, batch, &told, pass, {}, Announce::backward);
+      const double untold_loss = loss_and_gradient(model, be, params, batch, &untold, pass, {}, Announce::nothing);
+      CHECK(told_loss == untold_loss);
+      CHECK(told == untold);
+    }
+  };
+  gpt2::Config chunked = small_test_config();
+  chunked.logits_chunk_rows = 7;
+  const TestBatch batch = make_batch(0, 2, seq, 50);
+  compare(gpt2::Model<cpu, float>(small_test_config()), batch);
+  compare(gpt2::Model<cpu, bf16>(small_test_config()), batch);
+  compare(gpt2::Model<cpu, float>(chunked), batch);
+  compare(bert::Model<cpu, float>(bert_test_config()), masked_test_source().batch_at(0, 2, seq));
+  compare(bert::Model<cpu, bf16>(bert_test_config()), masked_test_source().batch_at(0, 2, seq));
 }
 
 TEST_CASE("a head with chunked logits trains as one rank on meshes, and with every layer recomputed") {

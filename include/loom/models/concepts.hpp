@@ -38,6 +38,11 @@ struct ForwardArgs {
   //! [B] real tokens of each sequence, the rest padding that no query attends to
   //! (AttentionKeys), where the kernels read it; empty: every sequence is T tokens.
   Tensor<const std::int32_t> lengths{};
+  //! The loss_scale of the backward that follows (BackwardArgs::loss_scale), or 0 where none does
+  //! (evaluation). A hint: a layer may start its backward's work now (GPT-2's and BERT's heads on
+  //! one rank write the gradient of their logits as they compute the loss), and it must still give
+  //! the right gradients whatever scale its backward is given.
+  accumulate_t<T> loss_scale = accumulate_t<T>(0);
 };
 
 //! What one layer's backward reads and writes. Gradients accumulate (+=).

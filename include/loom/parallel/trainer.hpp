@@ -196,7 +196,7 @@ class Trainer {
       issue(plan_[i]);
       switch (a.kind) {
         case Action::Kind::forward:
-          loss_sum += forward(a.micro_batch, a.chunk, mb, dropout_key(a.micro_batch));
+          loss_sum += forward(a.micro_batch, a.chunk, mb, dropout_key(a.micro_batch), loss_scale);
           break;
         case Action::Kind::backward:
         case Action::Kind::backward_input:
@@ -255,7 +255,7 @@ class Trainer {
       const Action& a = evaluate_actions_[i];
       issue(evaluate_plan_[i]);
       // No dropout: evaluation measures the model itself.
-      loss_sum += forward(a.micro_batch, a.chunk, micro(batch, a.micro_batch), {});
+      loss_sum += forward(a.micro_batch, a.chunk, micro(batch, a.micro_batch), {}, 0);
       release(find(a.micro_batch, a.chunk));
     }
     issue(evaluate_plan_.back());
@@ -988,7 +988,9 @@ class Trainer {
     return {.seed = options_.seed, .step = step_, .first_sequence = first_row_ + mb * options_.micro_batch_size};
   }
 
-  double forward(std::int64_t mb, int chunk, const Inputs& inputs, DropoutKey dropout) {
+  //! The forward of one chunk of micro-batch `mb`; `loss_scale` is its backward's (0: none follows).
+  double forward(std::int64_t mb, int chunk, const Inputs& inputs, DropoutKey dropout,
+                 accumulate_t<T> loss_scale) {
     const ChunkPlan& p = chunk_plans_[static_cast<std::size_t>(chunk)];
     Slot* received = held(mb, chunk);  // a receive from another rank took the slot (issue)
     Slot& slot = received != nullptr ? *received : acquire(mb, chunk);
@@ -1003,7 +1005,8 @@ class Trainer {
                        .saved = saved(slot, p, j),
                        .dropout = dropout,
                        .workspace = workspace(l),
-                       .lengths = inputs.lengths};
+                       .lengths = inputs.lengths,
+                       .loss_scale = loss_scale};
       loss_sum += stage_.forward(*backend_, l, engine_.forward_params(l), a);
       engine_.after_forward(l);
     }
@@ -1052,7 +1055,8 @@ class Trainer {
                                    .saved = a.saved,
                                    .dropout = a.dropout,
                                    .workspace = a.workspace,
-                                   .lengths = inputs.lengths};
+                                   .lengths = inputs.lengths,
+                                   .loss_scale = loss_scale};
         (void)stage_.forward(*backend_, l, params, again);
       }
       if (action.kind == Action::Kind::backward) {

@@ -20,6 +20,7 @@
 #include "loom/backend/cpu/detail/embedding_grad.hpp"
 #include "loom/backend/cpu/detail/staging.hpp"
 #include "loom/backend/cpu/detail/sum.hpp"
+#include "loom/backend/cpu/reduction.hpp"
 #include "loom/backend/detail/vocab_parallel_checks.hpp"
 #include "loom/core/accumulate.hpp"
 #include "loom/core/error.hpp"
@@ -110,6 +111,16 @@ void shifted_exps(const T* x, accumulate_t<T> shift, accumulate_t<T>* exps, std:
   } else {
     Eigen::Map<Row>(exps, n) = (Eigen::Map<const Row>(x, n) - shift).exp();
   }
+}
+
+//! The probabilities of a row from its `exps` (shifted_exps by the row's max) and their `sum`:
+//! p(i) = exps[i] · (1 / sum), the factor rounded once to the accumulate type and each p once to
+//! T (and widened back), as the backward from the logits computes them.
+template <class T>
+auto logit_probabilities(const accumulate_t<T>* exps, double sum) {
+  using A = accumulate_t<T>;
+  const A factor = static_cast<A>(1.0 / sum);
+  return [exps, factor](std::int64_t i) { return to_accumulate(static_cast<T>(exps[i] * factor)); };
 }
 
 }  // namespace loom::detail::vocab_parallel
@@ -307,17 +318,28 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
 //! probabilities p = exp(logit - row_max) · (1 / sum), the exps as step 1 computed them and the
 //! factor rounded once to the accumulate type, each p rounded once to T, then the backward above
 //! on them, in one pass over [N, Vs]. `dlogits` may alias `logits`.
+//!
+//! `gradient_scale` [1] (or empty) says what `logits` hold: 0, the logits; s != 0, already the
+//! gradient at scale s (cross_entropy_forward_backward wrote it), which then needs `dlogits` to be
+//! `logits` and is left as it is where s == scale, else multiplied by scale / s.
 template <class T>
 void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Tensor<const T> logits,
                                            Tensor<const double> row_max, Tensor<const double> partials,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                                           std::int64_t vocab, accumulate_t<T> scale) {
+                                           std::int64_t vocab, accumulate_t<T> scale,
+                                           Tensor<const double> gradient_scale = {}) {
   namespace d = detail::vocab_parallel;
   using A = accumulate_t<T>;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
   const d::CrossEntropyDims dims =
       d::check_backward_from_logits(dlogits, logits, row_max, partials, targets, vocab_begin, vocab, kernel);
+  d::check_gradient_scale(gradient_scale, dlogits, logits, kernel);
   d::check_target_values(targets, vocab, kernel);
+  if (!gradient_scale.empty() && gradient_scale[0] != 0.0) {
+    if (static_cast<double>(scale) != gradient_scale[0])
+      kernels::scale<T>(be, dlogits, static_cast<double>(scale) / gradient_scale[0]);
+    return;
+  }
   const std::int64_t real = dims.real_columns;
   const double* m = row_max.data();
   const double* sums = partials.data();
@@ -326,11 +348,62 @@ void vocab_parallel_cross_entropy_backward(const cpu& be, Tensor<T> dlogits, Ten
                                  [&](std::int64_t n, const T* x) {
                                    A* exps = scratch.at(detail::thread_index());
                                    d::shifted_exps(x, static_cast<A>(m[n]), exps, real);
-                                   const A factor = static_cast<A>(1.0 / sums[n]);
-                                   return [exps, factor](std::int64_t i) {
-                                     return to_accumulate(static_cast<T>(exps[i] * factor));
-                                   };
+                                   return d::logit_probabilities<T>(exps, sums[n]);
                                  });
+}
+
+//! Cross-entropy over one slice that holds the whole vocabulary (a group of one: vocab_begin 0),
+//! with its gradient, for a forward whose backward follows: per row, the statistics of
+//! vocab_parallel_cross_entropy_statistics into `row_max` [N] and `partials` [2, N], the loss of
+//! vocab_parallel_cross_entropy_losses into `losses` [N], and dlogits = scale (p - onehot(target))
+//! of vocab_parallel_cross_entropy_backward from the logits, written over `logits` [N, V] (0 on
+//! padding and on ignored rows). The same bits as those three kernels, from one read of each row
+//! (in cache for the gradient) and one evaluation of its exps instead of two. `gradient_scale` [1]
+//! gets `scale`: the backward from the logits then leaves the gradient as it is.
+template <class T>
+void cross_entropy_forward_backward(const cpu& be, Tensor<accumulate_t<T>> losses, Tensor<double> row_max,
+                                    Tensor<double> partials, Tensor<T> logits, Tensor<const std::int32_t> targets,
+                                    std::int64_t vocab, accumulate_t<T> scale, Tensor<double> gradient_scale) {
+  namespace d = detail::vocab_parallel;
+  using A = accumulate_t<T>;
+  constexpr const char* kernel = "cross_entropy_forward_backward";
+  const d::CrossEntropyDims dims = d::check_forward_backward(losses, row_max, partials, logits, targets, vocab,
+                                                             scale, gradient_scale, kernel);
+  d::check_target_values(targets, vocab, kernel);
+  const std::int64_t N = dims.rows, V = dims.slice_columns, real = dims.real_columns;
+  const std::int32_t* target_data = targets.data();
+  d::AlignedRows<A> scratch(be.threads(), real);
+#pragma omp parallel for num_threads(be.threads()) schedule(static) if (N * V >= d::parallel_min_elements)
+  for (std::int64_t n = 0; n < N; ++n) {
+    T* x = logits.data() + n * V;
+    const std::int32_t target = target_data[n];
+    // The statistics' and the losses' expressions, in their order.
+    const double target_logit = target >= 0 && target < real ? static_cast<double>(to_accumulate(x[target])) : 0.0;
+    partials.data()[N + n] = target_logit;
+    A* exps = scratch.at(detail::thread_index());
+    double sum = 0.0;
+    if (real == 0) {
+      row_max.data()[n] = std::numeric_limits<double>::lowest();
+    } else {
+      const A largest = d::row_max(x, real);
+      d::shifted_exps(x, largest, exps, real);
+      row_max.data()[n] = static_cast<double>(largest);
+      sum = detail::sum_as_double(exps, real);
+    }
+    partials.data()[n] = sum;
+    losses.data()[n] = target >= 0 ? static_cast<A>(std::log(sum) - (target_logit - row_max.data()[n])) : A(0);
+    // The backward's, from the same exps.
+    if (target < 0) {
+      std::fill(x, x + V, T(0));
+      continue;
+    }
+    const auto p = d::logit_probabilities<T>(exps, sum);
+    const A target_prob = target < real ? p(target) : A(0);
+    for (std::int64_t i = 0; i < real; ++i) x[i] = static_cast<T>(scale * p(i));
+    if (target < real) x[target] = static_cast<T>(scale * (target_prob - A(1)));
+    std::fill(x + real, x + V, T(0));
+  }
+  gradient_scale[0] = static_cast<double>(scale);
 }
 
 //! The rows a loss predicts, for a head that computes only those (bert::Config::

@@ -14,7 +14,6 @@
 //! fixed reduction tree. bf16 elements are loaded as float, every sum is in float (or double), and
 //! each stored result is rounded once; the losses are float (accumulate_t).
 
-#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda/functional>
@@ -135,79 +134,156 @@ __global__ void position_grad_kernel(T* dwpe, const T* dout, std::int64_t batch,
 
 // The cross-entropy row kernels move W elements per load (cuda_kernels::Pack): W = 1, or 16
 // bytes where the rows are aligned (the launchers choose). With 50304 columns a row is 100 KB of
-// bf16, and the two passes over [N, V] (statistics, backward) are most of the head's memory
-// traffic; element loads keep few bytes in flight (the layernorm and softmax kernels reached 6% of
-// the bandwidth that way, docs/cuda.md). Thread t takes packs t, t + blockDim, ...
+// bf16, and the passes over [N, V] (statistics, backward) are most of the head's memory traffic;
+// element loads keep few bytes in flight (the layernorm and softmax kernels reached 6% of the
+// bandwidth that way, docs/cuda.md). Thread t takes packs t, t + blockDim, ...
+//
+// The row bodies below are written over a Thread (detail/block_body.hpp), so that the tests run
+// them on the host; their block reductions are butterflies within each warp, then the warps'
+// results added in order by every thread: every thread gets the same bits, on every GPU.
 
-//! One block per row, one read of the row and no write over it: row_max[n] = the largest of the
-//! row's `real` first logits (the lowest double where there are none), partials[n] = the sum of
-//! exp(logit - row_max[n]) over them, partials[rows + n] = the target's logit where the slice holds
-//! it, else 0, and slice_max[n] = row_max[n] where `slice_max` is given. Each thread keeps a running
-//! max and the float sum of its exps below it (the online softmax: the sum is rescaled when a pack
-//! raises the max); the block then takes the max of the threads' maxima and, in double, the sum of
-//! their sums rescaled to it, in a fixed tree. (A thread adds a few hundred exps at most, each <= 1:
-//! float keeps the sum to about 1e-5 of itself. Widening each exp to double, as this kernel once
-//! did, put a second quarter-rate conversion beside each exp: 0.80 ms of a GPT-2 small step at batch
-//! 16 on an H200, where reading the logits takes 0.34.)
-template <class T, int W>
-__global__ void statistics_kernel(double* row_max, double* partials, double* slice_max, const T* logits,
-                                  const std::int32_t* targets, std::int64_t rows, std::int64_t columns,
-                                  std::int64_t real, std::int64_t vocab_begin) {
+//! Warps of a row kernel's block.
+inline constexpr int row_warps = row_threads / 32;
+//! The bytes at the start of a row kernel's dynamic shared memory that its reductions use: one
+//! double a warp (a multiple of 16, so that a row staged after them is 16-byte aligned).
+inline constexpr std::size_t reduction_bytes = row_warps * sizeof(double);
+static_assert(reduction_bytes % 16 == 0);
+
+//! The largest `value` of the block's threads, in every thread. `scratch`: reduction_bytes of
+//! shared memory, free again on return.
+LOOM_BLOCK_BODY
+template <class Thread>
+LOOM_HD float block_max(const Thread& th, float value, double* scratch) {
+  for (int mask = 16; mask > 0; mask /= 2) {
+    const float other = th.shuffle_xor(value, mask);
+    value = value < other ? other : value;
+  }
+  if (th.thread() % 32 == 0) scratch[th.thread() / 32] = static_cast<double>(value);  // exact
+  th.sync_block();
+  float largest = static_cast<float>(scratch[0]);
+  for (int w = 1; w < row_warps; ++w) {
+    const float other = static_cast<float>(scratch[w]);
+    largest = largest < other ? other : largest;
+  }
+  th.sync_block();  // before the scratch is written again
+  return largest;
+}
+
+//! The sum of `value` over the block's threads in double, in every thread with the same bits:
+//! each warp's butterfly (cuda_kernels::warp_sum), then the warps' sums in order. `scratch` as
+//! for block_max.
+LOOM_BLOCK_BODY
+template <class Thread>
+LOOM_HD double block_sum(const Thread& th, double value, double* scratch) {
+  value = cuda_kernels::warp_sum(th, value);
+  if (th.thread() % 32 == 0) scratch[th.thread() / 32] = value;
+  th.sync_block();
+  double sum = scratch[0];
+  for (int w = 1; w < row_warps; ++w) sum += scratch[w];
+  th.sync_block();
+  return sum;
+}
+
+//! One thread's share of a row's statistics: the largest of its packs' real values (-inf where
+//! it has none) and the float sum of their exps below it.
+struct ThreadStatistics {
+  float largest, sum;
+};
+
+//! The statistics of packs t, t + row_threads, ... of a row `x` of `used` packs holding `real`
+//! values, for thread t: a running max and the sum of exp(value - max) below it (the online
+//! softmax: the sum is rescaled when a pack raises the max). A thread adds a few hundred exps at
+//! most, each <= 1: float keeps the sum to about 1e-5 of itself. (Widening each exp to double, as
+//! the statistics kernel once did, put a second quarter-rate conversion beside each exp: 0.80 ms
+//! of a GPT-2 small step at batch 16 on an H200, where reading the logits takes 0.34.)
+LOOM_BLOCK_BODY
+template <class T, int W, class Thread>
+LOOM_HD ThreadStatistics thread_statistics(const Thread& th, const cuda_kernels::Pack<T, W>* x, std::int64_t used,
+                                           std::int64_t real) {
   using P = cuda_kernels::Pack<T, W>;
-  using MaxReduce = cub::BlockReduce<float, row_threads>;
-  using SumReduce = cub::BlockReduce<double, row_threads>;
-  __shared__ union {
-    typename MaxReduce::TempStorage max;
-    typename SumReduce::TempStorage sum;
-  } scratch;
-  __shared__ float block_max;
   constexpr float lowest = -::cuda::std::numeric_limits<float>::infinity();
+  float largest = lowest;
+  float sum = 0;  // of exp(value - largest)
+  for (std::int64_t v = th.thread(); v < used; v += row_threads) {
+    const P in = x[v];
+    float value[W];
+    float pack_max = lowest;
+    LOOM_UNROLL
+    for (int k = 0; k < W; ++k) {
+      value[k] = v * W + k < real ? to_accumulate(in.value[k]) : lowest;
+      pack_max = pack_max < value[k] ? value[k] : pack_max;
+    }
+    if (pack_max > largest) {
+      // exp(-inf) = 0 for the first pack (sum is 0 then).
+      sum *= ::expf(largest - pack_max);
+      largest = pack_max;
+    }
+    // Padding adds exp(-inf) = 0. While every value so far is -inf (logits masked to it), there
+    // is nothing to add, and -inf - -inf would be NaN.
+    if (largest != lowest) {
+      LOOM_UNROLL
+      for (int k = 0; k < W; ++k) sum += ::expf(value[k] - largest);
+    }
+  }
+  return {largest, sum};
+}
+
+//! A row's statistics over its real values: `top`, the largest (the lowest double where there
+//! are none), and `sum`, the sum of exp(value - top) in double.
+struct RowStatistics {
+  double top, sum;
+};
+
+//! The statistics of row `x` by the block: each thread's (thread_statistics), then the block's max
+//! and, in double, the sum of the threads' sums rescaled to it, in every thread. (Exact in double:
+//! both maxima are values of the row.)
+LOOM_BLOCK_BODY
+template <class T, int W, class Thread>
+LOOM_HD RowStatistics row_statistics(const Thread& th, const cuda_kernels::Pack<T, W>* x, std::int64_t used,
+                                     std::int64_t real, double* scratch) {
+  const ThreadStatistics own = thread_statistics<T, W>(th, x, used, real);
+  const float m = block_max(th, own.largest, scratch);
+  // A thread that saw no real value has sum 0 (and largest -inf: its factor would be NaN).
+  const double rescaled =
+      own.sum != 0.0f ? static_cast<double>(own.sum) * ::exp(static_cast<double>(own.largest) - m) : 0.0;
+  const double sum = block_sum(th, rescaled, scratch);
+  return {real > 0 ? static_cast<double>(m) : ::cuda::std::numeric_limits<double>::lowest(), sum};
+}
+
+//! The logit of row n's target where the slice holds it (`real` columns from `vocab_begin`), else 0.
+template <class T>
+LOOM_HD double target_logit(const T* row, std::int32_t target, std::int64_t real, std::int64_t vocab_begin) {
+  const std::int64_t local = static_cast<std::int64_t>(target) - vocab_begin;
+  return target >= 0 && local >= 0 && local < real ? static_cast<double>(to_accumulate(row[local])) : 0.0;
+}
+
+//! A row's loss (float) from the group's statistics: log(sum) - (target logit - top), in double,
+//! 0 where the target is negative.
+LOOM_HD inline float loss_of(double top, double sum, double target_logit, std::int32_t target) {
+  return target >= 0 ? static_cast<float>(::log(sum) - (target_logit - top)) : 0.0f;
+}
+
+//! One block per row, one read of the row and no write over it: row_max[n] and partials[n] =
+//! row_statistics, partials[rows + n] = the target's logit where the slice holds it, else 0, and
+//! slice_max[n] = row_max[n] where `slice_max` is given. Dynamic shared memory: reduction_bytes.
+template <class T, int W>
+__global__ void __launch_bounds__(row_threads) statistics_kernel(double* row_max, double* partials, double* slice_max,
+                                                                 const T* logits, const std::int32_t* targets,
+                                                                 std::int64_t rows, std::int64_t columns,
+                                                                 std::int64_t real, std::int64_t vocab_begin) {
+  using P = cuda_kernels::Pack<T, W>;
+  const cuda_kernels::BlockThread th;
+  double* scratch = reinterpret_cast<double*>(th.shared());
   const std::int64_t used = (real + W - 1) / W;  // packs holding real columns
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x) {
-    const P* x = reinterpret_cast<const P*>(logits + n * columns);
-    float largest = lowest;
-    float sum = 0;  // of exp(value - largest)
-    for (std::int64_t v = threadIdx.x; v < used; v += blockDim.x) {
-      const P in = x[v];
-      float value[W];
-      float pack_max = lowest;
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        value[k] = v * W + k < real ? to_accumulate(in.value[k]) : lowest;
-        pack_max = ::cuda::maximum<>{}(pack_max, value[k]);
-      }
-      if (pack_max > largest) {
-        // exp(-inf) = 0 for the first pack (sum is 0 then).
-        sum *= ::expf(largest - pack_max);
-        largest = pack_max;
-      }
-      // Padding adds exp(-inf) = 0. While every value so far is -inf (logits masked to it),
-      // there is nothing to add, and -inf - -inf would be NaN.
-      if (largest != lowest) {
-#pragma unroll
-        for (int k = 0; k < W; ++k) sum += ::expf(value[k] - largest);
-      }
-    }
-    const float reduced = MaxReduce(scratch.max).Reduce(largest, ::cuda::maximum<>{});  // valid in thread 0
-    if (threadIdx.x == 0) block_max = reduced;
-    __syncthreads();  // block_max is read, and scratch reused, below
-    const float m = block_max;
-    // A thread that saw no real column has sum 0 (and largest -inf: its factor would be NaN).
-    // Exact in double: both maxima are logits.
-    double rescaled = sum != 0.0f ? static_cast<double>(sum) * ::exp(static_cast<double>(largest) - m) : 0.0;
-    rescaled = SumReduce(scratch.sum).Sum(rescaled);  // valid in thread 0
+    const T* row = logits + n * columns;
+    const RowStatistics r = row_statistics<T, W>(th, reinterpret_cast<const P*>(row), used, real, scratch);
     if (threadIdx.x == 0) {
-      const double top = real > 0 ? static_cast<double>(m) : ::cuda::std::numeric_limits<double>::lowest();
-      row_max[n] = top;
-      if (slice_max != nullptr) slice_max[n] = top;
-      partials[n] = rescaled;
-      const std::int32_t target = targets[n];
-      const std::int64_t local_target = static_cast<std::int64_t>(target) - vocab_begin;
-      partials[rows + n] = target >= 0 && local_target >= 0 && local_target < real
-                               ? static_cast<double>(to_accumulate(logits[n * columns + local_target]))
-                               : 0.0;
+      row_max[n] = r.top;
+      if (slice_max != nullptr) slice_max[n] = r.top;
+      partials[n] = r.sum;
+      partials[rows + n] = target_logit(row, targets[n], real, vocab_begin);
     }
-    __syncthreads();  // before the next row reuses `scratch` and block_max
   }
 }
 
@@ -219,45 +295,31 @@ __global__ void rebase_kernel(D* partials, const D* slice_max, const D* row_max,
     partials[n] *= ::exp(slice_max[n] - row_max[n]);
 }
 
-//! Row n's loss (float) from the group's statistics: log(sum) - (target logit - row max), in
-//! double, 0 where the target is negative.
-__device__ inline float row_loss(const double* row_max, const double* partials, const std::int32_t* targets,
-                                 std::int64_t rows, std::int64_t n) {
-  return targets[n] >= 0 ? static_cast<float>(::log(partials[n]) - (partials[rows + n] - row_max[n])) : 0.0f;
-}
-
-//! losses[n] = row_loss, one thread a row.
+//! losses[n] = loss_of row n's group statistics, one thread a row.
 template <class L>
 __global__ void losses_kernel(L* losses, const double* row_max, const double* partials, const std::int32_t* targets,
                               std::int64_t rows) {
   for (std::int64_t n = cuda_kernels::grid_first(); n < rows; n += cuda_kernels::grid_stride())
-    losses[n] = row_loss(row_max, partials, targets, rows, n);
+    losses[n] = loss_of(row_max[n], partials[n], partials[rows + n], targets[n]);
 }
 
-//! Row n of the backward, by the row_threads threads of a block: dlogits = scale * (p -
-//! onehot(target)) on the real columns, 0 on padding and on rows whose target is negative.
-//! FromLogits: `in` holds the logits and p = T(exp(x - row_max[n]) · factor), factor = float(1 /
-//! partials[n]) (the row statistics); else `in` holds the probabilities and p = x. `dlogits` may
-//! be `in`: each pack is read, then written, by the same thread (the target's one-hot included).
-//! A thread loads two packs before it stores either, so that two loads are in flight where the
-//! aliasing would otherwise keep the compiler to one; a pack of real columns without the target
-//! skips the per-column tests. (Host-device, so that the tests run it without a GPU.)
+//! A row of the backward by the row_threads threads of a block: g = scale * (p - onehot(target))
+//! on the `real` columns of its `columns` / W packs, 0 on padding and everywhere where `ignored`
+//! (a negative target). FromLogits: `x` holds the logits and p = T(exp(value - shift) · factor)
+//! (shift the row's max, factor float(1 / its sum)); else `x` holds the probabilities and p =
+//! value. `g` may be `x`: each pack is read, then written, by the same thread (the target's
+//! one-hot included). A thread loads two packs before it stores either, so that two loads are in
+//! flight where the aliasing would otherwise keep the compiler to one; a pack of real columns
+//! without the target skips the per-column tests.
 LOOM_BLOCK_BODY
 template <class T, int W, bool FromLogits, class Thread>
-LOOM_HD void backward_row(const Thread& th, T* dlogits, const T* in, const double* row_max, const double* partials,
-                          const std::int32_t* targets, std::int64_t n, std::int64_t columns, std::int64_t real,
-                          std::int64_t vocab_begin, float scale) {
+LOOM_HD void row_gradients(const Thread& th, cuda_kernels::Pack<T, W>* g, const cuda_kernels::Pack<T, W>* x,
+                           std::int64_t columns, std::int64_t real, std::int64_t local_target, bool ignored,
+                           float shift, float factor, float scale) {
   using P = cuda_kernels::Pack<T, W>;
   const std::int64_t packs = columns / W;
-  // The group's max is one of the logits: exact in float.
-  const float shift = FromLogits ? static_cast<float>(row_max[n]) : 0.0f;
-  const float factor = FromLogits ? static_cast<float>(1.0 / partials[n]) : 1.0f;
-  const P* x = reinterpret_cast<const P*>(in + n * columns);
-  P* g = reinterpret_cast<P*>(dlogits + n * columns);
-  const std::int32_t target = targets[n];
-  // A negative target ignores the row: no column is active, all are written 0 below.
-  const std::int64_t local_target = target >= 0 ? static_cast<std::int64_t>(target) - vocab_begin : -1;
-  const std::int64_t active = target >= 0 ? real : 0;
+  // An ignored row has no active column: all are written 0 below.
+  const std::int64_t active = ignored ? 0 : real;
   const std::int64_t used = (active + W - 1) / W;
   const auto probability = [&](T value) {
     const float v = to_accumulate(value);
@@ -291,16 +353,112 @@ LOOM_HD void backward_row(const Thread& th, T* dlogits, const T* in, const doubl
   if (v < packs) g[v] = gradients(v < used ? x[v] : P{}, v);
 }
 
-//! backward_row over the rows, a block (of row_threads threads) per row.
+//! Row n of the backward (row_gradients) from the group's statistics: shift = float(row_max[n]),
+//! factor = float(1 / partials[n]) where FromLogits. `dlogits` may be `in`.
+LOOM_BLOCK_BODY
+template <class T, int W, bool FromLogits, class Thread>
+LOOM_HD void backward_row(const Thread& th, T* dlogits, const T* in, const double* row_max, const double* partials,
+                          const std::int32_t* targets, std::int64_t n, std::int64_t columns, std::int64_t real,
+                          std::int64_t vocab_begin, float scale) {
+  using P = cuda_kernels::Pack<T, W>;
+  // The group's max is one of the logits: exact in float.
+  const float shift = FromLogits ? static_cast<float>(row_max[n]) : 0.0f;
+  const float factor = FromLogits ? static_cast<float>(1.0 / partials[n]) : 1.0f;
+  const std::int32_t target = targets[n];
+  const std::int64_t local_target = target >= 0 ? static_cast<std::int64_t>(target) - vocab_begin : -1;
+  row_gradients<T, W, FromLogits>(th, reinterpret_cast<P*>(dlogits + n * columns),
+                                  reinterpret_cast<const P*>(in + n * columns), columns, real, local_target,
+                                  target < 0, shift, factor, scale);
+}
+
+//! backward_row over the rows, a block (of row_threads threads) per row. Where `gradient_scale`
+//! is given and holds s != 0, `in` (which is then `dlogits`) holds the gradient at scale s already
+//! (cross_entropy_forward_backward): left as it is where s == scale, else multiplied by scale / s.
 template <class T, int W, bool FromLogits>
 __global__ void __launch_bounds__(row_threads) backward_kernel(T* dlogits, const T* in, const double* row_max,
                                                                const double* partials, const std::int32_t* targets,
                                                                std::int64_t rows, std::int64_t columns,
                                                                std::int64_t real, std::int64_t vocab_begin,
-                                                               float scale) {
+                                                               float scale, const double* gradient_scale) {
   const cuda_kernels::BlockThread th;
+  if (gradient_scale != nullptr && *gradient_scale != 0.0) {
+    if (*gradient_scale == static_cast<double>(scale)) return;
+    const float factor = static_cast<float>(static_cast<double>(scale) / *gradient_scale);
+    for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x)
+      for (std::int64_t j = threadIdx.x; j < columns; j += row_threads) {
+        T& value = dlogits[n * columns + j];
+        value = static_cast<T>(to_accumulate(value) * factor);
+      }
+    return;
+  }
   for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x)
     backward_row<T, W, FromLogits>(th, dlogits, in, row_max, partials, targets, n, columns, real, vocab_begin, scale);
+}
+
+//! staged[v] = x[v] for the calling thread's packs v < used (v = t, t + row_threads, ...), eight
+//! loads in flight before their stores.
+LOOM_BLOCK_BODY
+template <class P, class Thread>
+LOOM_HD void stage_row(const Thread& th, P* staged, const P* x, std::int64_t used) {
+  constexpr int batch = 8;
+  std::int64_t v = th.thread();
+  for (; v + (batch - 1) * row_threads < used; v += batch * row_threads) {
+    P in[batch];
+    LOOM_UNROLL
+    for (int k = 0; k < batch; ++k) in[k] = x[v + k * row_threads];
+    LOOM_UNROLL
+    for (int k = 0; k < batch; ++k) staged[v + k * row_threads] = in[k];
+  }
+  for (; v < used; v += row_threads) staged[v] = x[v];
+}
+
+//! Row n of the cross-entropy over one slice holding the whole vocabulary, with its gradient, by
+//! a block: the statistics kernel's row_max[n], partials[n] and partials[rows + n], the losses
+//! kernel's losses[n], then the backward's gradient at `scale` written over the row of `logits`,
+//! each with the bits the three kernels give. Staged: the row's real packs are copied into the
+//! block's shared memory (after its reduction_bytes) as they are read, so that the gradient
+//! reads them from there and the row is read from memory once; else it reads them again.
+LOOM_BLOCK_BODY
+template <class T, int W, bool Staged, class Thread>
+LOOM_HD void forward_backward_row(const Thread& th, T* logits, accumulate_t<T>* losses, double* row_max,
+                                  double* partials, const std::int32_t* targets, std::int64_t n, std::int64_t rows,
+                                  std::int64_t columns, std::int64_t real, float scale) {
+  using P = cuda_kernels::Pack<T, W>;
+  double* scratch = reinterpret_cast<double*>(th.shared());
+  T* row = logits + n * columns;
+  P* x = reinterpret_cast<P*>(row);
+  const std::int64_t used = (real + W - 1) / W;
+  const std::int32_t target = targets[n];
+  // Before any barrier: after the last one, other threads write the gradient over the row.
+  const double target_value = th.thread() == 0 ? target_logit(row, target, real, 0) : 0.0;
+  const P* source = x;
+  if constexpr (Staged) {
+    P* staged = reinterpret_cast<P*>(th.shared() + reduction_bytes);
+    stage_row(th, staged, static_cast<const P*>(x), used);  // each thread reads back only its own packs
+    source = staged;
+  }
+  const RowStatistics r = row_statistics<T, W>(th, source, used, real, scratch);
+  if (th.thread() == 0) {
+    row_max[n] = r.top;
+    partials[n] = r.sum;
+    partials[rows + n] = target_value;
+    losses[n] = loss_of(r.top, r.sum, target_value, target);
+  }
+  row_gradients<T, W, true>(th, x, source, columns, real, target, target < 0, static_cast<float>(r.top),
+                            static_cast<float>(1.0 / r.sum), scale);
+}
+
+//! forward_backward_row over the rows, a block per row; the block's `gradient_scale` is set to
+//! `scale` by block 0. Dynamic shared memory: reduction_bytes, and the staged row after it.
+template <class T, int W, bool Staged>
+__global__ void __launch_bounds__(row_threads)
+    forward_backward_kernel(T* logits, accumulate_t<T>* losses, double* row_max, double* partials,
+                            const std::int32_t* targets, std::int64_t rows, std::int64_t columns, std::int64_t real,
+                            float scale, double* gradient_scale) {
+  const cuda_kernels::BlockThread th;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *gradient_scale = static_cast<double>(scale);
+  for (std::int64_t n = blockIdx.x; n < rows; n += gridDim.x)
+    forward_backward_row<T, W, Staged>(th, logits, losses, row_max, partials, targets, n, rows, columns, real, scale);
 }
 
 // The launchers run the kernels at W = vector_width where vector_rows allows, else at W = 1.
@@ -309,11 +467,12 @@ template <class T>
 inline constexpr int vector_width = cuda_kernels::Vector16<T>::elements;
 
 //! backward_kernel on the backend's stream, one block a row: from the logits with the row
-//! statistics where `row_max` is given, else from the probabilities.
+//! statistics where `row_max` is given (and `gradient_scale`, unless null), else from the
+//! probabilities.
 template <class T>
 void launch_backward(const cuda& be, T* dlogits, const T* in, const double* row_max, const double* partials,
                      const std::int32_t* targets, const vocab_parallel::CrossEntropyDims& dims,
-                     std::int64_t vocab_begin, float scale, const char* kernel) {
+                     std::int64_t vocab_begin, float scale, const double* gradient_scale, const char* kernel) {
   cuda_kernels::activate(be);
   const bool vectors = vector_rows<T>(dims.slice_columns, dlogits, in);
   const auto launch = row_max != nullptr ? (vectors ? backward_kernel<T, vector_width<T>, true>
@@ -322,7 +481,48 @@ void launch_backward(const cuda& be, T* dlogits, const T* in, const double* row_
                                                     : backward_kernel<T, 1, false>);
   launch<<<blocks_for_rows(dims.rows), row_threads, 0, be.stream()>>>(dlogits, in, row_max, partials, targets,
                                                                       dims.rows, dims.slice_columns, dims.real_columns,
-                                                                      vocab_begin, scale);
+                                                                      vocab_begin, scale, gradient_scale);
+  cuda_check_launch(kernel);
+}
+
+//! Dynamic shared memory of forward_backward_kernel at W for rows of `real` real columns, staged.
+template <class T, int W>
+std::size_t staged_bytes(std::int64_t real) noexcept {
+  return reduction_bytes + static_cast<std::size_t>((real + W - 1) / W) * sizeof(cuda_kernels::Pack<T, W>);
+}
+
+//! The most dynamic shared memory a block may take on the backend's device (its opt-in limit), and
+//! whether a staged row of `bytes` fits two blocks on each of its SMs: one block an SM would leave
+//! a row's reductions nothing to overlap with; where it does not, the kernel reads the row twice.
+struct Staging {
+  int block_limit = 0;
+  bool stages = false;
+};
+inline Staging staging(const cuda& be, std::size_t bytes) {
+  int per_block = 0, per_multiprocessor = 0;
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, be.device()));
+  LOOM_CUDA_CHECK(
+      cudaDeviceGetAttribute(&per_multiprocessor, cudaDevAttrMaxSharedMemoryPerMultiprocessor, be.device()));
+  constexpr std::size_t reserved = 1024;  // the runtime's own shared memory per block (sm_80 and newer)
+  return {per_block, bytes <= static_cast<std::size_t>(per_block) &&
+                         2 * (bytes + reserved) <= static_cast<std::size_t>(per_multiprocessor)};
+}
+
+//! forward_backward_kernel on the backend's stream at W, staged where the row fits. The staged
+//! kernel's limit is raised to the device's whole opt-in limit, the same for every row width, so
+//! that ranks of other widths on other threads never lower it under a launch of this one.
+template <class T, int W>
+void launch_forward_backward(const cuda& be, T* logits, accumulate_t<T>* losses, double* row_max, double* partials,
+                             const std::int32_t* targets, const vocab_parallel::CrossEntropyDims& dims, float scale,
+                             double* gradient_scale, const char* kernel) {
+  const std::size_t bytes = staged_bytes<T, W>(dims.real_columns);
+  const Staging s = staging(be, bytes);
+  const auto launch = s.stages ? forward_backward_kernel<T, W, true> : forward_backward_kernel<T, W, false>;
+  if (s.stages)
+    LOOM_CUDA_CHECK(cudaFuncSetAttribute(launch, cudaFuncAttributeMaxDynamicSharedMemorySize, s.block_limit));
+  launch<<<blocks_for_rows(dims.rows), row_threads, s.stages ? bytes : reduction_bytes, be.stream()>>>(
+      logits, losses, row_max, partials, targets, dims.rows, dims.slice_columns, dims.real_columns, scale,
+      gradient_scale);
   cuda_check_launch(kernel);
 }
 
@@ -455,7 +655,7 @@ void vocab_parallel_cross_entropy_statistics(const cuda& be, Tensor<double> row_
   const auto launch = v::vector_rows<T>(dims.slice_columns, logits.data())
                           ? v::statistics_kernel<T, v::vector_width<T>>
                           : v::statistics_kernel<T, 1>;
-  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, 0, be.stream()>>>(
+  launch<<<v::blocks_for_rows(dims.rows), v::row_threads, v::reduction_bytes, be.stream()>>>(
       row_max.data(), partials.data(), slice_max.empty() ? nullptr : slice_max.data(), logits.data(), targets.data(),
       dims.rows, dims.slice_columns, dims.real_columns, vocab_begin);
   detail::cuda_check_launch(kernel);
@@ -508,28 +708,60 @@ void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Te
   if (dims.rows == 0) return;
   check_data(probs, kernel, "probs");
   v::launch_backward<T>(be, dlogits.data(), probs.data(), nullptr, nullptr, targets.data(), dims, vocab_begin, scale,
-                        kernel);
+                        nullptr, kernel);
 }
 
 //! Vocabulary-parallel cross-entropy backward on the GPU from the `logits` [N, Vs] and the
 //! group's `row_max` [N] and `partials` [2, N] (the CPU kernel's contract): p = exp(logit -
 //! row_max) · float(1 / sum), rounded to T, then the backward above on it, in one pass over
-//! [N, Vs]. `dlogits` may alias `logits`.
+//! [N, Vs]. `dlogits` may alias `logits`. `gradient_scale` [1] (device, or empty): as on the CPU,
+//! where it holds s != 0 the logits hold the gradient at scale s already, which is kept (rescaled
+//! where s != scale); the kernel reads it, so the host never waits for it.
 template <class T>
 void vocab_parallel_cross_entropy_backward(const cuda& be, Tensor<T> dlogits, Tensor<const T> logits,
                                            Tensor<const double> row_max, Tensor<const double> partials,
                                            Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
-                                           std::int64_t vocab, accumulate_t<T> scale) {
+                                           std::int64_t vocab, accumulate_t<T> scale,
+                                           Tensor<const double> gradient_scale = {}) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace v = detail::cuda_vocab_parallel;
   constexpr const char* kernel = "vocab_parallel_cross_entropy_backward";
   const detail::vocab_parallel::CrossEntropyDims dims = detail::vocab_parallel::check_backward_from_logits(
       dlogits, logits, row_max, partials, targets, vocab_begin, vocab, kernel);
+  detail::vocab_parallel::check_gradient_scale(gradient_scale, dlogits, logits, kernel);
   if (dims.rows == 0) return;
   check_data(logits, kernel, "logits");
   check_data(row_max, kernel, "row_max");
   v::launch_backward<T>(be, dlogits.data(), logits.data(), row_max.data(), partials.data(), targets.data(), dims,
-                        vocab_begin, scale, kernel);
+                        vocab_begin, scale, gradient_scale.empty() ? nullptr : gradient_scale.data(), kernel);
+}
+
+//! Cross-entropy over one slice holding the whole vocabulary, with its gradient, on the GPU (the
+//! CPU kernel's contract): the statistics, the losses and the backward from the logits at `scale`
+//! written over `logits` [N, V], each with the bits those three kernels give, and `scale` into
+//! `gradient_scale` [1] (device). One block a row reads the row once, keeping its real columns in
+//! shared memory for the gradient where two blocks of them fit an SM (bf16 rows up to about
+//! 57,800 columns on an H100 or H200), else reading it again.
+template <class T>
+void cross_entropy_forward_backward(const cuda& be, Tensor<accumulate_t<T>> losses, Tensor<double> row_max,
+                                    Tensor<double> partials, Tensor<T> logits, Tensor<const std::int32_t> targets,
+                                    std::int64_t vocab, accumulate_t<T> scale, Tensor<double> gradient_scale) {
+  static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
+  namespace v = detail::cuda_vocab_parallel;
+  constexpr const char* kernel = "cross_entropy_forward_backward";
+  const detail::vocab_parallel::CrossEntropyDims dims = detail::vocab_parallel::check_forward_backward(
+      losses, row_max, partials, logits, targets, vocab, scale, gradient_scale, kernel);
+  check_data(gradient_scale, kernel, "gradient_scale");
+  if (dims.rows > 0) check_data(logits, kernel, "logits");
+  detail::cuda_kernels::activate(be);
+  // Launched for no rows too: its first block sets gradient_scale.
+  if (v::vector_rows<T>(dims.slice_columns, logits.data()))
+    v::launch_forward_backward<T, v::vector_width<T>>(be, logits.data(), losses.data(), row_max.data(),
+                                                      partials.data(), targets.data(), dims, scale,
+                                                      gradient_scale.data(), kernel);
+  else
+    v::launch_forward_backward<T, 1>(be, logits.data(), losses.data(), row_max.data(), partials.data(),
+                                     targets.data(), dims, scale, gradient_scale.data(), kernel);
 }
 
 //! The rows a loss predicts (the CPU kernel's contract): rows[0, M) = the indices of `targets` [N]

@@ -5,6 +5,7 @@
 //! memory. The CPU kernels check the id values as well (backend/cpu/vocab_parallel.hpp).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -129,6 +130,43 @@ CrossEntropyDims check_backward_from_logits(const Tensor<T>& dlogits, const Tens
   const CrossEntropyDims dims = check_backward(dlogits, logits, targets, vocab_begin, vocab, kernel, "logits");
   check_numel(row_max, dims.rows, kernel, "row_max");
   check_numel(partials, 2 * dims.rows, kernel, "partials");
+  return dims;
+}
+
+//! A gradient_scale of the backward from the logits: empty, or [1] with `dlogits` the same
+//! memory as `logits` (a gradient already there is rescaled in place).
+template <class T>
+void check_gradient_scale(const Tensor<const double>& gradient_scale, const Tensor<T>& dlogits,
+                          const Tensor<const T>& logits, const char* kernel) {
+  if (gradient_scale.empty()) return;
+  check_numel(gradient_scale, 1, kernel, "gradient_scale");
+  if (static_cast<const void*>(dlogits.data()) != static_cast<const void*>(logits.data()))
+    throw Error(std::string(kernel) + ": argument dlogits", "another tensor than logits",
+                "with a gradient_scale, dlogits must be logits: a gradient already in the logits is kept in place");
+}
+
+//! cross_entropy_forward_backward: the logits [N, V >= vocab] of one slice holding the whole
+//! vocabulary, losses [N], row_max [N], partials [2, N], N targets, gradient_scale [1] and a
+//! scale that is neither 0 nor NaN.
+template <class L, class T>
+CrossEntropyDims check_forward_backward(const Tensor<L>& losses, const Tensor<double>& row_max,
+                                        const Tensor<double>& partials, const Tensor<T>& logits,
+                                        const Tensor<const std::int32_t>& targets, std::int64_t vocab, L scale,
+                                        const Tensor<double>& gradient_scale, const char* kernel) {
+  const CrossEntropyDims dims = check_slice(logits, 0, vocab, kernel, "logits");
+  if (dims.real_columns != vocab)
+    throw Error(std::string(kernel) + ": argument logits columns", dims.slice_columns,
+                "must hold the whole vocabulary (" + detail::to_text(vocab) +
+                    "): the fused kernel is for a group of one slice");
+  check_numel(losses, dims.rows, kernel, "losses");
+  check_numel(row_max, dims.rows, kernel, "row_max");
+  check_numel(partials, 2 * dims.rows, kernel, "partials");
+  check_numel(targets, dims.rows, kernel, "targets");
+  check_numel(gradient_scale, 1, kernel, "gradient_scale");
+  // gradient_scale records it: 0 would say "no gradient here", and NaN equals no scale.
+  if (!(scale != L(0)) || std::isnan(static_cast<double>(scale)))
+    throw Error(std::string(kernel) + ": argument scale", static_cast<double>(scale),
+                "must be nonzero and not NaN (0 says that no backward follows: use the statistics kernel)");
   return dims;
 }
 

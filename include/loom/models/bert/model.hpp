@@ -146,8 +146,9 @@ class Model {
   //! for a block N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (r1, h, r2, this rank's qkv, attention
   //! output, MLP hidden units before and after GELU, the probabilities, four row statistics), or
   //! + B·(H/tp)·T (the rows' log-sum-exp) with Attention::recompute; N·(3·C + 3 + V/tp) and 3
-  //! doubles a row for the head (without the V/tp with Config::logits_chunk_rows), and 2·N int32 for
-  //! the rows it predicts (unless Config::logits_at_every_position); with
+  //! doubles a row for the head and one more (without the V/tp and the one with
+  //! Config::logits_chunk_rows), and 2·N int32 for the rows it predicts (unless
+  //! Config::logits_at_every_position); with
   //! Config::max_predictions_per_seq = P the head's N is B·min(P, T), whatever the targets. Under
   //! sequence parallelism the embedding's and the blocks' row-wise tensors (sum; r1, h, r2) and their
   //! statistics are this rank's N/tp rows. For bf16 each float statistic takes two elements (as in
@@ -653,8 +654,10 @@ class Model {
 
   //! What the head keeps; the statistics and losses in the accumulate type, first, then each row's
   //! logit statistics in double; then, unless Config::logits_chunk_rows, this rank's slice of the
-  //! logits (from which, with the statistics, the backward computes the probabilities); then, unless
-  //! Config::logits_at_every_position, the predicted rows' indices and targets. Every per-row
+  //! logits (from which, with the statistics, the backward computes the probabilities, unless the
+  //! forward wrote their gradient there already); then, unless Config::logits_at_every_position,
+  //! the predicted rows' indices and targets; last, unless chunked, the scale of the gradient in
+  //! the logits in double (0: not written). Every per-row
   //! tensor has room for head_rows() rows (N, or B·max_predictions_per_seq); the head uses the
   //! first M, the rows it predicts.
   struct HeadSaved {
@@ -670,7 +673,8 @@ class Model {
       v.mean = rows(mean, 0, M);
       v.rstd = rows(rstd, 0, M);
       v.losses = rows(losses, 0, M);
-      if (!stats.row_max.empty()) v.stats = {rows(stats.row_max, 0, M), rows(stats.partials, 0, 2 * M)};
+      if (!stats.row_max.empty())
+        v.stats = {rows(stats.row_max, 0, M), rows(stats.partials, 0, 2 * M), stats.gradient_scale};
       v.pre = rows(pre, 0, M);
       v.act = rows(act, 0, M);
       v.t = rows(t, 0, M);
@@ -703,6 +707,7 @@ class Model {
       h.row_ids = c.template take<std::int32_t>({N});
       h.row_targets = c.template take<std::int32_t>({N});
     }
+    if (!chunked_logits()) h.stats.gradient_scale = c.template take<double>({1});
     return h;
   }
   //! The rows the head predicts, M of them: every row, its targets as they are, with
@@ -802,7 +807,8 @@ class Model {
     // in `logits`; the vocab-parallel cross-entropy exchanges only per-row statistics.
     matmul_forward<T>(be, h.logits, h.t, param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}));
     return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.logits, h.stats,
-                                                       predicted.targets, vocab_begin_, config_.vocab_size);
+                                                       predicted.targets, vocab_begin_, config_.vocab_size,
+                                                       a.loss_scale);
   }
 
   //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of

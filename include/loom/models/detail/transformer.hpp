@@ -193,9 +193,11 @@ void check_attention_dropout(double attention, std::string_view model) {
 //! What a head keeps of its logits per row for the backward: the row statistics of
 //! vocab_parallel_cross_entropy_statistics over the whole vocabulary, `row_max` [N] and `partials`
 //! (2·N values: [2, N], or with Config::logits_chunk_rows chunk after chunk each chunk's [2, k]:
-//! the sums of exp(logit - row max) and the targets' logits), in double.
+//! the sums of exp(logit - row max) and the targets' logits), in double; and where the head keeps
+//! its logits whole, `gradient_scale` [1]: 0 where they are still the logits, else the scale of
+//! the gradient the forward wrote over them (vocab_parallel_loss with a backward scale).
 struct LogitStatistics {
-  Tensor<double> row_max, partials;
+  Tensor<double> row_max, partials, gradient_scale;
 };
 
 //! Where a group of several ranks keeps each rank's own row maxima for `rows` rows while
@@ -236,18 +238,33 @@ void vocab_parallel_softmax_loss(B& be, CommunicatorRef& tensor_parallel, Tensor
 //! The cross-entropy of this rank's slice of the logits, [N, vocab rows] in `logits`, against
 //! `targets` [N]: vocab_parallel_softmax_loss, its statistics (24 bytes a token) in `stats`, which
 //! the backward needs. Returns the sum of the losses. The full logits never exist.
+//!
+//! `backward_scale` is the loss scale of the backward that follows (ForwardArgs::loss_scale), or 0
+//! where none does. With a backward to come and a group of one rank, whose slice is the whole
+//! vocabulary, the gradient needs no other rank's statistics: cross_entropy_forward_backward
+//! writes it over the logits as it computes the loss, from one read of them instead of two (the
+//! same bits), and stats.gradient_scale says so to vocab_parallel_loss_backward.
 template <class T, Backend B>
-double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses,
-                           Tensor<const T> logits, const LogitStatistics& stats, Tensor<const std::int32_t> targets,
-                           std::int64_t vocab_begin, std::int64_t vocab_size) {
+double vocab_parallel_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<accumulate_t<T>> losses, Tensor<T> logits,
+                           const LogitStatistics& stats, Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
+                           std::int64_t vocab_size, accumulate_t<T> backward_scale) {
   const std::int64_t N = targets.numel();
-  const Buffer<double, B> slice_max = slice_max_scratch(be, tensor_parallel, N);
-  vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, logits, stats.row_max.reshape({N}),
-                                 stats.partials.reshape({2, N}), targets, vocab_begin, vocab_size, slice_max.data());
+  const bool flagged = !stats.gradient_scale.empty();
+  if (flagged && backward_scale != accumulate_t<T>(0) && tensor_parallel.size() == 1) {
+    cross_entropy_forward_backward<T>(be, losses, stats.row_max.reshape({N}), stats.partials.reshape({2, N}), logits,
+                                      targets, vocab_size, backward_scale, stats.gradient_scale);
+  } else {
+    if (flagged) be.fill_zero(stats.gradient_scale.data(), sizeof(double));
+    const Buffer<double, B> slice_max = slice_max_scratch(be, tensor_parallel, N);
+    vocab_parallel_softmax_loss<T>(be, tensor_parallel, losses, logits, stats.row_max.reshape({N}),
+                                   stats.partials.reshape({2, N}), targets, vocab_begin, vocab_size,
+                                   slice_max.data());
+  }
   return sum_elements<accumulate_t<T>>(be, Tensor<const accumulate_t<T>>(losses));
 }
 
-//! The backward of vocab_parallel_loss: dlogits, scaled by `loss_scale`, into `logits` in place.
+//! The backward of vocab_parallel_loss: dlogits, scaled by `loss_scale`, into `logits` in place
+//! (where the forward wrote them already, left as they are).
 template <class T, Backend B>
 void vocab_parallel_loss_backward(B& be, Tensor<T> logits, const LogitStatistics& stats,
                                   Tensor<const std::int32_t> targets, std::int64_t vocab_begin,
@@ -256,7 +273,7 @@ void vocab_parallel_loss_backward(B& be, Tensor<T> logits, const LogitStatistics
   vocab_parallel_cross_entropy_backward<T>(be, logits, Tensor<const T>(logits),
                                            Tensor<const double>(stats.row_max.reshape({N})),
                                            Tensor<const double>(stats.partials.reshape({2, N})), targets, vocab_begin,
-                                           vocab_size, loss_scale);
+                                           vocab_size, loss_scale, Tensor<const double>(stats.gradient_scale));
 }
 
 //! Rows [first, first + count) of a tensor whose first dimension is rows.

@@ -162,8 +162,8 @@ class Model {
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
-  //! N·(C + 3 + V/tp) and 3 doubles a row for the head (N·(C + 3) and the doubles with
-  //! Config::logits_chunk_rows) and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
+  //! N·(C + 3 + V/tp), 3 doubles a row and one more for the head (N·(C + 3) and the doubles a row
+  //! with Config::logits_chunk_rows) and, for a block, N·(3·C + 12·C/tp + 4) + B·(H/tp)·T² (its
   //! replicated ln1, res2, ln2, this rank's qkv, atty, fch, fch_gelu, its heads' attention
   //! probabilities and four row statistics), or + B·(H/tp)·T (the rows' log-sum-exp) in place
   //! of the probabilities with Attention::recompute. Under sequence parallelism the layernorms'
@@ -751,7 +751,8 @@ class Model {
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
   //! accumulate type, first (see block_saved); then each row's logit statistics in double, and
   //! unless Config::logits_chunk_rows this rank's slice of the logits (from which, with the
-  //! statistics, the backward computes the probabilities). ln_f's statistics are this rank's
+  //! statistics, the backward computes the probabilities, unless the forward wrote their gradient
+  //! there already) and last, in double, the scale of that gradient (0: not written). ln_f's statistics are this rank's
   //! rows; its output `lnf` is whole (gathered under sequence parallelism), as the unembedding
   //! GEMMs read it.
   struct HeadSaved {
@@ -768,7 +769,10 @@ class Model {
     h.stats.row_max = c.template take<double>({N});
     h.stats.partials = c.template take<double>({2 * N});
     h.lnf = c.take({N, config_.channels});
-    if (!chunked_logits()) h.logits = c.take({N, vocab_rows_});
+    if (!chunked_logits()) {
+      h.logits = c.take({N, vocab_rows_});
+      h.stats.gradient_scale = c.template take<double>({1});
+    }
     return h;
   }
   //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
@@ -817,10 +821,12 @@ class Model {
     }
     // This rank's slice of the logits (a column-parallel use of wte); the vocab-parallel
     // cross-entropy reads it once and exchanges only per-row statistics (max, sum of exps, target
-    // logit), from which the backward computes the probabilities: the full logits never exist.
+    // logit), from which the backward computes the probabilities: the full logits never exist. On
+    // one rank with a backward to come, it writes their gradient over them at once instead.
     matmul_forward<T>(be, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{});
     return detail::transformer::vocab_parallel_loss<T>(be, tensor_parallel_, h.losses, h.logits, h.stats,
-                                                       a.targets.reshape({N}), vocab_begin_, config_.vocab_size);
+                                                       a.targets.reshape({N}), vocab_begin_, config_.vocab_size,
+                                                       a.loss_scale);
   }
 
   //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input
@@ -838,7 +844,8 @@ class Model {
           be, dlnf, dwte, Tensor<T>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
           a.targets.reshape({N}), vocab_begin_, config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
-      // dlogits overwrite the logits they are computed from (this rank's slice).
+      // dlogits overwrite the logits they are computed from (this rank's slice), unless the
+      // forward wrote them already.
       detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, a.targets.reshape({N}), vocab_begin_,
                                                            config_.vocab_size, a.loss_scale);
       matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}),

@@ -53,6 +53,7 @@ struct BlockThread {
   }
   __device__ void sync_block() const { __syncthreads(); }
   __device__ float shuffle_xor(float value, int mask) const { return __shfl_xor_sync(0xffffffffu, value, mask); }
+  __device__ double shuffle_xor(double value, int mask) const { return __shfl_xor_sync(0xffffffffu, value, mask); }
 };
 
 #endif  // __CUDACC__
