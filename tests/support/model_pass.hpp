@@ -87,7 +87,10 @@ double loss_and_gradient(const M& model, cpu& be, const std::vector<typename M::
   const ParameterView<T> g(grads->data());
   std::vector<T> output_grad, input_grad;
   for (int l = layers - 1; l >= 0; --l) {
-    input_grad.assign(l == 0 ? 0 : hidden, T(0));
+    // Zeros for a model that adds to its input gradient; NaN for one that writes it, as the
+    // Trainer's buffer then holds an earlier layer's gradient.
+    const auto hidden_count = static_cast<std::int64_t>(l == 0 ? 0 : hidden);
+    input_grad = writes_input_grad<M> ? garbage<T>(hidden_count) : std::vector<T>(hidden_count, T(0));
     // Scratch starts as NaN, as the Trainer's holds an earlier layer's leftovers: a backward that
     // reads what it has not written shows up.
     std::vector<T> workspace = garbage<T>(model.workspace_elements(l, s));

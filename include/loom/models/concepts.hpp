@@ -52,7 +52,9 @@ struct BackwardArgs {
   Tensor<const std::int32_t> targets;
   Tensor<const T> input;        //!< the forward's input, still alive
   Tensor<const T> output_grad;  //!< d loss / d output (empty for the last layer)
-  Tensor<T> input_grad;         //!< += d loss / d input (empty for the first layer)
+  //! d loss / d input (empty for the first layer): added (+=), or written (=) by a Model that
+  //! writes_input_grad, whose caller then leaves its contents unspecified.
+  Tensor<T> input_grad;
   Tensor<T> saved;              //!< what forward kept (backward may overwrite it)
   Tensor<T> workspace;          //!< workspace_elements(layer, shape) of scratch
   //! d total loss / d per-token loss (1 / tokens of the global batch), in the accumulate type:
@@ -87,16 +89,24 @@ concept Model =
       { m.flops_per_token(shape.seq) } -> std::convertible_to<double>;
     };
 
+//! Whether Model M's backward and backward_input write BackwardArgs::input_grad (=) instead of
+//! adding to it (+=); a model says so with `static constexpr bool writes_input_grad = true;`. Its
+//! caller then need not zero input_grad first (the Trainer's holds an earlier layer's gradient
+//! on entry), which spares a pass over the hidden state per layer and the layer's read of the
+//! zeros. Without it the Trainer zeroes input_grad before each layer's backward.
+template <class M>
+inline constexpr bool writes_input_grad = requires { requires M::writes_input_grad; };
+
 //! A Model whose backward also splits into an input-gradient pass and a weight-gradient pass,
 //! for zero-bubble pipeline schedules (ZeroBubbleH1: I on the critical path, W deferred).
 //!
 //! - `stash_elements(layer, shape)`: elements the caller keeps per micro-batch from a layer's
 //!   `backward_input` until its `backward_weight` (0 where the layer keeps nothing).
 //! - `backward_input(be, layer, params, grads, args, stash)`: the same BackwardArgs as
-//!   `backward`. Accumulates `input_grad` (+=) completely, may also accumulate cheap parameter
-//!   gradients (layernorm weights and biases), does every tensor-parallel collective the
-//!   backward needs, and fills `stash` with what the weight pass needs. It may overwrite
-//!   `saved`, as `backward` may.
+//!   `backward`. Gives `input_grad` completely (+=, or = where writes_input_grad), may also
+//!   accumulate cheap parameter gradients (layernorm weights and biases), does every
+//!   tensor-parallel collective the backward needs, and fills `stash` with what the weight pass
+//!   needs. It may overwrite `saved`, as `backward` may.
 //! - `backward_weight(be, layer, params, grads, args, stash)`: runs later, possibly after other
 //!   micro-batches' work has reused the caller's buffers. It reads `args.input`, `args.saved`
 //!   (as `backward_input` left it), `args.tokens`, `args.targets` and `stash`, and accumulates

@@ -1030,7 +1030,9 @@ class Trainer {
       Tensor<T> input_grad{};
       if (j > 0) input_grad = Tensor<T>(hidden_grads_.data() + (1 - current) * n, hidden_shape());
       else if (p.receives) input_grad = Tensor<T>(slot.input_grad.data(), hidden_shape());
-      if (!input_grad.empty()) backend_->fill_zero(input_grad.data(), sizeof(T) * static_cast<std::size_t>(n));
+      // A model that adds to its input gradient needs zeros there; one that writes it, nothing.
+      if constexpr (!writes_input_grad<M>)
+        if (!input_grad.empty()) backend_->fill_zero(input_grad.data(), sizeof(T) * static_cast<std::size_t>(n));
       Tensor<const T> output_grad{};
       if (j + 1 < p.count) output_grad = Tensor<const T>(hidden_grads_.data() + current * n, hidden_shape());
       else if (p.sends) output_grad = Tensor<const T>(received_grad_.data(), hidden_shape());

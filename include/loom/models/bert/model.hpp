@@ -47,6 +47,8 @@ class Model {
   using loom_model = void;
   using backend_type = B;
   using scalar_type = T;
+  //! Every layer's backward writes its input gradient (loom::writes_input_grad).
+  static constexpr bool writes_input_grad = true;
 
   //! The whole model on one rank.
   explicit Model(Config config, Attention attention = Attention::stored)
@@ -624,7 +626,7 @@ class Model {
     // h = LN1(r1); r1 = x + attn(x).
     layernorm_backward<T>(be, d.r1, norm_grad(g, o.ln1_w, d.norm_grads, 2), norm_grad(g, o.ln1_b, d.norm_grads, 3),
                           d.h, b.r1, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd, {}, overwrite);
-    add_to<T>(be, input_grad, d.r1);
+    copy<T>(be, input_grad, d.r1);
     // r1 = x + dropout(attn(x)): the branch's gradient through the mask, in place once the
     // residual has it (under backward_input without sequence parallelism d.r1 is the stash
     // attn.proj's weight GEMM reads).
@@ -830,7 +832,10 @@ class Model {
     const HeadWorkspace w = head_workspace(c, s);
     const PredictedRows predicted = predicted_rows(be, a.saved, a.targets, s);
     const std::int64_t M = predicted.count;
-    if (M == 0) return;
+    if (M == 0) {
+      zero<T>(be, split_.local(a.input_grad, s));  // no prediction, no gradient (written, as every layer's)
+      return;
+    }
     const HeadSaved& h = predicted.saved;
     const Tensor<T> dt = rows(w.dt, 0, M), dact = rows(w.dact, 0, M);
     // dt is written, not read, by either path; dact by the layernorm's backward.
@@ -861,22 +866,22 @@ class Model {
     Buffer<T, B> unused;
     const Tensor<const T> input = head_input(be, a.workspace, unused, a.input, s);
     const Tensor<T> dinput = split_.split() ? w.input_grad : a.input_grad.reshape({N, C});
-    if (split_.split()) zero<T>(be, dinput);
     if (config_.logits_at_every_position) {
       matmul_backward<T>(be, dinput, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre, input,
-                         param(p, dense_weight_, {C, C}));
+                         param(p, dense_weight_, {C, C}), GradientWrite::overwrite);
     } else {
       // dact is spent too: it takes the predicted rows of the input again, and act (which only
-      // the layernorm's backward read) their gradient, which goes back to those rows.
+      // the layernorm's backward read) their gradient, which goes back to those rows; the other
+      // rows' gradient is 0.
       detail::transformer::gather_rows<T>(be, dact, input, h.row_ids);
-      zero<T>(be, h.act);
       matmul_backward<T>(be, h.act, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre, dact,
-                         param(p, dense_weight_, {C, C}));
+                         param(p, dense_weight_, {C, C}), GradientWrite::overwrite);
+      zero<T>(be, dinput);
       detail::transformer::scatter_add_rows<T>(be, dinput, h.act, h.row_ids);
     }
     if (split_.split()) {
       const auto r = split_.rows(s);
-      add_to<T>(be, split_.local(a.input_grad, s), Tensor<const T>{dinput.data() + r.first * C, Shape{r.local, C}});
+      copy<T>(be, split_.local(a.input_grad, s), Tensor<const T>{dinput.data() + r.first * C, Shape{r.local, C}});
     }
   }
 

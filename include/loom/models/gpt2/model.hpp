@@ -75,6 +75,8 @@ class Model {
   using loom_model = void;
   using backend_type = B;
   using scalar_type = T;
+  //! Every layer's backward writes its input gradient (loom::writes_input_grad).
+  static constexpr bool writes_input_grad = true;
 
   //! The whole model on one rank (a tensor-parallel group of one).
   explicit Model(Config config, Attention attention = Attention::stored)
@@ -721,7 +723,7 @@ class Model {
     // without sequence parallelism d.res2 is the stash attn.proj's weight GEMM reads); where it
     // drops, the residual's share goes to the input gradient first.
     const bool drops = tr::dropping(a.dropout, config_.hidden_dropout);
-    if (drops) add_to<T>(be, input_grad, d.res2);
+    if (drops) copy<T>(be, input_grad, d.res2);
     split_.drop(be, d.res2, a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.res2, d.res2_whole), b.atty,
                        param(p, o.proj_w, {C, Ca}), overwrite);
@@ -735,9 +737,12 @@ class Model {
     matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, split_.gather(b.ln1, d.ln1_whole),
                        param(p, o.qkv_w, {3 * Ca, C}), overwrite);
     split_.reduce(dln1, d.ln1);
+    // The input gradient: dres2 + ln1's, written in one pass (or, where the branch dropped, ln1's
+    // added to the residual's share copied there above).
     layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, split_.local(a.input, s),
                           param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd,
-                          drops ? Tensor<const T>{} : Tensor<const T>(d.res2));
+                          drops ? Tensor<const T>{} : Tensor<const T>(d.res2),
+                          drops ? GradientWrite::accumulate : overwrite);
     split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
                                              grad(g, o.ln1_b, {C})});
   }
@@ -860,7 +865,7 @@ class Model {
     if (split_.split()) zero<T>(be, w.norm_grads);
     layernorm_backward<T>(be, split_.local(a.input_grad, s), split_.norm_grad(dweight, w.norm_grads, 0),
                           split_.norm_grad(dbias, w.norm_grads, 1), dlnf_rows, split_.local(a.input, s),
-                          param(p, lnf_weight_, {C}), h.mean, h.rstd);
+                          param(p, lnf_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
     split_.sum_norm_grads(be, w.norm_grads, {dweight, dbias});
   }
 
