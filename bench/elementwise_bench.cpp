@@ -8,14 +8,18 @@
 // most of the kernels are; a separate output would also be read before it is written) on the
 // same threads, the rate an element-wise kernel can reach here. Then, for float and
 // bf16: add_to, residual_forward, residual_backward, scale, drain_into (bf16 into fp32 sums),
-// SGD with momentum and AdamW (bf16: with fp32 master weights). Each kernel's bytes are what it
-// must read and write once (listed in the table); GB/s is bytes / median time, "vs add" that rate
-// over the reference's. The kernels take turns, call by call, so a slow phase of the machine
-// falls on all of them.
+// SGD with momentum and AdamW (bf16: with fp32 master weights), and the cross-entropy of a
+// training step over rows of GPT-2's 50,304 columns: the statistics, losses and backward kernels
+// (two reads and a write of the logits, the exps taken twice) against
+// cross_entropy_forward_backward (one read and a write, the exps once). Each kernel's bytes are
+// what it must read and write once (listed in the table); GB/s is bytes / median time, "vs add"
+// that rate over the reference's. The kernels take turns, call by call, so a slow phase of the
+// machine falls on all of them.
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -89,6 +93,34 @@ std::vector<Kernel> kernels_of(const loom::cpu& be, std::int64_t n) {
     k.push_back({"adamw_update", 7 * t,
                  [=, &be] { loom::adamw_update<T>(be, view(a), cview(b), view(m), view(v), adamw); }});
   }
+  // The cross-entropy over [rows, 50304] (every target valid), written over the logits.
+  constexpr std::int64_t columns = 50304, vocab = 50257;
+  const std::int64_t rows = std::max<std::int64_t>(n / columns, 1);
+  using A = loom::accumulate_t<T>;
+  auto targets = std::make_shared<std::vector<std::int32_t>>(rows);
+  for (std::int64_t r = 0; r < rows; ++r) (*targets)[r] = static_cast<std::int32_t>(r * 7919 % vocab);
+  auto stats = std::make_shared<std::vector<double>>(3 * rows + 1), losses = std::make_shared<std::vector<A>>(rows);
+  auto logits = std::make_shared<std::vector<T>>(rows * columns);
+  for (std::int64_t i = 0; i < rows * columns; ++i) (*logits)[i] = T(static_cast<float>(i % 97) / 16.0f - 3.0f);
+  const A scale = A(1) / static_cast<A>(rows);
+  const double ce_bytes = static_cast<double>(rows * columns) / static_cast<double>(n) * t;  // per element of n
+  k.push_back({"cross-entropy, 3 kernels", 3 * ce_bytes, [=, &be] {
+                 const Tensor<const std::int32_t> target_view(targets->data(), Shape{rows});
+                 const Tensor<double> row_max(stats->data(), Shape{rows}), partials(stats->data() + rows, Shape{2, rows});
+                 const Tensor<T> x(logits->data(), Shape{rows, columns});
+                 loom::vocab_parallel_cross_entropy_statistics<T>(be, row_max, partials, x, target_view, 0, vocab);
+                 loom::vocab_parallel_cross_entropy_losses<T>(be, Tensor<A>(losses->data(), Shape{rows}), row_max,
+                                                              partials, target_view);
+                 loom::vocab_parallel_cross_entropy_backward<T>(be, x, x, row_max, partials, target_view, 0, vocab,
+                                                                scale);
+               }});
+  k.push_back({"cross_entropy_forward_backward", 2 * ce_bytes, [=, &be] {
+                 loom::cross_entropy_forward_backward<T>(
+                     be, Tensor<A>(losses->data(), Shape{rows}), Tensor<double>(stats->data(), Shape{rows}),
+                     Tensor<double>(stats->data() + rows, Shape{2, rows}), Tensor<T>(logits->data(), Shape{rows, columns}),
+                     Tensor<const std::int32_t>(targets->data(), Shape{rows}), vocab, scale,
+                     Tensor<double>(stats->data() + 3 * rows, Shape{1}));
+               }});
   return k;
 }
 
@@ -138,10 +170,10 @@ int main(int argc, char** argv) {
   }
   const std::vector<double> medians = median_seconds(all, o.calls);
   const double reference_rate = 12.0 * static_cast<double>(n) / medians[0] / 1e9;
-  std::printf("\n%-6s %-26s %12s %10s %10s %8s\n", "type", "kernel", "bytes/elem", "median ms", "GB/s", "vs add");
+  std::printf("\n%-6s %-30s %12s %10s %10s %8s\n", "type", "kernel", "bytes/elem", "median ms", "GB/s", "vs add");
   for (std::size_t i = 0; i < all.size(); ++i) {
     const double rate = all[i].bytes_per_element * static_cast<double>(n) / medians[i] / 1e9;
-    std::printf("%-6s %-26s %12.0f %10.2f %10.1f %7.0f%%\n", types[i].c_str(), all[i].name.c_str(),
+    std::printf("%-6s %-30s %12.0f %10.2f %10.1f %7.0f%%\n", types[i].c_str(), all[i].name.c_str(),
                 all[i].bytes_per_element, 1e3 * medians[i], rate, 100.0 * rate / reference_rate);
     report["kernels"].push_back({{"type", types[i]},
                                  {"kernel", all[i].name},
