@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -75,6 +76,12 @@ bool same_values(const std::vector<T>& a, const std::vector<T>& b) {
   for (std::size_t i = 0; i < a.size(); ++i)
     if (!(loom::to_accumulate(a[i]) == loom::to_accumulate(b[i]))) return false;
   return true;
+}
+
+//! Whether a and b hold the same bits (-0 and 0 apart, a NaN matching its own bits).
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 //! Runs `call`, which must throw loom::Error whose message contains `fragment`.

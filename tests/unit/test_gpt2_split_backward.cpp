@@ -10,7 +10,6 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -38,11 +37,6 @@ struct WithoutWeightPass : gpt2::Model<cpu, float> {
 };
 static_assert(Model<WithoutWeightPass>);
 static_assert(!SplitBackwardModel<WithoutWeightPass>);
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
 
 //! GPT-2's initial values plus noise keyed by (name, global index): every tensor-parallel rank
 //! holds its slice of one set of values, and biases are not zero.

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -24,6 +23,7 @@ namespace {
 using loom::Tensor;
 using loom::cpu;
 using loom::test::expect_error;
+using loom::test::same_bits;
 using loom::test::tolerance;
 
 //! N rows over a padded vocabulary split into `slices` equal slices.
@@ -521,12 +521,6 @@ Fused<T> fused(const cpu& be, const std::vector<T>& logits, const std::vector<st
       Tensor<double>(r.partials.data(), {2, N}), Tensor<T>(r.dlogits.data(), {N, c.padded}),
       Tensor<const std::int32_t>(targets.data(), {N}), c.vocab, scale, Tensor<double>(&gradient_scale, {1}));
   return r;
-}
-
-//! Bit for bit (-0 and 0 apart).
-template <class U>
-bool same_bits(const std::vector<U>& a, const std::vector<U>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(U)) == 0);
 }
 
 }  // namespace

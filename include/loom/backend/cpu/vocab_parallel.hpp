@@ -113,6 +113,20 @@ void shifted_exps(const T* x, accumulate_t<T> shift, accumulate_t<T>* exps, std:
   }
 }
 
+//! A row's statistics over its `real` first columns: the largest value as double (the lowest
+//! double where there are none) and the sum of exp(x - largest) in double, the exps left in `exps`
+//! (AlignedRows), where the backward from the logits takes them again.
+struct RowStatistics {
+  double max, sum;
+};
+template <class T>
+RowStatistics row_statistics(const T* x, std::int64_t real, accumulate_t<T>* exps) {
+  if (real == 0) return {std::numeric_limits<double>::lowest(), 0.0};
+  const accumulate_t<T> largest = row_max(x, real);
+  shifted_exps(x, largest, exps, real);
+  return {static_cast<double>(largest), detail::sum_as_double(exps, real)};
+}
+
 //! The probabilities of a row from its `exps` (shifted_exps by the row's max) and their `sum`:
 //! p(i) = exps[i] · (1 / sum), the factor rounded once to the accumulate type and each p once to
 //! T (and widened back), as the backward from the logits computes them.
@@ -215,16 +229,9 @@ void vocab_parallel_cross_entropy_statistics(const cpu& be, Tensor<double> row_m
     target_logits[n] = target_data[n] >= 0 && local_target >= 0 && local_target < real
                            ? static_cast<double>(to_accumulate(x[local_target]))
                            : 0.0;
-    if (real == 0) {
-      m[n] = std::numeric_limits<double>::lowest();
-      sums[n] = 0.0;
-    } else {
-      const A largest = d::row_max(x, real);
-      A* exps = scratch.at(detail::thread_index());
-      d::shifted_exps(x, largest, exps, real);
-      m[n] = static_cast<double>(largest);
-      sums[n] = detail::sum_as_double(exps, real);
-    }
+    const d::RowStatistics r = d::row_statistics(x, real, scratch.at(detail::thread_index()));
+    m[n] = r.max;
+    sums[n] = r.sum;
     if (copy != nullptr) copy[n] = m[n];
   }
 }
@@ -262,6 +269,24 @@ void vocab_parallel_cross_entropy_losses(const cpu&, Tensor<accumulate_t<T>> los
 
 namespace loom::detail::vocab_parallel {
 
+//! One row of the backward: g [Vs] = scale (p - onehot) on the `real` columns (the one-hot where
+//! `local_target` is one of them), 0 on padding; all 0 where `ignored` (a negative target). `p(i)`
+//! reads what it needs of the row before g (which may be the row) is written.
+template <class T, class Probability>
+void gradient_row(T* g, std::int64_t Vs, std::int64_t real, std::int64_t local_target, bool ignored,
+                  accumulate_t<T> scale, const Probability& p) {
+  using A = accumulate_t<T>;
+  if (ignored) {
+    std::fill(g, g + Vs, T(0));
+    return;
+  }
+  const bool owns_target = local_target >= 0 && local_target < real;
+  const A target_prob = owns_target ? p(local_target) : A(0);
+  for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * p(i));
+  if (owns_target) g[local_target] = static_cast<T>(scale * (target_prob - A(1)));
+  std::fill(g + real, g + Vs, T(0));
+}
+
 //! The backward of both vocab_parallel_cross_entropy_backward overloads, row by row: dlogits =
 //! scale (p - onehot) on the real columns, 0 on padding and on rows whose target is negative. The
 //! row's probabilities come from `probability(n, x)`, which returns p(i) in the accumulate type
@@ -277,17 +302,12 @@ void cross_entropy_backward_rows(const cpu& be, T* g_all, const T* in_all, const
     const T* x = in_all + n * Vs;
     T* g = g_all + n * Vs;  // may be x
     if (target_data[n] < 0) {
-      std::fill(g, g + Vs, T(0));
+      gradient_row(g, Vs, real, -1, true, scale, [](std::int64_t) { return A(0); });
       continue;
     }
     // Everything `p` reads of x is read here, before g (maybe x) is written.
     const auto p = probability(n, x);
-    const std::int64_t local_target = static_cast<std::int64_t>(target_data[n]) - vocab_begin;
-    const bool owns_target = local_target >= 0 && local_target < real;
-    const A target_prob = owns_target ? p(local_target) : A(0);
-    for (std::int64_t i = 0; i < real; ++i) g[i] = static_cast<T>(scale * p(i));
-    if (owns_target) g[local_target] = static_cast<T>(scale * (target_prob - A(1)));
-    std::fill(g + real, g + Vs, T(0));
+    gradient_row(g, Vs, real, static_cast<std::int64_t>(target_data[n]) - vocab_begin, false, scale, p);
   }
 }
 
@@ -381,27 +401,12 @@ void cross_entropy_forward_backward(const cpu& be, Tensor<accumulate_t<T>> losse
     const double target_logit = target >= 0 && target < real ? static_cast<double>(to_accumulate(x[target])) : 0.0;
     partials.data()[N + n] = target_logit;
     A* exps = scratch.at(detail::thread_index());
-    double sum = 0.0;
-    if (real == 0) {
-      row_max.data()[n] = std::numeric_limits<double>::lowest();
-    } else {
-      const A largest = d::row_max(x, real);
-      d::shifted_exps(x, largest, exps, real);
-      row_max.data()[n] = static_cast<double>(largest);
-      sum = detail::sum_as_double(exps, real);
-    }
-    partials.data()[n] = sum;
-    losses.data()[n] = target >= 0 ? static_cast<A>(std::log(sum) - (target_logit - row_max.data()[n])) : A(0);
-    // The backward's, from the same exps.
-    if (target < 0) {
-      std::fill(x, x + V, T(0));
-      continue;
-    }
-    const auto p = d::logit_probabilities<T>(exps, sum);
-    const A target_prob = target < real ? p(target) : A(0);
-    for (std::int64_t i = 0; i < real; ++i) x[i] = static_cast<T>(scale * p(i));
-    if (target < real) x[target] = static_cast<T>(scale * (target_prob - A(1)));
-    std::fill(x + real, x + V, T(0));
+    const d::RowStatistics r = d::row_statistics(x, real, exps);
+    row_max.data()[n] = r.max;
+    partials.data()[n] = r.sum;
+    losses.data()[n] = target >= 0 ? static_cast<A>(std::log(r.sum) - (target_logit - r.max)) : A(0);
+    // The backward's, from the same exps (none where the row is ignored).
+    d::gradient_row(x, V, real, target, target < 0, scale, d::logit_probabilities<T>(exps, r.sum));
   }
   gradient_scale[0] = static_cast<double>(scale);
 }

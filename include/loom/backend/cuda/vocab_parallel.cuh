@@ -16,7 +16,6 @@
 
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
-#include <cuda/functional>
 #include <cuda/std/limits>
 
 #include <algorithm>
@@ -149,39 +148,20 @@ inline constexpr int row_warps = row_threads / 32;
 inline constexpr std::size_t reduction_bytes = row_warps * sizeof(double);
 static_assert(reduction_bytes % 16 == 0);
 
-//! The largest `value` of the block's threads, in every thread. `scratch`: reduction_bytes of
-//! shared memory, free again on return.
+//! `value` folded by `op` (a max, or a sum) over the block's threads, in every thread with the
+//! same bits: each warp's butterfly (op(value, the partner's value), as cuda_kernels::warp_sum's
+//! order), then the warps' results in order. `scratch`: reduction_bytes of shared memory, free
+//! again on return. A float value passes through the double scratch exactly.
 LOOM_BLOCK_BODY
-template <class Thread>
-LOOM_HD float block_max(const Thread& th, float value, double* scratch) {
-  for (int mask = 16; mask > 0; mask /= 2) {
-    const float other = th.shuffle_xor(value, mask);
-    value = value < other ? other : value;
-  }
-  if (th.thread() % 32 == 0) scratch[th.thread() / 32] = static_cast<double>(value);  // exact
+template <class Thread, class A, class Op>
+LOOM_HD A block_reduce(const Thread& th, A value, double* scratch, Op op) {
+  for (int mask = 16; mask > 0; mask /= 2) value = op(value, th.shuffle_xor(value, mask));
+  if (th.thread() % 32 == 0) scratch[th.thread() / 32] = static_cast<double>(value);
   th.sync_block();
-  float largest = static_cast<float>(scratch[0]);
-  for (int w = 1; w < row_warps; ++w) {
-    const float other = static_cast<float>(scratch[w]);
-    largest = largest < other ? other : largest;
-  }
+  A folded = static_cast<A>(scratch[0]);
+  for (int w = 1; w < row_warps; ++w) folded = op(folded, static_cast<A>(scratch[w]));
   th.sync_block();  // before the scratch is written again
-  return largest;
-}
-
-//! The sum of `value` over the block's threads in double, in every thread with the same bits:
-//! each warp's butterfly (cuda_kernels::warp_sum), then the warps' sums in order. `scratch` as
-//! for block_max.
-LOOM_BLOCK_BODY
-template <class Thread>
-LOOM_HD double block_sum(const Thread& th, double value, double* scratch) {
-  value = cuda_kernels::warp_sum(th, value);
-  if (th.thread() % 32 == 0) scratch[th.thread() / 32] = value;
-  th.sync_block();
-  double sum = scratch[0];
-  for (int w = 1; w < row_warps; ++w) sum += scratch[w];
-  th.sync_block();
-  return sum;
+  return folded;
 }
 
 //! One thread's share of a row's statistics: the largest of its packs' real values (-inf where
@@ -242,11 +222,11 @@ template <class T, int W, class Thread>
 LOOM_HD RowStatistics row_statistics(const Thread& th, const cuda_kernels::Pack<T, W>* x, std::int64_t used,
                                      std::int64_t real, double* scratch) {
   const ThreadStatistics own = thread_statistics<T, W>(th, x, used, real);
-  const float m = block_max(th, own.largest, scratch);
+  const float m = block_reduce(th, own.largest, scratch, [](float a, float b) { return a < b ? b : a; });
   // A thread that saw no real value has sum 0 (and largest -inf: its factor would be NaN).
   const double rescaled =
       own.sum != 0.0f ? static_cast<double>(own.sum) * ::exp(static_cast<double>(own.largest) - m) : 0.0;
-  const double sum = block_sum(th, rescaled, scratch);
+  const double sum = block_reduce(th, rescaled, scratch, [](double a, double b) { return a + b; });
   return {real > 0 ? static_cast<double>(m) : ::cuda::std::numeric_limits<double>::lowest(), sum};
 }
 
