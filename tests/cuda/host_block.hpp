@@ -1,22 +1,33 @@
 #pragma once
 // The host emulation of a CUDA block, for the kernel bodies written over a Thread type
 // (detail/block_body.hpp, detail/flash_attention.cuh): HostThread runs each thread of a block as
-// a host thread, with barriers for __syncthreads and __syncwarp, a shared exchange for the
-// shuffles, cp.async done at once, and ldmatrix, mma.sync and wgmma computed from the lanes'
-// addresses, fragments and descriptors by their PTX layouts. Shared memory starts as garbage, so a
-// body that reads what it did not write shows it.
+// a fiber (a stack of its own, switched to and from on the calling thread), with barriers for
+// __syncthreads and __syncwarp, a shared exchange for the shuffles, cp.async done at once, and
+// ldmatrix, mma.sync and wgmma computed from the lanes' addresses, fragments and descriptors by
+// their PTX layouts. Shared memory starts as garbage, so a body that reads what it did not write
+// shows it.
+//
+// Why fibers, not host threads: the bodies meet a barrier every few instructions (each shuffle
+// and each emulated mma is two), and with one host thread per emulated thread each barrier woke
+// 32 or 128 threads through the kernel, on 2 cores: test_cuda_flash_attention took 193 s alone
+// and 271 s under ctest -j2. A fiber switch is a function call's cost. The threads run in turns
+// up to their next barrier, first thread 0 to the last, then the last to 0, and so on: a body
+// that reads another thread's write without a barrier between sees it or not by the order,
+// and each order occurs. A barrier that some threads never reach fails the test (host threads
+// would hang).
 
 #include <doctest/doctest.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
-#include <barrier>
 #include <bit>
 #include <cstdint>
 #include <cstring>
-#include <deque>
+#include <functional>
 #include <memory>
 #include <new>
-#include <thread>
 #include <vector>
 
 #include "loom/backend/cuda/detail/flash_attention.cuh"
@@ -34,16 +45,49 @@ inline constexpr std::size_t shared_alignment = 1024;
 //! The most threads an emulated block has (the row kernels' 256; the tiled attention's 128).
 inline constexpr int max_host_threads = 256;
 
+//! A barrier of emulated threads (__syncthreads over the block, __syncwarp over a warp): the
+//! last of `expected` arrivals opens it and starts its next generation.
+struct FiberBarrier {
+  int expected;
+  int arrived = 0;
+  std::uint64_t generation = 0;
+};
+
+//! The stacks of the emulated threads, kept for the calling thread's next blocks: each 256 KiB
+//! (the bodies need a few), mapped lazily, with an inaccessible page below it so that an overflow
+//! faults instead of writing into the next stack.
+class FiberStacks {
+ public:
+  static constexpr std::size_t size = 256 * 1024;
+  ~FiberStacks() {
+    for (void* p : maps_) ::munmap(p, size + page());
+  }
+  //! The usable part of stack `i`.
+  void* operator[](std::size_t i) {
+    while (maps_.size() <= i) {
+      void* p = ::mmap(nullptr, size + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      REQUIRE(p != MAP_FAILED);
+      REQUIRE(::mprotect(p, page(), PROT_NONE) == 0);
+      maps_.push_back(p);
+    }
+    return static_cast<unsigned char*>(maps_[i]) + page();
+  }
+
+ private:
+  static std::size_t page() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+  std::vector<void*> maps_;
+};
+
 //! What the threads of one emulated block share: the block's indices, its shared memory, the
-//! barriers, and each lane's last shuffle value and mma fragments, where the other lanes of its
-//! warp read them.
+//! barriers, each lane's last shuffle value and mma fragments, where the other lanes of its warp
+//! read them, and the fibers that run the threads (run_block).
 struct HostBlock {
   std::int64_t x, y;
   std::size_t bytes;  // of shared memory
   int threads;
   std::unique_ptr<unsigned char[], void (*)(unsigned char*)> shared;
-  std::barrier<> block;
-  std::deque<std::barrier<>> warp;  // a deque: barriers do not move
+  FiberBarrier block;
+  std::vector<FiberBarrier> warp;
   float exchange[max_host_threads] = {};
   std::uint32_t words[max_host_threads] = {};  // the integer shuffles' values
   const bf16* rows[max_host_threads] = {};     // the addresses the lanes give an ldmatrix
@@ -61,13 +105,91 @@ struct HostBlock {
         shared(static_cast<unsigned char*>(
                    ::operator new(std::max<std::size_t>(shared_bytes, 1), std::align_val_t(shared_alignment))),
                [](unsigned char* p) { ::operator delete(p, std::align_val_t(shared_alignment)); }),
-        block(thread_count) {
+        block{thread_count},
+        warp(static_cast<std::size_t>(thread_count / 32), FiberBarrier{32}) {
     REQUIRE(thread_count % 32 == 0);
     REQUIRE(thread_count <= max_host_threads);
-    for (int w = 0; w < thread_count / 32; ++w) warp.emplace_back(32);
     // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
     std::fill(shared.get(), shared.get() + shared_bytes, static_cast<unsigned char>(0x7f));
   }
+  HostBlock(const HostBlock&) = delete;
+  HostBlock& operator=(const HostBlock&) = delete;
+
+  //! Runs body(t) for every thread t, each on a fiber, to the end; returns once all have ended.
+  //! Fails the test (and returns) where the threads left all wait at barriers.
+  void run(const std::function<void(int)>& body) {
+    static thread_local FiberStacks stacks;
+    fibers_.assign(static_cast<std::size_t>(threads), Fiber{});
+    body_ = &body;
+    for (int t = 0; t < threads; ++t) {
+      Fiber& f = fibers_[static_cast<std::size_t>(t)];
+      REQUIRE(::getcontext(&f.context) == 0);
+      f.context.uc_stack.ss_sp = stacks[static_cast<std::size_t>(t)];
+      f.context.uc_stack.ss_size = FiberStacks::size;
+      f.context.uc_link = &scheduler_;
+      // makecontext passes int arguments: the block's address in two halves.
+      const auto address = reinterpret_cast<std::uintptr_t>(this);
+      ::makecontext(&f.context, reinterpret_cast<void (*)()>(&HostBlock::start), 3, static_cast<int>(address),
+                    static_cast<int>(static_cast<std::uint64_t>(address) >> 32), t);
+    }
+    int running = threads;
+    for (bool ascending = true; running > 0; ascending = !ascending) {
+      bool moved = false;
+      for (int k = 0; k < threads; ++k) {
+        current_ = ascending ? k : threads - 1 - k;
+        Fiber& f = fibers_[static_cast<std::size_t>(current_)];
+        if (f.done || (f.waiting != nullptr && f.waiting->generation == f.generation)) continue;
+        f.waiting = nullptr;
+        REQUIRE(::swapcontext(&scheduler_, &f.context) == 0);
+        moved = true;
+        running -= f.done;
+      }
+      if (!moved) {
+        FAIL_CHECK("emulated block (" << x << ", " << y << "): " << running << " of its " << threads
+                                      << " threads wait at barriers that the others never reach");
+        return;
+      }
+    }
+  }
+
+  //! Thread `current` arrives at `barrier` and waits until all of its threads have arrived.
+  void arrive_and_wait(FiberBarrier& barrier) {
+    if (++barrier.arrived == barrier.expected) {  // the last: opens it and goes on
+      barrier.arrived = 0;
+      ++barrier.generation;
+      return;
+    }
+    Fiber& f = fibers_[static_cast<std::size_t>(current_)];
+    f.waiting = &barrier;
+    f.generation = barrier.generation;
+    ::swapcontext(&f.context, &scheduler_);
+  }
+
+ private:
+  struct Fiber {
+    ucontext_t context{};
+    const FiberBarrier* waiting = nullptr;  // the barrier it waits at, in generation `generation`
+    std::uint64_t generation = 0;
+    bool done = false;
+  };
+
+  static void start(int low, int high, int thread) {
+    const auto address = static_cast<std::uintptr_t>(static_cast<std::uint32_t>(low)) |
+                         static_cast<std::uintptr_t>(static_cast<std::uint64_t>(static_cast<std::uint32_t>(high)) << 32);
+    auto& block = *reinterpret_cast<HostBlock*>(address);
+    try {
+      (*block.body_)(thread);
+    } catch (...) {
+      // A REQUIRE that failed (doctest has recorded it); exceptions cannot leave a fiber. The
+      // others may then wait for this thread at a barrier, which run() reports.
+    }
+    block.fibers_[static_cast<std::size_t>(thread)].done = true;
+  }
+
+  std::vector<Fiber> fibers_;
+  const std::function<void(int)>* body_ = nullptr;
+  ucontext_t scheduler_{};
+  int current_ = 0;
 };
 
 //! bf16 `half` (0: bits 0-15) of a fragment word, as float.
@@ -84,7 +206,7 @@ class HostThread {
   std::int64_t block_x() const { return block_.x; }
   std::int64_t block_y() const { return block_.y; }
   unsigned char* shared() const { return block_.shared.get(); }
-  void sync_block() const { block_.block.arrive_and_wait(); }
+  void sync_block() const { block_.arrive_and_wait(block_.block); }
   float shuffle_xor(float value, int mask) const {
     block_.exchange[thread_] = value;
     sync_warp();
@@ -217,7 +339,7 @@ class HostThread {
   }
 
  private:
-  void sync_warp() const { block_.warp[static_cast<std::size_t>(thread_ / 32)].arrive_and_wait(); }
+  void sync_warp() const { block_.arrive_and_wait(block_.warp[static_cast<std::size_t>(thread_ / 32)]); }
 
   void ldmatrix(fl::FragmentB (&b)[2], const bf16* lane_row, bool transposed) const {
     block_.rows[thread_] = lane_row;
@@ -237,6 +359,15 @@ class HostThread {
   int turn_ = 0;
 };
 
+//! Runs `body(HostThread&)` for every thread of `block`.
+template <class Body>
+void run_block(HostBlock& block, Body&& body) {
+  block.run([&](int t) {
+    HostThread th(block, t);
+    body(th);
+  });
+}
+
 //! Runs `body(HostThread&)` for every block of a grid_x x grid_y grid of `threads`-thread blocks
 //! (a multiple of 32; the tiled attention kernels' 128 unless given), one block at a time.
 template <class Body>
@@ -245,13 +376,7 @@ void run_grid(std::int64_t grid_x, std::int64_t grid_y, std::size_t shared_bytes
   for (std::int64_t y = 0; y < grid_y; ++y)
     for (std::int64_t x = 0; x < grid_x; ++x) {
       HostBlock block(x, y, shared_bytes, threads_per_block);
-      std::vector<std::jthread> threads;
-      threads.reserve(static_cast<std::size_t>(threads_per_block));
-      for (int t = 0; t < threads_per_block; ++t)
-        threads.emplace_back([&block, &body, t] {
-          HostThread th(block, t);
-          body(th);
-        });
+      run_block(block, body);
     }
 }
 

@@ -3,7 +3,7 @@
 // partial tiles.
 //
 // Without a GPU the kernel bodies still run here: HostThread (host_block.hpp) runs each block with
-// its 128 threads as host threads (barriers for __syncthreads, a shared exchange for the shuffles)
+// its 128 threads as fibers (barriers for __syncthreads, a shared exchange for the shuffles)
 // and each mma.sync from the 32 lanes' fragments by the documented m16n8k16 layout, each lane
 // computing its own part of the result from what the others published, as on the GPU. Shared
 // memory starts as garbage. So the tiling, the online softmax, both masks, the partial tiles, the
@@ -29,7 +29,6 @@
 #include <limits>
 #include <ostream>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -383,13 +382,7 @@ TEST_CASE("the mma fragment helpers give a plain product (host emulation)") {
   const FragmentCase f{random_bf16(16 * 16, 51), random_bf16(8 * 16, 52)};
   std::vector<float> d(16 * 8, std::numeric_limits<float>::quiet_NaN()), e = d;
   HostBlock block(0, 0, 8 * 16 * sizeof(bf16), 32);
-  std::vector<std::jthread> lanes;
-  for (int t = 0; t < 32; ++t)
-    lanes.emplace_back([&, t] {
-      HostThread th(block, t);
-      fragment_body(th, f.a.data(), f.bt.data(), d.data(), e.data());
-    });
-  lanes.clear();
+  run_block(block, [&](HostThread& th) { fragment_body(th, f.a.data(), f.bt.data(), d.data(), e.data()); });
   check_fragments(f, d, e);
 }
 
@@ -675,15 +668,12 @@ std::int64_t check_keep_bits(const AttentionDropout& drop, std::int64_t tokens, 
   const std::uint64_t origin = drop.head_origin(1, 1, tokens);
   std::uint32_t by_rows[32][M][2] = {}, by_columns[32][M][2] = {};
   HostBlock block(0, 0, 0, 32);
-  std::vector<std::jthread> lanes;
-  for (int t = 0; t < 32; ++t)
-    lanes.emplace_back([&, t] {
-      HostThread th(block, t);
-      const fl::Lane ln{t / 4, t % 4};
-      fl::keep_bits_by_rows<M, rows_n>(th, by_rows[t], drop.mask, origin, tokens, first_row, first_column, ln);
-      fl::keep_bits_by_columns<M, columns_n>(th, by_columns[t], drop.mask, origin, tokens, first_row, first_column, ln);
-    });
-  lanes.clear();
+  run_block(block, [&](HostThread& th) {
+    const int t = th.thread();
+    const fl::Lane ln{t / 4, t % 4};
+    fl::keep_bits_by_rows<M, rows_n>(th, by_rows[t], drop.mask, origin, tokens, first_row, first_column, ln);
+    fl::keep_bits_by_columns<M, columns_n>(th, by_columns[t], drop.mask, origin, tokens, first_row, first_column, ln);
+  });
   std::int64_t compared = 0, wrong = 0;
   for (int lane = 0; lane < 32; ++lane)
     for (int r = 0; r < M; ++r)
@@ -842,13 +832,9 @@ void check_group_fragments(const GroupFragments& f) {
 TEST_CASE("the warpgroup product helpers give plain products (host emulation of wgmma)") {
   GroupFragments f;
   HostBlock block(0, 0, group_fragment_bytes);
-  std::vector<std::jthread> threads;
-  for (int t = 0; t < fl::threads; ++t)
-    threads.emplace_back([&, t] {
-      HostThread th(block, t);
-      group_fragment_body(th, f.a.data(), f.b.data(), f.s.data(), f.o.data(), f.h.data(), f.o2.data());
-    });
-  threads.clear();
+  run_block(block, [&](HostThread& th) {
+    group_fragment_body(th, f.a.data(), f.b.data(), f.s.data(), f.o.data(), f.h.data(), f.o2.data());
+  });
   check_group_fragments(f);
 }
 

@@ -3,7 +3,7 @@
 //! LOOM_HD template over a `Thread` type that supplies the thread and block indices, the block's
 //! shared memory and barrier, and the lane exchange: on the GPU a thin wrapper of threadIdx,
 //! __syncthreads and __shfl_xor_sync (cuda_kernels::BlockThread, flash::DeviceThread); in the
-//! tests every thread of a block is a host thread (tests/cuda/host_block.hpp), so the indexing,
+//! tests every thread of a block is a fiber on the host (tests/cuda/host_block.hpp), so the indexing,
 //! the barriers and the reductions are checked where there is no GPU.
 
 #include <cstdint>

@@ -70,7 +70,7 @@
 //! indices, the block barrier, the lane exchange, the asynchronous copies, ldmatrix.trans and
 //! the mma: on the GPU it is DeviceThread (threadIdx, __syncthreads, __shfl_xor_sync, cp.async,
 //! ldmatrix, mma.sync); the tests run the same bodies on the host with every thread of a block
-//! as a host thread, the copies done at once, and ldmatrix and the mma computed from the lanes'
+//! as a fiber on the host, the copies done at once, and ldmatrix and the mma computed from the lanes'
 //! addresses and fragments by their PTX layouts, so the tiling, masking, fragment indexing and
 //! barriers are checked where there is no GPU. Tile rows past T are loaded as zeros and masked,
 //! so any T works.
