@@ -130,13 +130,7 @@ run() {
   if want tests; then
     # GPU_CHECK_TESTS: only these test programs (names, space-separated).
     # shellcheck disable=SC2086
-    for p in ${GPU_CHECK_TESTS:-${programs[*]}}; do
-      if [[ -n "$test_args" ]]; then
-        run_one "$p" "./$p" "$test_args"
-      else
-        run_one "$p" "./$p"
-      fi
-    done
+    for p in ${GPU_CHECK_TESTS:-${programs[*]}}; do run_one "$p" "./$p" ${test_args:+"$test_args"}; done
   fi
   local small=(./gpt2_train --device cuda --model small --seq 1024 --steps 8 --log-every 1 --lr 6e-4)
   if want train; then
