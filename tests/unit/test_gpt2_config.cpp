@@ -1,9 +1,12 @@
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "loom/core/parameters.hpp"
+#include "loom/models/bert/config.hpp"
 #include "loom/models/gpt2/config.hpp"
 
 using namespace loom;
@@ -72,4 +75,69 @@ TEST_CASE("GPT-2 parameter specs: names, layers, decay") {
   CHECK_FALSE(layout.find("h.0.attn.qkv.bias").spec.weight_decay);
   CHECK_FALSE(layout.find("h.0.ln_1.weight").spec.weight_decay);
   CHECK(layout.find("h.0.attn.qkv.weight").spec.shape == Shape{3 * 64, 64});
+}
+
+namespace {
+
+//! What a block parameter's spec must say, written out here rather than derived from the code
+//! that makes the specs.
+struct ExpectedBlockSpec {
+  const char* what;
+  Shape shape;
+  bool decay;
+  Partition partition;
+  int groups;
+  Init::Kind init;
+  bool projection;  //!< drawn with the models' residual-projection deviation
+};
+
+//! Block 1's twelve specs in `specs` (in layout order, after `first` specs before the blocks)
+//! against `expected`: names, order, shapes, splits, decay and init.
+void check_block_specs(const std::vector<ParameterSpec>& specs, std::size_t first,
+                       const std::vector<ExpectedBlockSpec>& expected, double std_dev, double projection_std) {
+  REQUIRE(specs.size() > first + 2 * expected.size());
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const ExpectedBlockSpec& e = expected[i];
+    const ParameterSpec& got = specs[first + expected.size() + i];
+    CAPTURE(e.what);
+    CHECK(got.name == std::string("h.1.") + e.what);
+    CHECK(got.layer == gpt2::block_layer(1));
+    CHECK(got.shape == e.shape);
+    CHECK(got.weight_decay == e.decay);
+    CHECK(got.partition == e.partition);
+    CHECK(got.shard.groups == e.groups);
+    CHECK(got.init.kind == e.init);
+    if (e.init == Init::Kind::normal) CHECK(got.init.stddev == (e.projection ? projection_std : std_dev));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2's and BERT's blocks: each parameter's shape, split, decay and init, in each model's order") {
+  using P = Partition;
+  using K = Init::Kind;
+  const std::int64_t C = 64;
+  const ExpectedBlockSpec ln1w{"ln_1.weight", {C}, false, P::replicated, 1, K::ones, false},
+      ln1b{"ln_1.bias", {C}, false, P::replicated, 1, K::zeros, false},
+      qkvw{"attn.qkv.weight", {3 * C, C}, true, P::split_rows, 3, K::normal, false},
+      qkvb{"attn.qkv.bias", {3 * C}, false, P::split_rows, 3, K::zeros, false},
+      projw{"attn.proj.weight", {C, C}, true, P::split_cols, 1, K::normal, true},
+      projb{"attn.proj.bias", {C}, false, P::replicated, 1, K::zeros, false},
+      ln2w{"ln_2.weight", {C}, false, P::replicated, 1, K::ones, false},
+      ln2b{"ln_2.bias", {C}, false, P::replicated, 1, K::zeros, false},
+      fcw{"mlp.fc.weight", {4 * C, C}, true, P::split_rows, 1, K::normal, false},
+      fcb{"mlp.fc.bias", {4 * C}, false, P::split_rows, 1, K::zeros, false},
+      fcprojw{"mlp.proj.weight", {C, 4 * C}, true, P::split_cols, 1, K::normal, true},
+      fcprojb{"mlp.proj.bias", {C}, false, P::replicated, 1, K::zeros, false};
+  // GPT-2: pre-LN order, the two projections drawn with 0.02 / sqrt(2L) (L = 2 in tiny).
+  const gpt2::Config g = gpt2::tiny();
+  REQUIRE(g.channels == C);
+  check_block_specs(gpt2::parameter_specs(g), 2,
+                    {ln1w, ln1b, qkvw, qkvb, projw, projb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb}, 0.02,
+                    0.02 / std::sqrt(4.0));
+  // BERT: post-LN order (each layernorm after its branch), every matrix N(0, 0.02).
+  const bert::Config b = bert::tiny();
+  REQUIRE(b.channels == C);
+  check_block_specs(bert::parameter_specs(b), 4,
+                    {qkvw, qkvb, projw, projb, ln1w, ln1b, fcw, fcb, fcprojw, fcprojb, ln2w, ln2b}, 0.02, 0.02);
 }

@@ -12,6 +12,7 @@
 #include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
+#include "loom/models/detail/transformer_config.hpp"
 
 namespace loom::bert {
 
@@ -82,25 +83,12 @@ struct Config {
 
   //! Throws loom::Error naming the first value that breaks a rule.
   void validate() const {
-    LOOM_CHECK(max_seq_len > 0, "bert config: max_seq_len", max_seq_len, "must be > 0");
-    LOOM_CHECK(vocab_size > 0, "bert config: vocab_size", vocab_size, "must be > 0");
-    LOOM_CHECK(padded_vocab_size >= vocab_size, "bert config: padded_vocab_size", padded_vocab_size,
-               "must be >= vocab_size (" + detail::to_text(vocab_size) + ")");
-    LOOM_CHECK(num_layers > 0, "bert config: num_layers", num_layers, "must be > 0");
-    LOOM_CHECK(num_heads > 0, "bert config: num_heads", num_heads, "must be > 0");
-    LOOM_CHECK(channels > 0 && channels % num_heads == 0, "bert config: channels", channels,
-               "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
-    check_dropout_rate(hidden_dropout, "bert config: hidden_dropout");
-    check_dropout_rate(attention_dropout, "bert config: attention_dropout");
-    LOOM_CHECK(logits_chunk_rows >= 0, "bert config: logits_chunk_rows", logits_chunk_rows,
-               "must be >= 0 (0: the head keeps its probabilities)");
+    detail::transformer::validate_common(*this, "bert");
     LOOM_CHECK(max_predictions_per_seq >= 0, "bert config: max_predictions_per_seq", max_predictions_per_seq,
                "must be >= 0 (0: no cap)");
     LOOM_CHECK(max_predictions_per_seq == 0 || !logits_at_every_position, "bert config: max_predictions_per_seq",
                max_predictions_per_seq, "must be 0 with logits_at_every_position: the head then runs on every row");
     LOOM_CHECK(layernorm_eps > 0, "bert config: layernorm_eps", layernorm_eps, "must be > 0");
-    LOOM_CHECK(gelu == Gelu::tanh || gelu == Gelu::erf, "bert config: gelu", static_cast<int>(gelu),
-               "must be Gelu::tanh or Gelu::erf");
   }
 
   //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):
@@ -108,15 +96,7 @@ struct Config {
   //! rank. Throws loom::Error naming the value and the rule.
   void validate_tensor_parallel(std::int64_t ranks) const {
     validate();
-    const std::string tp = "the tensor-parallel size (" + detail::to_text(ranks) + ")";
-    LOOM_CHECK(ranks >= 1, "bert config: tensor-parallel size", ranks, "must be >= 1");
-    LOOM_CHECK(channels % ranks == 0, "bert config: channels", channels,
-               "must be a multiple of " + tp +
-                   ": the attention and MLP projections (channels and 4·channels wide) are split");
-    LOOM_CHECK(num_heads % ranks == 0, "bert config: num_heads", num_heads,
-               "must be a multiple of " + tp + ": attention is split by whole heads");
-    LOOM_CHECK(padded_vocab_size % ranks == 0, "bert config: padded_vocab_size", padded_vocab_size,
-               "must be a multiple of " + tp + ": each rank holds an equal slice of wte's rows");
+    detail::transformer::validate_tensor_parallel_split(*this, ranks, "bert");
   }
 };
 
@@ -140,14 +120,11 @@ inline Config config_by_name(std::string_view name) {
 
 //! Layer indices: 0 embeds (token and position embeddings, then a layernorm), 1..L are the
 //! encoder blocks, L+1 is the masked-LM head (transform, tied unembedding, cross-entropy).
-constexpr int embedding_layer = 0;
-inline int block_layer(std::int64_t block) { return static_cast<int>(block) + 1; }
-inline int head_layer(const Config& c) { return static_cast<int>(c.num_layers) + 1; }
-
+using detail::transformer::block_layer;
+using detail::transformer::embedding_layer;
+using detail::transformer::head_layer;
 //! Global name of parameter `what` of block `block`, e.g. block_param(3, "attn.qkv.weight").
-inline std::string block_param(std::int64_t block, std::string_view what) {
-  return "h." + std::to_string(block) + "." + std::string(what);
-}
+using detail::transformer::block_param;
 
 //! Every parameter of the model, in layer order. Init follows BERT: N(0, 0.02) for matrices and
 //! embeddings, zero biases, unit layernorm weights.
@@ -162,27 +139,11 @@ inline std::vector<ParameterSpec> parameter_specs(const Config& c) {
   specs.push_back({"wpe", {c.max_seq_len, C}, embedding_layer, true, P::replicated, Init::normal(std_dev)});
   specs.push_back({"ln_e.weight", {C}, embedding_layer, false, P::replicated, Init::ones()});
   specs.push_back({"ln_e.bias", {C}, embedding_layer, false, P::replicated, Init::zeros()});
-  for (std::int64_t l = 0; l < c.num_layers; ++l) {
-    const int layer = block_layer(l);
-    auto add = [&](std::string_view what, Shape shape, bool decay, P part, Init init) {
-      specs.push_back({block_param(l, what), shape, layer, decay, part, init});
-    };
-    // [q; k; v] stacked: three blocks, each split by heads (Shard::groups).
-    add("attn.qkv.weight", {3 * C, C}, true, P::split_rows, Init::normal(std_dev));
-    specs.back().shard.groups = 3;
-    add("attn.qkv.bias", {3 * C}, false, P::split_rows, Init::zeros());
-    specs.back().shard.groups = 3;
-    add("attn.proj.weight", {C, C}, true, P::split_cols, Init::normal(std_dev));
-    add("attn.proj.bias", {C}, false, P::replicated, Init::zeros());
-    add("ln_1.weight", {C}, false, P::replicated, Init::ones());
-    add("ln_1.bias", {C}, false, P::replicated, Init::zeros());
-    add("mlp.fc.weight", {4 * C, C}, true, P::split_rows, Init::normal(std_dev));
-    add("mlp.fc.bias", {4 * C}, false, P::split_rows, Init::zeros());
-    add("mlp.proj.weight", {C, 4 * C}, true, P::split_cols, Init::normal(std_dev));
-    add("mlp.proj.bias", {C}, false, P::replicated, Init::zeros());
-    add("ln_2.weight", {C}, false, P::replicated, Init::ones());
-    add("ln_2.bias", {C}, false, P::replicated, Init::zeros());
-  }
+  for (std::int64_t l = 0; l < c.num_layers; ++l)
+    for (const std::string_view what : {"attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
+                                        "ln_1.weight", "ln_1.bias", "mlp.fc.weight", "mlp.fc.bias",
+                                        "mlp.proj.weight", "mlp.proj.bias", "ln_2.weight", "ln_2.bias"})
+      specs.push_back(detail::transformer::block_parameter_spec(l, what, C, std_dev, std_dev));
   const int head = head_layer(c);
   // The transform is small (C x C) and replicated over tensor-parallel ranks, like the norms.
   specs.push_back({"mlm.dense.weight", {C, C}, head, true, P::replicated, Init::normal(std_dev)});

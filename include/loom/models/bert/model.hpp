@@ -30,6 +30,7 @@
 #include "loom/models/bert/config.hpp"
 #include "loom/models/concepts.hpp"
 #include "loom/models/detail/transformer.hpp"
+#include "loom/models/detail/transformer_slice.hpp"
 #include "loom/nn/tensor_parallel.hpp"
 
 namespace loom::bert {
@@ -42,7 +43,7 @@ using loom::name;
 //! precision as gpt2::Model). The kernels for `B` must be visible (e.g. include
 //! "loom/backend/cpu/kernels.hpp").
 template <Backend B, class T = float>
-class Model {
+class Model : public detail::transformer::Slice<Config> {
  public:
   using loom_model = void;
   using backend_type = B;
@@ -60,53 +61,16 @@ class Model {
   //! for attention dropout on a backend whose attention kernels cannot apply it
   //! (supports_attention_dropout).
   Model(Config config, CommunicatorRef tensor_parallel, Attention attention = Attention::stored)
-      : config_(config),
-        attention_(attention),
-        tensor_parallel_(tensor_parallel),
-        tensor_parallel_size_(tensor_parallel.size()),
-        tensor_parallel_rank_(tensor_parallel.rank()),
-        layout_(parameter_specs(config, tensor_parallel_size_, tensor_parallel_rank_)),
-        heads_(config.num_heads / tensor_parallel_size_),
-        attention_channels_(config.channels / tensor_parallel_size_),
-        mlp_channels_(4 * config.channels / tensor_parallel_size_),
-        vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
-        vocab_begin_(tensor_parallel_rank_ * vocab_rows_),
-        split_(tensor_parallel, config.sequence_parallel, config.channels) {
+      : Slice(config, tensor_parallel, attention, "bert"),
+        lne_weight_(offset("ln_e.weight")),
+        lne_bias_(offset("ln_e.bias")),
+        dense_weight_(offset("mlm.dense.weight")),
+        dense_bias_(offset("mlm.dense.bias")),
+        lnm_weight_(offset("mlm.ln.weight")),
+        lnm_bias_(offset("mlm.ln.bias")),
+        output_bias_(offset("mlm.bias")) {
     detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "bert");
-    const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
-    wte_ = offset("wte");
-    wpe_ = offset("wpe");
-    lne_weight_ = offset("ln_e.weight");
-    lne_bias_ = offset("ln_e.bias");
-    for (std::int64_t l = 0; l < config_.num_layers; ++l) {
-      const auto at = [&](std::string_view what) { return offset(block_param(l, what)); };
-      blocks_.push_back({at("attn.qkv.weight"), at("attn.qkv.bias"), at("attn.proj.weight"), at("attn.proj.bias"),
-                         at("ln_1.weight"), at("ln_1.bias"), at("mlp.fc.weight"), at("mlp.fc.bias"),
-                         at("mlp.proj.weight"), at("mlp.proj.bias"), at("ln_2.weight"), at("ln_2.bias")});
-    }
-    dense_weight_ = offset("mlm.dense.weight");
-    dense_bias_ = offset("mlm.dense.bias");
-    lnm_weight_ = offset("mlm.ln.weight");
-    lnm_bias_ = offset("mlm.ln.bias");
-    output_bias_ = offset("mlm.bias");
   }
-
-  const Config& config() const noexcept { return config_; }
-  //! What the blocks keep for their attention's backward.
-  Attention attention() const noexcept { return attention_; }
-  //! Where every parameter of this rank lives in the flat buffers (local shapes under tensor
-  //! parallelism).
-  const ParameterLayout& layout() const noexcept { return layout_; }
-  std::int64_t tensor_parallel_size() const noexcept { return tensor_parallel_size_; }
-  std::int64_t tensor_parallel_rank() const noexcept { return tensor_parallel_rank_; }
-  //! The rows of the (padded) vocabulary this rank holds: [vocab_begin, vocab_begin + rows).
-  std::int64_t vocab_begin() const noexcept { return vocab_begin_; }
-  std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
-  //! Whether the hidden state between layers is split by rows over the tensor-parallel group
-  //! (Config::sequence_parallel with more than one rank).
-  bool sequence_parallel() const noexcept { return split_.split(); }
-  //! Embedding, L blocks, head.
-  int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
 
   //! Forward FLOPs per token of `layer` at full context on this rank (for pipeline balancing).
   double layer_cost(int layer) const noexcept {
@@ -114,13 +78,7 @@ class Model {
     if (layer == embedding_layer) return C;
     if (layer == head_layer(config_))
       return head_share() * (2.0 * static_cast<double>(vocab_rows_) * C + 2.0 * C * C);
-    return (24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C) /
-           static_cast<double>(tensor_parallel_size_);
-  }
-
-  //! The layout ranges `layer` reads: its own parameters, and for the head also the tied `wte`.
-  std::vector<ElementRange> layer_parameters(int layer) const {
-    return detail::transformer::layer_ranges(layout_, layer, layer == head_layer(config_) ? "wte" : "");
+    return block_cost();
   }
 
   //! Training FLOPs per token of the whole model, 6·N + 12·l·h·s (the attention term counts
@@ -138,10 +96,6 @@ class Model {
   //! default, from Devlin et al.). An expectation, for FLOP counts and pipeline balancing: the
   //! head runs on the rows whose target is >= 0, however many they are.
   double head_share() const noexcept { return config_.logits_at_every_position ? 1.0 : 0.15; }
-
-  //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
-  //! sequence parallelism this rank's B·T/tp rows of it.
-  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return split_.rows(s).local * config_.channels; }
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! N·(C + 2) for the embedding (the sum before its layernorm and the layernorm's statistics);
@@ -232,7 +186,7 @@ class Model {
   void backward_input(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
                       const BackwardArgs<T>& a, Tensor<T> stash) const {
     const MicroBatchShape s = shape_of(a.tokens);
-    check_stash(stash, layer, s, "bert backward_input");
+    check_stash(stash, stash_elements(layer, s), "bert backward_input");
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     // With chunked logits the input pass adds the unembedding's gradients too, from the chunks
     // it computes anyway.
@@ -245,7 +199,7 @@ class Model {
   void backward_weight(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
                        const BackwardArgs<T>& a, Tensor<T> stash) const {
     const MicroBatchShape s = shape_of(a.tokens);
-    check_stash(stash, layer, s, "bert backward_weight");
+    check_stash(stash, stash_elements(layer, s), "bert backward_weight");
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
@@ -257,44 +211,18 @@ class Model {
   }
 
  private:
-  struct BlockOffsets {
-    std::int64_t qkv_w, qkv_b, proj_w, proj_b, ln1_w, ln1_b, fc_w, fc_b, fcproj_w, fcproj_b, ln2_w, ln2_b;
-  };
+  using BlockOffsets = detail::transformer::BlockOffsets;
+  using BlockLinearGrads = detail::transformer::BlockLinearGrads<T>;
 
   //! The type of per-row statistics and losses (float for bf16).
   using A = accumulate_t<T>;
   using Carver = detail::transformer::Carver<T>;
 
-  std::int64_t C() const noexcept { return config_.channels; }
   A eps() const noexcept { return static_cast<A>(config_.layernorm_eps); }
-  //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
-  //! that the all-reduce counts them once.
-  bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
-
-  MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
-    const MicroBatchShape s = detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "bert");
-    split_.check(s, "bert");
-    return s;
-  }
   //! Where a layernorm's weight or bias gradient at `offset` accumulates in this pass: in `g`, or
   //! under sequence parallelism in piece `piece` of `norm_grads` (RowSplit::norm_grad).
   Tensor<T> norm_grad(ParameterView<T> g, std::int64_t offset, Tensor<T> norm_grads, int piece) const {
     return split_.norm_grad(grad(g, offset, {C()}), norm_grads, piece);
-  }
-  static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
-    return detail::transformer::param(params, offset, shape);
-  }
-  static Tensor<T> grad(ParameterView<T> grads, std::int64_t offset, Shape shape) {
-    return detail::transformer::grad(grads, offset, shape);
-  }
-  //! A row-parallel linear layer's bias: on the first rank only.
-  Tensor<const T> row_bias(ParameterView<const T> p, std::int64_t offset) const {
-    return first_rank() ? param(p, offset, {config_.channels}) : Tensor<const T>{};
-  }
-  //! A stash must hold stash_elements(layer, shape) elements; one of 0 may be an empty tensor.
-  void check_stash(Tensor<T> stash, int layer, MicroBatchShape s, const char* kernel) const {
-    const std::int64_t n = stash_elements(layer, s);
-    if (n > 0 || !stash.empty()) check_numel(stash, n, kernel, "stash");
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -338,7 +266,7 @@ class Model {
   double embedding_forward(B& be, ParameterView<const T> p, const ForwardArgs<T>& a, MicroBatchShape s) const {
     // The host can read the tokens only where they are in host memory; a device batch was checked
     // before its copy (check_batch, called by the Trainer).
-    if constexpr (host_addressable<B>) detail::transformer::check_tokens(a.tokens, config_.vocab_size, "bert");
+    if constexpr (host_addressable<B>) check_tokens(a.tokens);
     const EmbeddingSaved e = carve_embedding(a.saved, s);
     // Vocab-parallel: each rank looks up the tokens of its rows, the first adds the positions, and
     // the sum over the group is the embedding (this rank's rows of it under sequence parallelism,
@@ -417,11 +345,6 @@ class Model {
     return block_saved(c, s);
   }
 
-  //! The attention-probability dropout of block `layer` in a pass with `key`.
-  AttentionDropout attention_dropout(const DropoutKey& key, int layer) const {
-    return detail::transformer::attention_dropout(key, layer, config_.attention_dropout, config_.num_heads, heads_,
-                                                  tensor_parallel_rank_);
-  }
   //! The keys a block's queries see: the bidirectional mask, less each sequence's padding.
   template <class Args>
   static AttentionKeys attention_keys(const Args& a) noexcept {
@@ -445,11 +368,7 @@ class Model {
     // Column-parallel qkv (f: the input goes in whole): this rank's heads.
     matmul_forward<T>(be, b.qkv, split_.gather(input, whole), param(p, o.qkv_w, {3 * Ca, C}),
                       param(p, o.qkv_b, {3 * Ca}));
-    if (attention_ == Attention::stored)
-      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
-    else
-      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), attention_keys(a),
-                               drop);
+    block_attention_forward<T>(be, b, attention_keys(a), drop);
     // Row-parallel projection (g: sum the partial sums; the bias rides on the first rank).
     split_.project_add(be, b.r1, whole, b.atty, param(p, o.proj_w, {C, Ca}), row_bias(p, o.proj_b), input,
                        a.dropout, layer, tr::hidden_site, config_.hidden_dropout, s);
@@ -525,17 +444,6 @@ class Model {
   BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
     Carver c{stash.data()};
     return block_stash(c, s);
-  }
-
-  //! The gradients of a block's four linear layers' weights and biases, or all empty (skipped).
-  struct BlockLinearGrads {
-    Tensor<T> fcproj_w, fcproj_b, fc_w, fc_b, proj_w, proj_b, qkv_w, qkv_b;
-  };
-  BlockLinearGrads block_linear_grads(ParameterView<T> g, const BlockOffsets& o) const {
-    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
-    return {grad(g, o.fcproj_w, {C, F}), grad(g, o.fcproj_b, {C}), grad(g, o.fc_w, {F, C}), grad(g, o.fc_b, {F}),
-            grad(g, o.proj_w, {C, Ca}),  grad(g, o.proj_b, {C}),   grad(g, o.qkv_w, {3 * Ca, C}),
-            grad(g, o.qkv_b, {3 * Ca})};
   }
 
   void block_backward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -634,12 +542,7 @@ class Model {
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.r1, d.r1_whole), b.atty,
                        param(p, o.proj_w, {C, Ca}), overwrite);
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
-    if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a),
-                            drop, overwrite);
-    else
-      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                attention_keys(a), drop, overwrite);
+    block_attention_backward<T>(be, d.qkv, d.atty, b, attention_keys(a), drop);
     // The input's attention-branch gradient, summed over the group, lands in d.h (no longer read).
     const Tensor<T> dx_attention = split ? d.partial : d.h;
     matmul_backward<T>(be, dx_attention, w.qkv_w, w.qkv_b, d.qkv, split_.gather(input, d.input_whole),
@@ -731,8 +634,6 @@ class Model {
                    "), the rows the head keeps room for");
     return {M, whole.first(M), Tensor<const std::int32_t>(whole.row_targets.data(), {M})};
   }
-  //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
-  bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
   std::int64_t logits_chunk(MicroBatchShape s) const noexcept {
     return std::min(config_.logits_chunk_rows, head_rows(s));
   }
@@ -885,22 +786,8 @@ class Model {
     }
   }
 
-  Config config_;
-  Attention attention_ = Attention::stored;
-  // Collectives are not const; the model's forward and backward are (they change no member).
-  mutable CommunicatorRef tensor_parallel_;
-  std::int64_t tensor_parallel_size_ = 1, tensor_parallel_rank_ = 0;
-  ParameterLayout layout_;
-  std::int64_t heads_ = 0;               //!< attention heads on this rank
-  std::int64_t attention_channels_ = 0;  //!< channels of this rank's heads (C / tp)
-  std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
-  std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
-  std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
-  //! Whether the rows between layers are split over the group (Config::sequence_parallel).
-  detail::transformer::RowSplit split_;
-  std::int64_t wte_ = 0, wpe_ = 0, lne_weight_ = 0, lne_bias_ = 0;
+  std::int64_t lne_weight_ = 0, lne_bias_ = 0;
   std::int64_t dense_weight_ = 0, dense_bias_ = 0, lnm_weight_ = 0, lnm_bias_ = 0, output_bias_ = 0;
-  std::vector<BlockOffsets> blocks_;
 };
 
 }  // namespace loom::bert

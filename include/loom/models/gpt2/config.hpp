@@ -12,6 +12,7 @@
 #include "loom/core/dropout.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
+#include "loom/models/detail/transformer_config.hpp"
 
 namespace loom::gpt2 {
 
@@ -65,39 +66,15 @@ struct Config {
   }
 
   //! Throws loom::Error naming the first value that breaks a rule.
-  void validate() const {
-    LOOM_CHECK(max_seq_len > 0, "gpt2 config: max_seq_len", max_seq_len, "must be > 0");
-    LOOM_CHECK(vocab_size > 0, "gpt2 config: vocab_size", vocab_size, "must be > 0");
-    LOOM_CHECK(padded_vocab_size >= vocab_size, "gpt2 config: padded_vocab_size",
-               padded_vocab_size, "must be >= vocab_size (" + detail::to_text(vocab_size) + ")");
-    LOOM_CHECK(num_layers > 0, "gpt2 config: num_layers", num_layers, "must be > 0");
-    LOOM_CHECK(num_heads > 0, "gpt2 config: num_heads", num_heads, "must be > 0");
-    LOOM_CHECK(channels > 0 && channels % num_heads == 0, "gpt2 config: channels", channels,
-               "must be a positive multiple of num_heads (" + detail::to_text(num_heads) + ")");
-    check_dropout_rate(hidden_dropout, "gpt2 config: hidden_dropout");
-    check_dropout_rate(attention_dropout, "gpt2 config: attention_dropout");
-    LOOM_CHECK(logits_chunk_rows >= 0, "gpt2 config: logits_chunk_rows", logits_chunk_rows,
-               "must be >= 0 (0: the head keeps its probabilities)");
-    LOOM_CHECK(gelu == Gelu::tanh || gelu == Gelu::erf, "gpt2 config: gelu", static_cast<int>(gelu),
-               "must be Gelu::tanh or Gelu::erf");
-  }
+  void validate() const { detail::transformer::validate_common(*this, "gpt2"); }
 
   //! validate(), then the rules of a tensor-parallel group of `ranks` (docs/tensor_parallel.md):
   //! channels (hence the MLP's 4·channels) split across ranks, whole heads per rank, and whole
   //! rows of the padded vocabulary per rank. Throws loom::Error naming the value and the rule.
   void validate_tensor_parallel(std::int64_t ranks) const {
     validate();
-    const std::string tp = "the tensor-parallel size (" + detail::to_text(ranks) + ")";
-    LOOM_CHECK(ranks >= 1, "gpt2 config: tensor-parallel size", ranks, "must be >= 1");
-    LOOM_CHECK(channels % ranks == 0, "gpt2 config: channels", channels,
-               "must be a multiple of " + tp +
-                   ": the attention and MLP projections (channels and 4·channels wide) are split");
-    LOOM_CHECK(num_heads % ranks == 0, "gpt2 config: num_heads", num_heads,
-               "must be a multiple of " + tp + ": attention is split by whole heads");
-    LOOM_CHECK(padded_vocab_size % ranks == 0, "gpt2 config: padded_vocab_size", padded_vocab_size,
-               "must be a multiple of " + tp +
-                   ": each rank holds an equal slice of wte's rows (round it up with "
-                   "gpt2::pad_vocab(vocab_size, multiple of the tensor-parallel size))");
+    detail::transformer::validate_tensor_parallel_split(
+        *this, ranks, "gpt2", " (round it up with gpt2::pad_vocab(vocab_size, multiple of the tensor-parallel size))");
   }
 };
 
@@ -134,14 +111,11 @@ inline Config config_by_name(std::string_view name) {
 
 //! Layer indices: 0 is the embedding, 1..L the blocks, L+1 the head (final norm, tied
 //! unembedding, cross-entropy).
-constexpr int embedding_layer = 0;
-inline int block_layer(std::int64_t block) { return static_cast<int>(block) + 1; }
-inline int head_layer(const Config& c) { return static_cast<int>(c.num_layers) + 1; }
-
+using detail::transformer::block_layer;
+using detail::transformer::embedding_layer;
+using detail::transformer::head_layer;
 //! Global name of parameter `what` of block `block`, e.g. block_param(3, "attn.qkv.weight").
-inline std::string block_param(std::int64_t block, std::string_view what) {
-  return "h." + std::to_string(block) + "." + std::string(what);
-}
+using detail::transformer::block_param;
 
 //! Every parameter of the model, in layer order. Init follows GPT-2 / llm.c: N(0, 0.02) for
 //! matrices and embeddings, residual projections scaled by 1/sqrt(2L), zero biases, unit norms.
@@ -155,27 +129,11 @@ inline std::vector<ParameterSpec> parameter_specs(const Config& c) {
                    Init::normal(std_dev, c.vocab_size)});
   specs.push_back({"wpe", {c.max_seq_len, C}, embedding_layer, true, P::replicated,
                    Init::normal(std_dev)});
-  for (std::int64_t l = 0; l < c.num_layers; ++l) {
-    const int layer = block_layer(l);
-    auto add = [&](std::string_view what, Shape shape, bool decay, P part, Init init) {
-      specs.push_back({block_param(l, what), shape, layer, decay, part, init});
-    };
-    add("ln_1.weight", {C}, false, P::replicated, Init::ones());
-    add("ln_1.bias", {C}, false, P::replicated, Init::zeros());
-    // [q; k; v] stacked: three blocks, each split by heads (Shard::groups).
-    add("attn.qkv.weight", {3 * C, C}, true, P::split_rows, Init::normal(std_dev));
-    specs.back().shard.groups = 3;
-    add("attn.qkv.bias", {3 * C}, false, P::split_rows, Init::zeros());
-    specs.back().shard.groups = 3;
-    add("attn.proj.weight", {C, C}, true, P::split_cols, Init::normal(proj_std));
-    add("attn.proj.bias", {C}, false, P::replicated, Init::zeros());
-    add("ln_2.weight", {C}, false, P::replicated, Init::ones());
-    add("ln_2.bias", {C}, false, P::replicated, Init::zeros());
-    add("mlp.fc.weight", {4 * C, C}, true, P::split_rows, Init::normal(std_dev));
-    add("mlp.fc.bias", {4 * C}, false, P::split_rows, Init::zeros());
-    add("mlp.proj.weight", {C, 4 * C}, true, P::split_cols, Init::normal(proj_std));
-    add("mlp.proj.bias", {C}, false, P::replicated, Init::zeros());
-  }
+  for (std::int64_t l = 0; l < c.num_layers; ++l)
+    for (const std::string_view what : {"ln_1.weight", "ln_1.bias", "attn.qkv.weight", "attn.qkv.bias",
+                                        "attn.proj.weight", "attn.proj.bias", "ln_2.weight", "ln_2.bias",
+                                        "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight", "mlp.proj.bias"})
+      specs.push_back(detail::transformer::block_parameter_spec(l, what, C, std_dev, proj_std));
   const int head = head_layer(c);
   specs.push_back({"ln_f.weight", {C}, head, false, P::replicated, Init::ones()});
   specs.push_back({"ln_f.bias", {C}, head, false, P::replicated, Init::zeros()});

@@ -30,6 +30,7 @@
 #include "loom/models/attention_storage.hpp"
 #include "loom/models/concepts.hpp"
 #include "loom/models/detail/transformer.hpp"
+#include "loom/models/detail/transformer_slice.hpp"
 #include "loom/models/gpt2/config.hpp"
 #include "loom/nn/tensor_parallel.hpp"
 
@@ -70,7 +71,7 @@ struct DecodeArgs {
 //! per-row statistics and losses in float, `accumulate_t<T>`, kept inside the bf16 ranges).
 //! The kernels for `B` must be visible (e.g. include "loom/backend/cpu/kernels.hpp").
 template <Backend B, class T = float>
-class Model {
+class Model : public detail::transformer::Slice<Config> {
  public:
   using loom_model = void;
   using backend_type = B;
@@ -90,65 +91,19 @@ class Model {
   //! (Config::validate_tensor_parallel), or asks for attention dropout on a backend whose
   //! attention kernels cannot apply it (supports_attention_dropout).
   Model(Config config, CommunicatorRef tensor_parallel, Attention attention = Attention::stored)
-      : config_(config),
-        attention_(attention),
-        tensor_parallel_(tensor_parallel),
-        tensor_parallel_size_(tensor_parallel.size()),
-        tensor_parallel_rank_(tensor_parallel.rank()),
-        layout_(parameter_specs(config, tensor_parallel_size_, tensor_parallel_rank_)),
-        heads_(config.num_heads / tensor_parallel_size_),
-        attention_channels_(config.channels / tensor_parallel_size_),
-        mlp_channels_(4 * config.channels / tensor_parallel_size_),
-        vocab_rows_(config.padded_vocab_size / tensor_parallel_size_),
-        vocab_begin_(tensor_parallel_rank_ * vocab_rows_),
-        split_(tensor_parallel, config.sequence_parallel, config.channels) {
+      : Slice(config, tensor_parallel, attention, "gpt2"),
+        lnf_weight_(offset("ln_f.weight")),
+        lnf_bias_(offset("ln_f.bias")) {
     detail::transformer::check_attention_dropout<B>(config_.attention_dropout, "gpt2");
-    const auto offset = [&](const std::string& name) { return layout_.find(name).offset; };
-    wte_ = offset("wte");
-    wpe_ = offset("wpe");
-    for (std::int64_t l = 0; l < config_.num_layers; ++l) {
-      const auto at = [&](std::string_view what) { return offset(block_param(l, what)); };
-      blocks_.push_back({at("ln_1.weight"), at("ln_1.bias"), at("attn.qkv.weight"),
-                         at("attn.qkv.bias"), at("attn.proj.weight"), at("attn.proj.bias"),
-                         at("ln_2.weight"), at("ln_2.bias"), at("mlp.fc.weight"),
-                         at("mlp.fc.bias"), at("mlp.proj.weight"), at("mlp.proj.bias")});
-    }
-    lnf_weight_ = offset("ln_f.weight");
-    lnf_bias_ = offset("ln_f.bias");
   }
-
-  const Config& config() const noexcept { return config_; }
-  //! What the blocks keep for their attention's backward.
-  Attention attention() const noexcept { return attention_; }
-  //! Where every parameter of this rank lives in the flat buffers (local shapes under tensor
-  //! parallelism; each spec's Shard maps it to the global tensor).
-  const ParameterLayout& layout() const noexcept { return layout_; }
-  //! Ranks the model is split over, and this rank's place among them.
-  std::int64_t tensor_parallel_size() const noexcept { return tensor_parallel_size_; }
-  std::int64_t tensor_parallel_rank() const noexcept { return tensor_parallel_rank_; }
-  //! The rows of the (padded) vocabulary this rank holds: [vocab_begin, vocab_begin + rows).
-  std::int64_t vocab_begin() const noexcept { return vocab_begin_; }
-  std::int64_t vocab_rows() const noexcept { return vocab_rows_; }
-  //! Whether the hidden state between layers is split by rows over the tensor-parallel group
-  //! (Config::sequence_parallel with more than one rank).
-  bool sequence_parallel() const noexcept { return split_.split(); }
-  //! Embedding, L blocks, head.
-  int num_layers() const noexcept { return static_cast<int>(config_.num_layers) + 2; }
 
   //! Forward FLOPs per token of `layer` at full context on this rank (for pipeline
   //! balancing): a tensor-parallel rank does 1/tp of the matmuls and of the attention.
   double layer_cost(int layer) const noexcept {
-    const double C = static_cast<double>(config_.channels);
-    if (layer == embedding_layer) return C;
-    if (layer == head_layer(config_)) return 2.0 * static_cast<double>(vocab_rows_) * C;
-    return (24.0 * C * C + 4.0 * static_cast<double>(config_.max_seq_len) * C) /
-           static_cast<double>(tensor_parallel_size_);
-  }
-
-  //! The layout ranges `layer` reads: its own parameters, and for the head also the tied `wte`
-  //! (owned by the embedding, layer 0).
-  std::vector<ElementRange> layer_parameters(int layer) const {
-    return detail::transformer::layer_ranges(layout_, layer, layer == head_layer(config_) ? "wte" : "");
+    if (layer == embedding_layer) return static_cast<double>(config_.channels);
+    if (layer == head_layer(config_))
+      return 2.0 * static_cast<double>(vocab_rows_) * static_cast<double>(config_.channels);
+    return block_cost();
   }
 
   //! Training FLOPs per token of the whole model, 6·N + 12·l·h·s (DESIGN.md; N the published
@@ -157,10 +112,6 @@ class Model {
     return 6.0 * static_cast<double>(config_.parameter_count()) +
            12.0 * static_cast<double>(config_.num_layers * config_.channels * seq);
   }
-
-  //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
-  //! sequence parallelism this rank's B·T/tp rows of it (rows r·B·T/tp onwards of [B·T, C]).
-  std::int64_t hidden_elements(MicroBatchShape s) const noexcept { return split_.rows(s).local * config_.channels; }
 
   //! Elements of T a layer keeps from forward to backward for one micro-batch, on this rank:
   //! what carve_head / carve_block take (counted by carving no range). For float and double,
@@ -343,7 +294,7 @@ class Model {
   void backward_input(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
                       const BackwardArgs<T>& a, Tensor<T> stash) const {
     const MicroBatchShape s = shape_of(a.tokens);
-    check_stash(stash, layer, s, "gpt2 backward_input");
+    check_stash(stash, stash_elements(layer, s), "gpt2 backward_input");
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     // The head's input pass is its backward without the tied-embedding gradient (dwte), unless
     // it recomputes its logits: then dwte too, from the chunks it computes anyway.
@@ -361,7 +312,7 @@ class Model {
   void backward_weight(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
                        const BackwardArgs<T>& a, Tensor<T> stash) const {
     const MicroBatchShape s = shape_of(a.tokens);
-    check_stash(stash, layer, s, "gpt2 backward_weight");
+    check_stash(stash, stash_elements(layer, s), "gpt2 backward_weight");
     if (layer == embedding_layer) return;
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
@@ -376,36 +327,12 @@ class Model {
   }
 
  private:
-  struct BlockOffsets {
-    std::int64_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fcproj_w,
-        fcproj_b;
-  };
+  using BlockOffsets = detail::transformer::BlockOffsets;
+  using BlockLinearGrads = detail::transformer::BlockLinearGrads<T>;
 
   //! The type of per-row statistics and losses (float for bf16).
   using A = accumulate_t<T>;
-
   using Carver = detail::transformer::Carver<T>;
-
-  std::int64_t C() const noexcept { return config_.channels; }
-
-  //! The rank that adds replicated terms (row-parallel biases, positions) to partial sums, so
-  //! that the sum over the group counts them once.
-  bool first_rank() const noexcept { return tensor_parallel_rank_ == 0; }
-
-  MicroBatchShape shape_of(Tensor<const std::int32_t> tokens) const {
-    const MicroBatchShape s = detail::transformer::micro_batch_shape(tokens, config_.max_seq_len, "gpt2");
-    split_.check(s, "gpt2");
-    return s;
-  }
-  void check_tokens(Tensor<const std::int32_t> tokens) const {
-    detail::transformer::check_tokens(tokens, config_.vocab_size, "gpt2");
-  }
-  static Tensor<const T> param(ParameterView<const T> params, std::int64_t offset, Shape shape) {
-    return detail::transformer::param(params, offset, shape);
-  }
-  static Tensor<T> grad(ParameterView<T> grads, std::int64_t offset, Shape shape) {
-    return detail::transformer::grad(grads, offset, shape);
-  }
 
   //! The activations a block keeps; the layernorm statistics and the attention's log-sum-exp in
   //! the accumulate type. Of `att` (Attention::stored) and `lse` (recompute) one is empty.
@@ -467,11 +394,6 @@ class Model {
     return embedding_workspace(c, s);
   }
 
-  //! The attention-probability dropout of block `layer` in a pass with `key`.
-  AttentionDropout attention_dropout(const DropoutKey& key, int layer) const {
-    return detail::transformer::attention_dropout(key, layer, config_.attention_dropout, config_.num_heads, heads_,
-                                                  tensor_parallel_rank_);
-  }
   //! The keys a block's queries see: the causal mask, less each sequence's padding.
   template <class Args>
   static AttentionKeys attention_keys(const Args& a) noexcept {
@@ -497,10 +419,7 @@ class Model {
     matmul_forward<T>(be, b.qkv, split_.gather(b.ln1, whole), param(p, o.qkv_w, {3 * Ca, C}),
                       param(p, o.qkv_b, {3 * Ca}));
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
-    if (attention_ == Attention::stored)
-      attention_forward<T>(be, b.atty, b.att, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
-    else
-      attention_forward_lse<T>(be, b.atty, b.lse, b.qkv, static_cast<int>(heads_), attention_keys(a), drop);
+    block_attention_forward<T>(be, b, attention_keys(a), drop);
     // Row-parallel projection (g: sum the partial sums over the group), then the residual. The
     // replicated bias rides on the first rank's partial sum, so the sum adds it once at no extra
     // pass. Dropout acts on the whole branch: each rank drops its rows of the one mask.
@@ -545,11 +464,6 @@ class Model {
                            config_.gelu);
     matmul_forward<T>(be, output, Tensor<const T>(fch_gelu), param(p, o.fcproj_w, {C, F}), param(p, o.fcproj_b, {C}),
                       Tensor<const T>(res2));
-  }
-
-  //! A row-parallel linear layer's bias: on the first rank only (see block_forward).
-  Tensor<const T> row_bias(ParameterView<const T> p, std::int64_t offset) const {
-    return first_rank() ? param(p, offset, {config_.channels}) : Tensor<const T>{};
   }
 
   //! A block's backward scratch, carved from its workspace: the gradients w.r.t. res2, the
@@ -620,17 +534,6 @@ class Model {
   BlockStash carve_block_stash(Tensor<T> stash, MicroBatchShape s) const {
     Carver c{stash.data()};
     return block_stash(c, s);
-  }
-
-  //! The gradients of a block's four linear layers' weights and biases, or all empty (skipped).
-  struct BlockLinearGrads {
-    Tensor<T> fcproj_w, fcproj_b, fc_w, fc_b, proj_w, proj_b, qkv_w, qkv_b;
-  };
-  BlockLinearGrads block_linear_grads(ParameterView<T> g, const BlockOffsets& o) const {
-    const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
-    return {grad(g, o.fcproj_w, {C, F}), grad(g, o.fcproj_b, {C}), grad(g, o.fc_w, {F, C}), grad(g, o.fc_b, {F}),
-            grad(g, o.proj_w, {C, Ca}),  grad(g, o.proj_b, {C}),   grad(g, o.qkv_w, {3 * Ca, C}),
-            grad(g, o.qkv_b, {3 * Ca})};
   }
 
   void block_backward(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -728,12 +631,7 @@ class Model {
     matmul_backward<T>(be, d.atty, w.proj_w, w.proj_b, split_.gather(d.res2, d.res2_whole), b.atty,
                        param(p, o.proj_w, {C, Ca}), overwrite);
     const AttentionDropout drop = attention_dropout(a.dropout, layer);
-    if (attention_ == Attention::stored)
-      attention_backward<T>(be, d.qkv, d.atty, b.qkv, b.att, static_cast<int>(heads_), attention_keys(a), drop,
-                            overwrite);
-    else
-      attention_backward_lse<T>(be, d.qkv, d.atty, b.qkv, b.atty, b.lse, static_cast<int>(heads_),
-                                attention_keys(a), drop, overwrite);
+    block_attention_backward<T>(be, d.qkv, d.atty, b, attention_keys(a), drop);
     matmul_backward<T>(be, dln1, w.qkv_w, w.qkv_b, d.qkv, split_.gather(b.ln1, d.ln1_whole),
                        param(p, o.qkv_w, {3 * Ca, C}), overwrite);
     split_.reduce(dln1, d.ln1);
@@ -745,12 +643,6 @@ class Model {
                           drops ? GradientWrite::accumulate : overwrite);
     split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
                                              grad(g, o.ln1_b, {C})});
-  }
-
-  //! A stash must hold stash_elements(layer, shape) elements; one of 0 may be an empty tensor.
-  void check_stash(Tensor<T> stash, int layer, MicroBatchShape s, const char* kernel) const {
-    const std::int64_t n = stash_elements(layer, s);
-    if (n > 0 || !stash.empty()) check_numel(stash, n, kernel, "stash");
   }
 
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
@@ -780,8 +672,6 @@ class Model {
     }
     return h;
   }
-  //! Whether the head computes its logits in chunks of rows and recomputes them in the backward.
-  bool chunked_logits() const noexcept { return config_.logits_chunk_rows > 0; }
   //! Rows of a chunk of the logits for `s`.
   std::int64_t logits_chunk(MicroBatchShape s) const noexcept {
     return std::min(config_.logits_chunk_rows, s.batch * s.seq);
@@ -869,21 +759,7 @@ class Model {
     split_.sum_norm_grads(be, w.norm_grads, {dweight, dbias});
   }
 
-  Config config_;
-  Attention attention_ = Attention::stored;
-  // Collectives are not const; the model's forward and backward are (they change no member).
-  mutable CommunicatorRef tensor_parallel_;
-  std::int64_t tensor_parallel_size_ = 1, tensor_parallel_rank_ = 0;
-  ParameterLayout layout_;
-  std::int64_t heads_ = 0;               //!< attention heads on this rank
-  std::int64_t attention_channels_ = 0;  //!< channels of this rank's heads (C / tp)
-  std::int64_t mlp_channels_ = 0;        //!< this rank's MLP hidden units (4C / tp)
-  std::int64_t vocab_rows_ = 0;          //!< rows of wte on this rank (padded vocabulary / tp)
-  std::int64_t vocab_begin_ = 0;         //!< global id of this rank's first wte row
-  //! Whether the rows between layers are split over the group (Config::sequence_parallel).
-  detail::transformer::RowSplit split_;
-  std::int64_t wte_ = 0, wpe_ = 0, lnf_weight_ = 0, lnf_bias_ = 0;
-  std::vector<BlockOffsets> blocks_;
+  std::int64_t lnf_weight_ = 0, lnf_bias_ = 0;
 };
 
 }  // namespace loom::gpt2
