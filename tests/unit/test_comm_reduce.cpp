@@ -7,12 +7,12 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "loom/comm/detail/reduce.hpp"
 #include "loom/core/bf16.hpp"
+#include "support/gradcheck.hpp"
 
 using namespace loom;
 
@@ -25,17 +25,6 @@ T source_value(int s, std::size_t i) {
   const double v = static_cast<double>((static_cast<int>(i) * 7 + s * 13) % 29 - 14) * 0.37 + 0.001 * s;
   if constexpr (std::is_same_v<T, bf16>) return bf16(static_cast<float>(v));
   else return static_cast<T>(v);
-}
-
-template <class T>
-accumulate_t<T> wide(T v) {
-  if constexpr (std::is_same_v<T, bf16>) return static_cast<float>(v);
-  else return v;
-}
-
-template <class T>
-bool same_bits(T a, T b) {
-  return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
 
 // Lengths: empty, one, odd, and either side of reduce()'s blocks (16 KiB of the accumulate type:
@@ -55,17 +44,15 @@ TEST_CASE_TEMPLATE("reduce_into folds one array into another in place, for every
         inout[i] = source_value<T>(0, i);
         input[i] = source_value<T>(1, i);
       }
-      const T guard = inout[n];
-      detail::reduce_into(dtype_of<T>, op, inout.data(), input.data(), n);
-      std::size_t wrong = 0;
+      // average folds like sum (the division comes later, from divide()); one rounding to T. The
+      // element past the count must not change.
+      std::vector<T> want(inout);
       for (std::size_t i = 0; i < n; ++i) {
-        const A a = wide(source_value<T>(0, i)), b = wide(source_value<T>(1, i));
-        // average folds like sum (the division comes later, from divide()); one rounding to T.
-        const A want = op == ReduceOp::max ? (a < b ? b : a) : a + b;
-        if (!same_bits(inout[i], T(want))) ++wrong;
+        const A a = static_cast<A>(inout[i]), b = static_cast<A>(input[i]);
+        want[i] = T(op == ReduceOp::max ? (a < b ? b : a) : a + b);
       }
-      CHECK(wrong == 0);
-      CHECK(same_bits(inout[n], guard));  // nothing past the count is written
+      detail::reduce_into(dtype_of<T>, op, inout.data(), input.data(), n);
+      CHECK(test::same_bits(inout, want));
     }
 }
 
@@ -87,16 +74,17 @@ TEST_CASE_TEMPLATE("reduce folds the sources in order, rounds once, divides an a
         // Results into source 0 (in place) and into a separate array.
         void* into[2] = {data[0].data(), copy.data()};
         detail::reduce(dtype_of<T>, op, from.data(), sources, into, 2, n, sources);
-        std::size_t wrong = 0;
+        std::vector<T> want(n);
         for (std::size_t i = 0; i < n; ++i) {
-          A want = wide(source_value<T>(0, i));
+          A sum = static_cast<A>(source_value<T>(0, i));
           for (int s = 1; s < sources; ++s) {
-            const A v = wide(source_value<T>(s, i));
-            want = op == ReduceOp::max ? (want < v ? v : want) : want + v;
+            const A v = static_cast<A>(source_value<T>(s, i));
+            sum = op == ReduceOp::max ? (sum < v ? v : sum) : sum + v;
           }
-          if (op == ReduceOp::average) want /= static_cast<A>(sources);
-          if (!same_bits(data[0][i], T(want)) || !same_bits(copy[i], T(want))) ++wrong;
+          if (op == ReduceOp::average) sum /= static_cast<A>(sources);
+          want[i] = T(sum);
         }
-        CHECK(wrong == 0);
+        CHECK(test::same_bits(data[0], want));
+        CHECK(test::same_bits(copy, want));
       }
 }

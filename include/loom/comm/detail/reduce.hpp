@@ -103,17 +103,13 @@ inline void reduce(DType dtype, ReduceOp op, const void* const* sources, int sou
 //! `inout[i] = op(inout[i], input[i])` for `count` elements (`average` folds like `sum`; finish
 //! it with divide()). For pairwise reductions such as a user-defined MPI operation and the MPI
 //! ring's steps; bf16 rounds after each fold here, so prefer reduce() where all sources are at
-//! hand. `inout` and `input` must not overlap. One pass in place: going through reduce()'s
-//! blocked accumulator (three passes) made the MPI ring's reduction step 15–24% slower at
-//! 4–16 MiB (docs/benchmarks.md, "The ring's reduction").
+//! hand. `inout` and `input` must not overlap. One pass in place, not reduce()'s blocked copy
+//! through an accumulator (docs/benchmarks.md, "The ring's reduction").
 inline void reduce_into(DType dtype, ReduceOp op, void* inout, const void* input, std::size_t count) noexcept {
   auto typed = [&]<class T>(T*) {
     auto* __restrict out = static_cast<T*>(inout);
     const auto* __restrict in = static_cast<const T*>(input);
-    if constexpr (std::is_same_v<T, accumulate_t<T>>) {
-      if (op == ReduceOp::max) fold<ReduceOp::max>(out, in, count);
-      else fold<ReduceOp::sum>(out, in, count);
-    } else if (op == ReduceOp::max) {
+    if (op == ReduceOp::max) {
       for (std::size_t i = 0; i < count; ++i) {
         const accumulate_t<T> a = widen(out[i]), b = widen(in[i]);
         out[i] = T(a < b ? b : a);
@@ -122,7 +118,6 @@ inline void reduce_into(DType dtype, ReduceOp op, void* inout, const void* input
       for (std::size_t i = 0; i < count; ++i) out[i] = T(widen(out[i]) + widen(in[i]));
     }
   };
-  if (count == 0) return;
   switch (dtype) {
     case DType::float32: return typed(static_cast<float*>(nullptr));
     case DType::float64: return typed(static_cast<double*>(nullptr));
