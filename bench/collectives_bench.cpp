@@ -10,12 +10,12 @@
 // that the default run takes about a minute), the algorithm bandwidth (bytes / time) and the bus
 // bandwidth (algbw × 2(n−1)/n for all_reduce, (n−1)/n for reduce_scatter and all_gather, 1 for
 // broadcast; "bytes" is the whole buffer: the input of reduce_scatter, the output of
-// all_gather). Beside loom it times, call by call in turn: a single-thread memcpy of the same
-// bytes on rank 0 (its bandwidth is bytes / time) and, with --comm mpi, MPI_Allreduce,
-// MPI_Reduce_scatter_block, MPI_Allgather and MPI_Bcast on a duplicate of MPI_COMM_WORLD, their
-// nonblocking forms followed by MPI_Wait (what loom's MPI communicator posts), and loom's MPI
-// communicator with agreement checking on and off. Every variant's result is checked once per
-// size before it is timed. It ends with the two targets:
+// all_gather). Beside loom it times, in rounds that give each variant --block calls in a row (the
+// first untimed): a single-thread memcpy of the same bytes on rank 0 (its bandwidth is bytes /
+// time) and, with --comm mpi, MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather and
+// MPI_Bcast on a duplicate of MPI_COMM_WORLD, their nonblocking forms followed by MPI_Wait (what
+// loom's MPI communicator posts), and loom's MPI communicator with agreement checking on and off.
+// Every variant's result is checked once per size before it is timed. It ends with the two targets:
 //   threads all_reduce 64 MiB busbw X GB/s = Y% of memcpy (target >= 70%)
 //   mpi all_reduce 64 MiB: loom X µs vs raw MPI Y µs = Z% slower (target <= 5%)
 
@@ -54,6 +54,8 @@ struct Options {
   std::size_t max_bytes = std::size_t{256} << 20;
   int iters = 50;
   int warmup = 5;
+  //! Timed calls of one variant in a row, per round (run_all).
+  int block = 10;
   //! Above this many bytes moved per size, large messages get fewer iterations (at least 5).
   std::size_t budget_bytes = std::size_t{2} << 30;
   std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
@@ -331,11 +333,23 @@ std::vector<Row> run_all(const Options& o, Group& group, Sync&& sync, std::vecto
           sync();
           v.run(op, s, buf);
         }
-      // The variants take turns call by call, so that other processes' bursts hit them evenly.
+      // Rounds of blocks: in each round every variant makes --block calls in a row, the first
+      // untimed. Each call is timed in the state the variant's own calls leave, as OSU's and
+      // nccl-tests' loops time one call repeated, and the rounds spread other processes' bursts
+      // over all the variants. Call by call in turn (--block 1), what one variant left behind
+      // changed the next one's time: on 2 MPI processes MPI_Allreduce ran up to 30% faster
+      // between loom's calls at 256 KiB-1 MiB than in a row of its own (docs/benchmarks.md).
       std::vector<double> samples(variants.size() * static_cast<std::size_t>(iterations));
-      for (int it = 0; it < iterations; ++it)
-        for (std::size_t v = 0; v < variants.size(); ++v)
-          samples[v * iterations + it] = loom::bench::time_on_rank(sync, [&] { variants[v].run(op, s, buf); });
+      const int block = std::min(o.block, iterations);
+      for (int first = 0; first < iterations; first += block)
+        for (std::size_t v = 0; v < variants.size(); ++v) {
+          if (block > 1) {
+            sync();
+            variants[v].run(op, s, buf);
+          }
+          for (int it = first; it < std::min(first + block, iterations); ++it)
+            samples[v * iterations + it] = loom::bench::time_on_rank(sync, [&] { variants[v].run(op, s, buf); });
+        }
       samples = loom::bench::max_over_ranks(group, std::move(samples));
 
       std::vector<Row> size_rows;
@@ -449,7 +463,7 @@ int run_threads(const Options& o) {
                            {"machine", loom::bench::machine_json(o.ranks, load)},
                            {"settings",
                             {{"comm", "threads"}, {"ranks", o.ranks}, {"min_bytes", o.min_bytes},
-                             {"max_bytes", o.max_bytes}, {"iters", o.iters}, {"warmup", o.warmup},
+                             {"max_bytes", o.max_bytes}, {"iters", o.iters}, {"warmup", o.warmup}, {"block", o.block},
                              {"budget_bytes", o.budget_bytes}, {"ops", o.ops},
                              {"check_agreement", comm_options.check_agreement}, {"dtype", "float32"}}},
                            {"targets", targets},
@@ -479,7 +493,7 @@ nlohmann::json raw_mpi_target(const std::vector<Row>& rows, const std::string& v
 }
 
 //! Under mpiexec: loom's MPI communicator with agreement checking on and off, raw MPI on a
-//! duplicate of MPI_COMM_WORLD, and the memcpy reference, call by call in turn.
+//! duplicate of MPI_COMM_WORLD, and the memcpy reference, in rounds of blocks (run_all).
 int run_mpi(const Options& o, int& argc, char**& argv) {
   return loom::mpi::run(
       argc, argv,
@@ -535,8 +549,8 @@ int run_mpi(const Options& o, int& argc, char**& argv) {
                      {"library", std::string(library, static_cast<std::size_t>(length))}}},
             {"settings",
              {{"comm", "mpi"}, {"ranks", n}, {"min_bytes", o.min_bytes}, {"max_bytes", o.max_bytes},
-              {"iters", o.iters}, {"warmup", o.warmup}, {"budget_bytes", o.budget_bytes}, {"ops", o.ops},
-              {"dtype", "float32"}}},
+              {"iters", o.iters}, {"warmup", o.warmup}, {"block", o.block}, {"budget_bytes", o.budget_bytes},
+              {"ops", o.ops}, {"dtype", "float32"}}},
             {"targets", targets},
             {"results", nlohmann::json::array()}};
         for (const Row& r : rows) report["results"].push_back(row_json(r));
@@ -565,6 +579,11 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "Untimed calls per size before the timed ones")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--block", o.block,
+                 "Timed calls of one variant in a row: in each round every variant makes this many calls, "
+                 "after an untimed one; 1 = the variants take turns call by call")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--budget-bytes", o.budget_bytes,
                  "Sizes whose --iters calls would move more than this get fewer calls (at least 5)")
       ->capture_default_str()
