@@ -10,9 +10,9 @@
 // that the default run takes about a minute), the algorithm bandwidth (bytes / time) and the bus
 // bandwidth (algbw × 2(n−1)/n for all_reduce, (n−1)/n for reduce_scatter and all_gather, 1 for
 // broadcast; "bytes" is the whole buffer: the input of reduce_scatter, the output of
-// all_gather). Beside loom it times, in rounds that give each variant --block calls in a row (the
-// first untimed): a single-thread memcpy of the same bytes on rank 0 (its bandwidth is bytes /
-// time) and, with --comm mpi, MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather and
+// all_gather). Beside loom it times, in rounds that give each variant an untimed call and then
+// --block timed ones in a row: a single-thread memcpy of the same bytes on rank 0 (its bandwidth
+// is bytes / time) and, with --comm mpi, MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather and
 // MPI_Bcast on a duplicate of MPI_COMM_WORLD, their nonblocking forms followed by MPI_Wait (what
 // loom's MPI communicator posts), and loom's MPI communicator with agreement checking on and off.
 // Every variant's result is checked once per size before it is timed. It ends with the two targets:
@@ -328,25 +328,23 @@ std::vector<Row> run_all(const Options& o, Group& group, Sync&& sync, std::vecto
       if (op == Op::all_reduce) std::fill_n(buf.a.begin(), s.total, 0.0f);
 
       const int iterations = iterations_for(o, s.bytes()), warmup = warmup_for(o, s.bytes());
+      const auto untimed = [&](Variant& v) {
+        sync();
+        v.run(op, s, buf);
+      };
       for (int w = 0; w < warmup; ++w)
-        for (Variant& v : variants) {
-          sync();
-          v.run(op, s, buf);
-        }
-      // Rounds of blocks: in each round every variant makes --block calls in a row, the first
-      // untimed. Each call is timed in the state the variant's own calls leave, as OSU's and
+        for (Variant& v : variants) untimed(v);
+      // Rounds of blocks: in each round every variant makes an untimed call, then --block timed
+      // ones in a row. Each timed call finds the state the variant's own calls leave, as OSU's and
       // nccl-tests' loops time one call repeated, and the rounds spread other processes' bursts
       // over all the variants. Call by call in turn (--block 1), what one variant left behind
-      // changed the next one's time: on 2 MPI processes MPI_Allreduce ran up to 30% faster
-      // between loom's calls at 256 KiB-1 MiB than in a row of its own (docs/benchmarks.md).
+      // changed the next one's time: on 2 MPI processes MPI_Allreduce ran up to 30% faster in
+      // turn with the others at 256 KiB-1 MiB than in a row of its own (docs/benchmarks.md).
       std::vector<double> samples(variants.size() * static_cast<std::size_t>(iterations));
       const int block = std::min(o.block, iterations);
       for (int first = 0; first < iterations; first += block)
         for (std::size_t v = 0; v < variants.size(); ++v) {
-          if (block > 1) {
-            sync();
-            variants[v].run(op, s, buf);
-          }
+          if (block > 1) untimed(variants[v]);
           for (int it = first; it < std::min(first + block, iterations); ++it)
             samples[v * iterations + it] = loom::bench::time_on_rank(sync, [&] { variants[v].run(op, s, buf); });
         }
@@ -463,8 +461,8 @@ int run_threads(const Options& o) {
                            {"machine", loom::bench::machine_json(o.ranks, load)},
                            {"settings",
                             {{"comm", "threads"}, {"ranks", o.ranks}, {"min_bytes", o.min_bytes},
-                             {"max_bytes", o.max_bytes}, {"iters", o.iters}, {"warmup", o.warmup}, {"block", o.block},
-                             {"budget_bytes", o.budget_bytes}, {"ops", o.ops},
+                             {"max_bytes", o.max_bytes}, {"iters", o.iters}, {"warmup", o.warmup},
+                             {"block", o.block}, {"budget_bytes", o.budget_bytes}, {"ops", o.ops},
                              {"check_agreement", comm_options.check_agreement}, {"dtype", "float32"}}},
                            {"targets", targets},
                            {"results", nlohmann::json::array()}};
