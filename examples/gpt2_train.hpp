@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
+#include "loom/comm/any.hpp"
 #include "loom/comm/ref.hpp"
 #include "loom/comm/self.hpp"
 #include "loom/core/error.hpp"
@@ -916,9 +917,9 @@ int with_optimizer(const Options& o, Fn&& fn) {
 }
 
 //! Builds the dp x tp x pp mesh over `world` and trains on `backend` with the schedule, strategy
-//! and optimizer the options name.
+//! and optimizer the options name (train_on below picks `Group`).
 template <class Backend, class Group>
-int train_on(const Options& o, Backend& backend, Group& world) {
+int train_on_mesh(const Options& o, Backend& backend, Group& world) {
   LOOM_CHECK(world.size() % (o.tp * o.pp) == 0, "--tp x --pp", std::to_string(o.tp) + " x " + std::to_string(o.pp),
              "must divide the number of ranks (" + std::to_string(world.size()) + ")");
   loom::Mesh<Group> mesh(world, {.dp = world.size() / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
@@ -930,6 +931,22 @@ int train_on(const Options& o, Backend& backend, Group& world) {
       });
     });
   });
+}
+
+//! Trains over `world`: through an AnyCommunicator viewing it, so that every communicator type
+//! (one rank, thread ranks, MPI processes, staged through a GPU's memory) shares one
+//! instantiation of the training loop per schedule, strategy, element type and optimizer, where
+//! one per communicator type made gpt2_train.cpp the build's longest translation unit. A
+//! communicator that AnyCommunicator does not hold (point-to-point in issue order: NCCL) trains
+//! as its own type.
+template <class Backend, class Group>
+int train_on(const Options& o, Backend& backend, Group& world) {
+  if constexpr (loom::point_to_point_in_issue_order<Group>) {
+    return train_on_mesh(o, backend, world);
+  } else {
+    loom::AnyCommunicator any = loom::AnyCommunicator::view(world);
+    return train_on_mesh(o, backend, any);
+  }
 }
 
 //! Under MPI the mesh is the world: --dp x --tp x --pp must equal its size, or --dp be left at 1

@@ -1,12 +1,13 @@
 // loom::mpi::Communicator under mpiexec (8 ranks, label "mpi"): collectives of every kind and
 // type, many in flight at once, Environment nesting, split, the conformance suite on every
-// sub-group size, and the ways it fails loudly: ranks that disagree, a rank that arrives too
-// late, a rank that throws. Every rank runs every test case in the same order; a case that
+// sub-group size and through an AnyCommunicator, and the ways it fails loudly: ranks that
+// disagree, a rank that arrives too late, a rank that throws. Every rank runs every test case in the same order; a case that
 // expects an error checks it on every rank and ends with all ranks in step again.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <loom/comm/any.hpp>
 #include <loom/comm/mpi.hpp>
 
 #include <chrono>
@@ -248,6 +249,17 @@ TEST_CASE("mpi: split into every group size; the conformance suite on each") {
 #ifdef LOOM_HAVE_CONFORMANCE
 TEST_CASE("mpi: the conformance suite's large all_reduce on the whole world") {
   conformance::report(conformance::check_large(world()), world().rank());
+}
+#endif
+
+#ifdef LOOM_HAVE_CONFORMANCE
+TEST_CASE("mpi: the conformance suite through an AnyCommunicator viewing the world, and one holding a split") {
+  loom::AnyCommunicator any = loom::AnyCommunicator::view(world());
+  conformance::report(conformance::run_all(any), world().rank());
+  // Held by value: the odd ranks' group, split again by the suite.
+  loom::AnyCommunicator odd_even(world().split(world().rank() % 2, world().rank()));
+  conformance::report(conformance::run_all(odd_even), world().rank());
+  world().barrier();
 }
 #endif
 
