@@ -933,12 +933,11 @@ int train_on_mesh(const Options& o, Backend& backend, Group& world) {
   });
 }
 
-//! Trains over `world`: through an AnyCommunicator viewing it, so that every communicator type
+//! Trains over `world` through an AnyCommunicator viewing it, so that every communicator type
 //! (one rank, thread ranks, MPI processes, staged through a GPU's memory) shares one
-//! instantiation of the training loop per schedule, strategy, element type and optimizer, where
-//! one per communicator type made gpt2_train.cpp the build's longest translation unit. A
-//! communicator that AnyCommunicator does not hold (point-to-point in issue order: NCCL) trains
-//! as its own type.
+//! instantiation of the training loop per schedule, strategy, element type and optimizer (one per
+//! communicator type made these the build's longest compiles). NCCL, which AnyCommunicator does not
+//! hold (point-to-point in issue order), trains as its own type.
 template <class Backend, class Group>
 int train_on(const Options& o, Backend& backend, Group& world) {
   if constexpr (loom::point_to_point_in_issue_order<Group>) {

@@ -1,8 +1,9 @@
 // loom::mpi::Communicator under mpiexec (8 ranks, label "mpi"): collectives of every kind and
 // type, many in flight at once, Environment nesting, split, the conformance suite on every
 // sub-group size and through an AnyCommunicator, and the ways it fails loudly: ranks that
-// disagree, a rank that arrives too late, a rank that throws. Every rank runs every test case in the same order; a case that
-// expects an error checks it on every rank and ends with all ranks in step again.
+// disagree, a rank that arrives too late, a rank that throws. Every rank runs every test case in
+// the same order; a case that expects an error checks it on every rank and ends with all ranks
+// in step again.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -256,7 +257,7 @@ TEST_CASE("mpi: the conformance suite's large all_reduce on the whole world") {
 TEST_CASE("mpi: the conformance suite through an AnyCommunicator viewing the world, and one holding a split") {
   loom::AnyCommunicator any = loom::AnyCommunicator::view(world());
   conformance::report(conformance::run_all(any), world().rank());
-  // Held by value: the odd ranks' group, split again by the suite.
+  // Held by value: this rank's group of even or odd ranks, which the suite splits again.
   loom::AnyCommunicator odd_even(world().split(world().rank() % 2, world().rank()));
   conformance::report(conformance::run_all(odd_even), world().rank());
   world().barrier();

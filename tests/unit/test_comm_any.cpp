@@ -6,9 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 

@@ -3,7 +3,8 @@
 //! communicator at run time (thread ranks, MPI processes, one rank) writes its training code once
 //! over `Mesh<AnyCommunicator>` instead of instantiating it once per communicator type; the
 //! Trainer holds CommunicatorRefs either way, so only the caller's own code was multiplied. The
-//! cost is one indirect call per collective, which moves a whole bucket or activation.
+//! cost is one more indirect call per collective (a virtual one, behind the CommunicatorRef's),
+//! against a collective that moves a whole bucket or activation.
 
 #include <memory>
 #include <span>
