@@ -21,6 +21,8 @@
 #include "support/training.hpp"
 #include "support/weight_runs.hpp"
 
+namespace test_adafactor {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -537,3 +539,5 @@ TEST_CASE("Adafactor on a bf16 model holds 4 bytes of fp32 master weights per pa
         4 * psi + static_cast<std::size_t>(trainer.tensor_state_bytes()));
   CHECK(be.memory().current(MemoryCategory::parameters) == 2 * psi);
 }
+
+}  // namespace test_adafactor

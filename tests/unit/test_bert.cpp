@@ -26,6 +26,8 @@
 #include "support/model_pass.hpp"
 #include "support/parity_check.hpp"
 
+namespace test_bert {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -532,3 +534,5 @@ TEST_CASE_TEMPLATE("BERT learns the synthetic masked-LM task", T, float, bf16) {
   CHECK(last < 3.0);
 #endif
 }
+
+}  // namespace test_bert

@@ -25,6 +25,8 @@
 #include "loom/schedule/one_f_one_b.hpp"
 #include "support/training.hpp"
 
+namespace test_comm_any {
+
 namespace {
 
 //! A Communicator that counts the calls that reach it, over a thread communicator.
@@ -187,3 +189,5 @@ TEST_CASE("any: a Trainer on a Mesh<AnyCommunicator> trains bit for bit as on th
   CHECK(direct[0] > 0);
   CHECK(erased == direct);
 }
+
+}  // namespace test_comm_any

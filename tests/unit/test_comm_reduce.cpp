@@ -14,6 +14,8 @@
 #include "loom/core/bf16.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_comm_reduce {
+
 using namespace loom;
 
 namespace {
@@ -88,3 +90,5 @@ TEST_CASE_TEMPLATE("reduce folds the sources in order, rounds once, divides an a
         CHECK(test::same_bits(copy, want));
       }
 }
+
+}  // namespace test_comm_reduce

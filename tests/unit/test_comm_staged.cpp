@@ -20,6 +20,8 @@
 #include "loom/comm/staged.hpp"
 #include "loom/comm/threads.hpp"
 
+namespace test_comm_staged {
+
 namespace {
 
 //! A cpu backend whose "device" memory holds every byte XOR 0x5A, so that a communicator that
@@ -385,3 +387,5 @@ TEST_CASE("staged: bad input is rejected with every communicator's words, before
     CHECK(copies[i] == 0);
   }
 }
+
+}  // namespace test_comm_staged

@@ -15,6 +15,8 @@
 #include "loom/comm/threads.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_comm_threads {
+
 namespace {
 
 using loom::threads::Communicator;
@@ -355,3 +357,5 @@ TEST_CASE("threads: exchanging with send_async then recv does not deadlock, for 
     return failures;
   });
 }
+
+}  // namespace test_comm_threads

@@ -7,6 +7,8 @@
 #include "loom/comm/threads.hpp"
 #include "loom/loom.hpp"
 
+namespace test_concepts {
+
 using namespace loom;
 
 namespace {
@@ -159,3 +161,5 @@ TEST_CASE("Communicator concept") {
   CHECK_FALSE(loom::Communicator<CoreOnlyCommunicator>);
   CHECK_FALSE(loom::Communicator<int>);
 }
+
+}  // namespace test_concepts

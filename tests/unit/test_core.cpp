@@ -11,6 +11,8 @@
 #include "loom/core/memory.hpp"
 #include "loom/core/tensor.hpp"
 
+namespace test_core {
+
 using namespace loom;
 
 TEST_CASE("Shape: extents, numel, rows and cols, printing") {
@@ -122,3 +124,5 @@ TEST_CASE("cpu backend rejects a negative thread count") {
   CHECK_THROWS_AS(cpu(-1), Error);
   CHECK(cpu(0).threads() >= 1);
 }
+
+}  // namespace test_core

@@ -15,6 +15,8 @@
 #include "support/parity.hpp"
 #include "support/training.hpp"
 
+namespace test_data_parallel {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -152,3 +154,5 @@ TEST_CASE("SingleRank refuses a group of more than one rank") {
   });
   CHECK(errors == 2);
 }
+
+}  // namespace test_data_parallel

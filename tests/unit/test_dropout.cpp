@@ -25,6 +25,8 @@
 #include "support/parity_check.hpp"
 #include "support/training.hpp"
 
+namespace test_dropout {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -395,3 +397,5 @@ TEST_CASE("evaluation does not drop; a run resumed at step n draws the masks of 
   for (int s = 2; s < 4; ++s) resumed.step(make_batch(s, 4, seq, plain.vocab_size));
   CHECK(resumed.gather_parameters() == dropping.gather_parameters());
 }
+
+}  // namespace test_dropout

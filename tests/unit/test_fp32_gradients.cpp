@@ -15,6 +15,8 @@
 #include "support/training.hpp"
 #include "support/weight_runs.hpp"
 
+namespace test_fp32_gradients {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -283,3 +285,5 @@ TEST_CASE("fp32 gradients: 4 more bytes of gradient per parameter on one rank; n
     CHECK(trainer.fp32_gradients() == nullptr);
   }
 }
+
+}  // namespace test_fp32_gradients

@@ -16,6 +16,8 @@
 #include "support/parity.hpp"
 #include "support/training.hpp"
 
+namespace test_gpt2_attention_recompute {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -132,3 +134,5 @@ TEST_CASE("with recompute, DDP, ZeRO-3, TP, DP x TP and a 1F1B pipeline train as
   CHECK(recompute_mesh_failures<GradientAccumulation, DataParallel>({.dp = 2, .tp = 2, .pp = 1}, reference) == none);
   CHECK(recompute_mesh_failures<OneFOneB, DataParallel>({.dp = 1, .tp = 2, .pp = 2}, reference) == none);
 }
+
+}  // namespace test_gpt2_attention_recompute

@@ -20,6 +20,8 @@
 #include "support/gradcheck.hpp"
 #include "support/training.hpp"
 
+namespace test_gpt2_bf16 {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -327,3 +329,5 @@ TEST_CASE("GPT-2 activation ranges: float statistics inside bf16 ranges, counted
   expect_error([&] { low.forward(be, head, ParameterView<const bf16>(params.data()), misaligned); },
                "must be aligned to 4 bytes");
 }
+
+}  // namespace test_gpt2_bf16

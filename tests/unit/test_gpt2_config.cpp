@@ -9,6 +9,8 @@
 #include "loom/models/bert/config.hpp"
 #include "loom/models/gpt2/config.hpp"
 
+namespace test_gpt2_config {
+
 using namespace loom;
 
 TEST_CASE("GPT-2 small has exactly 124,439,808 parameters") {
@@ -141,3 +143,5 @@ TEST_CASE("GPT-2's and BERT's blocks: each parameter's shape, split, decay and i
   check_block_specs(bert::parameter_specs(b), 4,
                     {qkvw, qkvb, projw, projb, ln1w, ln1b, fcw, fcb, fcprojw, fcprojb, ln2w, ln2b}, 0.02, 0.02);
 }
+
+}  // namespace test_gpt2_config

@@ -17,6 +17,8 @@
 #include "support/error_of.hpp"
 #include "support/training.hpp"
 
+namespace test_gpt2_generate {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -392,3 +394,5 @@ TEST_CASE("generation refuses a tensor-parallel slice, an empty prompt and token
   });
   for (const std::string& m : messages) CHECK(contains(m, "generator: tensor-parallel ranks: got 2; must be 1"));
 }
+
+}  // namespace test_gpt2_generate

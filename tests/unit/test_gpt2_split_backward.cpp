@@ -20,6 +20,8 @@
 #include "support/model_pass.hpp"
 #include "support/training.hpp"
 
+namespace test_gpt2_split_backward {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -278,3 +280,5 @@ TEST_CASE("a stash of the wrong size is rejected before any work") {
   expect_error([&] { model.backward_weight(be, gpt2::head_layer(c), p, g, a, flat(head_stash)); },
                "gpt2 backward_weight: argument stash element count");
 }
+
+}  // namespace test_gpt2_split_backward

@@ -22,6 +22,8 @@
 #include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
+namespace test_io_hugging_face {
+
 using namespace loom;
 using loom::test::error_of;
 
@@ -372,3 +374,5 @@ TEST_CASE("tensors loom has no place for are reported, not loaded: BERT's pooler
   CHECK(report.ignored == std::vector<std::string>{"bert.pooler.dense.weight"});
   CHECK(flat == load_whole<BertFamily>(data_dir / "bert", config));
 }
+
+}  // namespace test_io_hugging_face

@@ -22,6 +22,8 @@
 #include "loom/io/llmc_checkpoint.hpp"
 #include "loom/models/gpt2/config.hpp"
 
+namespace test_io_llmc_checkpoint {
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -327,3 +329,5 @@ TEST_CASE("llm.c checkpoint: a failed save leaves the old file intact") {
     CHECK_FALSE(fs::exists(file.str() + ".tmp"));
   }
 }
+
+}  // namespace test_io_llmc_checkpoint

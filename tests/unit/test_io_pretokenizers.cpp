@@ -24,6 +24,8 @@
 #include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
+namespace test_io_pretokenizers {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -297,3 +299,5 @@ TEST_CASE("tokenizer.json: a Split loom does not know, or a Sequence of other st
                  "pre_tokenizer: got a Sequence of [Digits, ByteLevel]; expected ByteLevel, or a Sequence of a Split"));
   CHECK(contains(message("\"Regex\":", "\"String\":"), "pretokenizers[0].pattern: got"));
 }
+
+}  // namespace test_io_pretokenizers

@@ -24,6 +24,8 @@
 #include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
+namespace test_io_safetensors {
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -735,3 +737,5 @@ TEST_CASE("safetensors: entries come in the order of their offsets") {
   CHECK(names == std::vector<std::string>{"b", "a", "c"});
   CHECK(reader.find("c")->begin == 16);
 }
+
+}  // namespace test_io_safetensors

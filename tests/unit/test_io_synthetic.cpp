@@ -12,6 +12,8 @@
 
 #include "loom/io/synthetic.hpp"
 
+namespace test_io_synthetic {
+
 using loom::io::Batch;
 using loom::io::SyntheticMarkov;
 using loom::io::SyntheticMarkovConfig;
@@ -127,3 +129,5 @@ TEST_CASE("synthetic: entropy floor values") {
   CHECK(SyntheticMarkov({.jump_probability = 0.2}).entropy_floor() >
         SyntheticMarkov({.jump_probability = 0.1}).entropy_floor());
 }
+
+}  // namespace test_io_synthetic

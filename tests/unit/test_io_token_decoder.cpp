@@ -15,6 +15,8 @@
 #include "support/llmc_tokenizer.hpp"
 #include "support/temp_path.hpp"
 
+namespace test_io_token_decoder {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -125,3 +127,5 @@ TEST_CASE("Hugging Face vocab.json: a malformed vocabulary is refused by name") 
   CHECK(contains(message("{\"a\": 0"), "vocab.json"));
   CHECK(contains(error_of([&] { (void)io::TokenDecoder::read(file.path / "missing"); }), "tokenizer: cannot open"));
 }
+
+}  // namespace test_io_token_decoder

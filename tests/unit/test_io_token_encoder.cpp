@@ -17,6 +17,8 @@
 #include "support/llmc_tokenizer.hpp"
 #include "support/temp_path.hpp"
 
+namespace test_io_token_encoder {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -203,3 +205,5 @@ TEST_CASE("a vocabulary without a token for some byte is refused by name") {
   for (int i = 0; i < 256; ++i) named.push_back(std::to_string(i).insert(0, 1, 't').append(1, '_'));
   CHECK(contains(error_of([&] { io::TokenEncoder{io::TokenDecoder(named)}; }), "token encoder: byte: got 0"));
 }
+
+}  // namespace test_io_token_encoder

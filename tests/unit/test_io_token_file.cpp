@@ -20,6 +20,8 @@
 #include "loom/io/batch.hpp"
 #include "loom/io/token_file.hpp"
 
+namespace test_io_token_file {
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -358,3 +360,5 @@ TEST_CASE("batch_at: bad requests") {
                        doctest::Contains("in-memory tokens: token at position 5: got 5"),
                        loom::Error);
 }
+
+}  // namespace test_io_token_file

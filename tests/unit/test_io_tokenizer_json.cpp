@@ -21,6 +21,8 @@
 #include "support/error_of.hpp"
 #include "support/temp_path.hpp"
 
+namespace test_io_tokenizer_json {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -452,3 +454,5 @@ TEST_CASE("encoding in parts on several threads gives encode's ids, for every ki
   CHECK(bpe.cut_points(std::string(500, 'a') + "\n b", 2).size() == 2);
   CHECK(bpe.cut_points(std::string(500, 'a') + "\nb", 2) == std::vector<std::size_t>{0, 501, 502});
 }
+
+}  // namespace test_io_tokenizer_json

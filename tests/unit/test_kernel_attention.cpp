@@ -20,6 +20,8 @@
 #include "loom/core/bf16.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_attention {
+
 namespace {
 
 using loom::AttentionMask;
@@ -892,3 +894,5 @@ TEST_CASE("attention lse kernels reject bad shapes") {
   // Nothing is written before the checks pass.
   for (float x : dqkv) CHECK(x == 0.0f);
 }
+
+}  // namespace test_kernel_attention

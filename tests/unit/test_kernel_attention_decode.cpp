@@ -16,6 +16,8 @@
 #include "support/error_of.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_attention_decode {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -152,3 +154,5 @@ TEST_CASE("attention_decode: a bad argument is refused by name") {
   // The last position that fits is fine.
   CHECK(error_of([&] { attention_decode<float>(be, o3, q3, k4, v4, 1, heads); }).empty());
 }
+
+}  // namespace test_kernel_attention_decode

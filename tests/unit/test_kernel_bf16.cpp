@@ -25,6 +25,8 @@
 #include "loom/core/bf16.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_bf16 {
+
 namespace {
 
 using loom::bf16;
@@ -465,3 +467,5 @@ TEST_CASE("bf16: SGD with momentum and fp32 master weights gives the float kerne
     CHECK(params == rounded);
   }
 }
+
+}  // namespace test_kernel_bf16

@@ -11,6 +11,8 @@
 #include "loom/backend/cpu/softmax_cross_entropy.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_cross_entropy {
+
 namespace {
 
 using loom::Tensor;
@@ -284,3 +286,5 @@ TEST_CASE_TEMPLATE("softmax_cross_entropy gives the same bits on 1 and 2 threads
   CHECK(f1.probs == f2.probs);
   CHECK(backward(one, f1.probs, targets, c, T(0.5)) == backward(two, f2.probs, targets, c, T(0.5)));
 }
+
+}  // namespace test_kernel_cross_entropy

@@ -11,6 +11,8 @@
 #include "loom/backend/cpu/embedding.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_embedding {
+
 namespace {
 
 using loom::Tensor;
@@ -224,3 +226,5 @@ TEST_CASE("embedding kernels reject wrong shapes and sequences longer than wpe")
                               Tensor<const std::int32_t>(tokens.data(), {B, 5}));
   }, "must be <= the rows of wpe (4)");
 }
+
+}  // namespace test_kernel_embedding

@@ -15,6 +15,8 @@
 #include "loom/backend/gelu.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_gelu {
+
 namespace {
 
 using loom::Gelu;
@@ -263,3 +265,5 @@ TEST_CASE("gelu kernels reject mismatched element counts") {
                          Tensor<const float>(b.data(), {36}));
   }, "gelu_backward: argument dout");
 }
+
+}  // namespace test_kernel_gelu

@@ -16,6 +16,8 @@
 #include "loom/backend/cpu/layernorm.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_layernorm {
+
 namespace {
 
 using loom::Shape;
@@ -251,6 +253,8 @@ TEST_CASE_TEMPLATE("layernorm_backward accumulates into every gradient", T, floa
   }
 }
 
+namespace {
+
 //! The backward in every form on `T` (float, double or bf16, whose statistics are float): din
 //! from `din0`, optionally a residual and overwrite; returns din, dweight, dbias (both from prior
 //! values 0.25).
@@ -288,6 +292,8 @@ struct ResidualRun {
     return g;
   }
 };
+
+}  // namespace
 
 using loom::test::same_values;
 
@@ -400,3 +406,5 @@ TEST_CASE("layernorm kernels reject wrong shapes") {
   expect_error([&] { layernorm_backward<float>(be, din_v, dw_v, db_v, dout_v, in_v, w_v, mean_v, rstd_v, din_v); },
                "layernorm_backward: argument residual: got din itself; a tensor other than din");
 }
+
+}  // namespace test_kernel_layernorm

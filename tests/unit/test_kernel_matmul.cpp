@@ -18,6 +18,8 @@
 #include "loom/core/accumulate.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_matmul {
+
 namespace {
 
 using loom::Shape;
@@ -415,3 +417,5 @@ TEST_CASE("matmul kernels reject wrong shapes") {
     matmul_backward<float>(be, din_v, dw_v, db_v, dout_v, in_v, Tensor<const float>(big.data(), {OC, C + 1}));
   }, "matmul_backward: argument weight");
 }
+
+}  // namespace test_kernel_matmul

@@ -15,6 +15,8 @@
 #include "loom/backend/cpu/kernels.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_matmul_gelu {
+
 namespace {
 
 using loom::cpu;
@@ -226,3 +228,5 @@ TEST_CASE("matmul_gelu kernels reject wrong shapes, naming the argument") {
       },
       "gelu_matmul_backward: argument dpre shape");
 }
+
+}  // namespace test_kernel_matmul_gelu

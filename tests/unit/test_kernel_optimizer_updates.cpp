@@ -11,6 +11,8 @@
 #include "loom/backend/cpu/optimizer_updates.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_optimizer_updates {
+
 namespace {
 
 using loom::AdamWUpdate;
@@ -179,3 +181,5 @@ TEST_CASE("optimizer updates reject mismatched element counts and step 0") {
   expect_error([&] { sgd_momentum_update<float>(be, p_v, g_v, Tensor<float>(short_.data(), {9}), SgdUpdate{}); },
                "sgd_momentum_update: argument momentum");
 }
+
+}  // namespace test_kernel_optimizer_updates

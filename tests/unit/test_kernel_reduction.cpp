@@ -11,6 +11,8 @@
 #include "loom/backend/cpu/reduction.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_reduction {
+
 namespace {
 
 using loom::Tensor;
@@ -117,3 +119,5 @@ TEST_CASE("the global norm is the square root of the summed ranges") {
   const double whole = loom::kernels::sum_of_squares<float>(be, Tensor<const float>(joined.data(), {71000}));
   CHECK(std::sqrt(parts) == doctest::Approx(std::sqrt(whole)).epsilon(1e-13));
 }
+
+}  // namespace test_kernel_reduction

@@ -11,6 +11,8 @@
 #include "loom/backend/cpu/residual.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_residual {
+
 namespace {
 
 using loom::Tensor;
@@ -128,3 +130,5 @@ TEST_CASE("residual kernels reject mismatched element counts") {
                              Tensor<const float>(z.data(), {30}));
   }, "residual_backward: argument db");
 }
+
+}  // namespace test_kernel_residual

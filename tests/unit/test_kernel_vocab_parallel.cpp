@@ -18,6 +18,8 @@
 #include "loom/core/bf16.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_kernel_vocab_parallel {
+
 namespace {
 
 using loom::Tensor;
@@ -607,3 +609,5 @@ TEST_CASE("cross_entropy_forward_backward and the backward's gradient_scale reje
       },
       "dlogits");
 }
+
+}  // namespace test_kernel_vocab_parallel

@@ -7,6 +7,8 @@
 #include "loom/core/error.hpp"
 #include "loom/optim/lr_schedule.hpp"
 
+namespace test_lr_schedule {
+
 using namespace loom;
 
 TEST_CASE("ConstantLr") {
@@ -147,3 +149,5 @@ TEST_CASE("WarmupDecayLr: bad values are refused by name") {
   bad = {.lr = -1, .decay = LrDecay::linear};
   CHECK(message(bad).find("lr: got -1") != std::string::npos);
 }
+
+}  // namespace test_lr_schedule

@@ -10,6 +10,8 @@
 #include "loom/comm/threads.hpp"
 #include "loom/parallel/mesh.hpp"
 
+namespace test_mesh {
+
 using namespace loom;
 
 TEST_CASE("mesh coordinates: tensor-parallel neighbours adjacent, then data-parallel, then stages") {
@@ -78,3 +80,5 @@ TEST_CASE("a mesh whose product is not the world size is rejected on every rank,
                          Error);
   });
 }
+
+}  // namespace test_mesh

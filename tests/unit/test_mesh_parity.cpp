@@ -14,6 +14,8 @@
 #include "support/parity.hpp"
 #include "support/training.hpp"
 
+namespace test_mesh_parity {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -127,3 +129,5 @@ TEST_CASE("a Trainer on a mesh rejects pipeline stages without a pipeline schedu
   CHECK(pipeline == 2);
   CHECK(tensor == 2);
 }
+
+}  // namespace test_mesh_parity

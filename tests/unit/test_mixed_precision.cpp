@@ -16,6 +16,8 @@
 #include "support/training.hpp"
 #include "support/weight_runs.hpp"
 
+namespace test_mixed_precision {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -186,3 +188,5 @@ TEST_CASE("bf16: a two-stage 1F1B pipeline trains as one bf16 rank") {
   CHECK(runs[1].losses == runs[0].losses);
   CHECK(runs[1].weights == runs[0].weights);
 }
+
+}  // namespace test_mixed_precision

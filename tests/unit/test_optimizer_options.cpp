@@ -9,6 +9,8 @@
 #include "loom/optim/adamw.hpp"
 #include "loom/optim/sgd.hpp"
 
+namespace test_optimizer_options {
+
 using namespace loom;
 
 namespace {
@@ -45,3 +47,5 @@ TEST_CASE("SgdMomentum and Adafactor: the options are checked when they are buil
         "loom: SgdMomentum: momentum: got 0; must be > 0 with nesterov");
   CHECK(message_of([] { Adafactor({.decay_rate = 0.0}); }).starts_with("loom: Adafactor: decay_rate: got 0"));
 }
+
+}  // namespace test_optimizer_options

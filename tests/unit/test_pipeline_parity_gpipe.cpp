@@ -6,6 +6,8 @@
 #include "loom/loom.hpp"
 #include "support/pipeline_parity.hpp"
 
+namespace test_pipeline_parity_gpipe {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -16,3 +18,5 @@ TEST_CASE("GPipe with DDP on every DP x TP x PP mesh up to 8 ranks trains the sa
 TEST_CASE("GPipe with Zero<1> on every DP x TP x PP mesh up to 8 ranks trains the same model as one rank") {
   check_pipeline_meshes(GPipe{}, Zero<1>{.bucket_bytes = 4096});
 }
+
+}  // namespace test_pipeline_parity_gpipe

@@ -9,6 +9,8 @@
 #include "loom/loom.hpp"
 #include "support/pipeline_parity.hpp"
 
+namespace test_pipeline_parity_interleaved {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -19,3 +21,5 @@ TEST_CASE("Interleaved1F1B (v = 2) with DDP on every DP x TP x PP mesh up to 8 r
 TEST_CASE("Interleaved1F1B (v = 2) with Zero<1> on every DP x TP x PP mesh up to 8 ranks trains the same model as one rank") {
   check_pipeline_meshes(Interleaved1F1B{.virtual_stages = 2}, Zero<1>{.bucket_bytes = 4096});
 }
+
+}  // namespace test_pipeline_parity_interleaved

@@ -7,6 +7,8 @@
 #include "loom/loom.hpp"
 #include "support/pipeline_parity.hpp"
 
+namespace test_pipeline_parity_zb {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -17,3 +19,5 @@ TEST_CASE("ZeroBubbleH1 with DDP on every DP x TP x PP mesh up to 8 ranks trains
 TEST_CASE("ZeroBubbleH1 with Zero<1> on every DP x TP x PP mesh up to 8 ranks trains the same model as one rank") {
   check_pipeline_meshes(ZeroBubbleH1{}, Zero<1>{.bucket_bytes = 4096});
 }
+
+}  // namespace test_pipeline_parity_zb

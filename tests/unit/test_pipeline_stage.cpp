@@ -17,6 +17,8 @@
 #include "support/pipeline_parity.hpp"
 #include "support/training.hpp"
 
+namespace test_pipeline_stage {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -424,3 +426,5 @@ TEST_CASE("pipeline configurations a Trainer rejects before the first step, nami
                     m);
   }
 }
+
+}  // namespace test_pipeline_stage

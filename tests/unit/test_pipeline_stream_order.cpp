@@ -22,6 +22,8 @@
 #include "loom/loom.hpp"
 #include "support/pipeline_parity.hpp"
 
+namespace test_pipeline_stream_order {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -324,3 +326,5 @@ TEST_CASE("the model of NCCL's rules finds crossed sends, messages out of order,
   const Groups unmatched{{{message(true, 1, 0)}}, {}};
   CHECK(detail::in_order_deadlock(unmatched) == "rank 0: send a0 for stage 1 to rank 1 is never received");
 }
+
+}  // namespace test_pipeline_stream_order

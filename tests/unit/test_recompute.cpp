@@ -24,6 +24,8 @@
 #include "support/parity_check.hpp"
 #include "support/training.hpp"
 
+namespace test_recompute {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -349,3 +351,5 @@ TEST_CASE("a head with chunked logits trains as one rank on meshes, and with eve
          bert_reference);
   check_same_bits<Gpt, OneFOneB, DataParallel>({.dp = 1, .tp = 2, .pp = 2}, make_gpt, gpt_steps);
 }
+
+}  // namespace test_recompute

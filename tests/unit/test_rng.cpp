@@ -6,6 +6,8 @@
 #include "loom/core/parameters.hpp"
 #include "loom/core/rng.hpp"
 
+namespace test_rng {
+
 using namespace loom;
 
 TEST_CASE("Philox4x32-10 matches the published known-answer vectors (Random123)") {
@@ -77,3 +79,5 @@ TEST_CASE("ParameterLayout rejects duplicate names, out-of-order layers and unkn
   ParameterLayout l({{"a", {2}, 0}});
   CHECK_THROWS_WITH_AS(l.find("zz"), doctest::Contains("zz"), Error);
 }
+
+}  // namespace test_rng

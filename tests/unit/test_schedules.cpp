@@ -21,6 +21,8 @@
 #include "loom/schedule/zero_bubble.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_schedules {
+
 using namespace loom;
 using Kind = Action::Kind;
 
@@ -464,3 +466,5 @@ TEST_CASE("pipeline schedules reject bad shapes, naming the value and the rule")
       },
       "Megatron's rule");
 }
+
+}  // namespace test_schedules

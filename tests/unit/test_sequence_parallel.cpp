@@ -18,6 +18,8 @@
 #include "support/parity_check.hpp"
 #include "support/training.hpp"
 
+namespace test_sequence_parallel {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -215,3 +217,5 @@ TEST_CASE("a micro-batch whose tokens do not split over the group is refused on 
     trainer.step(make_batch(0, 1, 8, config.vocab_size));
   });
 }
+
+}  // namespace test_sequence_parallel

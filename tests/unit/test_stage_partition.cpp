@@ -10,6 +10,8 @@
 #include "loom/loom.hpp"
 #include "loom/parallel/stage_partition.hpp"
 
+namespace test_stage_partition {
+
 using namespace loom;
 
 namespace {
@@ -95,3 +97,5 @@ TEST_CASE("fewer layers than stages, a negative cost, or no stage are rejected n
   const std::vector<double> negative{1, -1};
   CHECK_THROWS_WITH_AS(balance_stages(negative, 1), doctest::Contains("layer cost of layer 1: got -1"), Error);
 }
+
+}  // namespace test_stage_partition

@@ -19,6 +19,8 @@
 #include "support/gradcheck.hpp"
 #include "support/training.hpp"
 
+namespace test_tensor_parallel {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -444,3 +446,5 @@ TEST_CASE("configurations that do not split over the tensor-parallel group are r
         "must be a multiple of the tensor-parallel size (4)");
   }
 }
+
+}  // namespace test_tensor_parallel

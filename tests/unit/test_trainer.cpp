@@ -13,6 +13,8 @@
 #include "loom/loom.hpp"
 #include "support/training.hpp"
 
+namespace test_trainer {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -331,3 +333,5 @@ TEST_CASE("GPT-2 on padded batches: the gradient in double against finite differ
   CHECK(device.bytes_from_host - before == (2 * 4 * 8 + 4) * sizeof(std::int32_t));
   CHECK(relative_difference(on_device.parameters(), on_host.parameters(), on_host.model().layout().total()) == 0.0);
 }
+
+}  // namespace test_trainer

@@ -20,6 +20,8 @@
 #include "support/temp_path.hpp"
 #include "support/training.hpp"
 
+namespace test_training_state {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -527,3 +529,5 @@ TEST_CASE("a load that fails on one rank fails on every rank instead of leaving 
       CHECK_THROWS_WITH(io::load_training_state(trainer, file.str() + ".missing"), doctest::Contains("cannot open"));
   });
 }
+
+}  // namespace test_training_state

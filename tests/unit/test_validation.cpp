@@ -13,6 +13,8 @@
 #include "support/error_of.hpp"
 #include "support/training.hpp"
 
+namespace test_validation {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -167,3 +169,5 @@ TEST_CASE("validation options out of range are refused, naming the value") {
   CHECK(contains(message({.first = 0, .batches = 1, .batch = 0, .seq = seq}), "validation: batch: got 0; must be >= 1"));
   CHECK(contains(message({.first = 0, .batches = 1, .batch = 4, .seq = 0}), "validation: seq: got 0; must be >= 1"));
 }
+
+}  // namespace test_validation

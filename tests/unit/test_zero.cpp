@@ -15,6 +15,8 @@
 #include "support/parity.hpp"
 #include "support/training.hpp"
 
+namespace test_zero {
+
 using namespace loom;
 using namespace loom::test;
 
@@ -201,3 +203,5 @@ TEST_CASE("gather_parameters and load_parameters round-trip under every stage") 
   round_trip(Zero<2>{});
   round_trip(Zero<3>{});
 }
+
+}  // namespace test_zero
