@@ -445,12 +445,78 @@ void for_each_held(const std::vector<WholeRun>& owned, std::vector<WholeRun> hel
   }
 }
 
+//! What saving and loading need of a trainer, its type erased: the collective save and load
+//! below are compiled once per state element type (float, double) instead of once per Trainer
+//! type (a program with every strategy, schedule and optimizer has dozens), at the cost of a
+//! virtual call per array. The members are the Trainer's of the same names.
+template <class V>
+class TrainingStateAccess {
+ public:
+  TrainingStateAccess(std::string optimizer_name, int state_slots)
+      : optimizer_name(std::move(optimizer_name)), state_slots(state_slots) {}
+  virtual ~TrainingStateAccess() = default;
+  TrainingStateAccess(const TrainingStateAccess&) = delete;
+  TrainingStateAccess& operator=(const TrainingStateAccess&) = delete;
+
+  const std::string optimizer_name;  //!< Optimizer::name, or empty
+  const int state_slots;             //!< Optimizer::state_slots
+  int arrays() const noexcept { return 1 + state_slots; }
+
+  //! Whether this rank is at data-parallel, tensor-parallel and pipeline position 0.
+  virtual bool first_rank() const = 0;
+  virtual std::int64_t steps() const = 0;
+  virtual void set_steps(std::int64_t steps) = 0;
+  virtual void sum_over_ranks(std::span<double> values) = 0;
+  virtual const ParameterLayout& whole_layout() const = 0;
+  virtual std::int64_t whole_tensor_state_size() const = 0;
+  virtual std::vector<WholeRun> owned_state_runs() const = 0;
+  virtual std::vector<WholeRun> needed_state_runs(int array) const = 0;
+  virtual std::vector<V> copy_owned_state(int array) = 0;
+  virtual void load_needed_state(int array, std::span<const V> values) = 0;
+  virtual std::vector<WholeRun> owned_tensor_state_runs() const = 0;
+  virtual std::vector<WholeRun> needed_tensor_state_runs() const = 0;
+  virtual std::vector<double> copy_tensor_state() const = 0;
+  virtual void load_tensor_state(std::span<const double> values) = 0;
+};
+
+//! TrainingStateAccess over a Trainer (which must outlive it).
+template <class Trainer>
+class TrainerStateAccess final : public TrainingStateAccess<typename Trainer::state_type> {
+  using V = typename Trainer::state_type;
+  using O = typename Trainer::optimizer_type;
+
+ public:
+  explicit TrainerStateAccess(Trainer& trainer)
+      : TrainingStateAccess<V>(detail::optimizer_name<O>(), O::state_slots), trainer_(trainer) {}
+
+  bool first_rank() const override {
+    return trainer_.data_parallel_rank() == 0 && trainer_.tensor_parallel_rank() == 0 && trainer_.pipeline_rank() == 0;
+  }
+  std::int64_t steps() const override { return trainer_.steps(); }
+  void set_steps(std::int64_t steps) override { trainer_.set_steps(steps); }
+  void sum_over_ranks(std::span<double> values) override { trainer_.sum_over_ranks(values); }
+  const ParameterLayout& whole_layout() const override { return trainer_.whole_layout(); }
+  std::int64_t whole_tensor_state_size() const override { return trainer_.whole_tensor_state_size(); }
+  std::vector<WholeRun> owned_state_runs() const override { return trainer_.owned_state_runs(); }
+  std::vector<WholeRun> needed_state_runs(int array) const override { return trainer_.needed_state_runs(array); }
+  std::vector<V> copy_owned_state(int array) override { return trainer_.copy_owned_state(array); }
+  void load_needed_state(int array, std::span<const V> values) override { trainer_.load_needed_state(array, values); }
+  std::vector<WholeRun> owned_tensor_state_runs() const override { return trainer_.owned_tensor_state_runs(); }
+  std::vector<WholeRun> needed_tensor_state_runs() const override { return trainer_.needed_tensor_state_runs(); }
+  std::vector<double> copy_tensor_state() const override { return trainer_.copy_tensor_state(); }
+  void load_tensor_state(std::span<const double> values) override { trainer_.load_tensor_state(values); }
+
+ private:
+  Trainer& trainer_;
+};
+
 //! One phase of a collective save or load: runs `work` where `mine`, then sums `shared` (zeroed
 //! first; slot 0 counts the ranks that failed) over the trainer's mesh, so that no rank goes on
 //! alone. A rank whose work throws still takes part in the sum, calls `cleanup` and rethrows.
 //! Returns whether another rank failed (after calling `cleanup`).
-template <class Trainer, class Work, class Cleanup>
-bool agreed_phase(Trainer& trainer, std::vector<double>& shared, bool mine, Work&& work, Cleanup&& cleanup) {
+template <class V, class Work, class Cleanup>
+bool agreed_phase(TrainingStateAccess<V>& trainer, std::vector<double>& shared, bool mine, Work&& work,
+                  Cleanup&& cleanup) {
   std::fill(shared.begin(), shared.end(), 0.0);
   if (mine) {
     try {
@@ -470,17 +536,16 @@ bool agreed_phase(Trainer& trainer, std::vector<double>& shared, bool mine, Work
 }
 
 //! The header of `trainer`'s training state, with `meta`.
-template <class Trainer>
-HeaderBytes training_state_header(const Trainer& trainer, std::string_view meta) {
-  using O = typename Trainer::optimizer_type;
+template <class V>
+HeaderBytes training_state_header(const TrainingStateAccess<V>& trainer, std::string_view meta) {
   HeaderBytes h;
   h.put(training_state_magic);
   h.put(training_state_version);
-  h.put(static_cast<std::uint32_t>(sizeof(typename Trainer::state_type)));
+  h.put(static_cast<std::uint32_t>(sizeof(V)));
   h.put(static_cast<std::int64_t>(trainer.steps()));
-  h.put(static_cast<std::int32_t>(O::state_slots));
+  h.put(static_cast<std::int32_t>(trainer.state_slots));
   h.put(std::int32_t{0});
-  h.put_string(optimizer_name<O>());
+  h.put_string(trainer.optimizer_name);
   h.put_string(meta);
   const ParameterLayout& layout = trainer.whole_layout();
   h.put(static_cast<std::uint64_t>(layout.entries().size()));
@@ -504,20 +569,13 @@ inline TrainingStateInfo read_training_state_info(const std::filesystem::path& p
   return detail::read_training_state_header(file, sums);
 }
 
-//! Saves `trainer`'s training state to `path`: collective over the trainer's mesh. The rank at
-//! data-parallel, tensor-parallel and pipeline position 0 creates `path + ".tmp"` at its whole
-//! size; every rank writes the elements it owns (Trainer::owned_state_runs) into it at once and
-//! adds up their checksum terms; the creating rank writes the summed checksums, flushes the file
-//! to the disk and renames it over `path`. So no rank holds more than its own part, and a failure
-//! never leaves a partial file where a good one was. The ranks must see one filesystem. A
-//! failure on any rank throws on every rank (the failing rank's own error there, a pointer to it
-//! elsewhere). `meta` is free text kept in the file (e.g. the model config as JSON).
-template <class Trainer>
-void save_training_state(Trainer& trainer, const std::filesystem::path& path, std::string_view meta = {}) {
-  using V = typename Trainer::state_type;
-  constexpr int arrays = Trainer::state_arrays;
-  const bool creator =
-      trainer.data_parallel_rank() == 0 && trainer.tensor_parallel_rank() == 0 && trainer.pipeline_rank() == 0;
+namespace detail {
+
+//! save_training_state, for one state element type.
+template <class V>
+void save_state(TrainingStateAccess<V>& trainer, const std::filesystem::path& path, std::string_view meta) {
+  const int arrays = trainer.arrays();
+  const bool creator = trainer.first_rank();
   std::filesystem::path tmp = path;
   tmp += ".tmp";
   const detail::HeaderBytes header = detail::training_state_header(trainer, meta);
@@ -541,7 +599,7 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
   };
   phase(creator, [&] {
     detail::PositionalFile file(tmp, detail::PositionalFile::Mode::create, "training state");
-    file.reserve(trailer + detail::trailer_bytes(Trainer::optimizer_type::state_slots));
+    file.reserve(trailer + detail::trailer_bytes(trainer.state_slots));
     file.write_at(0, header.bytes().data(), header_bytes, "header");
     file.close();
   });
@@ -592,23 +650,11 @@ void save_training_state(Trainer& trainer, const std::filesystem::path& path, st
   });
 }
 
-//! Loads the training state at `path` into `trainer`: collective over the trainer's mesh. Every
-//! rank reads the header and then only the elements it holds (Trainer::needed_state_runs), so no
-//! rank holds more than its own part: the parameters, the optimizer state and the steps done, so
-//! that the next step is the one after the saved run's last. The file must be of the same model
-//! (names and whole shapes) and optimizer; mesh, strategy and schedule may differ, and so may the
-//! precision (an fp32 state loads into a double model and back). Every array's checksum is
-//! checked before any rank loads any of it: each rank adds up the terms of the elements it owns,
-//! and the ranks compare the sum with the file's (version 1 files: the rank at position 0 reads
-//! through the arrays ranks read only in part). A failure on any rank throws on every rank.
-//! Returns the file's info.
-template <class Trainer>
-TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::path& path) {
-  using V = typename Trainer::state_type;
-  using O = typename Trainer::optimizer_type;
-  constexpr int arrays = Trainer::state_arrays;
-  const bool first_rank =
-      trainer.data_parallel_rank() == 0 && trainer.tensor_parallel_rank() == 0 && trainer.pipeline_rank() == 0;
+//! load_training_state, for one state element type.
+template <class V>
+TrainingStateInfo load_state(TrainingStateAccess<V>& trainer, const std::filesystem::path& path) {
+  const int arrays = trainer.arrays();
+  const bool first_rank = trainer.first_rank();
   // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
   // failed; slots 1 to 4 carry an array's checksum limbs.
   std::vector<double> shared(1 + detail::limbs);
@@ -620,15 +666,15 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
   TrainingStateInfo info;
   std::vector<std::uint64_t> sums;
   std::uint64_t arrays_begin = 0;
-  std::vector<std::vector<WholeRun>> runs(arrays);
+  std::vector<std::vector<WholeRun>> runs(static_cast<std::size_t>(arrays));
   phase([&] {
     detail::BinaryFile header(path, "rb", "training state");
     info = detail::read_training_state_header(header, sums);
     detail::check_parameters(header.name(), info, trainer.whole_layout());
-    const std::string optimizer = detail::optimizer_name<O>();
-    LOOM_CHECK(info.optimizer == optimizer && info.state_slots == O::state_slots, header.name() + ": optimizer",
+    const std::string& optimizer = trainer.optimizer_name;
+    LOOM_CHECK(info.optimizer == optimizer && info.state_slots == trainer.state_slots, header.name() + ": optimizer",
                info.optimizer + " (" + loom::detail::to_text(info.state_slots) + " state slots)",
-               "the trainer's is " + optimizer + " (" + loom::detail::to_text(O::state_slots) +
+               "the trainer's is " + optimizer + " (" + loom::detail::to_text(trainer.state_slots) +
                    "); an optimizer's state means nothing to another");
     const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * info.scalar_bytes;
     LOOM_CHECK(info.tensor_elements == trainer.whole_tensor_state_size(), header.name() + ": per-tensor state",
@@ -732,6 +778,38 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
   trainer.load_tensor_state(tensor_values);
   trainer.set_steps(info.steps);
   return info;
+}
+
+}  // namespace detail
+
+//! Saves `trainer`'s training state to `path`: collective over the trainer's mesh. The rank at
+//! data-parallel, tensor-parallel and pipeline position 0 creates `path + ".tmp"` at its whole
+//! size; every rank writes the elements it owns (Trainer::owned_state_runs) into it at once and
+//! adds up their checksum terms; the creating rank writes the summed checksums, flushes the file
+//! to the disk and renames it over `path`. So no rank holds more than its own part, and a failure
+//! never leaves a partial file where a good one was. The ranks must see one filesystem. A
+//! failure on any rank throws on every rank (the failing rank's own error there, a pointer to it
+//! elsewhere). `meta` is free text kept in the file (e.g. the model config as JSON).
+template <class Trainer>
+void save_training_state(Trainer& trainer, const std::filesystem::path& path, std::string_view meta = {}) {
+  detail::TrainerStateAccess<Trainer> access(trainer);
+  detail::save_state(access, path, meta);
+}
+
+//! Loads the training state at `path` into `trainer`: collective over the trainer's mesh. Every
+//! rank reads the header and then only the elements it holds (Trainer::needed_state_runs), so no
+//! rank holds more than its own part: the parameters, the optimizer state and the steps done, so
+//! that the next step is the one after the saved run's last. The file must be of the same model
+//! (names and whole shapes) and optimizer; mesh, strategy and schedule may differ, and so may the
+//! precision (an fp32 state loads into a double model and back). Every array's checksum is
+//! checked before any rank loads any of it: each rank adds up the terms of the elements it owns,
+//! and the ranks compare the sum with the file's (version 1 files: the rank at position 0 reads
+//! through the arrays ranks read only in part). A failure on any rank throws on every rank.
+//! Returns the file's info.
+template <class Trainer>
+TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::path& path) {
+  detail::TrainerStateAccess<Trainer> access(trainer);
+  return detail::load_state(access, path);
 }
 
 }  // namespace loom::io
