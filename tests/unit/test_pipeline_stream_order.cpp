@@ -231,14 +231,13 @@ std::string modelled_outcome(const S& schedule, int p, std::int64_t m, int v,
 template <class S>
 std::optional<detail::MessageGrouping> chosen(const S& schedule, int p, std::int64_t m, int v = 1) {
   const ScheduleShape shape{.stages = p, .stage = 0, .micro_batches = m, .virtual_stages = v};
-  return detail::choose_grouping(
-             [&](int s) {
-               ScheduleShape theirs = shape;
-               theirs.stage = s;
-               return schedule.actions(theirs);
-             },
-             shape)
-      .safe;
+  std::vector<std::vector<Action>> actions;
+  for (int s = 0; s < p; ++s) {
+    ScheduleShape theirs = shape;
+    theirs.stage = s;
+    actions.push_back(schedule.actions(theirs));
+  }
+  return detail::choose_grouping(actions, shape).safe;
 }
 
 detail::PlannedMessage message(bool send, int peer, std::int64_t micro_batch) {

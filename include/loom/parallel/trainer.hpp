@@ -714,16 +714,17 @@ class Trainer {
                       " over a communicator that runs point-to-point in issue order (NCCL)",
                   "would deadlock", why + "; use a communicator with tags (threads, MPI, or one staged through host memory)");
     };
-    const detail::GroupingChoice step = detail::choose_grouping(
-        [&](int s) {
-          ScheduleShape theirs = mine;
-          theirs.stage = s;
-          return s == mine.stage ? actions_ : schedule_.actions(theirs);
-        },
-        mine);
+    std::vector<std::vector<Action>> every_stage;
+    for (int s = 0; s < mine.stages; ++s) {
+      ScheduleShape theirs = mine;
+      theirs.stage = s;
+      every_stage.push_back(s == mine.stage ? actions_ : schedule_.actions(theirs));
+    }
+    const detail::GroupingChoice step = detail::choose_grouping(every_stage, mine);
     if (!step.safe && in_order) refuse("schedule", step.why_not);
     plan_ = detail::message_plan(actions_, mine, step.safe.value_or(detail::MessageGrouping::per_action));
-    const detail::GroupingChoice evaluation = detail::choose_grouping([&](int) { return evaluate_actions_; }, mine);
+    const detail::GroupingChoice evaluation = detail::choose_grouping(
+        std::vector<std::vector<Action>>(static_cast<std::size_t>(mine.stages), evaluate_actions_), mine);
     if (!evaluation.safe && in_order) refuse("evaluation", evaluation.why_not);
     evaluate_plan_ =
         detail::message_plan(evaluate_actions_, mine, evaluation.safe.value_or(detail::MessageGrouping::per_action));

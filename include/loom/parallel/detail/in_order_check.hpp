@@ -215,12 +215,9 @@ struct GroupingChoice {
   std::string why_not;
 };
 
-//! `actions_of(stage)` gives the actions of pipeline rank `stage` on `shape` (whose `stage` is
-//! ignored).
-template <class ActionsOf>
-GroupingChoice choose_grouping(ActionsOf&& actions_of, ScheduleShape shape) {
-  std::vector<std::vector<Action>> actions;
-  for (int s = 0; s < shape.stages; ++s) actions.push_back(actions_of(s));
+//! `actions[s]` are the actions of pipeline rank s on `shape` (whose `stage` is ignored). Not a
+//! template over how the caller finds them: every Trainer type shares this one.
+inline GroupingChoice choose_grouping(const std::vector<std::vector<Action>>& actions, ScheduleShape shape) {
   GroupingChoice choice;
   for (const MessageGrouping g : {MessageGrouping::per_action, MessageGrouping::per_unit}) {
     std::vector<std::vector<PlannedGroup>> by_rank;
