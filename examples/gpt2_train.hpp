@@ -934,18 +934,13 @@ int train_on_mesh(const Options& o, Backend& backend, Group& world) {
 }
 
 //! Trains over `world` through an AnyCommunicator viewing it, so that every communicator type
-//! (one rank, thread ranks, MPI processes, staged through a GPU's memory) shares one
+//! (one rank, thread ranks, MPI processes, NCCL, staged through a GPU's memory) shares one
 //! instantiation of the training loop per schedule, strategy, element type and optimizer (one per
-//! communicator type made these the build's longest compiles). NCCL, which AnyCommunicator does not
-//! hold (point-to-point in issue order), trains as its own type.
+//! communicator type made these the build's longest compiles).
 template <class Backend, class Group>
 int train_on(const Options& o, Backend& backend, Group& world) {
-  if constexpr (loom::point_to_point_in_issue_order<Group>) {
-    return train_on_mesh(o, backend, world);
-  } else {
-    loom::AnyCommunicator any = loom::AnyCommunicator::view(world);
-    return train_on_mesh(o, backend, any);
-  }
+  loom::AnyCommunicator any = loom::AnyCommunicator::view(world);
+  return train_on_mesh(o, backend, any);
 }
 
 //! Under MPI the mesh is the world: --dp x --tp x --pp must equal its size, or --dp be left at 1

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/comm/any.hpp"
 #include "loom/comm/threads.hpp"
 #include "loom/loom.hpp"
 #include "support/pipeline_parity.hpp"
@@ -105,37 +106,48 @@ static_assert(Communicator<StreamOrderCommunicator>);
 
 //! parity_steps steps of schedule `S` on `shape` under NCCL's rules: "" when they match one
 //! rank's, else every rank's error or parity failure. A rank waiting longer than `timeout` for a
-//! peer fails (a deadlock).
+//! peer fails (a deadlock). `erased`: the mesh is over an AnyCommunicator holding the
+//! communicator, whose type no longer says that point-to-point runs in issue order.
 template <class S>
-std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milliseconds timeout) {
+std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milliseconds timeout, bool erased = false) {
   using Gpt = gpt2::Model<cpu, float>;
   const Gpt global_model(pipeline_config());
   std::mutex mutex;
   std::string outcome;
+  const auto train = [&](auto& mesh) {
+    cpu be(1);
+    Trainer<Gpt, AdamW, S, DataParallel> trainer(be, mesh, Gpt(pipeline_config(), mesh.tensor_parallel()),
+                                                 AdamW({.weight_decay = 0.1}), parity_lr(), pipeline_options(0.0),
+                                                 DataParallel{.bucket_bytes = 4096}, schedule);
+    const ParityRun run = train_steps(trainer, pipeline_global_batch, pipeline_seq);
+    std::string failure = parity_failures(trainer, run, pipeline_reference(0.0), global_model.layout());
+    // evaluate() sends forward only, micro-batch by micro-batch: the one-rank model with the
+    // trained weights gives the same loss (the weights are whole without tensor parallelism).
+    if (failure.empty() && shape.tp == 1) {
+      const auto batch = make_batch(parity_steps, pipeline_global_batch, pipeline_seq, pipeline_config().vocab_size);
+      const double got = trainer.evaluate(batch);
+      Trainer<Gpt, AdamW> one(be, Gpt(pipeline_config()), AdamW(), parity_lr(),
+                              pipeline_options(0.0, pipeline_global_batch));
+      one.load_parameters(run.weights);
+      const double want = one.evaluate(batch);
+      if (!(std::abs(got - want) <= 1e-5 * std::abs(want)))
+        failure = "evaluate " + std::to_string(got) + ", one rank " + std::to_string(want);
+    }
+    return failure;
+  };
   threads::run(
       shape.size(),
       [&](threads::Communicator& world) {
         std::string failure;
         try {
           StreamOrderCommunicator ordered(world.split(0, world.rank()));
-          Mesh<StreamOrderCommunicator> mesh(ordered, shape);
-          cpu be(1);
-          Trainer<Gpt, AdamW, S, DataParallel> trainer(be, mesh, Gpt(pipeline_config(), mesh.tensor_parallel()),
-                                                       AdamW({.weight_decay = 0.1}), parity_lr(), pipeline_options(0.0),
-                                                       DataParallel{.bucket_bytes = 4096}, schedule);
-          const ParityRun run = train_steps(trainer, pipeline_global_batch, pipeline_seq);
-          failure = parity_failures(trainer, run, pipeline_reference(0.0), global_model.layout());
-          // evaluate() sends forward only, micro-batch by micro-batch: the one-rank model with the
-          // trained weights gives the same loss (the weights are whole without tensor parallelism).
-          if (failure.empty() && shape.tp == 1) {
-            const auto batch = make_batch(parity_steps, pipeline_global_batch, pipeline_seq, pipeline_config().vocab_size);
-            const double got = trainer.evaluate(batch);
-            Trainer<Gpt, AdamW> one(be, Gpt(pipeline_config()), AdamW(), parity_lr(),
-                                    pipeline_options(0.0, pipeline_global_batch));
-            one.load_parameters(run.weights);
-            const double want = one.evaluate(batch);
-            if (!(std::abs(got - want) <= 1e-5 * std::abs(want)))
-              failure = "evaluate " + std::to_string(got) + ", one rank " + std::to_string(want);
+          if (erased) {
+            AnyCommunicator any(std::move(ordered));
+            Mesh<AnyCommunicator> mesh(any, shape);
+            failure = train(mesh);
+          } else {
+            Mesh<StreamOrderCommunicator> mesh(ordered, shape);
+            failure = train(mesh);
           }
         } catch (const std::exception& e) {
           failure = e.what();
@@ -175,6 +187,10 @@ TEST_CASE("under NCCL's ordering rules every pipeline schedule trains as one ran
     trains_as_one_rank(shape, OneFOneB{}, "1F1B");
     trains_as_one_rank(shape, ZeroBubbleH1{}, "ZB-H1");
   }
+  // Held by an AnyCommunicator (as gpt2_train holds NCCL), the communicator trains as one rank.
+  const std::string erased =
+      stream_order_outcome(MeshShape{.dp = 1, .tp = 1, .pp = 2}, OneFOneB{}, stream_order_timeout(), true);
+  CHECK_MESSAGE(erased.empty(), erased);
   for (const MeshShape shape : {MeshShape{.dp = 1, .tp = 1, .pp = 2}, MeshShape{.dp = 2, .tp = 1, .pp = 2},
                                 MeshShape{.dp = 1, .tp = 2, .pp = 2}})
     trains_as_one_rank(shape, Interleaved1F1B{.virtual_stages = 2}, "interleaved v2");
@@ -208,6 +224,13 @@ TEST_CASE("a schedule that no grouping completes under NCCL's ordering rules is 
                              "1's send g15 for stage 0 to rank 0") != std::string::npos,
                 outcome);
   CHECK_MESSAGE(outcome.find("; grouped per unit: ") != std::string::npos, outcome);
+  // The same through an AnyCommunicator, whose type hides the rule: it answers at run time.
+  static_assert(!point_to_point_in_issue_order<AnyCommunicator>);
+  const std::string erased = stream_order_outcome(MeshShape{.dp = 1, .tp = 1, .pp = 2}, ReversedLastBackwards{},
+                                                  std::chrono::seconds(60), true);
+  CHECK_MESSAGE(erased.find("over a communicator that runs point-to-point in issue order (NCCL): got would "
+                            "deadlock") != std::string::npos,
+                erased);
   // With tags the same schedule trains as one rank.
   check_pipeline_mesh(MeshShape{.dp = 1, .tp = 1, .pp = 2}, 0.0, ReversedLastBackwards{}, DataParallel{.bucket_bytes = 4096});
 }

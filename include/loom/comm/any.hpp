@@ -1,6 +1,6 @@
 #pragma once
 //! \file AnyCommunicator: an owning, type-erased Communicator. A program that picks its
-//! communicator at run time (thread ranks, MPI processes, one rank) writes its training code once
+//! communicator at run time (thread ranks, MPI processes, NCCL, one rank) writes its training code once
 //! over `Mesh<AnyCommunicator>` instead of instantiating it once per communicator type; the
 //! Trainer holds CommunicatorRefs either way, so only the caller's own code was multiplied. The
 //! cost is one more indirect call per collective (a virtual one, behind the CommunicatorRef's),
@@ -25,10 +25,10 @@ namespace loom {
 //! Default-constructed, it holds the group of one rank (SelfCommunicator). Movable, not copyable
 //! (communicators are not); a moved-from AnyCommunicator may only be destroyed or assigned to.
 //!
-//! It does not hold a communicator whose point-to-point runs in issue order
-//! (point_to_point_in_issue_order<C>, NCCL's): the pipeline executor reads that property from the
-//! type it binds a CommunicatorRef to, and it would not see it through the erasure. Such a
-//! communicator is passed as its own type.
+//! Whether the held communicator runs point-to-point in issue order (NCCL) is a property of its
+//! type, which the erasure hides from point_to_point_in_issue_order<AnyCommunicator> (false);
+//! point_to_point_in_issue_order() answers it at run time, and a CommunicatorRef bound to an
+//! AnyCommunicator asks that, so the pipeline executor plans for NCCL's rules either way.
 class AnyCommunicator : public CollectiveInterface<AnyCommunicator> {
  public:
   //! Opts in to the loom::Communicator concept.
@@ -61,6 +61,9 @@ class AnyCommunicator : public CollectiveInterface<AnyCommunicator> {
   std::vector<Request> start_group(std::span<const CollectiveCall> calls) { return held_->start_group(calls); }
   //! The held communicator's split(color, key), held (collective over the group).
   AnyCommunicator split(int color, int key) { return held_->split(color, key); }
+  //! Whether the held communicator runs a rank's sends and receives in issue order, untagged
+  //! (point_to_point_runs_in_issue_order: NCCL's).
+  bool point_to_point_in_issue_order() const { return held_->in_issue_order(); }
 
  private:
   struct Interface {
@@ -71,16 +74,12 @@ class AnyCommunicator : public CollectiveInterface<AnyCommunicator> {
     virtual Request start(const CollectiveCall& call) = 0;
     virtual std::vector<Request> start_group(std::span<const CollectiveCall> calls) = 0;
     virtual AnyCommunicator split(int color, int key) = 0;
+    virtual bool in_issue_order() const = 0;
   };
 
   //! Communicator C stored as `Storage`: C itself (owned) or C* (viewed).
   template <class C, class Storage>
   struct Held final : Interface {
-    static_assert(!point_to_point_in_issue_order<C>,
-                  "loom: AnyCommunicator cannot hold a communicator whose point-to-point runs in issue "
-                  "order (point_to_point_in_issue_order<C>, as NCCL's does): the pipeline executor "
-                  "reads that property from the communicator's type. Pass it as its own type.");
-
     explicit Held(Storage s) : stored(std::move(s)) {}
     C& comm() {
       if constexpr (std::is_pointer_v<Storage>) return *stored;
@@ -98,6 +97,7 @@ class AnyCommunicator : public CollectiveInterface<AnyCommunicator> {
       return comm().start_group(calls);
     }
     AnyCommunicator split(int color, int key) override { return AnyCommunicator(comm().split(color, key)); }
+    bool in_issue_order() const override { return point_to_point_runs_in_issue_order(comm()); }
 
     Storage stored;
   };

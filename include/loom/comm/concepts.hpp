@@ -127,6 +127,21 @@ inline constexpr bool point_to_point_in_issue_order = [] {
     return false;
 }();
 
+//! Whether `comm` runs point-to-point in issue order: its member function
+//! `point_to_point_in_issue_order()` where it answers at run time (AnyCommunicator and
+//! CommunicatorRef, which stand for communicators of any type), else
+//! point_to_point_in_issue_order<C>. Code that may be handed a type-erased communicator asks this,
+//! not the trait.
+template <class C>
+bool point_to_point_runs_in_issue_order(const C& comm) {
+  if constexpr (requires {
+                  { comm.point_to_point_in_issue_order() } -> std::convertible_to<bool>;
+                })
+    return comm.point_to_point_in_issue_order();
+  else
+    return point_to_point_in_issue_order<C>;
+}
+
 //! A Communicator is a group of ranks that run collectives together. It has a rank and a size,
 //! a non-template core that runs a CollectiveCall blocking (`run`) or asynchronously (`start`,
 //! returning a loom::Request), typed collectives over spans of float, double and bf16 (the

@@ -29,8 +29,9 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
   int rank() const { return ops_->rank(object_); }
   int size() const { return ops_->size(object_); }
   //! Whether the referenced communicator runs a rank's sends and receives in issue order,
-  //! untagged, each holding up the next (point_to_point_in_issue_order<C>: NCCL).
-  bool point_to_point_in_issue_order() const noexcept { return ops_->in_issue_order; }
+  //! untagged, each holding up the next (point_to_point_runs_in_issue_order: NCCL, or an
+  //! AnyCommunicator holding it).
+  bool point_to_point_in_issue_order() const { return ops_->in_issue_order(object_); }
   //! Runs `call` to completion on the referenced communicator.
   void run(const CollectiveCall& call) { ops_->run(object_, call); }
   //! Starts `call` on the referenced communicator.
@@ -45,7 +46,7 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
     void (*run)(void*, const CollectiveCall&);
     Request (*start)(void*, const CollectiveCall&);
     std::vector<Request> (*start_group)(void*, std::span<const CollectiveCall>);
-    bool in_issue_order;
+    bool (*in_issue_order)(const void*);
   };
   template <class C>
   static constexpr Ops ops_for{
@@ -54,14 +55,14 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
       [](void* c, const CollectiveCall& call) { static_cast<C*>(c)->run(call); },
       [](void* c, const CollectiveCall& call) { return static_cast<C*>(c)->start(call); },
       [](void* c, std::span<const CollectiveCall> calls) { return static_cast<C*>(c)->start_group(calls); },
-      loom::point_to_point_in_issue_order<C>};
+      [](const void* c) { return point_to_point_runs_in_issue_order(*static_cast<const C*>(c)); }};
 
   static constexpr Ops self_ops{
       [](const void*) { return 0; }, [](const void*) { return 1; },
       [](void*, const CollectiveCall& call) { SelfCommunicator{}.run(call); },
       [](void*, const CollectiveCall& call) { return SelfCommunicator{}.start(call); },
       [](void*, std::span<const CollectiveCall> calls) { return SelfCommunicator{}.start_group(calls); },
-      false};
+      [](const void*) { return false; }};
 
   void* object_;
   const Ops* ops_;
