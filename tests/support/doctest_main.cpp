@@ -39,7 +39,8 @@ int main(int argc, char** argv) {
   const int result = context.run();
   if (context.shouldExit() || result != 0) return result;
   if (no_test_case_ran) {
-    std::fprintf(stderr, "loom tests: no test case matched the filters given (%d arguments); a run must test something\n",
+    std::fprintf(stderr,
+                 "loom tests: no test case matched the filters given (%d arguments); a run must test something\n",
                  argc - 1);
     return 1;
   }
