@@ -558,6 +558,253 @@ std::string describe_backend(const Backend& backend) {
            (backend.gemm_epilogues() ? " (GEMM epilogues on)" : "");
 }
 
+//! What the training loop asks of a trainer, erased: run_training compiles once per
+//! communicator group instead of once for each of the 65 (dtype, strategy, schedule,
+//! optimizer) trainers an example builds (the loop inlined into each was 1 of the 5.8 MB of
+//! code gpt2_train.cpp compiled to, and a fifth of its compile time).
+class TrainingRun {
+ public:
+  virtual ~TrainingRun() = default;
+  //! Trainer::step. Collective.
+  virtual loom::StepMetrics step(const loom::io::Batch& batch) = 0;
+  //! Trainer::evaluate, so that validation_loss takes a TrainingRun. Collective.
+  virtual double evaluate(const loom::io::Batch& batch) = 0;
+  //! The whole model's weights in whole_layout() order, fp32 for either dtype (Trainer::
+  //! gather_state(0)). Collective.
+  virtual std::vector<float> whole_weights() = 0;
+  virtual const loom::ParameterLayout& whole_layout() const = 0;
+  //! io::save_training_state. Collective: every rank gathers its part, rank 0 writes.
+  virtual void save_state(const std::string& path, const std::string& meta) = 0;
+  virtual std::int64_t steps() const = 0;
+  virtual const loom::MemoryTracker& memory() const = 0;
+  virtual std::int64_t activation_slots() const = 0;
+  //! Rank 0's ZeRO memory line (print_zero_memory) under a ZeRO strategy; nothing otherwise.
+  virtual void print_zero_memory() const = 0;
+};
+
+//! TrainingRun over `Trainer`, which keeps its T, Strategy and Opt for the ZeRO memory line.
+template <class Trainer, class T, class Strategy, class Opt>
+class TrainingRunOf final : public TrainingRun {
+ public:
+  TrainingRunOf(Trainer& trainer, const Strategy& strategy, bool fp32_gradients)
+      : trainer_(&trainer), strategy_(strategy), fp32_gradients_(fp32_gradients) {}
+  loom::StepMetrics step(const loom::io::Batch& batch) override { return trainer_->step(batch); }
+  double evaluate(const loom::io::Batch& batch) override { return trainer_->evaluate(batch); }
+  std::vector<float> whole_weights() override {
+    const auto whole = trainer_->gather_state(0);
+    return std::vector<float>(whole.begin(), whole.end());
+  }
+  const loom::ParameterLayout& whole_layout() const override { return trainer_->whole_layout(); }
+  void save_state(const std::string& path, const std::string& meta) override {
+    loom::io::save_training_state(*trainer_, path, meta);
+  }
+  std::int64_t steps() const override { return trainer_->steps(); }
+  const loom::MemoryTracker& memory() const override { return trainer_->memory(); }
+  std::int64_t activation_slots() const override { return trainer_->activation_slots(); }
+  void print_zero_memory() const override {
+    if constexpr (requires { trainer_->engine().plan(); })
+      gpt2_example::print_zero_memory<T>(trainer_->engine().plan(), trainer_->memory(), strategy_, Opt::state_slots,
+                                         fp32_gradients_, trainer_->tensor_state_bytes());
+  }
+
+ private:
+  Trainer* trainer_;
+  Strategy strategy_;
+  bool fp32_gradients_;
+};
+
+//! Rank 0's lines on the training data (and the validation data, if any).
+inline void print_data(const Options& o, const Source& data, const std::optional<Source>& val_data,
+                       const loom::ValidationOptions& val_options) {
+  using namespace loom;
+  std::visit([&](const auto& masked_or_not) {
+    if constexpr (requires { masked_or_not.mask_token(); })
+      std::printf("  data: masked-LM batches %s (mask token %lld)\n", detail::to_text(masked_or_not.config()).c_str(),
+                  static_cast<long long>(masked_or_not.mask_token()));
+    const auto& src = tokens_of(masked_or_not);
+    if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>) {
+      // The floor is the next-token task's; a masked position's neighbours on both sides tell more.
+      if constexpr (requires { masked_or_not.mask_token(); })
+        std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f\n", detail::to_text(src.config()).c_str(),
+                    std::log(double(src.vocab_size())));
+      else
+        std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
+                    detail::to_text(src.config()).c_str(), std::log(double(src.vocab_size())), src.entropy_floor());
+    } else
+      std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
+                  static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
+  }, data);
+  if (o.pad_min > 0 && o.pad_min < o.seq)
+    std::printf("  data: each sequence %lld to %lld tokens (drawn), padded with token %d that no query attends to\n",
+                static_cast<long long>(o.pad_min), static_cast<long long>(o.seq), static_cast<int>(o.pad_token));
+  if (val_data) {
+    std::printf("  validation: %s, batches %lld..%lld of %lld x %lld, ", o.val_data.c_str(),
+                static_cast<long long>(val_options.first),
+                static_cast<long long>(val_options.first + val_options.batches - 1),
+                static_cast<long long>(val_options.batch), static_cast<long long>(val_options.seq));
+    if (o.eval_every > 0) std::printf("every %lld steps, ", static_cast<long long>(o.eval_every));
+    std::printf("before the first step and after the last\n");
+  }
+}
+
+//! Where run_training starts, and what it reads from: all of it set up by train.
+struct LoopStart {
+  const family::Config& config;
+  const Source& data;
+  const std::optional<Source>& val_data;
+  const loom::ValidationOptions& val_options;
+  std::int64_t first_step;                 //!< steps done before (--resume), else 0
+  double resume_seconds;                   //!< how long loading --resume took
+  const loom::io::TrainingStateInfo& resumed;  //!< --resume's header, if any
+  int sample_threads;                      //!< CPU threads --sample-tokens generates on
+};
+
+//! The training loop, from step first_step on: logging, --metrics, validation, sampling, and
+//! saving (--save-state, --save, --save-hf). Collective over the mesh.
+template <class Group>
+int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, const LoopStart& start) {
+  using namespace loom;
+  Group& world = mesh.world();
+  const bool lead = world.rank() == 0;
+  const int stages = mesh.shape().pp;
+  const family::Config& config = start.config;
+  const Source& data = start.data;
+  const std::optional<Source>& val_data = start.val_data;
+  const ValidationOptions& val_options = start.val_options;
+  const std::int64_t first_step = start.first_step;
+  const double resume_seconds = start.resume_seconds;
+  const io::TrainingStateInfo& resumed = start.resumed;
+  std::ofstream metrics;
+  if (lead && !o.metrics.empty()) {
+    metrics.open(o.metrics);
+    LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
+  }
+  if (lead && first_step > 0)
+    std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", o.resume.c_str(),
+                static_cast<long long>(first_step), resume_seconds, resumed.meta.c_str());
+  // Collective: every rank gathers its part, rank 0 writes.
+  const auto save_state = [&] {
+    const auto begin = std::chrono::steady_clock::now();
+    run.save_state(o.save_state, state_meta(o, config, world.size()));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (lead)
+      std::printf("saved training state %s after step %lld (%.1f MiB in %.2f s)\n", o.save_state.c_str(),
+                  static_cast<long long>(run.steps()),
+                  static_cast<double>(std::filesystem::file_size(o.save_state)) / (1 << 20), seconds);
+  };
+  double first_loss = 0, last_loss = 0;
+  const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  // Collective: every rank runs the forward passes, rank 0 prints.
+  std::optional<ValidationLoss> first_val, last_val;
+  const auto validate = [&](std::int64_t after_step) {
+    const auto begin = std::chrono::steady_clock::now();
+    const ValidationLoss v =
+        std::visit([&](const auto& src) { return validation_loss(run, src, val_options); }, *val_data);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (!first_val) first_val = v;
+    last_val = v;
+    if (lead) {
+      std::printf("step %5lld | val loss %.4f | perplexity %.2f | %lld targets in %.2f s\n",
+                  static_cast<long long>(after_step), v.loss, v.perplexity(), static_cast<long long>(v.targets),
+                  seconds);
+      std::fflush(stdout);
+    }
+    return v;
+  };
+#if !LOOM_EXAMPLE_BERT
+  // Collective, as --save: every rank gathers the whole tensors; rank 0 generates, on the CPU
+  // with the threads it trained with (thread ranks share the cores, and one rank taking them all
+  // while the others' OpenMP teams still hold theirs runs many times slower).
+  const auto sample = [&](std::int64_t after_step) {
+    const std::vector<float> whole = run.whole_weights();
+    if (lead) print_sample(o, after_step, start.sample_threads, config, whole, data);
+  };
+#endif
+  if (val_data) {
+    const ValidationLoss v = validate(first_step);
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"step", first_step}, {"val_loss", v.loss}}.dump() << '\n';
+      metrics.flush();
+    }
+  }
+  for (std::int64_t s = first_step; s < last_step; ++s) {
+    // The batch of step s does not depend on where the run started: a resumed run sees the
+    // batches the uninterrupted one would have.
+    const io::Batch batch = std::visit([&](const auto& src) { return src.batch_at(s, o.batch, o.seq); }, data);
+    const StepMetrics m = run.step(batch);
+    if (s == first_step) first_loss = m.loss;
+    last_loss = m.loss;
+    const double tflops = m.flops / m.seconds / 1e12;
+    const MemoryTracker& mem = run.memory();
+    if (lead && (s % o.log_every == 0 || s + 1 == last_step)) {
+      std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
+                  static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
+      if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
+      // Rank 0's measured bubble: the share of its step spent waiting for other stages.
+      if (stages > 1) std::printf(" | pipeline wait %.1f%%", 100.0 * m.pipeline_wait_seconds / m.seconds);
+      std::printf(" | mem %.1f MiB (peak %.1f)\n", MemoryTracker::mib(mem.current_total()),
+                  MemoryTracker::mib(mem.peak_total()));
+      std::fflush(stdout);
+    }
+    std::optional<ValidationLoss> val;
+    if (val_data && ((o.eval_every > 0 && m.step % o.eval_every == 0) || s + 1 == last_step)) val = validate(m.step);
+#if !LOOM_EXAMPLE_BERT
+    if (o.sample_tokens > 0 && o.sample_every > 0 && m.step % o.sample_every == 0 && s + 1 < last_step)
+      sample(m.step);
+#endif
+    if (s == first_step && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
+    if (s == first_step && world.size() > 1)
+      print_memory_per_rank(world, mesh.shape(), mem, run.activation_slots());
+    if (s == first_step && lead) run.print_zero_memory();
+    if (metrics.is_open()) {
+      nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
+                          {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
+                          {"seconds", m.seconds}, {"tokens_per_second", m.tokens_per_second},
+                          {"tflops", tflops}, {"memory", memory_json(mem)}};
+      if (o.peak_tflops > 0) j["mfu"] = tflops / o.peak_tflops;
+      if (stages > 1) j["pipeline_wait_seconds"] = m.pipeline_wait_seconds;
+      if (val) j["val_loss"] = val->loss;
+      metrics << j.dump() << '\n';
+      metrics.flush();
+    }
+    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) save_state();
+  }
+  if (lead && first_step == 0 && last_step == o.steps)
+    std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
+  else if (lead)
+    std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
+                static_cast<long long>(first_step + 1), static_cast<long long>(last_step),
+                static_cast<long long>(o.steps));
+  if (lead && first_val)
+    std::printf("val loss %.4f -> %.4f (perplexity %.2f -> %.2f)\n", first_val->loss, last_val->loss,
+                first_val->perplexity(), last_val->perplexity());
+  if (!o.save_state.empty()) save_state();
+#if !LOOM_EXAMPLE_BERT
+  if (!o.save.empty()) {
+    // Collective over the mesh: every rank gathers the whole tensors (its tensor-parallel slices,
+    // its stage's layers, its ZeRO shard), rank 0 writes. In bf16 these are the fp32 master
+    // weights.
+    const std::vector<float> weights = run.whole_weights();
+    if (lead) {
+      io::save_llmc_checkpoint(o.save, config, run.whole_layout(), weights.data());
+      std::printf("saved %s\n", o.save.c_str());
+    }
+  }
+#endif
+#if !LOOM_EXAMPLE_BERT
+  if (o.sample_tokens > 0) sample(run.steps());
+#endif
+  if (!o.save_hf.empty()) {
+    // Collective, as --save: every rank gathers the whole tensors, rank 0 writes.
+    const std::vector<float> weights = run.whole_weights();
+    if (lead) {
+      save_hf(std::filesystem::path(o.save_hf), config, run.whole_layout(), weights.data());
+      std::printf("saved Hugging Face model %s\n", o.save_hf.c_str());
+    }
+  }
+  return 0;
+}
+
 template <class T, class Backend, class Schedule, class Strategy, class Opt, class Group>
 int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optimizer, Strategy strategy,
           Schedule schedule) {
@@ -677,34 +924,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
               describe_schedule(schedule, shape).c_str());
   std::printf("  optimizer %s %s, lr %s\n", Opt::name, detail::to_text(optimizer.options()).c_str(),
               detail::to_text(lr).c_str());
-  std::visit([&](const auto& masked_or_not) {
-    if constexpr (requires { masked_or_not.mask_token(); })
-      std::printf("  data: masked-LM batches %s (mask token %lld)\n", detail::to_text(masked_or_not.config()).c_str(),
-                  static_cast<long long>(masked_or_not.mask_token()));
-    const auto& src = tokens_of(masked_or_not);
-    if constexpr (std::is_same_v<std::decay_t<decltype(src)>, io::SyntheticMarkov>) {
-      // The floor is the next-token task's; a masked position's neighbours on both sides tell more.
-      if constexpr (requires { masked_or_not.mask_token(); })
-        std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f\n", detail::to_text(src.config()).c_str(),
-                    std::log(double(src.vocab_size())));
-      else
-        std::printf("  data: synthetic Markov task %s, ln(vocab) %.3f, entropy floor %.3f nats\n",
-                    detail::to_text(src.config()).c_str(), std::log(double(src.vocab_size())), src.entropy_floor());
-    } else
-      std::printf("  data: %s, %lld tokens, vocab %lld\n", src.name().c_str(),
-                  static_cast<long long>(src.size()), static_cast<long long>(src.vocab_size()));
-  }, data);
-  if (o.pad_min > 0 && o.pad_min < o.seq)
-    std::printf("  data: each sequence %lld to %lld tokens (drawn), padded with token %d that no query attends to\n",
-                static_cast<long long>(o.pad_min), static_cast<long long>(o.seq), static_cast<int>(o.pad_token));
-  if (val_data) {
-    std::printf("  validation: %s, batches %lld..%lld of %lld x %lld, ", o.val_data.c_str(),
-                static_cast<long long>(val_options.first),
-                static_cast<long long>(val_options.first + val_options.batches - 1),
-                static_cast<long long>(val_options.batch), static_cast<long long>(val_options.seq));
-    if (o.eval_every > 0) std::printf("every %lld steps, ", static_cast<long long>(o.eval_every));
-    std::printf("before the first step and after the last\n");
-  }
+  print_data(o, data, val_data, val_options);
   }
   if (stages > 1) {
     if (lead) std::printf("  pipeline: %d layers (embedding, %lld blocks, head) in %d stages x %d chunk(s):\n",
@@ -713,143 +933,13 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     print_pipeline_stages(mesh.pipeline(), trainer.stage(), config, slots, mesh.shape().tp > 1, lead);
   }
   std::fflush(stdout);
-
-  std::ofstream metrics;
-  if (lead && !o.metrics.empty()) {
-    metrics.open(o.metrics);
-    LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
-  }
-  if (lead && first_step > 0)
-    std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", o.resume.c_str(),
-                static_cast<long long>(first_step), resume_seconds, resumed.meta.c_str());
-  // Collective: every rank gathers its part, rank 0 writes.
-  const auto save_state = [&] {
-    const auto begin = std::chrono::steady_clock::now();
-    io::save_training_state(trainer, o.save_state, state_meta(o, config, world.size()));
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-    if (lead)
-      std::printf("saved training state %s after step %lld (%.1f MiB in %.2f s)\n", o.save_state.c_str(),
-                  static_cast<long long>(trainer.steps()),
-                  static_cast<double>(std::filesystem::file_size(o.save_state)) / (1 << 20), seconds);
-  };
-  double first_loss = 0, last_loss = 0;
-  const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
-  // Collective: every rank runs the forward passes, rank 0 prints.
-  std::optional<ValidationLoss> first_val, last_val;
-  const auto validate = [&](std::int64_t after_step) {
-    const auto begin = std::chrono::steady_clock::now();
-    const ValidationLoss v =
-        std::visit([&](const auto& src) { return validation_loss(trainer, src, val_options); }, *val_data);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-    if (!first_val) first_val = v;
-    last_val = v;
-    if (lead) {
-      std::printf("step %5lld | val loss %.4f | perplexity %.2f | %lld targets in %.2f s\n",
-                  static_cast<long long>(after_step), v.loss, v.perplexity(), static_cast<long long>(v.targets),
-                  seconds);
-      std::fflush(stdout);
-    }
-    return v;
-  };
-#if !LOOM_EXAMPLE_BERT
-  // Collective, as --save: every rank gathers the whole tensors; rank 0 generates, on the CPU
-  // with the threads it trained with (thread ranks share the cores, and one rank taking them all
-  // while the others' OpenMP teams still hold theirs runs many times slower).
-  const auto sample = [&](std::int64_t after_step) {
-    const auto whole = trainer.gather_state(0);
-    int threads = o.threads;
-    if constexpr (std::is_same_v<Backend, loom::cpu>) threads = backend.threads();
-    if (lead) print_sample(o, after_step, threads, config, std::vector<float>(whole.begin(), whole.end()), data);
-  };
-#endif
-  if (val_data) {
-    const ValidationLoss v = validate(first_step);
-    if (metrics.is_open()) {
-      metrics << nlohmann::json{{"step", first_step}, {"val_loss", v.loss}}.dump() << '\n';
-      metrics.flush();
-    }
-  }
-  for (std::int64_t s = first_step; s < last_step; ++s) {
-    // The batch of step s does not depend on where the run started: a resumed run sees the
-    // batches the uninterrupted one would have.
-    const io::Batch batch = std::visit([&](const auto& src) { return src.batch_at(s, o.batch, o.seq); }, data);
-    const StepMetrics m = trainer.step(batch);
-    if (s == first_step) first_loss = m.loss;
-    last_loss = m.loss;
-    const double tflops = m.flops / m.seconds / 1e12;
-    const MemoryTracker& mem = trainer.memory();
-    if (lead && (s % o.log_every == 0 || s + 1 == last_step)) {
-      std::printf("step %5lld | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %.3f TFLOP/s",
-                  static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.tokens_per_second, tflops);
-      if (o.peak_tflops > 0) std::printf(" | MFU %.1f%%", 100.0 * tflops / o.peak_tflops);
-      // Rank 0's measured bubble: the share of its step spent waiting for other stages.
-      if (stages > 1) std::printf(" | pipeline wait %.1f%%", 100.0 * m.pipeline_wait_seconds / m.seconds);
-      std::printf(" | mem %.1f MiB (peak %.1f)\n", MemoryTracker::mib(mem.current_total()),
-                  MemoryTracker::mib(mem.peak_total()));
-      std::fflush(stdout);
-    }
-    std::optional<ValidationLoss> val;
-    if (val_data && ((o.eval_every > 0 && m.step % o.eval_every == 0) || s + 1 == last_step)) val = validate(m.step);
-#if !LOOM_EXAMPLE_BERT
-    if (o.sample_tokens > 0 && o.sample_every > 0 && m.step % o.sample_every == 0 && s + 1 < last_step)
-      sample(m.step);
-#endif
-    if (s == first_step && lead) std::cout << "memory by category after step 1 (rank 0):\n" << mem;
-    if (s == first_step && world.size() > 1)
-      print_memory_per_rank(world, mesh.shape(), mem, trainer.activation_slots());
-    if constexpr (requires { trainer.engine().plan(); })
-      if (s == first_step && lead)
-        print_zero_memory<T>(trainer.engine().plan(), mem, strategy, Opt::state_slots, o.fp32_gradients,
-                             trainer.tensor_state_bytes());
-    if (metrics.is_open()) {
-      nlohmann::json j = {{"step", m.step}, {"loss", m.loss}, {"lr", m.lr},
-                          {"grad_norm", m.grad_norm}, {"tokens", m.tokens},
-                          {"seconds", m.seconds}, {"tokens_per_second", m.tokens_per_second},
-                          {"tflops", tflops}, {"memory", memory_json(mem)}};
-      if (o.peak_tflops > 0) j["mfu"] = tflops / o.peak_tflops;
-      if (stages > 1) j["pipeline_wait_seconds"] = m.pipeline_wait_seconds;
-      if (val) j["val_loss"] = val->loss;
-      metrics << j.dump() << '\n';
-      metrics.flush();
-    }
-    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) save_state();
-  }
-  if (lead && first_step == 0 && last_step == o.steps)
-    std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
-  else if (lead)
-    std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
-                static_cast<long long>(first_step + 1), static_cast<long long>(last_step),
-                static_cast<long long>(o.steps));
-  if (lead && first_val)
-    std::printf("val loss %.4f -> %.4f (perplexity %.2f -> %.2f)\n", first_val->loss, last_val->loss,
-                first_val->perplexity(), last_val->perplexity());
-  if (!o.save_state.empty()) save_state();
-#if !LOOM_EXAMPLE_BERT
-  if (!o.save.empty()) {
-    // Collective over the mesh: every rank gathers the whole tensors (its tensor-parallel slices,
-    // its stage's layers, its ZeRO shard), rank 0 writes. In bf16 these are the fp32 master
-    // weights.
-    const auto whole = trainer.gather_state(0);
-    const std::vector<float> weights(whole.begin(), whole.end());
-    if (lead) {
-      io::save_llmc_checkpoint(o.save, config, trainer.whole_layout(), weights.data());
-      std::printf("saved %s\n", o.save.c_str());
-    }
-  }
-#endif
-#if !LOOM_EXAMPLE_BERT
-  if (o.sample_tokens > 0) sample(trainer.steps());
-#endif
-  if (!o.save_hf.empty()) {
-    // Collective, as --save: every rank gathers the whole tensors, rank 0 writes.
-    const auto whole = trainer.gather_state(0);
-    const std::vector<float> weights(whole.begin(), whole.end());
-    if (lead) {
-      save_hf(std::filesystem::path(o.save_hf), config, trainer.whole_layout(), weights.data());
-      std::printf("saved Hugging Face model %s\n", o.save_hf.c_str());
-    }
-  }
-  return 0;
+  int sample_threads = o.threads;
+  if constexpr (std::is_same_v<Backend, loom::cpu>) sample_threads = backend.threads();
+  TrainingRunOf<decltype(trainer), T, Strategy, Opt> run(trainer, strategy, o.fp32_gradients);
+  return run_training(o, run, mesh,
+                      LoopStart{.config = config, .data = data, .val_data = val_data, .val_options = val_options,
+                                .first_step = first_step, .resume_seconds = resume_seconds, .resumed = resumed,
+                                .sample_threads = sample_threads});
 }
 
 //! Calls `fn` with the schedule --schedule names (main has filled in the default).
