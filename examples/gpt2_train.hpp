@@ -582,12 +582,11 @@ class TrainingRun {
   virtual void print_zero_memory() const = 0;
 };
 
-//! TrainingRun over `Trainer`, which keeps its T, Strategy and Opt for the ZeRO memory line.
-template <class Trainer, class T, class Strategy, class Opt>
+//! TrainingRun over a Trainer (which must outlive it).
+template <class Trainer>
 class TrainingRunOf final : public TrainingRun {
  public:
-  TrainingRunOf(Trainer& trainer, const Strategy& strategy, bool fp32_gradients)
-      : trainer_(&trainer), strategy_(strategy), fp32_gradients_(fp32_gradients) {}
+  explicit TrainingRunOf(Trainer& trainer) noexcept : trainer_(&trainer) {}
   loom::StepMetrics step(const loom::io::Batch& batch) override { return trainer_->step(batch); }
   double evaluate(const loom::io::Batch& batch) override { return trainer_->evaluate(batch); }
   std::vector<float> whole_weights() override {
@@ -603,14 +602,13 @@ class TrainingRunOf final : public TrainingRun {
   std::int64_t activation_slots() const override { return trainer_->activation_slots(); }
   void print_zero_memory() const override {
     if constexpr (requires { trainer_->engine().plan(); })
-      gpt2_example::print_zero_memory<T>(trainer_->engine().plan(), trainer_->memory(), strategy_, Opt::state_slots,
-                                         fp32_gradients_, trainer_->tensor_state_bytes());
+      gpt2_example::print_zero_memory<typename Trainer::scalar_type>(
+          trainer_->engine().plan(), trainer_->memory(), trainer_->strategy(), Trainer::optimizer_type::state_slots,
+          trainer_->options().fp32_gradients, trainer_->tensor_state_bytes());
   }
 
  private:
   Trainer* trainer_;
-  Strategy strategy_;
-  bool fp32_gradients_;
 };
 
 //! Rank 0's lines on the training data (and the validation data, if any).
@@ -935,7 +933,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   std::fflush(stdout);
   int sample_threads = o.threads;
   if constexpr (std::is_same_v<Backend, loom::cpu>) sample_threads = backend.threads();
-  TrainingRunOf<decltype(trainer), T, Strategy, Opt> run(trainer, strategy, o.fp32_gradients);
+  TrainingRunOf<decltype(trainer)> run(trainer);
   return run_training(o, run, mesh,
                       LoopStart{.config = config, .data = data, .val_data = val_data, .val_options = val_options,
                                 .first_step = first_step, .resume_seconds = resume_seconds, .resumed = resumed,

@@ -163,7 +163,6 @@ class PipelineExecutor {
         mailbox_pool_(backend, MemoryCategory::communication) {}
 
   const Stage& stage() const noexcept { return stage_; }
-  Stage& stage() noexcept { return stage_; }
 
   //! The actions of one step, from the batch place_batch gave, with `engine`'s parameters and
   //! gradients: returns this rank's loss sum (scaled by `loss_scale`, the backward's factor).
