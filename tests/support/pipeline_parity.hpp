@@ -61,9 +61,12 @@ inline ParityRun pipeline_single_rank_run(double clip) {
   return train_steps(trainer, pipeline_global_batch, pipeline_seq);
 }
 
-//! pipeline_single_rank_run, computed once per clip value and process.
+//! pipeline_single_rank_run, computed once per clip value and process. Safe to call from rank
+//! threads at once: the first caller computes it while the others wait.
 inline const ParityRun& pipeline_reference(double clip) {
-  static std::map<double, ParityRun> cache;
+  static std::mutex mutex;
+  static std::map<double, ParityRun> cache;  // std::map: a reference stays valid as it grows
+  std::lock_guard lock(mutex);
   auto it = cache.find(clip);
   if (it == cache.end()) it = cache.emplace(clip, pipeline_single_rank_run(clip)).first;
   return it->second;

@@ -112,6 +112,7 @@ template <class S>
 std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milliseconds timeout, bool erased = false) {
   using Gpt = gpt2::Model<cpu, float>;
   const Gpt global_model(pipeline_config());
+  const ParityRun& reference = pipeline_reference(0.0);  // before the rank threads: computed once
   std::mutex mutex;
   std::string outcome;
   const auto train = [&](auto& mesh) {
@@ -120,7 +121,7 @@ std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milli
                                                  AdamW({.weight_decay = 0.1}), parity_lr(), pipeline_options(0.0),
                                                  DataParallel{.bucket_bytes = 4096}, schedule);
     const ParityRun run = train_steps(trainer, pipeline_global_batch, pipeline_seq);
-    std::string failure = parity_failures(trainer, run, pipeline_reference(0.0), global_model.layout());
+    std::string failure = parity_failures(trainer, run, reference, global_model.layout());
     // evaluate() sends forward only, micro-batch by micro-batch: the one-rank model with the
     // trained weights gives the same loss (the weights are whole without tensor parallelism).
     if (failure.empty() && shape.tp == 1) {
