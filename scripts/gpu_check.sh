@@ -100,6 +100,9 @@ run() {
   logs="${logs:-$bin/logs}"
   unpack || { echo "cannot unpack $root/.gpu/build-gpu.tar.xz"; return 1; }
   rm -rf "$logs" && mkdir -p "$logs"
+  # Where a failing layout test writes what it got (tests/cuda/mismatch_report.hpp), brought back
+  # in logs.tgz with the logs.
+  export LOOM_TEST_DUMP_DIR="$logs"
   want() { [[ "$groups" == *" $1 "* ]]; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$logs/gpu.txt"
   find_libraries

@@ -25,6 +25,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <ostream>
@@ -40,6 +42,7 @@
 #include "attention_case.hpp"
 #include "device_check.hpp"
 #include "host_block.hpp"
+#include "mismatch_report.hpp"
 
 using namespace loom;
 using namespace loom::cuda_test;
@@ -823,10 +826,28 @@ void check_group_fragments(const GroupFragments& f) {
         if (n < 32) h[r * 32 + n] += at(f.a, r, k) * at(f.b, 32 + n, k);
       }
   }
-  check_close(f.s, s, 1e-4, "s = a b^T (K-major B)");
-  check_close(f.o, o, 1e-4, "o = bf16(s) b (MN-major B)");
-  check_close(f.h, h, 1e-4, "h = a b[32..]^T (32 columns, descriptor 32 rows in)");
-  check_close(f.o2, o2, 1e-4, "o2 = bf16(h) b[32..] (two k16 steps)");
+  // Where a product is wrong, where and how (mismatch_report.hpp), and all of them in the dump.
+  bool failed = false;
+  const auto check = [&](const std::vector<float>& got, const std::vector<double>& want, int cols, const char* what) {
+    check_close(got, want, 1e-4, what);
+    const std::string report = mismatch_report(got, want, 64, cols, 1e-4);
+    if (!report.empty()) MESSAGE(what << ": " << report);
+    failed = failed || !report.empty();
+  };
+  check(f.s, s, 64, "s = a b^T (K-major B)");
+  check(f.o, o, 64, "o = bf16(s) b (MN-major B)");
+  check(f.h, h, 32, "h = a b[32..]^T (32 columns, descriptor 32 rows in)");
+  check(f.o2, o2, 64, "o2 = bf16(h) b[32..] (two k16 steps)");
+  if (failed) {
+    const char* file = "wgmma_fragments.txt";
+    dump_values(file, "a", floats_of(f.a), 64, 64);
+    dump_values(file, "b", floats_of(f.b), 64, 64);
+    dump_values(file, "s", f.s, 64, 64);
+    dump_values(file, "o", f.o, 64, 64);
+    dump_values(file, "h", f.h, 64, 32);
+    const std::string path = dump_values(file, "o2", f.o2, 64, 64);
+    if (!path.empty()) MESSAGE("a, b and the four products (as got) written to " << path);
+  }
 }
 
 TEST_CASE("the warpgroup product helpers give plain products (host emulation of wgmma)") {
@@ -836,6 +857,58 @@ TEST_CASE("the warpgroup product helpers give plain products (host emulation of 
     group_fragment_body(th, f.a.data(), f.b.data(), f.s.data(), f.o.data(), f.h.data(), f.o2.data());
   });
   check_group_fragments(f);
+}
+
+TEST_CASE("a mismatch report finds the wrong blocks, a permutation's offsets, and NaN (host side)") {
+  // want: a [32, 16] result of distinct values; got: it with rows 0-7 and 8-15 swapped and the
+  // block at rows 24-31, columns 8-15 never written.
+  const int rows = 32, cols = 16;
+  std::vector<double> want(rows * cols);
+  const std::vector<float> values = random_floats(rows * cols, 81, -4.0f, 4.0f);
+  std::copy(values.begin(), values.end(), want.begin());
+  CHECK(mismatch_report(values, want, rows, cols, 1e-4).empty());
+  std::vector<float> got = values;
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < cols; ++c) got[r * cols + c] = values[(r ^ 8) * cols + c];
+  for (int r = 24; r < 32; ++r)
+    for (int c = 8; c < 16; ++c) got[r * cols + c] = std::numeric_limits<float>::quiet_NaN();
+  const std::string report = mismatch_report(got, want, rows, cols, 1e-4);
+  INFO(report);
+  CHECK(report.find("320 of 512 outside") != std::string::npos);
+  CHECK(report.find("  xx\n  xx\n  ..\n  .n\n") != std::string::npos);
+  CHECK(report.find("256 of the 320 equal an expected value elsewhere") != std::string::npos);
+  CHECK(report.find("(8, 0) x128") != std::string::npos);
+  CHECK(report.find("(-8, 0) x128") != std::string::npos);
+
+  // The dump: nothing without LOOM_TEST_DUMP_DIR; with it, every value back bit for bit.
+  const char* had = std::getenv("LOOM_TEST_DUMP_DIR");
+  const std::string kept = had ? had : "";
+  unsetenv("LOOM_TEST_DUMP_DIR");
+  CHECK(dump_values("dump_check.txt", "got", got, rows, cols).empty());
+  char folder[] = "/tmp/loom_dump_XXXXXX";
+  REQUIRE(mkdtemp(folder) != nullptr);
+  setenv("LOOM_TEST_DUMP_DIR", folder, 1);
+  const std::string path = dump_values("dump_check.txt", "got", got, rows, cols);
+  if (kept.empty())
+    unsetenv("LOOM_TEST_DUMP_DIR");
+  else
+    setenv("LOOM_TEST_DUMP_DIR", kept.c_str(), 1);
+  REQUIRE(path == std::string(folder) + "/dump_check.txt");
+  std::FILE* in = std::fopen(path.c_str(), "r");
+  REQUIRE(in != nullptr);
+  char name[8] = {};
+  int read_rows = 0, read_cols = 0;
+  CHECK(std::fscanf(in, "%7s %d %d", name, &read_rows, &read_cols) == 3);
+  CHECK((std::string(name) == "got" && read_rows == rows && read_cols == cols));
+  std::vector<float> back(got.size());
+  for (float& v : back) CHECK(std::fscanf(in, "%a", &v) == 1);
+  std::fclose(in);
+  std::remove(path.c_str());
+  std::remove(folder);
+  // A NaN comes back as a NaN (printed "nan", its payload not kept); every other value exactly.
+  for (std::size_t i = 0; i < got.size(); ++i)
+    CHECK((std::isnan(got[i]) ? std::isnan(back[i])
+                              : std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(got[i])));
 }
 
 TEST_CASE("GroupTiles' layout: the 128-byte swizzle, the descriptor, the regions' alignment") {
