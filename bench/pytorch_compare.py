@@ -1,12 +1,14 @@
 #!/usr/bin/python3
-"""GPT-2 small in PyTorch eager on the CPU, timed the way loom_step_bench times loom.
+"""GPT-2 small in PyTorch on the CPU, eager or compiled, timed the way loom_step_bench times loom.
 
     /usr/bin/python3 bench/pytorch_compare.py --loom-json loom.json   # side by side
     /usr/bin/python3 bench/pytorch_compare.py --steps 5               # PyTorch alone
+    VENV/bin/python bench/pytorch_compare.py --compile                # torch.compile (PyTorch >= 2)
 
 bench/pytorch_compare.sh builds and runs loom_step_bench, then this script; see
-docs/benchmarks.md. Run it with Debian's /usr/bin/python3 (python3-torch is installed for the
-system Python, not for a pyenv or virtualenv python3 on PATH).
+docs/benchmarks.md. By default run it with Debian's /usr/bin/python3 (python3-torch is installed
+for the system Python, not for a pyenv or virtualenv python3 on PATH); any Python with torch
+will do (pytorch_compare.sh --python).
 
 The model is a plain GPT-2 written here: pre-LayerNorm blocks, causal self-attention, GELU
 (tanh), tied input/output embeddings, learned position embeddings, no dropout. It is timed in two
@@ -19,6 +21,7 @@ and targets stay below 50257), so both frameworks compute the same 50304 logits 
 """
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -38,14 +41,24 @@ def parse_args():
                    help="embedding rows: padded = 50304 as loom stores them, real = 50257")
     p.add_argument("--foreach", action="store_true",
                    help="use AdamW's multi-tensor (foreach) implementation")
+    p.add_argument("--fused", action="store_true",
+                   help="use AdamW's fused implementation (on the CPU since PyTorch 2.4)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
     p.add_argument("--recompute", action="store_true",
                    help="checkpoint every block (torch.utils.checkpoint; loom_step_bench --recompute)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (Inductor's C++ kernels; PyTorch >= 2.0, a C++ compiler);"
+                        " compiling happens in the warm-up calls")
     p.add_argument("--loom-json", help="loom_step_bench --json output to compare with")
     p.add_argument("--json", help="write PyTorch's numbers (and the comparison) to this file")
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or not 1 <= args.seq <= 1024:
         p.error("need --steps >= 1, --warmup >= 0, --batch >= 1, 1 <= --seq <= 1024")
+    if args.foreach and args.fused:
+        p.error("--foreach and --fused are two AdamW implementations: choose one")
+    if args.compile and args.warmup < 2:
+        p.error(f"--compile needs --warmup >= 2 (got {args.warmup}): the first calls of each mode compile"
+                " (and a train step's second may compile again), which must not be timed")
     return args
 
 
@@ -67,6 +80,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt2_torch import GPT2, LAYERS, PADDED_VOCAB, VOCAB  # noqa: E402
 
 
+PEER = "compiled" if ARGS.compile else "eager"
+ADAMW = "fused" if ARGS.fused else "foreach" if ARGS.foreach else "for-loop"
+ADAMW_KIND = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[ADAMW]
+
+
 def fail(message):
     sys.stdout.flush()
     sys.exit(f"pytorch_compare: {message}")
@@ -83,7 +101,11 @@ def loaded_blas():
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1] if len(line.split()) >= 6 else ""
-                if any(k in os.path.basename(path) for k in ("blas", "mkl", "blis")):
+                # numpy's own OpenBLAS and CUDA's cuBLAS (a PyPI torch maps both) do not run
+                # torch's CPU products.
+                name = os.path.basename(path)
+                if any(k in name for k in ("blas", "mkl", "blis")) and not any(
+                        k in path for k in ("numpy", "cublas")):
                     found.add(os.path.realpath(path))
     except OSError:
         pass
@@ -99,7 +121,8 @@ def blas_report():
             info[key] = config[start + len(key) + 1:].split(",")[0].strip()
     libraries = loaded_blas()
     info["loaded"] = libraries
-    info["openblas"] = any("openblas" in lib for lib in libraries) or "open" in info.get("BLAS_INFO", "")
+    blas_info = info.get("BLAS_INFO", "")
+    info["openblas"] = "open" in blas_info or ("mkl" not in blas_info and any("openblas" in lib for lib in libraries))
     capability = [l.strip() for l in config.splitlines() if "CPU capability" in l]
     info["cpu_capability"] = capability[0].split(":", 1)[1].strip() if capability else "unknown"
     return info
@@ -121,11 +144,19 @@ def main():
     torch.manual_seed(1337)
     vocab_rows = PADDED_VOCAB if ARGS.vocab == "padded" else VOCAB
     model = GPT2(vocab_rows, checkpoint_blocks=ARGS.recompute)
+    # The optimizer takes the parameters of the module itself; compiling wraps its forward only.
+    run_model = model
+    if ARGS.compile:
+        if not hasattr(torch, "compile"):
+            fail(f"--compile needs PyTorch >= 2.0; {sys.executable} has torch {torch.__version__}")
+        run_model = torch.compile(model)
+    if ARGS.fused and "fused" not in inspect.signature(torch.optim.AdamW).parameters:
+        fail(f"--fused needs a PyTorch whose AdamW has fused=; {sys.executable} has torch {torch.__version__}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=ARGS.lr, betas=(0.9, 0.95), eps=1e-8, foreach=ARGS.foreach)
+        lr=ARGS.lr, betas=(0.9, 0.95), eps=1e-8, **ADAMW_KIND)
     # Token ids below the real vocabulary, as loom's synthetic batches (timing does not depend on them).
     generator = torch.Generator().manual_seed(1234)
     calls = ARGS.warmup + ARGS.steps
@@ -135,11 +166,11 @@ def main():
 
     def forward(tokens, targets):
         with torch.inference_mode():
-            return model(tokens, targets).item()
+            return run_model(tokens, targets).item()
 
     def train(tokens, targets):
         optimizer.zero_grad(set_to_none=True)
-        loss = model(tokens, targets)
+        loss = run_model(tokens, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -155,7 +186,7 @@ def main():
             if i >= ARGS.warmup:
                 seconds.append(elapsed)
         results[mode] = summarize(seconds) | {"last_loss": losses[-1]}
-        print(f"  pytorch {mode:8s} median {results[mode]['median_ms']:9.1f} ms  "
+        print(f"  pytorch {PEER} {mode:8s} median {results[mode]['median_ms']:9.1f} ms  "
               f"loss {losses[-1]:.3f}", flush=True)
 
     blas = blas_report()
@@ -169,8 +200,8 @@ def main():
                      "warmup": ARGS.warmup, "steps": ARGS.steps, "vocab_rows": vocab_rows,
                      "vocab": ARGS.vocab, "recompute": ARGS.recompute, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                      "openblas_num_threads": os.environ["OPENBLAS_NUM_THREADS"], "attention": "sdpa" if hasattr(F, "scaled_dot_product_attention")
-                     else "explicit (masked softmax)", "adamw_foreach": ARGS.foreach,
-                     "params": parameter_count(model)},
+                     else "explicit (masked softmax)", "adamw": ADAMW,
+                     "compile": ARGS.compile, "params": parameter_count(model)},
         "results": results,
     }
 
@@ -181,7 +212,7 @@ def main():
           f"{', '.join(blas['loaded']) or 'none found'} -> OpenBLAS: {'yes' if blas['openblas'] else 'no'}")
     print(f"PyTorch model: GPT-2 small, {parameter_count(model) / 1e6:.1f}M parameters, vocab "
           f"{vocab_rows} ({'padded like loom' if ARGS.vocab == 'padded' else 'unpadded'}), attention "
-          f"{report['settings']['attention']}, AdamW {'foreach' if ARGS.foreach else 'for-loop'}")
+          f"{report['settings']['attention']}, AdamW {ADAMW}, {PEER}")
 
     if ARGS.loom_json:
         with open(ARGS.loom_json) as f:
@@ -208,7 +239,7 @@ def main():
         speedup = comparison["train"]["speedup"]
         verdict = "met" if speedup >= 1.5 else "NOT met"
         relation = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
-        print(f"training step: loom is {relation} than PyTorch eager (target: >= 1.5x faster, {verdict})")
+        print(f"training step: loom is {relation} than PyTorch {PEER} (target: >= 1.5x faster, {verdict})")
         report["loom"] = {"date": loom["date"], "machine": loom["machine"], "results": list(rows.values())}
         report["comparison"] = comparison
         report["target_met"] = speedup >= 1.5
