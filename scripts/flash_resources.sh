@@ -3,7 +3,10 @@
 # size, as ptxas reports them for one architecture: the occupancy side of their speed, checked
 # without a GPU.
 #
-#   scripts/flash_resources.sh [arch]     arch: 90 (default, H100/H200), 80 (A100), ...
+#   scripts/flash_resources.sh [arch]            arch: 90 (default, H100/H200), 80 (A100), 90a, ...
+#   scripts/flash_resources.sh 90a --check       the ctest flash_kernels_ptxas_sm90a: fails where
+#                                                ptxas cannot build a kernel, or says it had to
+#                                                serialize or fence the wgmma products
 #
 # Prints one line per kernel: registers, spill stores and loads (bytes), and the blocks of 128
 # threads that the registers let share an SM (65536 registers an SM on sm_80 and sm_90). Each
@@ -14,9 +17,22 @@
 # Where nvdisasm is found (NVDISASM, PATH or the CUDA toolkit; the toolkit here lacks it: `pip
 # install nvidia-cuda-nvdisasm` puts one under site-packages/nvidia/cu13/bin), it then prints the
 # instructions of one step of each kernel's tile loop (scripts/flash_instructions.py).
+#
+# --check: CI compiles the tiled kernels only as compute_80 PTX (no GPU there, and CMake's
+# default architecture below sm_80), so neither ptxas's view of the mma.sync kernels nor the
+# sm_90a wgmma kernels would be built before a GPU session. With --check the table still prints,
+# and the script fails (exit 1) on any ptxas message about the products ("(C75..)" codes, e.g.
+# "Potential Performance Loss: wgmma.mma_async instructions are serialized", or an injected
+# warpgroup.arrive), which mean the asynchronous products wait for each other.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 arch=${1:-90}
+check=false
+[[ ${2:-} == --check ]] && check=true
+if [[ $# -gt 2 || ( $# -eq 2 && $check == false ) ]]; then
+  echo "usage: scripts/flash_resources.sh [arch] [--check]" >&2
+  exit 2
+fi
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -49,7 +65,7 @@ trap 'rm -rf "$work"' EXIT
 } > "$work/kernels.cu"
 
 "$nvcc" -std=c++20 -O3 -arch="sm_$arch" -Iinclude --expt-relaxed-constexpr --resource-usage \
-  -cubin "$work/kernels.cu" -o "$work/kernels.cubin" 2>&1 | awk '
+  -cubin "$work/kernels.cu" -o "$work/kernels.cubin" 2>&1 | tee "$work/ptxas.txt" | awk '
   /Compiling entry function/ {
     if (match($0, /flash[0-9]+[a-z_]+ILi[0-9]+ELi[0-9]+ELi[0-9]+/)) {
       s = substr($0, RSTART, RLENGTH)
@@ -72,6 +88,15 @@ trap 'rm -rf "$work"' EXIT
     }
     exit failed
   }'
+
+if $check; then
+  if grep -E "\(C75[0-9][0-9]\)|Performance Loss|serializ|warpgroup.arrive is injected" "$work/ptxas.txt"; then
+    echo "flash_resources.sh: ptxas waits between the asynchronous products of the kernels above (sm_$arch)" >&2
+    exit 1
+  fi
+  echo "flash_resources.sh: every kernel built for sm_$arch, no product serialized"
+  exit 0
+fi
 
 nvdisasm=${NVDISASM:-$(command -v nvdisasm || echo /usr/local/cuda/bin/nvdisasm)}
 if [[ -x $nvdisasm ]]; then
