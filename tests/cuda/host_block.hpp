@@ -2,7 +2,8 @@
 // The host emulation of a CUDA block, for the kernel bodies written over a Thread type
 // (detail/block_body.hpp, detail/flash_attention.cuh): HostThread runs each thread of a block as
 // a fiber (a stack of its own, switched to and from on the calling thread), with barriers for
-// __syncthreads and __syncwarp, a shared exchange for the shuffles, cp.async done at once, and
+// __syncthreads and __syncwarp, a shared exchange for the shuffles, cp.async done at once or at
+// the wait that ends it (CopyTiming: the earliest and the latest it may land), and
 // ldmatrix, mma.sync and wgmma computed from the lanes' addresses, fragments and descriptors by
 // their PTX layouts. Shared memory starts as garbage, so a body that reads what it did not write
 // shows it.
@@ -46,6 +47,12 @@ inline constexpr std::size_t shared_alignment = 1024;
 
 //! The most threads an emulated block has (the row kernels' 256; the tiled attention's 128).
 inline constexpr int max_host_threads = 256;
+
+//! When an emulated cp.async writes shared memory: at once (a body that reuses a buffer before
+//! every thread is done reading it sees the new data), or only at the cp.async.wait_group that
+//! ends its committed group (a body that reads a tile before waiting for it, or never commits its
+//! copies, sees the garbage or the last tile there). On the GPU it lands somewhere between.
+enum class CopyTiming { at_issue, at_wait };
 
 //! A barrier of emulated threads (__syncthreads over the block, __syncwarp over a warp): the
 //! last of `expected` arrivals opens it and starts its next generation.
@@ -96,10 +103,20 @@ struct HostBlock {
   // Two sets, used by turns: a lane writes set s for its next mma only after every lane of its
   // warp has passed the barrier of the mma that read set s last.
   std::uint32_t a[2][max_host_threads][4] = {}, b[2][max_host_threads][2] = {};
+  //! An emulated cp.async not yet landed (CopyTiming::at_wait).
+  struct Copy {
+    void* dst;
+    const void* src;
+    int bytes;
+  };
+  CopyTiming copies;
+  // Each thread's copies (at_wait): started since its last commit, and committed but not waited.
+  std::vector<Copy> started[max_host_threads], committed[max_host_threads];
 
   //! A block of `threads` threads (a multiple of 32, at most max_host_threads) with `bytes` of
-  //! shared memory.
-  HostBlock(std::int64_t bx, std::int64_t by, std::size_t shared_bytes, int thread_count = fl::threads)
+  //! shared memory, whose copies land at `timing`.
+  HostBlock(std::int64_t bx, std::int64_t by, std::size_t shared_bytes, int thread_count = fl::threads,
+            CopyTiming timing = CopyTiming::at_issue)
       : x(bx),
         y(by),
         bytes(shared_bytes),
@@ -108,7 +125,8 @@ struct HostBlock {
                    ::operator new(std::max<std::size_t>(shared_bytes, 1), std::align_val_t(shared_alignment))),
                [](unsigned char* p) { ::operator delete(p, std::align_val_t(shared_alignment)); }),
         block{thread_count},
-        warp(static_cast<std::size_t>(thread_count / 32), FiberBarrier{32}) {
+        warp(static_cast<std::size_t>(thread_count / 32), FiberBarrier{32}),
+        copies(timing) {
     REQUIRE(thread_count % 32 == 0);
     REQUIRE(thread_count <= max_host_threads);
     // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
@@ -239,19 +257,33 @@ class HostThread {
     return other;
   }
 
-  //! cp.async, done at once: the first `bytes` of the 16 at `src`, zeros for the rest.
-  //! A size outside [0, 16] or a source not 16-byte aligned (cp.async's rule) fails the test
-  //! without throwing from the block's thread, and copies nothing.
+  //! cp.async: the first `bytes` of the 16 at `src`, zeros for the rest, written at once or at
+  //! the wait that ends its group (the block's CopyTiming). A size outside [0, 16] or a source
+  //! not 16-byte aligned (cp.async's rule) fails the test without throwing from the block's
+  //! thread, and copies nothing.
   void copy_async(void* dst, const void* src, int bytes) const {
     if (bytes < 0 || bytes > 16 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0) {
       FAIL_CHECK("cp.async of " << bytes << " bytes from " << src << ": expected 0 to 16 bytes, 16-byte aligned");
       return;
     }
-    std::memcpy(dst, src, static_cast<std::size_t>(bytes));
-    std::memset(static_cast<unsigned char*>(dst) + bytes, 0, static_cast<std::size_t>(16 - bytes));
+    if (block_.copies == CopyTiming::at_wait) {
+      block_.started[thread_].push_back({dst, src, bytes});
+      return;
+    }
+    land({dst, src, bytes});
   }
-  void commit_copies() const {}
-  void wait_copies() const {}
+  //! cp.async.commit_group: the copies started since the last commit form a group.
+  void commit_copies() const {
+    auto& from = block_.started[thread_];
+    block_.committed[thread_].insert(block_.committed[thread_].end(), from.begin(), from.end());
+    from.clear();
+  }
+  //! cp.async.wait_group 0: every committed copy of this thread has landed (one started and not
+  //! committed has not: it lands at a wait after its commit, or never).
+  void wait_copies() const {
+    for (const HostBlock::Copy& c : block_.committed[thread_]) land(c);
+    block_.committed[thread_].clear();
+  }
 
   //! ldmatrix.m8n8.x4 by its PTX layout: lanes 8 j .. 8 j + 7 give the rows of matrix j, and
   //! lane l receives, of each matrix, row l / 4 at columns 2 (l % 4) and 2 (l % 4) + 1; with
@@ -362,6 +394,11 @@ class HostThread {
     sync_warp();
   }
 
+  static void land(const HostBlock::Copy& c) {
+    std::memcpy(c.dst, c.src, static_cast<std::size_t>(c.bytes));
+    std::memset(static_cast<unsigned char*>(c.dst) + c.bytes, 0, static_cast<std::size_t>(16 - c.bytes));
+  }
+
   HostBlock& block_;
   int thread_;
   int turn_ = 0;
@@ -377,13 +414,14 @@ void run_block(HostBlock& block, Body&& body) {
 }
 
 //! Runs `body(HostThread&)` for every block of a grid_x x grid_y grid of `threads`-thread blocks
-//! (a multiple of 32; the tiled attention kernels' 128 unless given), one block at a time.
+//! (a multiple of 32; the tiled attention kernels' 128 unless given), one block at a time, their
+//! copies landing at `timing`.
 template <class Body>
 void run_grid(std::int64_t grid_x, std::int64_t grid_y, std::size_t shared_bytes, Body&& body,
-              int threads_per_block = fl::threads) {
+              int threads_per_block = fl::threads, CopyTiming timing = CopyTiming::at_issue) {
   for (std::int64_t y = 0; y < grid_y; ++y)
     for (std::int64_t x = 0; x < grid_x; ++x) {
-      HostBlock block(x, y, shared_bytes, threads_per_block);
+      HostBlock block(x, y, shared_bytes, threads_per_block, timing);
       run_block(block, body);
     }
 }

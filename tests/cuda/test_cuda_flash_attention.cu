@@ -226,11 +226,11 @@ struct Result {
 //! the tiles in the layout of `Tiles` (mma.sync's padded rows by default; GroupTiles, wgmma's, at
 //! head size 64 only); with `drop`, the bodies built to draw its mask. With `write` = overwrite
 //! dqkv starts as NaN and the backward writes it (after zero_padding_block where padded), as
-//! flash_backward runs them.
+//! flash_backward runs them. The tiled kernels' copies land at `copies` (host_block.hpp).
 template <int M = 1, class Tiles = fl::PaddedTiles>
 Result run_on_host(const Case& c, const Data& data, AttentionMask mask = AttentionMask::causal,
                    const Lengths& lengths = {}, const AttentionDropout* drop = nullptr,
-                   GradientWrite write = GradientWrite::accumulate) {
+                   GradientWrite write = GradientWrite::accumulate, CopyTiming copies = CopyTiming::at_issue) {
   const fl::Shape shape{c.T,  c.C(), static_cast<int>(c.NH), 1.0f / std::sqrt(static_cast<float>(c.hs)),
                         mask, lengths.empty() ? nullptr : lengths.data()};
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -250,7 +250,7 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
           fl::forward_block<HS, M, true, Tiles>(th, fa, *drop);
         else
           fl::forward_block<HS, M, false, Tiles>(th, fa);
-      });
+      }, fl::threads, copies);
       run_grid(fl::delta_blocks<HS>(rows), 1, 0, [&](HostThread& th) {
         fl::delta_block<HS>(th, r.out.data(), data.dout.data(), delta.data(), shape, rows);
       });
@@ -263,13 +263,13 @@ Result run_on_host(const Case& c, const Data& data, AttentionMask mask = Attenti
           fl::key_value_grad_block<HS, M, true, Tiles>(th, ba, *drop);
         else
           fl::key_value_grad_block<HS, M, false, Tiles>(th, ba);
-      });
+      }, fl::threads, copies);
       run_grid(grid_x, grid_y, fl::QueryGradSmem<HS, Tiles>::total, [&](HostThread& th) {
         if (drop != nullptr)
           fl::query_grad_block<HS, M, true, Tiles>(th, ba, *drop);
         else
           fl::query_grad_block<HS, M, false, Tiles>(th, ba);
-      });
+      }, fl::threads, copies);
     }
   });
   return r;
@@ -966,6 +966,69 @@ TEST_CASE("with attention dropout the warpgroup bodies give the mma.sync bodies'
     const Result group = run_on_host<1, fl::GroupTiles>(pc.shape, data, AttentionMask::causal, pc.lengths, &drop);
     check_all(reference(pc.shape, data, AttentionMask::causal, pc.lengths, &drop), group.out, group.lse, group.dqkv);
     CHECK(same_values(group, run_on_host(pc.shape, data, AttentionMask::causal, pc.lengths, &drop)));
+  }
+}
+
+TEST_CASE("an emulated cp.async lands at once, or at the wait after its commit and never without one (host side)") {
+  // 32 threads, each copying the 16 bytes 1..16 into its own slot; thread 1 only 12 of them (the
+  // last 4 zero-filled), thread 3 none (all 16 zeros).
+  alignas(16) static const std::uint8_t source[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  for (const CopyTiming timing : {CopyTiming::at_issue, CopyTiming::at_wait}) {
+    CAPTURE(static_cast<int>(timing));
+    HostBlock block(0, 0, 32 * 16, 32, timing);
+    std::uint8_t before[32], after_commit[32], after_wait[32], fourth[32], thirteenth[32];
+    run_block(block, [&](HostThread& th) {
+      const int t = th.thread();
+      unsigned char* slot = th.shared() + 16 * t;
+      th.copy_async(slot, source, t == 1 ? 12 : t == 3 ? 0 : 16);
+      before[t] = slot[0];
+      if (t != 2) th.commit_copies();  // thread 2 never commits its copy
+      after_commit[t] = slot[0];
+      th.wait_copies();
+      after_wait[t] = slot[0];
+      fourth[t] = slot[3];
+      thirteenth[t] = slot[12];
+    });
+    const std::uint8_t garbage = 0x7f;
+    const bool at_once = timing == CopyTiming::at_issue;
+    CHECK(before[0] == (at_once ? 1 : garbage));
+    CHECK(after_commit[0] == (at_once ? 1 : garbage));
+    CHECK(after_wait[0] == 1);
+    CHECK(fourth[0] == 4);
+    CHECK(thirteenth[0] == 13);
+    CHECK((after_wait[1] == 1 && thirteenth[1] == 0));
+    CHECK((after_wait[3] == 0 && thirteenth[3] == 0));
+    CHECK(after_wait[2] == (at_once ? 1 : garbage));
+  }
+}
+
+TEST_CASE("the tiled kernels' bodies give the same bits when each cp.async lands only at its wait (host emulation)") {
+  // Copies landing at once, as the other cases run them, show a buffer overwritten while another
+  // thread still reads it; landing at the wait, a tile read before its wait or a group never
+  // committed: the GPU lands them in between, so both must give the same values.
+  std::uint32_t seed = 1800;
+  for (const AttentionMask mask : both_masks) {
+    INFO(loom::name(mask));
+    for (const PaddedCase& pc : padded_cases()) {
+      CAPTURE(pc.shape);
+      const Data data = make_data(pc.shape, seed += 10);
+      const Result late = run_on_host(pc.shape, data, mask, pc.lengths, nullptr, GradientWrite::accumulate,
+                                      CopyTiming::at_wait);
+      CHECK(same_values(late, run_on_host(pc.shape, data, mask, pc.lengths)));
+    }
+    const Case wide{2, 129, 1, 64};
+    const Lengths lengths{100, 129};
+    const Data data = make_data(wide, seed += 10);
+    const AttentionDropout drop = test_dropout(31);
+    const auto late = [&]<int M, class Tiles>(const AttentionDropout* d) {
+      return run_on_host<M, Tiles>(wide, data, mask, lengths, d, GradientWrite::accumulate, CopyTiming::at_wait);
+    };
+    CHECK(same_values(late.template operator()<2, fl::PaddedTiles>(nullptr),
+                      run_on_host<2>(wide, data, mask, lengths)));
+    CHECK(same_values(late.template operator()<1, fl::GroupTiles>(nullptr),
+                      run_on_host<1, fl::GroupTiles>(wide, data, mask, lengths)));
+    CHECK(same_values(late.template operator()<1, fl::GroupTiles>(&drop),
+                      run_on_host<1, fl::GroupTiles>(wide, data, mask, lengths, &drop)));
   }
 }
 
