@@ -5,8 +5,9 @@
 // __syncthreads and __syncwarp, a shared exchange for the shuffles, cp.async done at once or at
 // the wait that ends it (CopyTiming: the earliest and the latest it may land), and
 // ldmatrix, mma.sync and wgmma computed from the lanes' addresses, fragments and descriptors by
-// their PTX layouts. Shared memory starts as garbage, so a body that reads what it did not write
-// shows it.
+// their PTX layouts. A wgmma that reads what a cp.async wrote fails the test unless the writing
+// thread fenced it for the async proxy after it landed and a barrier passed since. Shared memory
+// starts as garbage, so a body that reads what it did not write shows it.
 //
 // Why fibers, not host threads: the bodies meet a barrier every few instructions (each shuffle
 // and each emulated mma is two), and with one host thread per emulated thread each barrier woke
@@ -31,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "loom/backend/cuda/detail/flash_attention.cuh"
@@ -95,7 +97,8 @@ struct HostBlock {
   std::size_t bytes;  // of shared memory
   int threads;
   std::unique_ptr<unsigned char[], void (*)(unsigned char*)> shared;
-  FiberBarrier block;
+  FiberBarrier block;     // the kernel's __syncthreads: its generation counts them
+  FiberBarrier group;     // the emulated wgmma's own meeting of the 128 threads, not a barrier of the kernel
   std::vector<FiberBarrier> warp;
   float exchange[max_host_threads] = {};
   std::uint32_t words[max_host_threads] = {};  // the integer shuffles' values
@@ -112,6 +115,17 @@ struct HostBlock {
   CopyTiming copies;
   // Each thread's copies (at_wait): started since its last commit, and committed but not waited.
   std::vector<Copy> started[max_host_threads], committed[max_host_threads];
+  //! What a wgmma may read of 16 bytes of shared memory that a cp.async wrote: wgmma reads through
+  //! the async proxy, so the writing thread must fence (fence.proxy.async) after the copy landed,
+  //! and a barrier of the kernel must pass between that fence and the read (PTX ISA, "Async
+  //! proxy"). writer -1: no cp.async wrote them.
+  struct Chunk {
+    int writer = -1;
+    bool fenced = false;
+    std::uint64_t fenced_at = 0;  // the kernel's barriers passed when it fenced
+  };
+  std::vector<Chunk> chunks;
+  bool reported_unfenced = false;
 
   //! A block of `threads` threads (a multiple of 32, at most max_host_threads) with `bytes` of
   //! shared memory, whose copies land at `timing`.
@@ -125,8 +139,10 @@ struct HostBlock {
                    ::operator new(std::max<std::size_t>(shared_bytes, 1), std::align_val_t(shared_alignment))),
                [](unsigned char* p) { ::operator delete(p, std::align_val_t(shared_alignment)); }),
         block{thread_count},
+        group{thread_count},
         warp(static_cast<std::size_t>(thread_count / 32), FiberBarrier{32}),
-        copies(timing) {
+        copies(timing),
+        chunks((shared_bytes + 15) / 16) {
     REQUIRE(thread_count % 32 == 0);
     REQUIRE(thread_count <= max_host_threads);
     // Garbage, not zeros: a kernel that reads shared memory it did not write shows it.
@@ -266,6 +282,12 @@ class HostThread {
       FAIL_CHECK("cp.async of " << bytes << " bytes from " << src << ": expected 0 to 16 bytes, 16-byte aligned");
       return;
     }
+    const std::size_t offset = static_cast<std::size_t>(static_cast<unsigned char*>(dst) - shared());
+    if (offset % 16 != 0 || offset + 16 > block_.bytes) {
+      FAIL_CHECK("cp.async to shared offset " << offset << ": expected a 16-byte-aligned 16 bytes within "
+                                              << block_.bytes);
+      return;
+    }
     if (block_.copies == CopyTiming::at_wait) {
       block_.started[thread_].push_back({dst, src, bytes});
       return;
@@ -319,8 +341,12 @@ class HostThread {
   std::uint32_t shared_address(const void* p) const {
     return static_cast<std::uint32_t>(static_cast<const unsigned char*>(p) - shared());
   }
-  //! fence.proxy.async: nothing to order here (every write lands at once).
-  void fence_async_shared() const {}
+  //! fence.proxy.async.shared::cta: this thread's landed copies become visible to wgmma once a
+  //! barrier of the kernel has passed.
+  void fence_async_shared() const {
+    for (HostBlock::Chunk& c : block_.chunks)
+      if (c.writer == thread_ && !c.fenced) c = {thread_, true, block_.block.generation};
+  }
   template <int N, int K>
   void group_begin(fl::FragmentC (&)[N], const fl::FragmentA (&)[K]) const {}
   template <int N>
@@ -344,7 +370,7 @@ class HostThread {
     }
     const int set = turn_++ % 2, lane = thread_ % 32, warp = thread_ / 32;
     std::copy(std::begin(a), std::end(a), block_.a[set][thread_]);
-    sync_block();
+    block_.arrive_and_wait(block_.group);
     const auto field = [&](int shift) { return static_cast<std::uint32_t>(descriptor >> shift & 0x3FFFu) << 4; };
     const std::uint32_t start = field(0), leading = field(16), stride = field(32);
     if (descriptor >> 62 != 1 || (descriptor >> 49 & 7u) != 0) {
@@ -356,6 +382,7 @@ class HostThread {
       return half_of(block_.a[set][owner][reg], k % 2);
     };
     bool inside = true;
+    const HostBlock::Chunk* unfenced = nullptr;  // the first chunk read that the async proxy may not see
     const auto b_at = [&](int k, int n) {
       std::uint32_t byte = Transposed ? start + n / 64 * leading + k / 8 * stride + k % 8 * 128 + 2 * (n % 64)
                                       : start + n / 8 * stride + n % 8 * 128 + 2 * k;
@@ -364,6 +391,9 @@ class HostThread {
         inside = false;
         return 0.0f;
       }
+      const HostBlock::Chunk& chunk = block_.chunks[byte / 16];
+      if (chunk.writer >= 0 && (!chunk.fenced || chunk.fenced_at == block_.block.generation) && unfenced == nullptr)
+        unfenced = &chunk;
       bf16 value;
       std::memcpy(&value, shared() + byte, sizeof value);
       return static_cast<float>(value);
@@ -376,6 +406,12 @@ class HostThread {
         d[j][i] = sum;
       }
     if (!inside) FAIL_CHECK("wgmma read B past the block's " << block_.bytes << " bytes of shared memory");
+    if (unfenced != nullptr && !block_.reported_unfenced) {  // once a block: every thread reads them
+      block_.reported_unfenced = true;
+      const std::string why = unfenced->fenced ? "fenced with no barrier of the kernel since"
+                                               : "with no fence.proxy.async after it landed";
+      FAIL_CHECK("wgmma read shared memory that thread " << unfenced->writer << "'s cp.async wrote, " << why);
+    }
   }
 
  private:
@@ -394,9 +430,11 @@ class HostThread {
     sync_warp();
   }
 
-  static void land(const HostBlock::Copy& c) {
+  //! A copy's 16 bytes written, by this thread through the generic proxy, not yet fenced.
+  void land(const HostBlock::Copy& c) const {
     std::memcpy(c.dst, c.src, static_cast<std::size_t>(c.bytes));
     std::memset(static_cast<unsigned char*>(c.dst) + c.bytes, 0, static_cast<std::size_t>(16 - c.bytes));
+    block_.chunks[static_cast<std::size_t>(static_cast<unsigned char*>(c.dst) - shared()) / 16] = {thread_, false, 0};
   }
 
   HostBlock& block_;
