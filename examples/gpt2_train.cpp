@@ -413,6 +413,9 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-mib", o.bucket_mib, "DDP gradient bucket size in MiB")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_flag("--no-overlap", o.no_overlap, "DDP/ZeRO: reduce all buckets after backward instead of during it");
+  app.add_flag("!--no-communication-stream", o.communication_stream,
+               "--device cuda --comm nccl: issue NCCL calls on the compute stream, where each one holds up the "
+               "kernels issued after it, instead of on a stream of their own beside them (the default)");
   app.add_option("--zero", o.zero,
                  "ZeRO stage over the data-parallel ranks: 1 (optimizer state sharded), 2 (+ gradients), "
                  "3 (+ parameters, gathered per layer); 0 = DDP. Pipeline schedules take 0 or 1")

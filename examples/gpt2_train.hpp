@@ -120,6 +120,7 @@ struct Options {
   std::int64_t max_predictions = 0;       // bert_train: targets per sequence, in the data and the model (0: no cap)
   bool flash_attention = true;       // --device cuda, bf16, recompute: the SRAM-tiled kernels
   bool warpgroup_attention = false;  // the tiled kernels at head size 64 on wgmma (an sm_90a build)
+  bool communication_stream = true;  // --comm nccl: NCCL on a stream of its own beside the kernels
   std::optional<bool> gemm_epilogues;  // --device cuda: bias, GELU and GELU' fused into cuBLASLt GEMMs
                                        // (unset: on for bf16, off for float)
   std::uint64_t seed = 1337;
@@ -555,7 +556,8 @@ std::string describe_backend(const Backend& backend) {
            (!backend.warpgroup_attention()                ? ""
             : warpgroup_attention_available(backend) ? " (on wgmma)"
                                                      : " (wgmma attention not built for this GPU: sm_90a)") +
-           (backend.gemm_epilogues() ? " (GEMM epilogues on)" : "");
+           (backend.gemm_epilogues() ? " (GEMM epilogues on)" : "") +
+           (backend.overlap_communication() ? "" : " (NCCL calls on the compute stream)");
 }
 
 //! What the training loop asks of a trainer, erased: run_training compiles once per

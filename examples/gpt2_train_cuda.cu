@@ -36,6 +36,7 @@ int train_on_gpu(const Options& o, World& world, int device) {
   loom::cuda backend(device);
   backend.set_flash_attention(o.flash_attention);
   backend.set_warpgroup_attention(o.warpgroup_attention);
+  backend.set_overlap_communication(o.communication_stream);
   // Unset, the epilogues are on for bf16 only: cuBLASLt's GELU and GELU' are approximations good
   // to about 2^-9 (tests/cuda/test_cuda_gemm_epilogues.cu), under bf16's rounding, not fp32's.
   backend.set_gemm_epilogues(o.gemm_epilogues.value_or(o.dtype == "bf16"));

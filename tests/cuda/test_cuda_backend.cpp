@@ -4,10 +4,13 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "loom/backend/cuda/cuda.hpp"
@@ -17,6 +20,13 @@ using namespace loom;
 
 namespace {
 bool have_gpu() { return cuda::device_count() > 0; }
+
+//! Holds up the stream it is launched on for `*milliseconds` (a host function: the stream runs
+//! nothing after it until it returns), so a test can tell ordered work from work that races.
+void CUDART_CB hold_stream(void* milliseconds) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<const int*>(milliseconds)));
+}
+int hold_ms = 200;
 }  // namespace
 
 TEST_CASE("without a GPU the CUDA backend refuses to start and says why") {
@@ -70,6 +80,107 @@ TEST_CASE("the size classes of the caching allocator") {
   CHECK(CachingAllocator::size_class(std::size_t{1} << 20) == std::size_t{1} << 20);
   CHECK(CachingAllocator::size_class((std::size_t{1} << 20) + 1) == std::size_t{2} << 20);
   CHECK(CachingAllocator::size_class((std::size_t{5} << 20) + 7) == std::size_t{6} << 20);
+}
+
+TEST_CASE("memory in use by communication: each piece of work once, until its event is done") {
+  using detail::DeviceRange;
+  detail::InUseRanges<int> in_use;
+  std::vector<std::byte> memory(1000);
+  std::byte* m = memory.data();
+  const DeviceRange first[] = {{m, 100}, {m + 200, 50}, {m + 900, 0}, {nullptr, 8}};
+  const DeviceRange second[] = {{m + 100, 100}};
+  const DeviceRange none[] = {{m + 500, 0}};
+  in_use.add(first, 1);
+  in_use.add(second, 2);
+  in_use.add(none, 3);  // nothing in use: no entry
+  CHECK(in_use.size() == 2);
+  const auto overlapping = [&](DeviceRange range) {
+    std::vector<int> events;
+    in_use.for_each_overlapping(range, [&](int e) { events.push_back(e); });
+    return events;
+  };
+  CHECK(overlapping({m, 1000}) == std::vector<int>{1, 2});  // entry 1 once, though two ranges meet it
+  CHECK(overlapping({m + 99, 2}) == std::vector<int>{1, 2});
+  CHECK(overlapping({m + 99, 1}) == std::vector<int>{1});   // ends where entry 2's range begins
+  CHECK(overlapping({m + 100, 1}) == std::vector<int>{2});  // begins where entry 1's range ends
+  CHECK(overlapping({m + 249, 1}) == std::vector<int>{1});
+  CHECK(overlapping({m + 250, 650}).empty());  // just past [200, 250); [900, 900) holds nothing
+  CHECK(overlapping({m, 0}).empty());
+  std::vector<int> recycled;
+  in_use.drop_done([](int e) { return e == 1; }, [&](int e) { recycled.push_back(e); });
+  CHECK(recycled == std::vector<int>{1});
+  CHECK(overlapping({m, 1000}) == std::vector<int>{2});
+  in_use.clear([&](int e) { recycled.push_back(e); });
+  CHECK(recycled == std::vector<int>{1, 2});
+  CHECK(in_use.empty());
+}
+
+TEST_CASE("communication runs on a stream of its own, after the compute issued before it") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  CHECK(be.overlap_communication());
+  CHECK(be.communication_stream() != be.stream());
+  const std::int64_t n = 1 << 20;
+  const std::vector<float> before(static_cast<std::size_t>(n), 1.0f), after(before.size(), 2.0f);
+  std::vector<float> back(before.size());
+  Buffer<float, cuda> x(be, n, MemoryCategory::workspace), y(be, n, MemoryCategory::workspace),
+      update(be, n, MemoryCategory::workspace);
+  const auto compute_writes_x_late = [&] {
+    be.copy_from_host(x.data(), before.data(), x.bytes());
+    be.copy_from_host(update.data(), after.data(), update.bytes());
+    LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.stream(), hold_stream, &hold_ms));
+    be.copy(x.data(), update.data(), x.bytes());
+  };
+  const auto communication_copies_x = [&] {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(y.data(), x.data(), x.bytes(), cudaMemcpyDeviceToDevice, be.communication_stream()));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(be.communication_stream()));
+    be.copy_to_host(back.data(), y.data(), y.bytes());
+  };
+  SUBCASE("ordered, it reads what the compute wrote") {
+    compute_writes_x_late();
+    be.order_communication_after_compute();
+    communication_copies_x();
+    CHECK(back == after);
+  }
+  SUBCASE("unordered, it would run ahead (the test can tell)") {
+    compute_writes_x_late();
+    communication_copies_x();
+    CHECK(back == before);
+  }
+  SUBCASE("off, communication is on the compute stream itself") {
+    be.set_overlap_communication(false);
+    CHECK(be.communication_stream() == be.stream());
+    compute_writes_x_late();
+    be.order_communication_after_compute();  // nothing to do
+    communication_copies_x();
+    CHECK(back == after);
+  }
+}
+
+TEST_CASE("memory freed while communication uses it is reused only after that is done") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  const std::int64_t n = 1 << 20;
+  const std::vector<float> sent(static_cast<std::size_t>(n), 3.0f), other(sent.size(), 4.0f);
+  std::vector<float> back(sent.size());
+  Buffer<float, cuda> received(be, n, MemoryCategory::communication);
+  std::optional<Buffer<float, cuda>> source(std::in_place, be, n, MemoryCategory::communication);
+  be.copy_from_host(source->data(), sent.data(), source->bytes());
+  // The communication stream reads `source` only after 200 ms...
+  LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.communication_stream(), hold_stream, &hold_ms));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(received.data(), source->data(), source->bytes(), cudaMemcpyDeviceToDevice,
+                                  be.communication_stream()));
+  const detail::DeviceRange in_use[] = {{source->data(), source->bytes()}};
+  be.communication_uses(in_use);
+  // ...but `source` is freed at once, and its block handed out again and written on the compute stream.
+  void* block = source->data();
+  source.reset();
+  Buffer<float, cuda> reused(be, n, MemoryCategory::workspace);
+  REQUIRE(reused.data() == block);
+  be.copy_from_host(reused.data(), other.data(), reused.bytes());
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(be.communication_stream()));
+  be.copy_to_host(back.data(), received.data(), received.bytes());
+  CHECK(back == sent);
 }
 
 TEST_CASE("device memory is accounted by category and cached for reuse") {

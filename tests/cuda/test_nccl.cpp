@@ -1,16 +1,24 @@
-// The NCCL communicator: the conformance suite (tests/comm/conformance.hpp) on a world of one
-// GPU, and on every GPU of the machine as thread ranks when there are two or more (NCCL refuses
-// two ranks of one communicator on the same GPU). Without a GPU it reports itself skipped.
+// The NCCL communicator: the conformance suite (tests/comm/conformance.hpp) on host buffers
+// (staged through the device) and on device buffers, on a world of one GPU, and on every GPU of
+// the machine as thread ranks when there are two or more (NCCL refuses two ranks of one
+// communicator on the same GPU); and the communication stream's ordering against the compute.
+// Without a GPU it reports itself skipped.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <memory>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/conformance.hpp"
 #include "loom/backend/cuda/cuda.hpp"
+#include "loom/comm/detail/staging.hpp"
 #include "loom/comm/nccl.hpp"
 #include "loom/comm/threads.hpp"
+#include "loom/core/buffer.hpp"
 
 using namespace loom;
 
@@ -20,7 +28,8 @@ int gpus() { return cuda::device_count(); }
 //! The collectives that NCCL supports with loom's semantics. Point-to-point messages are
 //! matched in issue order per peer (NCCL has no tags), so the tagged send/recv patterns of the
 //! suite are not among them; its groups (untagged, both ways at once) are.
-conformance::Failures nccl_conformance(nccl::Communicator& comm) {
+template <class C>
+conformance::Failures nccl_conformance(C& comm) {
   conformance::Failures all;
   for (conformance::Failures part :
        {conformance::check_all_reduce(comm), conformance::check_reduce_scatter(comm),
@@ -28,6 +37,88 @@ conformance::Failures nccl_conformance(nccl::Communicator& comm) {
         conformance::check_barrier(comm), conformance::check_split(comm), conformance::check_in_flight(comm)})
     all.insert(all.end(), part.begin(), part.end());
   return all;
+}
+
+//! The conformance suite's host buffers moved into device memory around each call, so the suite
+//! runs NCCL's device path (the communication stream, its ordering and its Requests) rather
+//! than the path that stages host buffers: each call's data goes to device buffers of its own,
+//! and the result comes back when its Request completes.
+class OnDevice : public CollectiveInterface<OnDevice> {
+ public:
+  using loom_communicator = void;
+  static constexpr bool point_to_point_in_issue_order = true;
+
+  OnDevice(nccl::Communicator inner, cuda& backend) : inner_(std::move(inner)), backend_(&backend) {}
+  int rank() const { return inner_.rank(); }
+  int size() const { return inner_.size(); }
+
+  void run(const CollectiveCall& call) { start(call).wait(); }
+  Request start(const CollectiveCall& call) {
+    auto pending = std::make_unique<Pending>(*backend_, call, rank(), size());
+    pending->inner = inner_.start(pending->device_call);
+    return Request(State{std::move(pending)});
+  }
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
+    this->check_group(calls);
+    std::vector<std::unique_ptr<Pending>> parts;
+    std::vector<CollectiveCall> device_calls;
+    for (const CollectiveCall& call : calls) {
+      parts.push_back(std::make_unique<Pending>(*backend_, call, rank(), size()));
+      device_calls.push_back(parts.back()->device_call);
+    }
+    std::vector<Request> inner = inner_.start_group(std::span<const CollectiveCall>(device_calls));
+    std::vector<Request> requests;
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      parts[i]->inner = std::move(inner[i]);
+      requests.emplace_back(State{std::move(parts[i])});
+    }
+    return requests;
+  }
+  OnDevice split(int color, int key) { return OnDevice(inner_.split(color, key), *backend_); }
+
+ private:
+  struct Pending {
+    cuda* backend;
+    detail::StagingPlan plan;
+    Buffer<std::byte, cuda> input, output;
+    CollectiveCall device_call;
+    Request inner;
+
+    Pending(cuda& be, const CollectiveCall& call, int rank, int size)
+        : backend(&be),
+          plan(detail::staging_plan(call, rank, size)),
+          input(be, static_cast<std::int64_t>(plan.input_bytes), MemoryCategory::communication),
+          output(be, static_cast<std::int64_t>(plan.output_bytes), MemoryCategory::communication) {
+      if (plan.stage_bytes > 0)
+        be.copy_from_host(plan.stage_into_output ? output.data() : input.data(), plan.stage_from, plan.stage_bytes);
+      device_call = detail::with_scratch_buffers(call, plan.input_bytes > 0 ? input.data() : nullptr,
+                                                 plan.output_bytes > 0 ? output.data() : nullptr);
+    }
+    void finish() {
+      if (plan.copy_back_bytes > 0) backend->copy_to_host(plan.copy_back_to, output.data(), plan.copy_back_bytes);
+    }
+  };
+  struct State {
+    std::unique_ptr<Pending> pending;
+    void wait() {
+      pending->inner.wait();
+      pending->finish();
+    }
+    bool test() {
+      if (!pending->inner.test()) return false;
+      pending->finish();
+      return true;
+    }
+  };
+
+  nccl::Communicator inner_;
+  cuda* backend_;
+};
+static_assert(loom::Communicator<OnDevice>);
+
+//! Holds up the stream it is launched on for `*milliseconds` (a host function).
+void CUDART_CB hold_stream(void* milliseconds) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<const int*>(milliseconds)));
 }
 }  // namespace
 
@@ -40,6 +131,65 @@ TEST_CASE("NCCL on a world of one GPU passes the conformance suite") {
   conformance::report(nccl_conformance(comm), 0);
 }
 
+TEST_CASE("NCCL on device buffers, on its own stream and on the compute stream, passes the conformance suite") {
+  if (gpus() == 0) return;
+  for (const bool overlap : {true, false}) {
+    CAPTURE(overlap);
+    cuda be(0);
+    be.set_overlap_communication(overlap);
+    OnDevice comm(nccl::Communicator(be, nccl::UniqueId::make(), 1, 0), be);
+    conformance::report(nccl_conformance(comm), 0);
+  }
+}
+
+TEST_CASE("an NCCL call waits for the kernels issued before it and runs beside those issued after it") {
+  if (gpus() == 0) return;
+  const std::size_t n = std::size_t{1} << 20;
+  const std::vector<float> before(n, 1.0f), after(n, 2.0f);
+  std::vector<float> back(n);
+  for (const bool overlap : {true, false}) {
+    CAPTURE(overlap);
+    cuda be(0);
+    be.set_overlap_communication(overlap);
+    nccl::Communicator comm(be, nccl::UniqueId::make(), 1, 0);
+    Buffer<float, cuda> x(be, static_cast<std::int64_t>(n), MemoryCategory::workspace),
+        y(be, static_cast<std::int64_t>(n), MemoryCategory::workspace),
+        update(be, static_cast<std::int64_t>(n), MemoryCategory::workspace);
+    comm.all_gather(std::span<const float>(x.data(), n), std::span<float>(y.data(), n));  // NCCL's first call sets up
+    be.copy_from_host(x.data(), before.data(), x.bytes());
+    be.copy_from_host(update.data(), after.data(), update.bytes());
+    // Before: the compute stream writes x only after 200 ms; the gather must see the new x.
+    int hold_ms = 200;
+    LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.stream(), hold_stream, &hold_ms));
+    be.copy(x.data(), update.data(), x.bytes());
+    comm.all_gather(std::span<const float>(x.data(), n), std::span<float>(y.data(), n));
+    be.copy_to_host(back.data(), y.data(), y.bytes());
+    CHECK(back == after);
+    // After: with the communication stream held up for 300 ms, a gather issued on it waits for
+    // that, while kernels issued after the gather run at once (off: all of it is one stream).
+    int comm_hold_ms = 300;
+    LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.communication_stream(), hold_stream, &comm_hold_ms));
+    const auto start = std::chrono::steady_clock::now();
+    Request gathered = comm.all_gather_async(std::span<const float>(x.data(), n), std::span<float>(y.data(), n));
+    be.copy(update.data(), x.data(), x.bytes());
+    be.synchronize();
+    const auto ms_since = [&] {
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    };
+    const double compute_ms = ms_since();
+    gathered.wait();
+    const double gather_ms = ms_since();
+    CAPTURE(compute_ms);
+    CAPTURE(gather_ms);
+    CHECK(gather_ms >= 250.0);  // the gather ran on the communication stream, behind the hold
+    if (overlap)
+      CHECK(compute_ms < 200.0);
+    else
+      CHECK(compute_ms >= 250.0);
+    be.synchronize();
+  }
+}
+
 TEST_CASE("NCCL over every GPU, bootstrapped through thread ranks, passes the conformance suite") {
   const int n = gpus();
   if (n < 2) return;
@@ -48,6 +198,10 @@ TEST_CASE("NCCL over every GPU, bootstrapped through thread ranks, passes the co
     cuda be(group.rank());
     nccl::Communicator comm = nccl::Communicator::bootstrap(be, group);
     failures[static_cast<std::size_t>(group.rank())] = nccl_conformance(comm);
+    OnDevice on_device(std::move(comm), be);
+    const conformance::Failures device_failures = nccl_conformance(on_device);
+    failures[static_cast<std::size_t>(group.rank())].insert(failures[static_cast<std::size_t>(group.rank())].end(),
+                                                            device_failures.begin(), device_failures.end());
   });
   conformance::report(failures);
 }

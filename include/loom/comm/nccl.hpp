@@ -1,9 +1,10 @@
 #pragma once
-//! \file The NCCL communicator: collectives on the rank's CUDA stream, async handles as CUDA
-//! events, every NCCL error a loom::Error, and a stalled collective timed out (NCCL's
-//! non-blocking mode: ncclCommGetAsyncError, then ncclCommAbort) instead of hanging.
+//! \file The NCCL communicator: collectives on the rank's communication stream (beside its
+//! compute stream, after the compute issued before them), async handles as CUDA events, every
+//! NCCL error a loom::Error, and a stalled collective timed out (NCCL's non-blocking mode:
+//! ncclCommGetAsyncError, then ncclCommAbort) instead of hanging.
 //!
-//! Buffers may be device memory (the collective is ordered on the backend's stream) or host
+//! Buffers may be device memory (the collective is ordered after the backend's stream) or host
 //! memory (staged through device scratch, as the Trainer's loss and norm sums are).
 
 #include <cuda_runtime_api.h>
@@ -157,7 +158,8 @@ struct State {
   static std::string to_text(const CollectiveCall& call) { return loom::detail::to_text(call); }
 };
 
-//! An asynchronous collective's handle: a CUDA event recorded after it on the stream.
+//! An asynchronous collective's handle: a CUDA event recorded after it on the communication
+//! stream.
 class EventRequest {
  public:
   EventRequest(std::shared_ptr<State> state, cudaEvent_t event, const CollectiveCall& call) noexcept
@@ -179,11 +181,14 @@ class EventRequest {
 
 }  // namespace detail
 
-//! A group of ranks, one GPU each, communicating through NCCL on their backends' streams.
+//! A group of ranks, one GPU each, communicating through NCCL on their backends' communication
+//! streams (loom::cuda::communication_stream): a call runs after the kernels issued before it
+//! and beside those issued after it, and its buffers may be touched again once its Request
+//! completed (run() and the blocking forms return then).
 class Communicator : public CollectiveInterface<Communicator> {
  public:
   using loom_communicator = void;
-  //! Point-to-point runs on the stream in issue order, untagged (see loom::point_to_point_in_issue_order).
+  //! Point-to-point runs on one stream in issue order, untagged (see loom::point_to_point_in_issue_order).
   static constexpr bool point_to_point_in_issue_order = true;
 
   //! Joins the group `id` of `size` ranks as `rank` (collective: every rank constructs with the
@@ -229,12 +234,13 @@ class Communicator : public CollectiveInterface<Communicator> {
   //! The NCCL handle, for calls loom does not wrap.
   ncclComm_t native() const noexcept { return state_->comm; }
 
-  //! Runs `call` and waits for it (with the timeout). Device buffers: ordered on the stream,
-  //! complete on return. Host buffers: staged through device memory.
+  //! Runs `call` and waits for it (with the timeout). Device buffers: after the work issued on
+  //! the backend's stream, complete on return. Host buffers: staged through device memory.
   void run(const CollectiveCall& call) { start(call).wait(); }
 
-  //! Starts `call` on the backend's stream; the Request completes with it. Host buffers are
-  //! staged and the call completes before this returns.
+  //! Starts `call` on the communication stream, after the work issued on the backend's stream;
+  //! the Request completes with it. Host buffers are staged and the call completes before this
+  //! returns.
   Request start(const CollectiveCall& call) {
     state_->check_healthy();
     if (call.kind == Collective::barrier) return start(barrier_call());
@@ -242,14 +248,16 @@ class Communicator : public CollectiveInterface<Communicator> {
       run_staged(std::span<const CollectiveCall>(&call, 1));
       return {};
     }
+    state_->backend->order_communication_after_compute();
     enqueue(call);
+    mark_in_use(std::span<const CollectiveCall>(&call, 1));
     return completion(call);
   }
 
   //! Starts the sends and receives of `calls` as one NCCL group (ncclGroupStart/ncclGroupEnd):
-  //! they progress together on the stream, so a rank may send to a peer and receive from it in
-  //! one group, where a send issued alone would hold up the stream until its receiver posts the
-  //! receive. One Request per call, each complete when the whole group is. Host buffers: the
+  //! they progress together on the communication stream, so a rank may send to a peer and
+  //! receive from it in one group, where a send issued alone would hold up that stream (and
+  //! every later call on it) until its receiver posts the receive. One Request per call, each complete when the whole group is. Host buffers: the
   //! group is staged and completes before this returns.
   std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
     state_->check_healthy();
@@ -261,7 +269,9 @@ class Communicator : public CollectiveInterface<Communicator> {
         run_staged(calls);
         return requests;
       }
+    state_->backend->order_communication_after_compute();
     enqueue_group(calls);
+    mark_in_use(calls);
     for (std::size_t i = 0; i < calls.size(); ++i) requests[i] = completion(calls[i]);
     return requests;
   }
@@ -319,10 +329,11 @@ class Communicator : public CollectiveInterface<Communicator> {
     return attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged;
   }
 
-  //! Issues `call` on the stream (device buffers).
+  //! Issues `call` on the communication stream (device buffers; the caller ordered the stream
+  //! after the compute).
   void enqueue(const CollectiveCall& call) {
     detail::State& s = *state_;
-    const cudaStream_t stream = s.backend->stream();
+    const cudaStream_t stream = s.backend->communication_stream();
     const ncclDataType_t type = detail::type_of(call.dtype);
     ncclResult_t r = ncclSuccess;
     switch (call.kind) {
@@ -343,16 +354,32 @@ class Communicator : public CollectiveInterface<Communicator> {
     s.finish(r, "nccl enqueue");
   }
 
-  //! A Request that completes with what was last enqueued on the stream.
+  //! A Request that completes with what was last enqueued on the communication stream.
   Request completion(const CollectiveCall& call) {
     cudaEvent_t event = nullptr;
     state_->backend->activate();  // an event records only on a stream of its own device
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    LOOM_CUDA_CHECK(cudaEventRecord(event, state_->backend->stream()));
+    if (const cudaError_t e = cudaEventRecord(event, state_->backend->communication_stream()); e != cudaSuccess) {
+      (void)cudaEventDestroy(event);
+      loom::detail::cuda_check(e, "cudaEventRecord(event, communication_stream())");
+    }
     return Request(detail::EventRequest(state_, event, call));
   }
 
-  //! Issues the calls as one group on the stream (device buffers).
+  //! Tells the backend which device memory the calls just issued read and write, so that none of
+  //! it is reused by new compute before they are done, should a caller free it early.
+  void mark_in_use(std::span<const CollectiveCall> calls) {
+    std::vector<loom::detail::DeviceRange> ranges;
+    ranges.reserve(2 * calls.size());
+    for (const CollectiveCall& call : calls) {
+      const loom::detail::StagingPlan plan = loom::detail::staging_plan(call, rank(), size());
+      ranges.push_back({call.input, plan.input_bytes});
+      ranges.push_back({call.output, plan.output_bytes});
+    }
+    state_->backend->communication_uses(ranges);
+  }
+
+  //! Issues the calls as one group on the communication stream (device buffers).
   void enqueue_group(std::span<const CollectiveCall> calls) {
     state_->finish(ncclGroupStart(), "ncclGroupStart");
     for (const CollectiveCall& call : calls) enqueue(call);
@@ -391,6 +418,7 @@ class Communicator : public CollectiveInterface<Communicator> {
       if (plan.stage_bytes > 0) be.copy_from_host(plan.stage_into_output ? out : in, plan.stage_from, plan.stage_bytes);
       device.push_back(loom::detail::with_scratch_buffers(calls[i], in, out));
     }
+    be.order_communication_after_compute();
     if (device.size() == 1)
       enqueue(device.front());
     else

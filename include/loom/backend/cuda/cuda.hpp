@@ -7,10 +7,12 @@
 
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "loom/backend/concepts.hpp"
 #include "loom/backend/cuda/caching_allocator.hpp"
+#include "loom/backend/cuda/detail/communication_stream.hpp"
 #include "loom/backend/cuda/detail/lt_gemms.hpp"
 #include "loom/backend/cuda/error.hpp"
 #include "loom/core/error.hpp"
@@ -18,9 +20,10 @@
 
 namespace loom {
 
-//! The CUDA backend. A value per rank: its device, its stream (all of the rank's kernels,
-//! copies and NCCL collectives are ordered on it), its memory and the accounting of it.
-//! Host calls that return data (copy_to_host, synchronize) wait for the stream.
+//! The CUDA backend. A value per rank: its device, its stream (all of the rank's kernels and
+//! copies are ordered on it), a second stream for its NCCL calls (communication_stream), its
+//! memory and the accounting of it. Host calls that return data (copy_to_host, synchronize)
+//! wait for the stream.
 class cuda {
  public:
   using loom_backend = void;
@@ -47,6 +50,7 @@ class cuda {
   cuda& operator=(const cuda&) = delete;
   ~cuda() {
     (void)cudaSetDevice(device_);
+    communication_.reset();  // waits for the communication issued on it
     (void)cudaStreamSynchronize(stream_);
     if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
     lt_gemms_.reset();
@@ -91,6 +95,40 @@ class cuda {
   void set_gemm_epilogues(bool enabled) noexcept { gemm_epilogues_ = enabled; }
   //! The stream every operation of this rank is ordered on.
   cudaStream_t stream() const noexcept { return stream_; }
+
+  //! Whether NCCL calls run on a stream of their own (on, the default), so that a collective
+  //! overlaps the kernels issued after it (DDP's buckets with the rest of the backward), or on
+  //! stream() behind and before the kernels (off: each collective holds up the compute).
+  bool overlap_communication() const noexcept { return overlap_communication_; }
+  void set_overlap_communication(bool enabled) {
+    if (!enabled && communication_ != nullptr) {
+      activate();
+      communication_->before_compute();  // what already runs there comes before what follows
+    }
+    overlap_communication_ = enabled;
+  }
+  //! The stream NCCL calls are issued on: a stream of the rank's own beside stream() (created
+  //! on first use), or stream() itself when overlap_communication() is off. Before issuing,
+  //! call order_communication_after_compute(); after, communication_uses() with the buffers.
+  cudaStream_t communication_stream() const {
+    if (!overlap_communication_) return stream_;
+    return communication().stream();
+  }
+  //! Makes the communication stream wait for everything issued on stream() so far (a no-op
+  //! when they are the same stream).
+  void order_communication_after_compute() const {
+    if (!overlap_communication_) return;
+    activate();
+    communication().after_compute();
+  }
+  //! Records that `ranges` of device memory are in use by the communication issued so far: if
+  //! one of them is freed before that is done, the memory is not handed to new work on stream()
+  //! until it is (deallocate makes stream() wait for it).
+  void communication_uses(std::span<const detail::DeviceRange> ranges) const {
+    if (!overlap_communication_) return;
+    activate();
+    communication().uses(ranges);
+  }
   //! The rank's cuBLAS handle, bound to its stream (created on first use: a backend that runs
   //! no GEMM never initialises cuBLAS).
   cublasHandle_t cublas() const {
@@ -126,6 +164,7 @@ class cuda {
     return p;
   }
   void deallocate(void* p, std::size_t bytes, MemoryCategory category) noexcept {
+    if (communication_ != nullptr) communication_->before_reuse({p, bytes});
     allocator_->deallocate(p);
     memory_.remove(category, bytes);
   }
@@ -200,7 +239,17 @@ class cuda {
   cudaStream_t stream_ = nullptr;
   mutable cublasHandle_t cublas_ = nullptr;  // created by the first cublas() call
   mutable std::unique_ptr<detail::LtGemms> lt_gemms_;  // created by the first lt_gemms() call
+  detail::CommunicationStream& communication() const {
+    if (communication_ == nullptr) {
+      activate();
+      communication_ = std::make_unique<detail::CommunicationStream>(stream_);
+    }
+    return *communication_;
+  }
+
+  bool overlap_communication_ = true;
   std::unique_ptr<detail::CachingAllocator> allocator_;
+  mutable std::unique_ptr<detail::CommunicationStream> communication_;  // created on first use
   MemoryTracker memory_;
 };
 

@@ -1,6 +1,6 @@
 #pragma once
 //! \file Whether the pipeline executor's messages would deadlock on a communicator that runs a
-//! rank's point-to-point operations in issue order (NCCL: one stream, no tags, a send holds up
+//! rank's point-to-point operations in issue order (NCCL: one communication stream, no tags, a send holds up
 //! what comes after it until its receiver takes it; only the calls of one group progress
 //! together). Every rank's actions are a function of the schedule and the shape, so each rank
 //! models all of them on the host, before a step sends anything.

@@ -705,7 +705,7 @@ class PipelineExecutor {
         // Each holder's piece, in holder order: ours in place, the others received into the
         // buffer. The exchange goes pair by pair in holder order, each pair's send and receive
         // as one group: two holders that each sent first and then received would deadlock where
-        // a send holds up the rank's later work until it is received (NCCL's stream order;
+        // a send holds up the rank's later messages until it is received (NCCL's stream order;
         // test_pipeline_stream_order).
         parts.clear();
         std::int64_t received = 0;

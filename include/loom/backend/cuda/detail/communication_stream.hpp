@@ -1,0 +1,104 @@
+#pragma once
+//! \file The stream a rank's NCCL calls run on, beside its compute stream, so that a collective
+//! runs while the kernels issued after it do (DDP's buckets during the backward, ZeRO-3's
+//! prefetched gathers). Three orderings keep it correct:
+//!  - communication waits for the compute issued before it (an event recorded on the compute
+//!    stream and waited for on this one, at every call);
+//!  - compute that reads what communication wrote comes after the host waited for the call's
+//!    Request (the Communicator contract: a buffer is not touched before its request completes);
+//!  - memory freed while communication still uses it (a buffer released before its request was
+//!    waited for) is not handed to new compute: the compute stream first waits for that work,
+//!    as PyTorch's record_stream does.
+
+#include <cuda_runtime_api.h>
+
+#include <span>
+#include <vector>
+
+#include "loom/backend/cuda/detail/in_use_ranges.hpp"
+#include "loom/backend/cuda/error.hpp"
+
+namespace loom::detail {
+
+//! A communication stream of one device, ordered against that device's compute stream.
+class CommunicationStream {
+ public:
+  //! Creates the stream on the current device (the caller activates it).
+  explicit CommunicationStream(cudaStream_t compute) : compute_(compute) {
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    if (const cudaError_t e = cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming); e != cudaSuccess) {
+      (void)cudaStreamDestroy(stream_);
+      cuda_check(e, "cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming)");
+    }
+  }
+  CommunicationStream(const CommunicationStream&) = delete;
+  CommunicationStream& operator=(const CommunicationStream&) = delete;
+  ~CommunicationStream() {
+    (void)cudaStreamSynchronize(stream_);
+    in_use_.clear([this](cudaEvent_t e) { spare_.push_back(e); });
+    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
+    (void)cudaEventDestroy(compute_done_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  //! Makes this stream wait for everything issued on the compute stream so far.
+  void after_compute() {
+    LOOM_CUDA_CHECK(cudaEventRecord(compute_done_, compute_));
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream_, compute_done_, 0));
+  }
+
+  //! Makes the compute stream wait for everything issued on this stream so far (before work
+  //! goes back onto the compute stream alone).
+  void before_compute() {
+    cudaEvent_t tail = take_event();
+    LOOM_CUDA_CHECK(cudaEventRecord(tail, stream_));
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(compute_, tail, 0));
+    spare_.push_back(tail);  // the wait took the event's state; it may be recorded again
+  }
+
+  //! Records that `ranges` are in use by the work issued on this stream so far, until it is done.
+  void uses(std::span<const DeviceRange> ranges) {
+    in_use_.drop_done([](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; },
+                      [this](cudaEvent_t e) { spare_.push_back(e); });
+    cudaEvent_t until = take_event();
+    if (const cudaError_t e = cudaEventRecord(until, stream_); e != cudaSuccess) {
+      spare_.push_back(until);
+      cuda_check(e, "cudaEventRecord(until, stream_)");
+    }
+    in_use_.add(ranges, until);
+  }
+
+  //! Before `range` is handed to new work on the compute stream: the compute stream waits for
+  //! the communication still using any of it. Failures are left for the next checked call
+  //! (this runs where memory is freed, which does not throw).
+  void before_reuse(DeviceRange range) const noexcept {
+    in_use_.for_each_overlapping(range, [this](cudaEvent_t until) {
+      if (cudaEventQuery(until) != cudaSuccess) (void)cudaStreamWaitEvent(compute_, until, 0);
+    });
+  }
+
+  //! Entries of memory in use not yet seen done (for tests).
+  std::size_t in_use_entries() const noexcept { return in_use_.size(); }
+
+ private:
+  cudaEvent_t take_event() {
+    if (!spare_.empty()) {
+      cudaEvent_t e = spare_.back();
+      spare_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+  cudaStream_t compute_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t compute_done_ = nullptr;
+  std::vector<cudaEvent_t> spare_;
+  InUseRanges<cudaEvent_t> in_use_;
+};
+
+}  // namespace loom::detail
