@@ -183,6 +183,26 @@ TEST_CASE("memory freed while communication uses it is reused only after that is
   CHECK(back == sent);
 }
 
+TEST_CASE("the host's waits for the stream run the watches of communication in flight") {
+  if (!have_gpu()) return;
+  cuda be(0);
+  int done_checks = 0, pending_checks = 0;
+  be.watch([&] { return ++done_checks > 0; });  // done at its first check
+  be.synchronize();
+  be.synchronize();
+  CHECK(done_checks == 1);  // and dropped then
+  be.watch([&] {
+    if (++pending_checks < 3) return false;
+    throw Error("watched call", "3 checks", "fails the wait");
+  });
+  LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.stream(), hold_stream, &hold_ms));
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(be.synchronize(), doctest::Contains("watched call: got 3 checks"), Error);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(150));  // not held to the end
+  be.synchronize();  // the failed watch is gone: an ordinary wait
+  CHECK(pending_checks == 3);
+}
+
 TEST_CASE("device memory is accounted by category and cached for reuse") {
   if (!have_gpu()) return;
   cuda be(0);

@@ -170,24 +170,61 @@ TEST_CASE("an NCCL call waits for the kernels issued before it and runs beside t
     int comm_hold_ms = 300;
     LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.communication_stream(), hold_stream, &comm_hold_ms));
     const auto start = std::chrono::steady_clock::now();
-    Request gathered = comm.all_gather_async(std::span<const float>(x.data(), n), std::span<float>(y.data(), n));
-    be.copy(update.data(), x.data(), x.bytes());
-    be.synchronize();
     const auto ms_since = [&] {
       return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     };
+    Request gathered = comm.all_gather_async(std::span<const float>(x.data(), n), std::span<float>(y.data(), n));
+    be.copy(update.data(), x.data(), x.bytes());
+    be.synchronize();
     const double compute_ms = ms_since();
-    gathered.wait();
+    gathered.wait();  // in stream order: the host goes on
+    const double wait_returned_ms = ms_since();
+    be.synchronize();  // the stream waits for the gather
     const double gather_ms = ms_since();
     CAPTURE(compute_ms);
+    CAPTURE(wait_returned_ms);
     CAPTURE(gather_ms);
     CHECK(gather_ms >= 250.0);  // the gather ran on the communication stream, behind the hold
-    if (overlap)
+    if (overlap) {
       CHECK(compute_ms < 200.0);
-    else
+      CHECK(wait_returned_ms < 200.0);
+    } else {
       CHECK(compute_ms >= 250.0);
-    be.synchronize();
+    }
   }
+}
+
+TEST_CASE("on device buffers a call completes in stream order; a barrier waits on the host") {
+  if (gpus() == 0) return;
+  cuda be(0);
+  nccl::Communicator comm(be, nccl::UniqueId::make(), 1, 0);
+  const std::size_t n = 1000;
+  std::vector<float> host(n, 5.0f), back(n);
+  Buffer<float, cuda> data(be, static_cast<std::int64_t>(n), MemoryCategory::workspace);
+  be.copy_from_host(data.data(), host.data(), data.bytes());
+  comm.all_reduce(std::span<float>(data.data(), n));  // NCCL's first call sets up
+  be.synchronize();
+  int hold_ms = 300;
+  const auto ms_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+  };
+  LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.communication_stream(), hold_stream, &hold_ms));
+  auto start = std::chrono::steady_clock::now();
+  comm.all_reduce(std::span<float>(data.data(), n), ReduceOp::max);
+  const double run_ms = ms_since(start);
+  be.copy_to_host(back.data(), data.data(), data.bytes());
+  const double copied_ms = ms_since(start);
+  CAPTURE(run_ms);
+  CAPTURE(copied_ms);
+  CHECK(run_ms < 200.0);      // the host did not wait for the held stream
+  CHECK(copied_ms >= 250.0);  // the copy, on the compute stream, did
+  CHECK(back == host);
+  LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.communication_stream(), hold_stream, &hold_ms));
+  start = std::chrono::steady_clock::now();
+  comm.barrier();
+  const double barrier_ms = ms_since(start);
+  CAPTURE(barrier_ms);
+  CHECK(barrier_ms >= 250.0);
 }
 
 TEST_CASE("NCCL over every GPU, bootstrapped through thread ranks, passes the conformance suite") {
@@ -211,6 +248,33 @@ TEST_CASE("a bad rank or size is rejected before NCCL is called") {
   cuda be(0);
   CHECK_THROWS_WITH_AS(nccl::Communicator(be, nccl::UniqueId::make(), 2, 2), doctest::Contains("rank: got 2"), Error);
   CHECK_THROWS_WITH_AS(nccl::Communicator(be, nccl::UniqueId::make(), 0, 0), doctest::Contains("size: got 0"), Error);
+}
+
+// Last in the file: NCCL aborts the communicator while its kernel still waits behind the held
+// stream, which may leave the GPU unusable for cases after it in this process.
+TEST_CASE("a call that does not complete in time fails the backend's next host wait, naming it") {
+  if (gpus() == 0) return;
+  cuda be(0);
+  {
+    nccl::Communicator comm(be, nccl::UniqueId::make(), 1, 0, {.timeout = std::chrono::milliseconds(200)});
+    Buffer<float, cuda> data(be, 64, MemoryCategory::workspace);
+    be.fill_zero(data.data(), data.bytes());
+    comm.all_reduce(std::span<float>(data.data(), 64));  // NCCL's first call sets up
+    be.synchronize();
+    int hold_ms = 1500;
+    LOOM_CUDA_CHECK(cudaLaunchHostFunc(be.communication_stream(), hold_stream, &hold_ms));
+    comm.all_reduce(std::span<float>(data.data(), 64));  // returns at once: stream-ordered
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH_AS(be.synchronize(),
+                         doctest::Contains("rank 0's all_reduce(count=64, float32, sum) did not complete within 200 ms"),
+                         Error);
+    const double failed_after_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    CAPTURE(failed_after_ms);
+    CHECK(failed_after_ms < 1000.0);  // at the timeout, not when the held stream let go
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(data.data(), 64)),
+                         doctest::Contains("it failed earlier and was aborted"), Error);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -4,8 +4,13 @@
 //! NCCL error a loom::Error, and a stalled collective timed out (NCCL's non-blocking mode:
 //! ncclCommGetAsyncError, then ncclCommAbort) instead of hanging.
 //!
-//! Buffers may be device memory (the collective is ordered after the backend's stream) or host
-//! memory (staged through device scratch, as the Trainer's loss and norm sums are).
+//! Buffers may be device memory or host memory (staged through device scratch, as the
+//! Trainer's loss and norm sums are). On device memory a call completes in stream order: when
+//! run() returns, or its Request's wait() does, the work issued on the backend's stream from then
+//! on runs after it, and the host has not waited. The backend's host waits (synchronize and the
+//! copies to and from the host) check the calls in flight (cuda::watch), so one that fails or
+//! never completes is raised there, naming the call. On host memory, and for barrier(), the host
+//! waits.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -48,6 +53,9 @@ namespace detail {
 inline ncclDataType_t type_of(DType t) noexcept {
   return t == DType::float32 ? ncclFloat32 : t == DType::float64 ? ncclFloat64 : ncclBfloat16;
 }
+//! A CUDA event shared by a Request and the backend's watch of the call (destroyed with the last).
+using SharedEvent = std::shared_ptr<CUevent_st>;
+
 inline ncclRedOp_t op_of(ReduceOp op) noexcept {
   return op == ReduceOp::sum ? ncclSum : op == ReduceOp::average ? ncclAvg : ncclMax;
 }
@@ -141,6 +149,26 @@ struct State {
       std::this_thread::yield();
     }
   }
+  //! The backend's watch of a call (cuda::watch): true once it completed, or once this
+  //! communicator failed (that was raised already); fails it on an error, or when `deadline`
+  //! passed first.
+  bool watch(cudaEvent_t event, const CollectiveCall& call, std::chrono::steady_clock::time_point deadline) {
+    if (!failure.empty()) return true;
+    if (poll(event, call)) return true;
+    if (std::chrono::steady_clock::now() > deadline)
+      fail("rank " + std::to_string(rank) + "'s " + to_text(call) + " did not complete within " +
+           std::to_string(options.timeout.count()) + " ms (a peer did not join it)");
+    return false;
+  }
+  //! Makes the backend's stream wait for `event` (stream-ordered completion).
+  void order_compute_after(cudaEvent_t event, const CollectiveCall& call) {
+    check_healthy();
+    backend->activate();
+    if (const cudaError_t e = cudaStreamWaitEvent(backend->stream(), event, 0); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail(to_text(call) + ": cudaStreamWaitEvent: " + cudaGetErrorString(e));
+    }
+  }
   //! Whether `event` has completed; throws on a CUDA or NCCL error.
   bool poll(cudaEvent_t event, const CollectiveCall& call) {
     check_healthy();
@@ -158,33 +186,42 @@ struct State {
   static std::string to_text(const CollectiveCall& call) { return loom::detail::to_text(call); }
 };
 
+//! How a call's Request completes: in stream order (device buffers: the backend's stream waits
+//! for the call, the host does not), or with the host waiting (barrier, staged host buffers).
+enum class Completion { stream_ordered, host };
+
 //! An asynchronous collective's handle: a CUDA event recorded after it on the communication
 //! stream.
 class EventRequest {
  public:
-  EventRequest(std::shared_ptr<State> state, cudaEvent_t event, const CollectiveCall& call) noexcept
-      : state_(std::move(state)), event_(event), call_(call) {}
-  EventRequest(EventRequest&& o) noexcept
-      : state_(std::move(o.state_)), event_(std::exchange(o.event_, nullptr)), call_(o.call_) {}
+  EventRequest(std::shared_ptr<State> state, SharedEvent event, const CollectiveCall& call,
+               Completion completion) noexcept
+      : state_(std::move(state)), event_(std::move(event)), call_(call), completion_(completion) {}
+  EventRequest(EventRequest&&) noexcept = default;
   EventRequest& operator=(EventRequest&&) = delete;
-  ~EventRequest() {
-    if (event_ != nullptr) (void)cudaEventDestroy(event_);
+  void wait() {
+    if (completion_ == Completion::host)
+      state_->await(event_.get(), call_);
+    else
+      state_->order_compute_after(event_.get(), call_);
   }
-  void wait() { state_->await(event_, call_); }
-  bool test() { return state_->poll(event_, call_); }
+  bool test() { return state_->poll(event_.get(), call_); }
 
  private:
   std::shared_ptr<State> state_;
-  cudaEvent_t event_;
+  SharedEvent event_;
   CollectiveCall call_;
+  Completion completion_;
 };
 
 }  // namespace detail
 
 //! A group of ranks, one GPU each, communicating through NCCL on their backends' communication
 //! streams (loom::cuda::communication_stream): a call runs after the kernels issued before it
-//! and beside those issued after it, and its buffers may be touched again once its Request
-//! completed (run() and the blocking forms return then).
+//! and beside those issued after it, until its completion (run()'s return, its Request's
+//! wait()), after which the kernels issued on the backend's stream run after it. On device
+//! buffers that completion is stream-ordered: the host goes on at once, and the backend's next
+//! host wait raises a call that failed or timed out (see the file comment).
 class Communicator : public CollectiveInterface<Communicator> {
  public:
   using loom_communicator = void;
@@ -234,16 +271,23 @@ class Communicator : public CollectiveInterface<Communicator> {
   //! The NCCL handle, for calls loom does not wrap.
   ncclComm_t native() const noexcept { return state_->comm; }
 
-  //! Runs `call` and waits for it (with the timeout). Device buffers: after the work issued on
-  //! the backend's stream, complete on return. Host buffers: staged through device memory.
+  //! Runs `call`. Device buffers: after the work issued on the backend's stream, and complete in
+  //! stream order on return (the backend's stream waits for it; the host does not). Host
+  //! buffers (staged through device memory) and barrier: complete on return (the host waited,
+  //! with the timeout).
   void run(const CollectiveCall& call) { start(call).wait(); }
 
   //! Starts `call` on the communication stream, after the work issued on the backend's stream;
-  //! the Request completes with it. Host buffers are staged and the call completes before this
-  //! returns.
+  //! the Request completes with it (wait(): in stream order, or for a barrier with the host
+  //! waiting). Host buffers are staged and the call completes before this returns.
   Request start(const CollectiveCall& call) {
     state_->check_healthy();
-    if (call.kind == Collective::barrier) return start(barrier_call());
+    if (call.kind == Collective::barrier) {
+      const CollectiveCall word = barrier_call();
+      state_->backend->order_communication_after_compute();
+      enqueue(word);
+      return completion(call, detail::Completion::host);
+    }
     if (on_host(call)) {
       run_staged(std::span<const CollectiveCall>(&call, 1));
       return {};
@@ -251,7 +295,7 @@ class Communicator : public CollectiveInterface<Communicator> {
     state_->backend->order_communication_after_compute();
     enqueue(call);
     mark_in_use(std::span<const CollectiveCall>(&call, 1));
-    return completion(call);
+    return completion(call, detail::Completion::stream_ordered);
   }
 
   //! Starts the sends and receives of `calls` as one NCCL group (ncclGroupStart/ncclGroupEnd):
@@ -272,7 +316,7 @@ class Communicator : public CollectiveInterface<Communicator> {
     state_->backend->order_communication_after_compute();
     enqueue_group(calls);
     mark_in_use(calls);
-    for (std::size_t i = 0; i < calls.size(); ++i) requests[i] = completion(calls[i]);
+    for (std::size_t i = 0; i < calls.size(); ++i) requests[i] = completion(calls[i], detail::Completion::stream_ordered);
     return requests;
   }
 
@@ -354,16 +398,20 @@ class Communicator : public CollectiveInterface<Communicator> {
     s.finish(r, "nccl enqueue");
   }
 
-  //! A Request that completes with what was last enqueued on the communication stream.
-  Request completion(const CollectiveCall& call) {
-    cudaEvent_t event = nullptr;
+  //! A Request that completes with what was last enqueued on the communication stream. The
+  //! backend watches the call until it is done (cuda::watch), from now until the timeout.
+  Request completion(const CollectiveCall& call, detail::Completion how) {
+    cudaEvent_t raw = nullptr;
     state_->backend->activate();  // an event records only on a stream of its own device
-    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    if (const cudaError_t e = cudaEventRecord(event, state_->backend->communication_stream()); e != cudaSuccess) {
-      (void)cudaEventDestroy(event);
-      loom::detail::cuda_check(e, "cudaEventRecord(event, communication_stream())");
-    }
-    return Request(detail::EventRequest(state_, event, call));
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
+    const detail::SharedEvent event(raw, [](cudaEvent_t e) { (void)cudaEventDestroy(e); });
+    LOOM_CUDA_CHECK(cudaEventRecord(raw, state_->backend->communication_stream()));
+    const auto deadline = std::chrono::steady_clock::now() + state_->options.timeout;
+    state_->backend->watch([state = std::weak_ptr<detail::State>(state_), event, call, deadline] {
+      const std::shared_ptr<detail::State> s = state.lock();
+      return s == nullptr || s->watch(event.get(), call, deadline);
+    });
+    return Request(detail::EventRequest(state_, event, call, how));
   }
 
   //! Tells the backend which device memory the calls just issued read and write, so that none of
@@ -423,7 +471,7 @@ class Communicator : public CollectiveInterface<Communicator> {
       enqueue(device.front());
     else
       enqueue_group(device);
-    completion(device.front()).wait();
+    completion(device.front(), detail::Completion::host).wait();
     for (std::size_t i = 0; i < device.size(); ++i)
       if (plans[i].copy_back_bytes > 0) be.copy_to_host(plans[i].copy_back_to, device[i].output, plans[i].copy_back_bytes);
   }

@@ -83,7 +83,8 @@ struct StepMetrics {
   //! activations or gradients, waiting for its sends to drain, exchanging tied gradients with
   //! the other stages that hold them, and waiting at the end of the step for the last stage to
   //! finish (0 without pipeline stages). Divided by `seconds`, it is the rank's measured
-  //! pipeline bubble.
+  //! pipeline bubble. Host time: over NCCL, where the host does not wait for messages (they
+  //! complete in stream order on the GPU), it is not the bubble (docs/cuda.md).
   double pipeline_wait_seconds = 0;
 };
 

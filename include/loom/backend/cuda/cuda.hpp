@@ -5,10 +5,14 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "loom/backend/concepts.hpp"
 #include "loom/backend/cuda/caching_allocator.hpp"
@@ -23,7 +27,8 @@ namespace loom {
 //! The CUDA backend. A value per rank: its device, its stream (all of the rank's kernels and
 //! copies are ordered on it), a second stream for its NCCL calls (communication_stream), its
 //! memory and the accounting of it. Host calls that return data (copy_to_host, synchronize)
-//! wait for the stream.
+//! wait for the stream, checking the communication in flight meanwhile (watch), so a collective
+//! that never completes fails the wait instead of hanging it.
 class cuda {
  public:
   using loom_backend = void;
@@ -153,6 +158,34 @@ class cuda {
     return *lt_gemms_;
   }
 
+  //! While the host waits for this rank's stream (synchronize, copy_to_host, copy_from_host),
+  //! runs `check` now and then until it returns true (done; it is dropped); an exception from it
+  //! ends the wait and propagates. The NCCL communicator watches each of its calls this way:
+  //! their completion is stream-ordered (the host does not wait for them), so it is here that a
+  //! collective that never completes, or fails, is noticed and its communicator aborted.
+  void watch(std::function<bool()> check) const {
+    watches_.push_back(std::move(check));
+    // Checks from earlier calls that are done by now go, so the list stays short between waits.
+    if (watches_.size() >= 64) run_watches();
+  }
+  //! Checks the communication in flight (see watch); throws what a check throws.
+  void run_watches() const {
+    std::size_t kept = 0, i = 0;
+    try {
+      for (; i < watches_.size(); ++i) {
+        if (watches_[i]()) continue;
+        if (kept != i) watches_[kept] = std::move(watches_[i]);
+        ++kept;
+      }
+    } catch (...) {
+      // The check that threw goes too: it has said what it had to.
+      watches_.erase(watches_.begin() + static_cast<std::ptrdiff_t>(kept),
+                     watches_.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      throw;
+    }
+    watches_.resize(kept);
+  }
+
   //! Device memory counted under `category` (the requested bytes; the allocator may hold more).
   //! Out of device memory (after the cache was given back), fails with a loom::Error that says
   //! what this rank holds, by category, and what the device has left.
@@ -208,8 +241,29 @@ class cuda {
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
   //! Waits for everything issued on the stream; an asynchronous fault of earlier work surfaces
-  //! here as a loom::Error.
-  void synchronize() const { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  //! here as a loom::Error, as does communication the stream waits for that failed or timed out
+  //! (watch).
+  void synchronize() const {
+    if (watches_.empty()) {
+      LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      return;
+    }
+    activate();
+    // The watches run every millisecond of the wait: often enough for a timeout of any use,
+    // seldom enough that many calls in flight cost nothing beside the stream's work.
+    auto next_check = std::chrono::steady_clock::now();
+    while (true) {
+      const cudaError_t status = cudaStreamQuery(stream_);
+      if (status == cudaSuccess) break;
+      if (status != cudaErrorNotReady) detail::cuda_check(status, "cudaStreamQuery(stream_)");
+      if (const auto now = std::chrono::steady_clock::now(); now >= next_check) {
+        run_watches();
+        next_check = now + std::chrono::milliseconds(1);
+      }
+      std::this_thread::yield();
+    }
+    run_watches();
+  }
 
  private:
   static int check_device(int device) {
@@ -248,6 +302,7 @@ class cuda {
   }
 
   bool overlap_communication_ = true;
+  mutable std::vector<std::function<bool()>> watches_;  // communication in flight (watch)
   std::unique_ptr<detail::CachingAllocator> allocator_;
   mutable std::unique_ptr<detail::CommunicationStream> communication_;  // created on first use
   MemoryTracker memory_;
