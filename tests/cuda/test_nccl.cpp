@@ -46,7 +46,6 @@ conformance::Failures nccl_conformance(C& comm) {
 class OnDevice : public CollectiveInterface<OnDevice> {
  public:
   using loom_communicator = void;
-  static constexpr bool point_to_point_in_issue_order = true;
 
   OnDevice(nccl::Communicator inner, cuda& backend) : inner_(std::move(inner)), backend_(&backend) {}
   int rank() const { return inner_.rank(); }
