@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -165,8 +166,13 @@ class cuda {
   //! collective that never completes, or fails, is noticed and its communicator aborted.
   void watch(std::function<bool()> check) const {
     watches_.push_back(std::move(check));
-    // Checks from earlier calls that are done by now go, so the list stays short between waits.
-    if (watches_.size() >= 64) run_watches();
+    // Checks of earlier calls that are done by now go, so the list stays short between waits.
+    // A host running ahead of the GPU has many calls in flight: the next sweep waits until the
+    // list has doubled, so sweeping costs a constant per call however long the list.
+    if (watches_.size() >= next_sweep_) {
+      run_watches();
+      next_sweep_ = std::max<std::size_t>(64, 2 * watches_.size());
+    }
   }
   //! Checks the communication in flight (see watch); throws what a check throws.
   void run_watches() const {
@@ -303,6 +309,7 @@ class cuda {
 
   bool overlap_communication_ = true;
   mutable std::vector<std::function<bool()>> watches_;  // communication in flight (watch)
+  mutable std::size_t next_sweep_ = 64;                  // watch() sweeps at this many
   std::unique_ptr<detail::CachingAllocator> allocator_;
   mutable std::unique_ptr<detail::CommunicationStream> communication_;  // created on first use
   MemoryTracker memory_;

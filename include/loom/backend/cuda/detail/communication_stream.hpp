@@ -12,6 +12,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <span>
 #include <vector>
 
@@ -60,8 +62,13 @@ class CommunicationStream {
 
   //! Records that `ranges` are in use by the work issued on this stream so far, until it is done.
   void uses(std::span<const DeviceRange> ranges) {
-    in_use_.drop_done([](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; },
-                      [this](cudaEvent_t e) { spare_.push_back(e); });
+    // Entries seen done go when the list has doubled since the last sweep: a host running ahead
+    // of the GPU keeps many in flight, and sweeping at every call would cost their number each.
+    if (in_use_.size() >= next_sweep_) {
+      in_use_.drop_done([](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; },
+                        [this](cudaEvent_t e) { spare_.push_back(e); });
+      next_sweep_ = std::max<std::size_t>(16, 2 * in_use_.size());
+    }
     cudaEvent_t until = take_event();
     if (const cudaError_t e = cudaEventRecord(until, stream_); e != cudaSuccess) {
       spare_.push_back(until);
@@ -99,6 +106,7 @@ class CommunicationStream {
   cudaEvent_t compute_done_ = nullptr;
   std::vector<cudaEvent_t> spare_;
   InUseRanges<cudaEvent_t> in_use_;
+  std::size_t next_sweep_ = 16;  // uses() drops the entries done at this many
 };
 
 }  // namespace loom::detail
