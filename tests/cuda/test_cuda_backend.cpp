@@ -171,7 +171,7 @@ TEST_CASE("memory freed while communication uses it is reused only after that is
   LOOM_CUDA_CHECK(cudaMemcpyAsync(received.data(), source->data(), source->bytes(), cudaMemcpyDeviceToDevice,
                                   be.communication_stream()));
   const detail::DeviceRange in_use[] = {{source->data(), source->bytes()}};
-  be.communication_uses(in_use);
+  (void)be.record_communication(in_use);
   // ...but `source` is freed at once, and its block handed out again and written on the compute stream.
   void* block = source->data();
   source.reset();

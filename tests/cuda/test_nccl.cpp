@@ -97,18 +97,7 @@ class OnDevice : public CollectiveInterface<OnDevice> {
       if (plan.copy_back_bytes > 0) backend->copy_to_host(plan.copy_back_to, output.data(), plan.copy_back_bytes);
     }
   };
-  struct State {
-    std::unique_ptr<Pending> pending;
-    void wait() {
-      pending->inner.wait();
-      pending->finish();
-    }
-    bool test() {
-      if (!pending->inner.test()) return false;
-      pending->finish();
-      return true;
-    }
-  };
+  using State = detail::StagedRequest<Pending>;
 
   nccl::Communicator inner_;
   cuda* backend_;

@@ -53,8 +53,7 @@ namespace detail {
 inline ncclDataType_t type_of(DType t) noexcept {
   return t == DType::float32 ? ncclFloat32 : t == DType::float64 ? ncclFloat64 : ncclBfloat16;
 }
-//! A CUDA event shared by a Request and the backend's watch of the call (destroyed with the last).
-using SharedEvent = std::shared_ptr<CUevent_st>;
+using loom::detail::SharedEvent;
 
 inline ncclRedOp_t op_of(ReduceOp op) noexcept {
   return op == ReduceOp::sum ? ncclSum : op == ReduceOp::average ? ncclAvg : ncclMax;
@@ -286,7 +285,7 @@ class Communicator : public CollectiveInterface<Communicator> {
       const CollectiveCall word = barrier_call();
       state_->backend->order_communication_after_compute();
       enqueue(word);
-      return completion(call, detail::Completion::host);
+      return completion(call, detail::Completion::host, state_->backend->record_communication());
     }
     if (on_host(call)) {
       run_staged(std::span<const CollectiveCall>(&call, 1));
@@ -294,8 +293,8 @@ class Communicator : public CollectiveInterface<Communicator> {
     }
     state_->backend->order_communication_after_compute();
     enqueue(call);
-    mark_in_use(std::span<const CollectiveCall>(&call, 1));
-    return completion(call, detail::Completion::stream_ordered);
+    const std::span<const CollectiveCall> calls(&call, 1);
+    return completion(call, detail::Completion::stream_ordered, state_->backend->record_communication(buffers(calls)));
   }
 
   //! Starts the sends and receives of `calls` as one NCCL group (ncclGroupStart/ncclGroupEnd):
@@ -315,8 +314,9 @@ class Communicator : public CollectiveInterface<Communicator> {
       }
     state_->backend->order_communication_after_compute();
     enqueue_group(calls);
-    mark_in_use(calls);
-    for (std::size_t i = 0; i < calls.size(); ++i) requests[i] = completion(calls[i], detail::Completion::stream_ordered);
+    const detail::SharedEvent done = state_->backend->record_communication(buffers(calls));
+    for (std::size_t i = 0; i < calls.size(); ++i)
+      requests[i] = completion(calls[i], detail::Completion::stream_ordered, done);
     return requests;
   }
 
@@ -398,14 +398,10 @@ class Communicator : public CollectiveInterface<Communicator> {
     s.finish(r, "nccl enqueue");
   }
 
-  //! A Request that completes with what was last enqueued on the communication stream. The
-  //! backend watches the call until it is done (cuda::watch), from now until the timeout.
-  Request completion(const CollectiveCall& call, detail::Completion how) {
-    cudaEvent_t raw = nullptr;
-    state_->backend->activate();  // an event records only on a stream of its own device
-    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
-    const detail::SharedEvent event(raw, [](cudaEvent_t e) { (void)cudaEventDestroy(e); });
-    LOOM_CUDA_CHECK(cudaEventRecord(raw, state_->backend->communication_stream()));
+  //! A Request that completes with `event` (recorded after the call on the communication
+  //! stream). The backend watches the call until it is done (cuda::watch), from now until the
+  //! timeout.
+  Request completion(const CollectiveCall& call, detail::Completion how, const detail::SharedEvent& event) {
     const auto deadline = std::chrono::steady_clock::now() + state_->options.timeout;
     state_->backend->watch([state = std::weak_ptr<detail::State>(state_), event, call, deadline] {
       const std::shared_ptr<detail::State> s = state.lock();
@@ -414,9 +410,9 @@ class Communicator : public CollectiveInterface<Communicator> {
     return Request(detail::EventRequest(state_, event, call, how));
   }
 
-  //! Tells the backend which device memory the calls just issued read and write, so that none of
-  //! it is reused by new compute before they are done, should a caller free it early.
-  void mark_in_use(std::span<const CollectiveCall> calls) {
+  //! The device memory `calls` read and write (kept in use until they are done, should a caller
+  //! free some of it early).
+  std::vector<loom::detail::DeviceRange> buffers(std::span<const CollectiveCall> calls) const {
     std::vector<loom::detail::DeviceRange> ranges;
     ranges.reserve(2 * calls.size());
     for (const CollectiveCall& call : calls) {
@@ -424,7 +420,7 @@ class Communicator : public CollectiveInterface<Communicator> {
       ranges.push_back({call.input, plan.input_bytes});
       ranges.push_back({call.output, plan.output_bytes});
     }
-    state_->backend->communication_uses(ranges);
+    return ranges;
   }
 
   //! Issues the calls as one group on the communication stream (device buffers).
@@ -471,7 +467,7 @@ class Communicator : public CollectiveInterface<Communicator> {
       enqueue(device.front());
     else
       enqueue_group(device);
-    completion(device.front(), detail::Completion::host).wait();
+    completion(device.front(), detail::Completion::host, be.record_communication()).wait();
     for (std::size_t i = 0; i < device.size(); ++i)
       if (plans[i].copy_back_bytes > 0) be.copy_to_host(plans[i].copy_back_to, device[i].output, plans[i].copy_back_bytes);
   }

@@ -175,21 +175,8 @@ class StagedCommunicator : public CollectiveInterface<StagedCommunicator<C, B>> 
     }
   };
 
-  //! What a loom::Request holds: the Pending call on the heap, because the inner Request alone
-  //! is larger than Request::inline_bytes.
-  struct State {
-    std::unique_ptr<Pending> pending;
-
-    void wait() {
-      pending->inner.wait();
-      pending->finish();
-    }
-    bool test() {
-      if (!pending->inner.test()) return false;
-      pending->finish();
-      return true;
-    }
-  };
+  //! What a loom::Request holds: the Pending call, finished when it completes.
+  using State = detail::StagedRequest<Pending>;
   static_assert(RequestState<State>);
 
   void stage(const detail::StagingPlan& plan, std::byte* input, std::byte* output) const {

@@ -115,7 +115,7 @@ class cuda {
   }
   //! The stream NCCL calls are issued on: a stream of the rank's own beside stream() (created
   //! on first use), or stream() itself when overlap_communication() is off. Before issuing,
-  //! call order_communication_after_compute(); after, communication_uses() with the buffers.
+  //! call order_communication_after_compute(); after, record_communication() with the buffers.
   cudaStream_t communication_stream() const {
     if (!overlap_communication_) return stream_;
     return communication().stream();
@@ -127,13 +127,14 @@ class cuda {
     activate();
     communication().after_compute();
   }
-  //! Records that `ranges` of device memory are in use by the communication issued so far: if
-  //! one of them is freed before that is done, the memory is not handed to new work on stream()
-  //! until it is (deallocate makes stream() wait for it).
-  void communication_uses(std::span<const detail::DeviceRange> ranges) const {
-    if (!overlap_communication_) return;
+  //! An event recorded after the communication issued so far (for its Requests and watches).
+  //! `ranges` of device memory stay in use until it: if one of them is freed before, the memory
+  //! is not handed to new work on stream() until the event (deallocate makes stream() wait).
+  detail::SharedEvent record_communication(std::span<const detail::DeviceRange> ranges = {}) const {
     activate();
-    communication().uses(ranges);
+    detail::SharedEvent done = detail::record_event(communication_stream());
+    if (overlap_communication_ && !ranges.empty()) communication().uses(ranges, done);
+    return done;
   }
   //! The rank's cuBLAS handle, bound to its stream (created on first use: a backend that runs
   //! no GEMM never initialises cuBLAS).

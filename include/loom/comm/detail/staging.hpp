@@ -5,6 +5,7 @@
 //! buffers through the device.
 
 #include <cstddef>
+#include <memory>
 
 #include "loom/comm/concepts.hpp"
 
@@ -89,5 +90,24 @@ inline CollectiveCall with_scratch_buffers(CollectiveCall call, std::byte* input
   }
   return call;
 }
+
+//! What a Request holds for a staged call: the call on the heap (`Pending`, with the inner
+//! communicator's `Request inner` and a `finish()` that copies the result back), finished by the
+//! wait() or test() that sees the inner call complete. On the heap because the inner Request
+//! alone fills Request::inline_bytes.
+template <class Pending>
+struct StagedRequest {
+  std::unique_ptr<Pending> pending;
+
+  void wait() {
+    pending->inner.wait();
+    pending->finish();
+  }
+  bool test() {
+    if (!pending->inner.test()) return false;
+    pending->finish();
+    return true;
+  }
+};
 
 }  // namespace loom::detail

@@ -14,13 +14,26 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <memory>
 #include <span>
-#include <vector>
 
 #include "loom/backend/cuda/detail/in_use_ranges.hpp"
 #include "loom/backend/cuda/error.hpp"
 
 namespace loom::detail {
+
+//! A CUDA event shared by what waits for it (a Request, the backend's watch of the call, memory
+//! in use until it); destroyed with the last of them.
+using SharedEvent = std::shared_ptr<CUevent_st>;
+
+//! A new event, recorded on `stream` after the work issued on it so far.
+inline SharedEvent record_event(cudaStream_t stream) {
+  cudaEvent_t raw = nullptr;
+  LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
+  SharedEvent event(raw, [](cudaEvent_t e) { (void)cudaEventDestroy(e); });
+  LOOM_CUDA_CHECK(cudaEventRecord(raw, stream));
+  return event;
+}
 
 //! A communication stream of one device, ordered against that device's compute stream.
 class CommunicationStream {
@@ -37,8 +50,6 @@ class CommunicationStream {
   CommunicationStream& operator=(const CommunicationStream&) = delete;
   ~CommunicationStream() {
     (void)cudaStreamSynchronize(stream_);
-    in_use_.clear([this](cudaEvent_t e) { spare_.push_back(e); });
-    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
     (void)cudaEventDestroy(compute_done_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -54,25 +65,18 @@ class CommunicationStream {
   //! Makes the compute stream wait for everything issued on this stream so far (before work
   //! goes back onto the compute stream alone).
   void before_compute() {
-    cudaEvent_t tail = take_event();
-    LOOM_CUDA_CHECK(cudaEventRecord(tail, stream_));
-    LOOM_CUDA_CHECK(cudaStreamWaitEvent(compute_, tail, 0));
-    spare_.push_back(tail);  // the wait took the event's state; it may be recorded again
+    const SharedEvent tail = record_event(stream_);
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(compute_, tail.get(), 0));
   }
 
-  //! Records that `ranges` are in use by the work issued on this stream so far, until it is done.
-  void uses(std::span<const DeviceRange> ranges) {
+  //! Records that `ranges` are in use until `until` (an event of this stream) completes.
+  void uses(std::span<const DeviceRange> ranges, const SharedEvent& until) {
     // Entries seen done go when the list has doubled since the last sweep: a host running ahead
     // of the GPU keeps many in flight, and sweeping at every call would cost their number each.
     if (in_use_.size() >= next_sweep_) {
-      in_use_.drop_done([](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; },
-                        [this](cudaEvent_t e) { spare_.push_back(e); });
+      in_use_.drop_done([](const SharedEvent& e) { return cudaEventQuery(e.get()) == cudaSuccess; },
+                        [](SharedEvent) {});  // the last holder destroys the event
       next_sweep_ = std::max<std::size_t>(16, 2 * in_use_.size());
-    }
-    cudaEvent_t until = take_event();
-    if (const cudaError_t e = cudaEventRecord(until, stream_); e != cudaSuccess) {
-      spare_.push_back(until);
-      cuda_check(e, "cudaEventRecord(until, stream_)");
     }
     in_use_.add(ranges, until);
   }
@@ -81,31 +85,16 @@ class CommunicationStream {
   //! the communication still using any of it. Failures are left for the next checked call
   //! (this runs where memory is freed, which does not throw).
   void before_reuse(DeviceRange range) const noexcept {
-    in_use_.for_each_overlapping(range, [this](cudaEvent_t until) {
-      if (cudaEventQuery(until) != cudaSuccess) (void)cudaStreamWaitEvent(compute_, until, 0);
+    in_use_.for_each_overlapping(range, [this](const SharedEvent& until) {
+      if (cudaEventQuery(until.get()) != cudaSuccess) (void)cudaStreamWaitEvent(compute_, until.get(), 0);
     });
   }
 
-  //! Entries of memory in use not yet seen done (for tests).
-  std::size_t in_use_entries() const noexcept { return in_use_.size(); }
-
  private:
-  cudaEvent_t take_event() {
-    if (!spare_.empty()) {
-      cudaEvent_t e = spare_.back();
-      spare_.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return e;
-  }
-
   cudaStream_t compute_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t compute_done_ = nullptr;
-  std::vector<cudaEvent_t> spare_;
-  InUseRanges<cudaEvent_t> in_use_;
+  InUseRanges<SharedEvent> in_use_;
   std::size_t next_sweep_ = 16;  // uses() drops the entries done at this many
 };
 
