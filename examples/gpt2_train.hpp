@@ -112,6 +112,7 @@ struct Options {
   loom::AdamW::Options adam;  // --adam-beta1, --adam-beta2, --adam-eps; weight_decay from --weight-decay
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   bool fp32_gradients = false;  // bf16: micro-batches' gradients added up, reduced and clipped in fp32
+  bool no_fp32_gradient_fusion = false;  // fp32 gradients drained from bf16, not added by the GEMMs
   std::string attention = "auto";  // stored (probabilities), recompute (log-sum-exp only), or auto
   std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
@@ -857,7 +858,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
        .clip_grad_norm = o.clip,
        .seed = o.seed,
        .recompute_layers = recompute_layers_of(o),
-       .fp32_gradients = o.fp32_gradients},
+       .fp32_gradients = o.fp32_gradients,
+       .fp32_gradient_fusion = !o.no_fp32_gradient_fusion},
       strategy, schedule);
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) {
@@ -913,7 +915,9 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
               static_cast<long long>(config.parameter_count()),
               static_cast<long long>(config.stored_parameter_count()),
               !is_narrow_storage<T> ? "float"
-              : o.fp32_gradients    ? "bf16 (fp32 master weights, moments and gradients)"
+              : o.fp32_gradients    ? (o.no_fp32_gradient_fusion
+                                           ? "bf16 (fp32 master weights, moments and gradients, drained)"
+                                           : "bf16 (fp32 master weights, moments and gradients)")
                                     : "bf16 (fp32 master weights and moments)",
               describe_backend(backend).c_str(),
               static_cast<long long>(o.batch), static_cast<long long>(o.seq),
@@ -979,6 +983,8 @@ int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
 //! which keeps the instantiations few).
 template <class Fn>
 int with_dtype(const Options& o, Fn&& fn) {
+  LOOM_CHECK(!o.no_fp32_gradient_fusion || o.fp32_gradients, "--fp32-gradients with --no-fp32-gradient-fusion", "off",
+             "--no-fp32-gradient-fusion chooses how fp32 gradient sums are made: it needs --dtype bf16 --fp32-gradients");
   if (o.dtype == "bf16") {
     LOOM_CHECK(o.optimizer != "sgd", "--optimizer", o.optimizer, "--dtype bf16 trains with adamw or adafactor");
     return fn(loom::bf16{});

@@ -31,6 +31,9 @@
 // loom's element-wise kernel's, with loom's deltas (erff's error is a few float ulps of 1, as
 // tanhf's is, and its derivative is better conditioned than the tanh form's).
 //
+// bf16 operands with fp32 weight and bias gradient sums (Megatron-LM's gradient-accumulation
+// fusion) are checked at float's tolerance: only the fp32 accumulation rounds them.
+//
 // Without a GPU the host case runs and the program exits with 77 (ctest: skipped).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -336,13 +339,17 @@ TEST_CASE("common_alignment is the largest of 16, 8, 4, 2 bytes dividing every p
 
 TEST_CASE("a GEMM plan key tells every field apart") {
   const detail::LtGemmKey key{CUBLAS_OP_T, CUBLAS_OP_N, 3072, 256, 768, 768, 768, 3072, CUDA_R_16BF,
-                              CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, 3072, 16};
+                              CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, 3072, 16};
   const detail::LtGemmKeyHash hash;
   detail::LtGemmKey other = key;
   CHECK(other == key);
   CHECK(hash(other) == hash(key));
   other.alignment = 8;
   CHECK(!(other == key));
+  other = key;
+  other.output_type = CUDA_R_32F;  // fp32 gradient sums of bf16 operands
+  CHECK(!(other == key));
+  CHECK(hash(other) != hash(key));
   other = key;
   other.epilogue = CUBLASLT_EPILOGUE_GELU_AUX;
   CHECK(!(other == key));
@@ -359,6 +366,45 @@ TEST_CASE_TEMPLATE("fused epilogues compute the separate kernels' results; the e
     for (const Gelu kind : {Gelu::tanh, Gelu::erf}) {
       const References r = inputs.references(k, kind);
       for (const bool epilogues : {false, true}) run_case<E>(k, inputs, r, epilogues, kind);
+    }
+  }
+}
+
+// fp32 gradient sums of a bf16 layer (TrainerOptions::fp32_gradient_fusion): bf16 operands, and
+// dweight and dbias in float, which the GEMM (fp32 C) and the bias sums add to unrounded. The
+// results carry fp32 accumulation only, so they meet float's 1e-5, not bf16's 2^-7, with
+// epilogues off and on (BGRADB then writes fp32 sums), through matmul_backward and
+// gelu_matmul_backward.
+TEST_CASE("bf16 layers add their weight and bias gradients into fp32 sums at fp32 accuracy") {
+  if (!have_gpu()) return;
+  for (const Case& k : cases) {
+    CAPTURE(k.N);
+    CAPTURE(k.C);
+    CAPTURE(k.OC);
+    const Inputs<bf16> inputs(k);
+    const References r = inputs.references(k, Gelu::tanh);
+    const std::vector<float> dweight0 = as_floats(inputs.dweight0), dbias0 = as_floats(inputs.dbias0);
+    for (const bool epilogues : {false, true}) {
+      CAPTURE(epilogues);
+      loom::cuda be(0);
+      be.set_gemm_epilogues(epilogues);
+      const DeviceArray<bf16> d_in(be, inputs.in, Shape{k.N, k.C}), d_in_pre(be, inputs.in_pre, Shape{k.N, k.C}),
+          d_weight(be, inputs.weight, Shape{k.OC, k.C}), d_dout(be, inputs.dout, Shape{k.N, k.OC});
+      const DeviceArray<float> dweight(be, dweight0, Shape{k.OC, k.C}), dbias(be, dbias0, Shape{k.OC});
+      matmul_backward<bf16>(be, Tensor<bf16>{}, dweight.view(), dbias.view(), d_dout.cview(), d_in.cview(),
+                            d_weight.cview());
+      check(dweight.to_host(be), r.dweight, r.dweight_scale, "matmul_backward fp32 dweight");
+      check(dbias.to_host(be), r.dbias, r.dbias_scale, "matmul_backward fp32 dbias");
+
+      // Through the GELU: dpre in bf16 as before, the sums in fp32.
+      const DeviceArray<bf16> dpre(be, std::vector<bf16>(static_cast<std::size_t>(k.N * k.C)), Shape{k.N, k.C});
+      const DeviceArray<float> gelu_dweight(be, dweight0, Shape{k.OC, k.C}), gelu_dbias(be, dbias0, Shape{k.OC});
+      gelu_matmul_backward<bf16>(be, dpre.view(), gelu_dweight.view(), gelu_dbias.view(), d_dout.cview(),
+                                 d_in.cview(), d_weight.cview(), d_in_pre.cview(), Gelu::tanh);
+      check(gelu_dweight.to_host(be), r.dweight, r.dweight_scale, "gelu_matmul_backward fp32 dweight");
+      check(gelu_dbias.to_host(be), r.dbias, r.dbias_scale, "gelu_matmul_backward fp32 dbias");
+      check(dpre.to_host(be), r.dpre, r.dpre_scale, "gelu_matmul_backward dpre beside fp32 sums", r.dpre_absolute,
+            epilogues && k.fusable ? 1e-3 : std::ldexp(1.0, -20));
     }
   }
 }

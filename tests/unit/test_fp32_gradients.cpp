@@ -1,8 +1,10 @@
 // fp32 gradients of bf16 models (TrainerOptions::fp32_gradients, Megatron-LM's
 // accumulate_allreduce_grads_in_fp32): the kernels that move a micro-batch's bf16 gradient into
 // the fp32 sums and step AdamW and SGD from fp32 gradients; many micro-batches add up closer to
-// fp32 training's gradient than in bf16; DDP, ZeRO 1/2/3 and DP x PP pipelines (the tied
-// embedding's gradient exchanged in fp32) train as one rank; the memory it costs.
+// fp32 training's gradient than in bf16, and closer still where the linear layers add their
+// gradients to the fp32 sums themselves (TrainerOptions::fp32_gradient_fusion, on by default, so
+// every layout below runs it); DDP, ZeRO 1/2/3 and DP x PP pipelines (the tied embedding's
+// gradient exchanged in fp32) train as one rank; the memory it costs.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -10,7 +12,9 @@
 #include <vector>
 
 #include "loom/comm/threads.hpp"
+#include "loom/io/masked_lm.hpp"
 #include "loom/loom.hpp"
+#include "support/masked_lm_training.hpp"
 #include "support/parity_check.hpp"
 #include "support/training.hpp"
 #include "support/weight_runs.hpp"
@@ -24,6 +28,7 @@ namespace {
 
 using Bf = gpt2::Model<cpu, bf16>;
 using Fp = gpt2::Model<cpu, float>;
+using BertBf = bert::Model<cpu, bf16>;
 constexpr std::int64_t seq = 16;
 
 using Run = WeightRun;
@@ -33,17 +38,33 @@ Run train(Tr& trainer, std::int64_t global_batch) {
   return train_run(trainer, global_batch, seq);
 }
 
-TrainerOptions options(std::int64_t micro_batch, bool fp32_gradients) {
-  return {.micro_batch_size = micro_batch, .seed = 5, .fp32_gradients = fp32_gradients};
+TrainerOptions options(std::int64_t micro_batch, bool fp32_gradients, bool fusion = true) {
+  return {.micro_batch_size = micro_batch, .seed = 5, .fp32_gradients = fp32_gradients, .fp32_gradient_fusion = fusion};
+}
+
+//! A model of type M (GPT-2's or BERT's) for these tests, and a batch for it.
+template <class M>
+M test_model() {
+  if constexpr (requires { M(small_test_config()); })
+    return M(small_test_config());
+  else
+    return M(bert_test_config());
+}
+template <class M>
+auto test_batch(std::int64_t global_batch) {
+  if constexpr (requires { M(small_test_config()); })
+    return make_batch(0, global_batch, seq, small_test_config().vocab_size);
+  else
+    return masked_test_source().batch_at(0, global_batch, seq);
 }
 
 //! The flat gradient of one step on one rank, widened to double: `global_batch` sequences in
 //! micro-batches of one.
 template <class M>
-std::vector<double> one_step_gradient(std::int64_t global_batch, bool fp32_gradients) {
+std::vector<double> one_step_gradient(std::int64_t global_batch, bool fp32_gradients, bool fusion = true) {
   cpu be(1);
-  Trainer<M, AdamW> trainer(be, M(small_test_config()), AdamW(), ConstantLr{.lr = 0.0}, options(1, fp32_gradients));
-  trainer.step(make_batch(0, global_batch, seq, small_test_config().vocab_size));
+  Trainer<M, AdamW> trainer(be, test_model<M>(), AdamW(), ConstantLr{.lr = 0.0}, options(1, fp32_gradients, fusion));
+  trainer.step(test_batch<M>(global_batch));
   const auto n = static_cast<std::size_t>(trainer.model().layout().total());
   std::vector<double> g(n);
   if constexpr (is_narrow_storage<typename M::scalar_type>) {
@@ -78,6 +99,17 @@ TEST_CASE("drain_into: sum += part widened, part = 0") {
   for (const bf16 p : part) CHECK(static_cast<float>(p) == 0.0f);
   CHECK_THROWS_AS(drain_into<bf16>(be, Tensor<float>(sum.data(), Shape{2}), Tensor<bf16>(part.data(), Shape{3})),
                   Error);
+}
+
+TEST_CASE("subtract_ranges: what a layer drains is what it reads less what it fuses") {
+  const std::vector<ElementRange> reads = {{0, 10}, {20, 30}};
+  CHECK(subtract_ranges(reads, {}) == reads);
+  CHECK(subtract_ranges(reads, {{0, 10}, {20, 30}}).empty());
+  // Cuts out of order, inside, across both ends and between the ranges.
+  CHECK(subtract_ranges(reads, {{25, 27}, {2, 4}, {8, 22}}) ==
+        std::vector<ElementRange>{{0, 2}, {4, 8}, {22, 25}, {27, 30}});
+  CHECK(subtract_ranges(reads, {{10, 20}}) == reads);
+  CHECK(subtract_ranges(reads, {{-5, 3}, {29, 40}}) == std::vector<ElementRange>{{3, 10}, {20, 29}});
 }
 
 TEST_CASE("AdamW and SGD step bf16 parameters from fp32 gradients as from the same values in bf16") {
@@ -121,53 +153,105 @@ TEST_CASE("AdamW and SGD step bf16 parameters from fp32 gradients as from the sa
 TEST_CASE("fp32 gradients: 32 micro-batches add up closer to fp32 training's gradient than in bf16") {
   // Each micro-batch's bf16 gradient is the same either way; what differs is the sum. Added in
   // bf16, the running sum of 32 terms keeps 8 significant bits, so each term loses the bits
-  // below the sum's: errors of 2^-9 of the sum per addition. Added in fp32, only each term's own
-  // rounding remains. Measured on this model (relative L2 from fp32 training's gradient): 7.2e-3
-  // summed in bf16, 3.4e-3 in fp32.
+  // below the sum's: errors of 2^-9 of the sum per addition. Added in fp32 (drained), only each
+  // term's own rounding remains. Fused, the linear layers' terms are not rounded at all: what is
+  // left is the bf16 activations and input gradients they are computed from. Measured on this
+  // model (relative L2 from fp32 training's gradient): 7.2e-3 summed in bf16, 3.4e-3 drained into
+  // fp32, 3.2e-3 fused.
   constexpr std::int64_t micro_batches = 32;
   const std::vector<double> reference = one_step_gradient<Fp>(micro_batches, false);
   const double in_bf16 = relative_l2(one_step_gradient<Bf>(micro_batches, false), reference);
-  const double in_fp32 = relative_l2(one_step_gradient<Bf>(micro_batches, true), reference);
-  MESSAGE("relative L2 from fp32 training's gradient: bf16 sums ", in_bf16, ", fp32 sums ", in_fp32);
+  const double in_fp32 = relative_l2(one_step_gradient<Bf>(micro_batches, true, false), reference);
+  const double fused = relative_l2(one_step_gradient<Bf>(micro_batches, true, true), reference);
+  MESSAGE("relative L2 from fp32 training's gradient: bf16 sums ", in_bf16, ", fp32 sums ", in_fp32, ", fused ",
+          fused);
   CHECK(in_fp32 < 0.75 * in_bf16);
   CHECK(in_fp32 < 1e-2);
+  CHECK(fused < in_fp32);
 }
 
-//! `ranks` data-parallel thread ranks with strategy `St` and fp32 gradients; rank 0's run,
-//! after checking that every rank has the same losses and weights.
+TEST_CASE_TEMPLATE("fp32 gradient fusion: the fused sums round to the drained bf16 gradients; every other gradient "
+                   "is the same bits",
+                   M, Bf, BertBf) {
+  // One micro-batch: a fused layer adds its float GEMM result (and bias column sums) to zeros, an
+  // unfused one rounds the same float values to bf16 and the drain widens them. The input
+  // gradients, so everything upstream, are the same bits either way, and so are the gradients
+  // the layers still write in bf16 (layernorms, position embeddings). wte, the head's fused GEMM
+  // plus the embedding's drained scatter, differs by the rounding of the head's share.
+  const std::vector<double> drained = one_step_gradient<M>(1, true, false);
+  const std::vector<double> fused = one_step_gradient<M>(1, true, true);
+  const M model = test_model<M>();
+  std::vector<int> kind(drained.size(), 0);  // 0: written in bf16, 1: fused, 2: wte
+  for (int l = 0; l < model.num_layers(); ++l)
+    for (const ElementRange& r : model.fp32_gradient_parameters(l))
+      for (std::int64_t i = r.begin; i < r.end; ++i) kind[static_cast<std::size_t>(i)] = 1;
+  const auto& wte = model.layout().find("wte");
+  for (std::int64_t i = wte.offset; i < wte.offset + wte.numel(); ++i) kind[static_cast<std::size_t>(i)] = 2;
+  std::int64_t counts[3] = {0, 0, 0}, mismatches[3] = {0, 0, 0};
+  double wte_diff = 0, wte_norm = 0;
+  for (std::size_t i = 0; i < drained.size(); ++i) {
+    ++counts[kind[i]];
+    if (kind[i] == 0 && fused[i] != drained[i]) ++mismatches[0];
+    if (kind[i] == 1 && static_cast<double>(static_cast<float>(bf16(static_cast<float>(fused[i])))) != drained[i])
+      ++mismatches[1];
+    if (kind[i] == 2) {
+      wte_diff += (fused[i] - drained[i]) * (fused[i] - drained[i]);
+      wte_norm += drained[i] * drained[i];
+    }
+  }
+  INFO("elements written in bf16 ", counts[0], ", fused ", counts[1], ", of wte ", counts[2]);
+  CHECK(counts[0] > 0);
+  CHECK(counts[1] > counts[0]);
+  CHECK(mismatches[0] == 0);
+  CHECK(mismatches[1] == 0);
+  CHECK(wte_norm > 0);
+  CHECK(std::sqrt(wte_diff / wte_norm) < std::ldexp(1.0, -8));
+  CHECK(fused != drained);  // the fusion ran: fp32 values bf16 cannot hold
+}
+
+//! `ranks` data-parallel thread ranks with strategy `St` and fp32 gradients (fused unless
+//! `fusion` is false); rank 0's run, after checking that every rank has the same losses and
+//! weights.
 template <class St>
-Run data_parallel(int ranks, std::int64_t global_batch, St strategy) {
+Run data_parallel(int ranks, std::int64_t global_batch, St strategy, bool fusion = true) {
   std::vector<Run> runs(static_cast<std::size_t>(ranks));
   threads::run(ranks, [&](threads::Communicator& comm) {
     cpu be(1);
     Trainer<Bf, AdamW, GradientAccumulation, St> trainer(be, comm, Bf(small_test_config()), AdamW({.weight_decay = 0.1}),
-                                                         parity_lr(), options(1, true), strategy);
+                                                         parity_lr(), options(1, true, fusion), strategy);
     runs[static_cast<std::size_t>(comm.rank())] = train(trainer, global_batch);
   });
   return same_on_every_rank(runs);
 }
 
-TEST_CASE("fp32 gradients: DDP on 2 and 3 ranks trains as one rank") {
-  // Each micro-batch's bf16 gradient is bit-for-bit the same on any number of ranks; only the
-  // order of the fp32 sums differs (each rank's micro-batches, then the all-reduce), and sums of
-  // a few bf16 values are mostly exact in fp32. Measured: the same weights (relative difference
-  // 0); allowed 1e-3, as against 1e-2 for bf16 gradients.
+TEST_CASE("fp32 gradients: DDP on 2 and 3 ranks trains as one rank, fused or drained") {
+  // Each micro-batch's gradient is bit-for-bit the same on any number of ranks; only the order of
+  // the fp32 sums differs (each rank's micro-batches, then the all-reduce). Drained, the sums add
+  // bf16 values, and sums of a few of those are mostly exact in fp32: measured, the same weights
+  // (relative difference 0). Fused, the linear layers' terms are fp32 GEMM results, whose sums
+  // round in fp32, so their order shows, and rounding the master weights to bf16 parameters
+  // magnifies it: measured 4.0e-4 on 2 and on 3 ranks. Allowed 1e-3, as against 1e-2 for bf16
+  // gradients.
   constexpr std::int64_t global_batch = 12;
-  cpu one(1);
-  Trainer<Bf, AdamW> single(one, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
-                            options(1, true));
-  const Run reference = train(single, global_batch);
-  CHECK(reference.losses.back() < reference.losses.front());
-  for (const int ranks : {2, 3}) {
-    CAPTURE(ranks);
-    check_close(data_parallel(ranks, global_batch, DataParallel{.bucket_bytes = 4096}), reference, 1e-3);
+  for (const bool fusion : {true, false}) {
+    CAPTURE(fusion);
+    cpu one(1);
+    Trainer<Bf, AdamW> single(one, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
+                              options(1, true, fusion));
+    const Run reference = train(single, global_batch);
+    CHECK(reference.losses.back() < reference.losses.front());
+    for (const int ranks : {2, 3}) {
+      CAPTURE(ranks);
+      check_close(data_parallel(ranks, global_batch, DataParallel{.bucket_bytes = 4096}, fusion), reference, 1e-3);
+    }
   }
 }
 
 TEST_CASE("fp32 gradients: ZeRO 1, 2 and 3 train as DDP") {
-  // ZeRO-1 reduce-scatters the fp32 sums DDP all-reduces. ZeRO-2 and 3 drain each layer into an
-  // fp32 buffer per unit, reduce-scatter it in every micro-batch and add the pieces up in an fp32
-  // shard: the same terms, summed in another order. Measured: the same weights as DDP.
+  // ZeRO-1 reduce-scatters the fp32 sums DDP all-reduces. ZeRO-2 and 3 add each layer's terms to
+  // an fp32 buffer per unit (fused, or drained), reduce-scatter it in every micro-batch and add
+  // the pieces up in an fp32 shard: the same terms, summed in another order. Measured: the same
+  // weights as DDP on 2 ranks; ZeRO-3 on 3 ranks 4.2e-4 from DDP (fused; 0 drained).
   constexpr std::int64_t global_batch = 8;
   const Run ddp = data_parallel(2, global_batch, DataParallel{.bucket_bytes = 4096});
   check_close(data_parallel(2, global_batch, Zero<1>{.bucket_bytes = 2048}), ddp, 1e-3);
@@ -181,7 +265,9 @@ TEST_CASE_TEMPLATE("fp32 gradients: DP 2 x PP 2 pipelines, the tied embedding ex
   // One rank drains the tied embedding's gradient after the head's backward and again after the
   // embedding's, so both uses of every micro-batch add up in fp32, as the two stages' sums do
   // (exchanged in fp32). Under ZeroBubbleH1 the weight passes come after other micro-batches'
-  // work: what they add waits in bf16 for the layer's next drain. Measured: the same weights.
+  // work: what they add waits in bf16 for the layer's next drain, or goes to the fp32 sums at once
+  // where fused (the default here, in the weight passes' GEMMs). Measured: the same weights
+  // (against a drained reference the fused pipelines are 3.0e-3 away: they do fuse).
   constexpr std::int64_t global_batch = 8;
   cpu one(1);
   Trainer<Bf, AdamW> single(one, Bf(small_test_config()), AdamW({.weight_decay = 0.1}), parity_lr(),
@@ -212,8 +298,8 @@ TEST_CASE("fp32 gradients: DP 2 x TP 2 with sequence parallelism trains as one r
   // them. The row-parallel GEMMs' partial sums are added in another order than on one rank and
   // rounded to bf16, so the bits differ: allowed bf16 training's 1e-2. Compared: the losses and
   // the whole model's fp32 master weights (gather_state(0), in one rank's layout). Measured:
-  // 4.2e-3 in relative L2 (4.4e-3 with the gradients summed in bf16 on the mesh): what is left is
-  // the partial sums' bf16 roundings.
+  // 4.5e-3 in relative L2 (4.2e-3 drained, 4.4e-3 with the gradients summed in bf16 on the mesh):
+  // what is left is the partial sums' bf16 roundings.
   constexpr std::int64_t global_batch = 8;
   gpt2::Config config = small_test_config();
   config.sequence_parallel = true;

@@ -78,6 +78,19 @@ void check_close(const std::vector<bf16>& got, const std::vector<float>& want, d
   CHECK(worst <= 0.0);
 }
 
+//! The bound with no bf16 rounding: fp32 results (fp32 gradient sums of bf16 operands) against the
+//! float kernel's, which differ only in the order of float sums.
+void check_close(const std::vector<float>& got, const std::vector<float>& want, double magnitude,
+                 std::int64_t terms) {
+  REQUIRE(got.size() == want.size());
+  const double slack = std::sqrt(static_cast<double>(terms)) * std::ldexp(1.0, -22) * magnitude;
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i])));
+  INFO("worst difference " << worst << ", allowed " << slack);
+  CHECK(worst <= slack);
+}
+
 std::vector<float> widened(const std::vector<bf16>& x) {
   std::vector<float> out;
   for (bf16 b : x) out.push_back(static_cast<float>(b));
@@ -242,6 +255,23 @@ TEST_CASE("bf16: matmul forward and backward use float GEMMs and round once") {
       CHECK(din2.narrow == din.narrow);
       CHECK(dw2.narrow == dw.narrow);
       CHECK(db2.narrow == db.narrow);
+
+      // fp32 gradient sums (TrainerOptions::fp32_gradient_fusion): bf16 operands, float dweight
+      // and dbias that take the float products unrounded, as the float kernel's on the same values
+      // (up to the order of the float sums), through gelu_matmul_backward too.
+      for (const bool through_gelu : {false, true}) {
+        CAPTURE(through_gelu);
+        Values dw3(OC * C, 47), db3(OC, 48), dpre(N * C, 49);
+        if (through_gelu)
+          loom::kernels::gelu_matmul_backward<bf16>(*be, dpre.bf({N, C}), dw3.fl({OC, C}), db3.fl({OC}),
+                                                    dout.cbf({N, OC}), in.cbf({N, C}), w.cbf({OC, C}),
+                                                    in.cbf({N, C}));
+        else
+          loom::kernels::matmul_backward<bf16>(*be, Tensor<bf16>{}, dw3.fl({OC, C}), db3.fl({OC}), dout.cbf({N, OC}),
+                                               in.cbf({N, C}), w.cbf({OC, C}));
+        check_close(dw3.wide, dw.wide, static_cast<double>(N + 1), N + 1);
+        check_close(db3.wide, db.wide, static_cast<double>(N + 1), N + 1);
+      }
     }
   }
 }

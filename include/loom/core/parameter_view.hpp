@@ -4,10 +4,12 @@
 //! ZeRO-3 it is the few gathered buffers that hold the layer's parameters, so a layer's code
 //! never knows how the state is sharded.
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "loom/core/error.hpp"
 
@@ -19,6 +21,23 @@ struct ElementRange {
   std::int64_t size() const noexcept { return end - begin; }
   friend bool operator==(const ElementRange&, const ElementRange&) = default;
 };
+
+//! The elements of `from` not in any range of `cut`, as ranges in `from`'s order (each range of
+//! `from` split where `cut` covers parts of it; empty pieces left out).
+inline std::vector<ElementRange> subtract_ranges(const std::vector<ElementRange>& from, std::vector<ElementRange> cut) {
+  std::sort(cut.begin(), cut.end(), [](const ElementRange& a, const ElementRange& b) { return a.begin < b.begin; });
+  std::vector<ElementRange> out;
+  for (const ElementRange& r : from) {
+    std::int64_t at = r.begin;
+    for (const ElementRange& c : cut) {
+      if (c.end <= at || c.begin >= r.end) continue;
+      if (c.begin > at) out.push_back({at, c.begin});
+      at = std::max(at, c.end);
+    }
+    if (at < r.end) out.push_back({at, r.end});
+  }
+  return out;
+}
 
 //! Up to `max_windows` ranges of the flat layout, each stored contiguously somewhere; `at`
 //! finds the storage of elements by their flat offset.
@@ -37,6 +56,9 @@ class ParameterView {
                "at most " + std::to_string(max_windows) + " ranges per layer");
     windows_[count_++] = {begin, end, data};
   }
+
+  //! Whether the view has no window (nothing to find).
+  bool empty() const noexcept { return count_ == 0; }
 
   //! The storage of the `count` elements from layout offset `offset`; they must lie in one
   //! window (a layer reads only the parameters its view was made for).

@@ -62,6 +62,11 @@ struct BackwardArgs {
   accumulate_t<T> loss_scale = accumulate_t<T>(1);
   DropoutKey dropout{};  //!< the forward's key: the backward draws the same masks
   Tensor<const std::int32_t> lengths{};  //!< the forward's sequence lengths (ForwardArgs::lengths)
+  //! Empty, or the fp32 sums of a bf16 model's gradients over the layer's parameters, by layout
+  //! offset as `grads` (TrainerOptions::fp32_gradient_fusion, for a model that
+  //! FusesFp32Gradients): the layer adds the gradients of its fp32_gradient_parameters(layer)
+  //! there, unrounded, and leaves their elements in `grads` as they are.
+  ParameterView<accumulate_t<T>> fp32_grads{};
 };
 
 //! A Model is an ordered list of layers over named parameters in one flat layout, each layer
@@ -127,5 +132,17 @@ concept SplitBackwardModel =
       m.backward_input(be, layer, params, grads, bwd, stash);
       m.backward_weight(be, layer, params, grads, bwd, stash);
     };
+
+//! A Model some of whose layers add parameter gradients straight into fp32 sums when the caller
+//! gives them (BackwardArgs::fp32_grads): Megatron-LM's gradient-accumulation fusion, where a
+//! bf16 layer's weight-gradient GEMM accumulates into the fp32 gradient in its own fp32
+//! arithmetic instead of writing a bf16 gradient that the strategy then adds in (drains).
+//! `fp32_gradient_parameters(layer)` are the layout ranges (within layer_parameters(layer))
+//! whose gradients `layer` adds there, whatever pass of its backward makes them; the strategy
+//! drains the rest.
+template <class M>
+concept FusesFp32Gradients = Model<M> && requires(const M& m, int layer) {
+  { m.fp32_gradient_parameters(layer) } -> std::same_as<std::vector<ElementRange>>;
+};
 
 }  // namespace loom

@@ -26,6 +26,15 @@ struct EngineContext {
   const std::vector<std::vector<ElementRange>>& layer_parameters;
   //! Accumulate and reduce the gradients of bf16 parameters in fp32 (TrainerOptions::fp32_gradients).
   bool fp32_gradients = false;
+  //! With fp32 gradients, per layer the layout ranges whose bf16 gradients the engine drains into
+  //! the fp32 sums after the layer's backward: layer_parameters less what the layer adds to the
+  //! sums itself (TrainerOptions::fp32_gradient_fusion). Null: all of layer_parameters.
+  const std::vector<std::vector<ElementRange>>* layer_drained = nullptr;
+
+  //! What the engine drains after `layer`'s backward (layer_drained, else layer_parameters).
+  const std::vector<std::vector<ElementRange>>& drained() const noexcept {
+    return layer_drained != nullptr ? *layer_drained : layer_parameters;
+  }
 };
 
 //! A Strategy is a type (`SingleRank`, `DataParallel`, later `Zero<N>`) whose value carries its

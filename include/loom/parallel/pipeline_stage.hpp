@@ -107,7 +107,19 @@ class PipelineStage {
   }
   void backward(backend_type& be, int layer, ParameterView<const scalar_type> params,
                 ParameterView<scalar_type> grads, const BackwardArgs<scalar_type>& a) const {
-    model_.backward(be, global_layer(layer), to_model(layer, params), to_model(layer, grads), a);
+    model_.backward(be, global_layer(layer), to_model(layer, params), to_model(layer, grads), to_model(layer, a));
+  }
+  //! The stage-layout ranges of the model's fp32_gradient_parameters of local `layer`.
+  std::vector<ElementRange> fp32_gradient_parameters(int layer) const
+    requires FusesFp32Gradients<M>
+  {
+    std::vector<ElementRange> out;
+    for (const ElementRange& r : model_.fp32_gradient_parameters(global_layer(layer)))
+      for (const Piece& p : pieces_[static_cast<std::size_t>(layer)]) {
+        const std::int64_t lo = std::max(r.begin, p.model_begin), hi = std::min(r.end, p.model_begin + (p.end - p.begin));
+        if (lo < hi) out.push_back({p.begin + (lo - p.model_begin), p.begin + (hi - p.model_begin)});
+      }
+    return out;
   }
   std::int64_t stash_elements(int layer, MicroBatchShape s) const
     requires SplitBackwardModel<M>
@@ -119,14 +131,16 @@ class PipelineStage {
                       Tensor<scalar_type> stash) const
     requires SplitBackwardModel<M>
   {
-    model_.backward_input(be, global_layer(layer), to_model(layer, params), to_model(layer, grads), a, stash);
+    model_.backward_input(be, global_layer(layer), to_model(layer, params), to_model(layer, grads), to_model(layer, a),
+                          stash);
   }
   void backward_weight(backend_type& be, int layer, ParameterView<const scalar_type> params,
                        ParameterView<scalar_type> grads, const BackwardArgs<scalar_type>& a,
                        Tensor<scalar_type> stash) const
     requires SplitBackwardModel<M>
   {
-    model_.backward_weight(be, global_layer(layer), to_model(layer, params), to_model(layer, grads), a, stash);
+    model_.backward_weight(be, global_layer(layer), to_model(layer, params), to_model(layer, grads),
+                           to_model(layer, a), stash);
   }
 
   //! Stage-layout elements [stage_offset, +numel) are model-layout [model_offset, +numel): one
@@ -274,6 +288,13 @@ class PipelineStage {
         if (lo < hi) out.add(p.model_begin + (lo - p.begin), p.model_begin + (hi - p.begin), data + (lo - begin));
       }
     });
+    return out;
+  }
+
+  //! `a` with its fp32 gradient sums (if any) as the model's layer sees them.
+  BackwardArgs<scalar_type> to_model(int layer, const BackwardArgs<scalar_type>& a) const {
+    BackwardArgs<scalar_type> out = a;
+    out.fp32_grads = to_model(layer, a.fp32_grads);
     return out;
   }
 

@@ -40,7 +40,7 @@ class ReplicatedEngine {
         params_(context.backend, context.layout.total(), MemoryCategory::parameters),
         grads_(context.backend, context.layout.total(), MemoryCategory::gradients),
         wide_(context.backend, fp32_gradients_held(context) ? context.layout.total() : 0, MemoryCategory::gradients),
-        drained_(fp32_gradients_held(context) ? context.layer_parameters : std::vector<std::vector<ElementRange>>{}),
+        drained_(fp32_gradients_held(context) ? context.drained() : std::vector<std::vector<ElementRange>>{}),
         state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state),
         master_(context.backend, context.layout.total()),
         state_slots_(context.state_slots),
@@ -176,7 +176,7 @@ class ReplicatedEngine {
   const ParameterLayout* layout_;
   Buffer<T, B> params_, grads_;
   Buffer<wide_type, B> wide_;  // empty unless fp32 gradients
-  std::vector<std::vector<ElementRange>> drained_;  // per layer, what it reads (fp32 gradients only)
+  std::vector<std::vector<ElementRange>> drained_;  // per layer, what it drains (fp32 gradients only)
   Buffer<accumulate_t<T>, B> state_;
   MasterWeights<B, T> master_;
   int state_slots_;

@@ -57,6 +57,12 @@ struct TrainerOptions {
   //! has each strategy's figure), and twice the bytes in each gradient reduction. Float models
   //! already do all of it in fp32; every strategy and schedule takes it.
   bool fp32_gradients = false;
+  //! With fp32_gradients, a model whose layers can add gradients to the fp32 sums directly
+  //! (FusesFp32Gradients: GPT-2's and BERT's linear layers and unembedding) has them do so: the
+  //! weight-gradient GEMMs accumulate into fp32 (Megatron-LM's gradient_accumulation_fusion), so
+  //! those gradients are never rounded to bf16 and never drained. Off: every layer writes bf16
+  //! and the strategy drains it (the comparison docs/mixed_precision.md makes).
+  bool fp32_gradient_fusion = true;
 
   friend bool operator==(const TrainerOptions&, const TrainerOptions&) = default;
   friend std::ostream& operator<<(std::ostream& out, const TrainerOptions& o) {
@@ -64,7 +70,8 @@ struct TrainerOptions {
         << ", seed=" << o.seed << ", recompute_layers=";
     if (o.recompute_layers == all_layers) out << "all";
     else out << o.recompute_layers;
-    return out << ", fp32_gradients=" << o.fp32_gradients << "}";
+    return out << ", fp32_gradients=" << o.fp32_gradients << ", fp32_gradient_fusion=" << o.fp32_gradient_fusion
+               << "}";
   }
 };
 
@@ -458,7 +465,8 @@ class Trainer {
                   {.micro_batch_size = options.micro_batch_size,
                    .recompute_layers = options.recompute_layers,
                    .seed = options.seed,
-                   .split_backward = splits_backward_schedule<S>}),
+                   .split_backward = splits_backward_schedule<S>,
+                   .fp32_gradient_fusion = options.fp32_gradient_fusion}),
         whole_layout_(loom::whole_layout(stage().model().layout())),
         optimizer_(std::move(optimizer)),
         schedule_((check_schedule(schedule, pipeline, chunks_per_rank(schedule)), std::move(schedule))),
@@ -466,13 +474,15 @@ class Trainer {
         lr_([lr = std::move(lr)](std::int64_t step) { return static_cast<double>(lr.at(step)); }),
         options_(options),
         layer_parameters_(layer_parameters_of(stage())),
+        layer_drained_(layer_drained_of(stage(), layer_parameters_, options)),
         engine_(strategy_, EngineContext<backend_type>{.backend = (validate(options), backend),
                                                        .data_parallel = group,
                                                        .layout = stage().layout(),
                                                        .state_slots = O::state_slots,
                                                        .seed = options.seed,
                                                        .layer_parameters = layer_parameters_,
-                                                       .fp32_gradients = options.fp32_gradients}),
+                                                       .fp32_gradients = options.fp32_gradients,
+                                                       .layer_drained = &layer_drained_}),
         tensor_state_(make_tensor_state(backend, stage().layout())) {}
 
   //! The optimizer's per-tensor state (a TensorwiseOptimizer's State), or nothing.
@@ -589,6 +599,21 @@ class Trainer {
     for (int l = 0; l < stage.num_layers(); ++l) out.push_back(stage.layer_parameters(l));
     return out;
   }
+  //! What fp32 gradients drain after each layer: what it reads, less what it adds to the fp32
+  //! sums itself where the model fuses them (TrainerOptions::fp32_gradient_fusion).
+  static std::vector<std::vector<ElementRange>> layer_drained_of(const Stage& stage,
+                                                                 const std::vector<std::vector<ElementRange>>& reads,
+                                                                 const TrainerOptions& options) {
+    if constexpr (FusesFp32Gradients<M> && is_narrow_storage<T>) {
+      if (options.fp32_gradients && options.fp32_gradient_fusion) {
+        std::vector<std::vector<ElementRange>> out;
+        for (int l = 0; l < stage.num_layers(); ++l)
+          out.push_back(subtract_ranges(reads[static_cast<std::size_t>(l)], stage.fp32_gradient_parameters(l)));
+        return out;
+      }
+    }
+    return reads;
+  }
 
   //! The model must be split over the mesh's tensor-parallel group.
   template <class C>
@@ -654,6 +679,7 @@ class Trainer {
   std::function<double(std::int64_t)> lr_;
   TrainerOptions options_;
   std::vector<std::vector<ElementRange>> layer_parameters_;
+  std::vector<std::vector<ElementRange>> layer_drained_;  // EngineContext::layer_drained
   Engine engine_;
   TensorState tensor_state_;
   std::int64_t step_ = 0;

@@ -47,7 +47,9 @@ struct ShardContext {
   CommunicatorRef group;
   const ShardPlan* plan;
   std::vector<std::vector<int>> layer_units;  //!< units each layer reads (ShardPlan::units_of)
-  std::vector<std::vector<ElementRange>> layer_ranges;  //!< layout ranges each layer reads
+  //! Layout ranges each layer's drain covers (EngineContext::drained(): what it reads, less what
+  //! it adds to fp32 sums itself).
+  std::vector<std::vector<ElementRange>> layer_ranges;
 
   int layers() const noexcept { return static_cast<int>(layer_units.size()); }
   const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
@@ -58,8 +60,8 @@ struct ShardContext {
     for (int u : layer_units[static_cast<std::size_t>(layer)]) v.add(unit(u).begin, unit(u).begin + unit(u).size, storage(u));
     return v;
   }
-  //! Drains the bf16 gradients of the elements `layer` reads, as `part` stores them, into the
-  //! fp32 sums `sum` stores (TrainerOptions::fp32_gradients).
+  //! Drains the bf16 gradients of the elements layer_ranges lists for `layer`, as `part` stores
+  //! them, into the fp32 sums `sum` stores (TrainerOptions::fp32_gradients).
   template <class T>
   void drain(int layer, const ParameterView<T>& part, const ParameterView<accumulate_t<T>>& sum) const {
     drain_ranges(*backend, layer_ranges[static_cast<std::size_t>(layer)], part, sum);
@@ -339,11 +341,15 @@ class ShardedGradients {
     }
     return c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); });
   }
+  //! The fp32 sums of the units `layer` reads (fp32 gradients only), open since backward(layer).
+  ParameterView<wide_type> fp32_view(int layer) {
+    return c_->template view<wide_type>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].wide.data(); });
+  }
   //! Drains what `layer` wrote: its units are open (a layer reads no unit of a later layer).
   void drain(int layer) {
     if (!fp32_) return;
     c_->drain(layer, c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); }),
-              c_->template view<wide_type>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].wide.data(); }));
+              fp32_view(layer));
   }
   void after_backward(int layer, bool /*last_micro_batch*/) {
     drain(layer);
@@ -465,12 +471,9 @@ class ZeroEngine {
   //! With fp32 gradients: drains what `layer` wrote into the fp32 sums (done after each of its
   //! backwards; the Trainer calls it after an input-gradient pass too).
   void drain(int layer) { grads_.drain(layer); }
-  //! The fp32 sums of the units `layer` reads (stage 1 with fp32 gradients: the tied exchange).
-  ParameterView<accumulate_t<T>> fp32_grads_view(int layer)
-    requires requires(G& g, int l) { g.fp32_view(l); }
-  {
-    return grads_.fp32_view(layer);
-  }
+  //! The fp32 sums of the units `layer` reads (fp32 gradients only): what the layers add their
+  //! fused gradients to, and under stage 1 what the tied exchange sums.
+  ParameterView<accumulate_t<T>> fp32_grads_view(int layer) { return grads_.fp32_view(layer); }
   void on_backward(int layer, bool last_micro_batch) {
     grads_.after_backward(layer, last_micro_batch);
     params_.after_backward(layer);
@@ -606,7 +609,7 @@ class ZeroEngine {
 
  private:
   ShardContext<B> make_context(const EngineContext<B>& c) const {
-    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}, c.layer_parameters};
+    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}, c.drained()};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
     return s;
   }

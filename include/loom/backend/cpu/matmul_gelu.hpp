@@ -4,12 +4,14 @@
 //! a model that calls these runs the same code on both.
 
 #include <cstdint>
+#include <type_traits>
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/elementwise.hpp"
 #include "loom/backend/cpu/gelu.hpp"
 #include "loom/backend/cpu/matmul.hpp"
 #include "loom/backend/gelu.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::inline kernels {
@@ -33,9 +35,11 @@ void matmul_gelu_forward(const cpu& be, Tensor<T> out, Tensor<T> pre, Tensor<con
 //! whole sum, which is how the CUDA backend's fused epilogue computes it, and the pre-activation
 //! has no other consumer); dweight += dout^T · in and dbias += column sums of dout, as
 //! matmul_backward computes them (each may be empty: skipped, the input-gradient pass of a split
-//! backward). `in` and `pre` are both [N, C]; `kind` is the forward's GELU.
-template <class T>
-void gelu_matmul_backward(const cpu& be, Tensor<T> dpre, Tensor<T> dweight, Tensor<T> dbias, Tensor<const T> dout,
+//! backward). `in` and `pre` are both [N, C]; `kind` is the forward's GELU. `dweight` and `dbias`
+//! may be fp32 sums of a bf16 layer's gradients (G, as matmul_backward's).
+template <class T, class G = T>
+  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+void gelu_matmul_backward(const cpu& be, Tensor<T> dpre, Tensor<G> dweight, Tensor<G> dbias, Tensor<const T> dout,
                           Tensor<const T> in, Tensor<const T> weight, Tensor<const T> pre, Gelu kind = Gelu::tanh) {
   namespace d = detail::matmul;
   constexpr const char* kernel = "gelu_matmul_backward";
@@ -43,7 +47,7 @@ void gelu_matmul_backward(const cpu& be, Tensor<T> dpre, Tensor<T> dweight, Tens
   d::check_matrix(dpre, dims.rows, dims.in_features, kernel, "dpre");
   d::check_matrix(pre, dims.rows, dims.in_features, kernel, "pre");
   zero<T>(be, dpre);
-  matmul_backward<T>(be, dpre, dweight, dbias, dout, in, weight);
+  matmul_backward<T, G>(be, dpre, dweight, dbias, dout, in, weight);
   detail::gelu::scale_by_derivative(be, dpre.data(), pre.data(), dpre.numel(), kind);
 }
 

@@ -75,17 +75,20 @@ inline Gemm weight_grad_gemm(std::int64_t N, std::int64_t C, std::int64_t OC) {
 }
 
 
-//! Runs `g` on the backend's stream: C = A B (beta 0) or C += A B (beta 1), T in and out (fp32
-//! scalars and accumulation). With bf16 C, cuBLAS may round A B to bf16 before it adds beta C
-//! (seen on an H100, CUDA 13: a gradient accumulated into bf16 is off by up to 2^-8 |A B|, not
-//! 2^-8 of the sum).
-template <class T>
-void gemm(const cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, const char* kernel) {
+//! Runs `g` on the backend's stream: C = A B (beta 0) or C += A B (beta 1), T in and U out (fp32
+//! scalars and accumulation; U is T, or float for fp32 gradient sums of bf16 operands, which
+//! cuBLAS supports under CUBLAS_COMPUTE_32F). With bf16 C, cuBLAS may round A B to bf16 before it
+//! adds beta C (seen on an H100, CUDA 13: a gradient accumulated into bf16 is off by up to
+//! 2^-8 |A B|, not 2^-8 of the sum); an fp32 C takes the fp32 sum.
+template <class T, class U = T>
+void gemm(const cuda& be, const Gemm& g, const T* a, const T* b, U* c, float beta, const char* kernel) {
+  static_assert(std::is_same_v<U, T> || std::is_same_v<U, accumulate_t<T>>,
+                "loom: a GEMM's output is of its operands' type or of their accumulate type");
   const float alpha = 1.0f;
   constexpr cudaDataType_t type = data_type<T>();
   const cublasStatus_t status =
       cublasGemmEx_64(be.cublas(), g.op_a, g.op_b, g.m, g.n, g.k, &alpha, a, type, g.lda, b, type, g.ldb, &beta, c,
-                      type, g.ldc, compute_type<T>(be), CUBLAS_GEMM_DEFAULT);
+                      data_type<U>(), g.ldc, compute_type<T>(be), CUBLAS_GEMM_DEFAULT);
   if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]]
     cublas_check(status, (std::string(kernel) + ": cublasGemmEx_64(m = " + to_text(g.m) +
                           ", n = " + to_text(g.n) + ", k = " + to_text(g.k) + ")")
@@ -110,8 +113,9 @@ inline std::uint32_t common_alignment(std::initializer_list<const void*> pointer
 //! GELU'(aux); BGRADB writes the sums of op(B) over k (one per column of C) to `operands.bias`.
 //! Returns false, having launched nothing, when cuBLASLt cannot fuse it (an auxiliary leading
 //! dimension not a multiple of 8, or no algorithm): the caller then runs the unfused kernels.
-template <class T>
-bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, cublasLtEpilogue_t epilogue,
+//! C (and the bias vector) are of U: T, or float for fp32 gradient sums of bf16 operands.
+template <class T, class U = T>
+bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, U* c, float beta, cublasLtEpilogue_t epilogue,
              LtEpilogueOperands operands, std::int64_t aux_ld, const char* kernel) {
   LtGemms& lt = be.lt_gemms();
   if (operands.aux != nullptr && aux_ld % 8 != 0) {
@@ -127,6 +131,7 @@ bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, T* c, float beta, 
                       .ldb = g.ldb,
                       .ldc = g.ldc,
                       .data_type = data_type<T>(),
+                      .output_type = data_type<U>(),
                       .compute_type = compute_type<T>(be),
                       .epilogue = epilogue,
                       .aux_ld = aux_ld,
@@ -191,24 +196,25 @@ struct BiasGradTerm {
 };
 
 //! dweight[OC,C] += dout^T in as matmul_backward's GEMM, with dbias[OC] += column sums of dout
-//! from the same GEMM's BGRADB epilogue (summed in fp32, rounded to T into scratch, then added
-//! by add_to). False, having launched nothing, where cuBLASLt cannot fuse it.
-template <class T>
-bool weight_and_bias_grad(cuda& be, T* dweight, T* dbias, const T* dout, const T* in, std::int64_t N, std::int64_t C,
+//! from the same GEMM's BGRADB epilogue (summed in fp32, rounded to G into scratch, then added
+//! by add_to). G is T, or float for fp32 gradient sums. False, having launched nothing, where
+//! cuBLASLt cannot fuse it.
+template <class T, class G>
+bool weight_and_bias_grad(cuda& be, G* dweight, G* dbias, const T* dout, const T* in, std::int64_t N, std::int64_t C,
                           std::int64_t OC, const char* kernel) {
-  const Buffer<T, cuda> sums(be, OC, MemoryCategory::workspace);
+  const Buffer<G, cuda> sums(be, OC, MemoryCategory::workspace);
   if (!lt_gemm(be, weight_grad_gemm(N, C, OC), in, dout, dweight, 1.0f, CUBLASLT_EPILOGUE_BGRADB,
                {.bias = sums.data()}, 0, kernel))
     return false;
-  add_to<T>(be, Tensor<T>(dbias, Shape{OC}), Tensor<const T>(sums.data(), Shape{OC}));
+  add_to<G>(be, Tensor<G>(dbias, Shape{OC}), Tensor<const G>(sums.data(), Shape{OC}));
   return true;
 }
 
 //! dbias[cols] += column sums of dout[rows, cols], in a fixed order (cuda_kernels::add_column_sums),
-//! in fp32 and rounded once into a bf16 dbias.
-template <class T>
-void bias_grad(cuda& be, T* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
-  cuda_kernels::add_column_sums<1>(be, cuda_kernels::ColumnOutputs<T, 1>{{dbias}}, rows, cols,
+//! in fp32 and rounded once into a bf16 dbias (G = T), or added unrounded to fp32 sums (G = float).
+template <class T, class G>
+void bias_grad(cuda& be, G* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
+  cuda_kernels::add_column_sums<1>(be, cuda_kernels::ColumnOutputs<G, 1>{{dbias}}, rows, cols,
                                    BiasGradTerm<T>{dout, cols}, "matmul_backward bias gradient");
 }
 
@@ -260,8 +266,12 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
 //! (skipped): an empty `dweight` and `dbias` give the input-gradient pass of a split backward, an
 //! empty `din` its weight-gradient pass; the two calls together compute the same bits as one.
 //! `din_write` = GradientWrite::overwrite writes din = dout·weight (beta 0: din is not read).
-template <class T>
-void matmul_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
+//! `dweight` and `dbias` are of T, or for bf16 of float (G = accumulate_t<T>): fp32 gradient sums
+//! the GEMM adds its fp32 products to (cuBLAS with fp32 C; Megatron-LM's gradient-accumulation
+//! fusion, TrainerOptions::fp32_gradient_fusion).
+template <class T, class G = T>
+  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+void matmul_backward(cuda& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                      GradientWrite din_write = GradientWrite::accumulate) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");

@@ -8,6 +8,7 @@
 //! Gelu::erf always takes the unfused path (the GEMM, then loom's element-wise kernel).
 
 #include <cstdint>
+#include <type_traits>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
@@ -15,6 +16,7 @@
 #include "loom/backend/cuda/gelu.cuh"
 #include "loom/backend/cuda/matmul.cuh"
 #include "loom/backend/gelu.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/tensor.hpp"
 
 namespace loom::inline kernels {
@@ -51,9 +53,11 @@ void matmul_gelu_forward(cuda& be, Tensor<T> out, Tensor<T> pre, Tensor<const T>
 //! whole sum, and the pre-activation has no other consumer); dweight += dout^T · in and
 //! dbias += column sums of dout as matmul_backward computes them (each may be empty: skipped,
 //! the input-gradient pass of a split backward). `in` and `pre` are both [N, C]; `kind` is the
-//! forward's GELU.
-template <class T>
-void gelu_matmul_backward(cuda& be, Tensor<T> dpre, Tensor<T> dweight, Tensor<T> dbias, Tensor<const T> dout,
+//! forward's GELU. `dweight` and `dbias` may be fp32 sums of a bf16 layer's gradients (G, as
+//! matmul_backward's).
+template <class T, class G = T>
+  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+void gelu_matmul_backward(cuda& be, Tensor<T> dpre, Tensor<G> dweight, Tensor<G> dbias, Tensor<const T> dout,
                           Tensor<const T> in, Tensor<const T> weight, Tensor<const T> pre, Gelu kind = Gelu::tanh) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace d = detail::cuda_matmul;
@@ -80,7 +84,7 @@ void gelu_matmul_backward(cuda& be, Tensor<T> dpre, Tensor<T> dweight, Tensor<T>
     matmul_backward<T>(be, dpre, Tensor<T>{}, Tensor<T>{}, dout, in, weight);
     detail::cuda_gelu::scale_by_derivative(be, dpre.data(), pre.data(), dpre.numel(), kind);
   }
-  if (!dweight.empty() || !dbias.empty()) matmul_backward<T>(be, Tensor<T>{}, dweight, dbias, dout, in, weight);
+  if (!dweight.empty() || !dbias.empty()) matmul_backward<T, G>(be, Tensor<T>{}, dweight, dbias, dout, in, weight);
 }
 
 }  // namespace loom::inline kernels

@@ -163,8 +163,19 @@ class Model : public detail::transformer::Slice<Config> {
                 const BackwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
     if (layer == embedding_layer) return embedding_backward(be, params, grads, a, s);
-    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, true);
+    if (layer == head_layer(config_))
+      return with_fused_grads(grads, a, [&](auto fused) { head_backward(be, params, grads, fused, a, s, true); });
     block_backward(be, layer, blocks_[layer - 1], params, grads, a, s);
+  }
+
+  //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
+  //! (FusesFp32Gradients): a block's linear layers' weights and biases, and the head's dense layer
+  //! and unembedding (wte and the output bias). The embedding's scatters and the layernorms write
+  //! `grads`.
+  std::vector<ElementRange> fp32_gradient_parameters(int layer) const {
+    if (layer == embedding_layer) return {};
+    if (layer == head_layer(config_)) return parameter_ranges({dense_weight_, dense_bias_, wte_, output_bias_});
+    return block_linear_ranges(blocks_[static_cast<std::size_t>(layer - 1)]);
   }
 
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight, on this rank:
@@ -190,7 +201,9 @@ class Model : public detail::transformer::Slice<Config> {
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     // With chunked logits the input pass adds the unembedding's gradients too, from the chunks
     // it computes anyway.
-    if (layer == head_layer(config_)) return head_backward(be, params, grads, a, s, chunked_logits());
+    if (layer == head_layer(config_))
+      return with_fused_grads(grads, a,
+                              [&](auto fused) { head_backward(be, params, grads, fused, a, s, chunked_logits()); });
     block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
@@ -204,7 +217,8 @@ class Model : public detail::transformer::Slice<Config> {
     if (layer == head_layer(config_)) {
       if (chunked_logits()) return;  // backward_input did it
       const PredictedRows predicted = predicted_rows(be, a.saved, a.targets, s);
-      if (predicted.count > 0) unembedding_weight_grads(be, params, grads, predicted.saved);
+      if (predicted.count > 0)
+        with_fused_grads(grads, a, [&](auto fused) { unembedding_weight_grads(be, params, fused, predicted.saved); });
       return;
     }
     block_backward_weight(be, blocks_[layer - 1], params, grads, a, s, stash);
@@ -450,7 +464,7 @@ class Model : public detail::transformer::Slice<Config> {
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
-    block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
+    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(fused, o)); });
   }
 
   //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
@@ -483,24 +497,27 @@ class Model : public detail::transformer::Slice<Config> {
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const BlockSaved b = carve_block(a.saved, s);
     const BlockStash st = carve_block_stash(stash, s);
-    const BlockLinearGrads w = block_linear_grads(g, o);
     const Tensor<T> no_input_grad{};
     // h and the input whole: kept (replicated), or gathered into the stash by the I pass.
     const Tensor<const T> h = split_.split() ? st.h : b.h, input = split_.split() ? st.input : a.input;
-    matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}));
-    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, h, param(p, o.fc_w, {F, C}));
-    matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.r1, b.atty, param(p, o.proj_w, {C, Ca}));
-    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, input, param(p, o.qkv_w, {3 * Ca, C}));
+    with_fused_grads(g, a, [&](auto fused) {
+      const auto w = block_linear_grads(fused, o);
+      matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.r2, b.fch_gelu, param(p, o.fcproj_w, {C, F}));
+      matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, h, param(p, o.fc_w, {F, C}));
+      matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.r1, b.atty, param(p, o.proj_w, {C, Ca}));
+      matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, input, param(p, o.qkv_w, {3 * Ca, C}));
+    });
   }
 
   //! A block's backward from the output gradient to the input gradient, through the gradients
   //! `d`, whose contents on entry do not matter: each kernel overwrites its output there
   //! (GradientWrite::overwrite), which spares zeroing them and reading the zeros back. The
   //! linear layers' weight gradients go to `w` in the same calls, or are skipped when `w` is
-  //! empty (backward_input).
+  //! empty (backward_input). `w` is of T, or fp32 sums (G = float).
+  template <class G>
   void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
-                            const BlockLinearGrads& w) const {
+                            const detail::transformer::BlockLinearGrads<G>& w) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const bool split = split_.split();
@@ -715,17 +732,20 @@ class Model : public detail::transformer::Slice<Config> {
   }
 
   //! wte's and the output bias's gradients from the dlogits that head_backward leaves in place of
-  //! the logits (`h`: the saved tensors of the predicted rows).
-  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<T> g, const HeadSaved& h) const {
+  //! the logits (`h`: the saved tensors of the predicted rows), into `g` (of T, or fp32 sums).
+  template <class G>
+  void unembedding_weight_grads(B& be, ParameterView<const T> p, ParameterView<G> g, const HeadSaved& h) const {
     const std::int64_t C = config_.channels;
     matmul_backward<T>(be, Tensor<T>{}, grad(g, wte_, {vocab_rows_, C}), grad(g, output_bias_, {vocab_rows_}), h.logits,
                        h.t, param(p, wte_, {vocab_rows_, C}));
   }
 
   //! The head's backward; with `unembedding_grads` false it leaves wte's and the output bias's
-  //! gradients to backward_weight.
-  void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
-                     MicroBatchShape s, bool unembedding_grads) const {
+  //! gradients to backward_weight. The dense layer's and the unembedding's gradients go to
+  //! `fused` (`g`, or fp32 sums: fp32_gradient_parameters), the layernorm's to `g`.
+  template <class G>
+  void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, ParameterView<G> fused,
+                     const BackwardArgs<T>& a, MicroBatchShape s, bool unembedding_grads) const {
     using detail::transformer::rows;
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head backward", "workspace");
@@ -742,15 +762,15 @@ class Model : public detail::transformer::Slice<Config> {
     // dt is written, not read, by either path; dact by the layernorm's backward.
     if (chunked_logits()) {
       detail::transformer::chunked_unembedding_loss_backward<T>(
-          be, dt, unembedding_grads ? grad(g, wte_, {vocab_rows_, C}) : Tensor<T>{},
-          unembedding_grads ? grad(g, output_bias_, {vocab_rows_}) : Tensor<T>{}, w.chunk, h.stats, h.t,
+          be, dt, unembedding_grads ? grad(fused, wte_, {vocab_rows_, C}) : Tensor<G>{},
+          unembedding_grads ? grad(fused, output_bias_, {vocab_rows_}) : Tensor<G>{}, w.chunk, h.stats, h.t,
           param(p, wte_, {vocab_rows_, C}), param(p, output_bias_, {vocab_rows_}), predicted.targets, vocab_begin_,
           config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
       // dlogits overwrite the logits they are computed from (this rank's slice).
       detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, predicted.targets, vocab_begin_,
                                                            config_.vocab_size, a.loss_scale);
-      if (unembedding_grads) unembedding_weight_grads(be, p, g, h);
+      if (unembedding_grads) unembedding_weight_grads(be, p, fused, h);
       matmul_backward<T>(be, dt, Tensor<T>{}, Tensor<T>{}, h.logits, h.t, param(p, wte_, {vocab_rows_, C}),
                          GradientWrite::overwrite);
     }
@@ -768,14 +788,14 @@ class Model : public detail::transformer::Slice<Config> {
     const Tensor<const T> input = head_input(be, a.workspace, unused, a.input, s);
     const Tensor<T> dinput = split_.split() ? w.input_grad : a.input_grad.reshape({N, C});
     if (config_.logits_at_every_position) {
-      matmul_backward<T>(be, dinput, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre, input,
+      matmul_backward<T>(be, dinput, grad(fused, dense_weight_, {C, C}), grad(fused, dense_bias_, {C}), dpre, input,
                          param(p, dense_weight_, {C, C}), GradientWrite::overwrite);
     } else {
       // dact is spent too: it takes the predicted rows of the input again, and act (which only
       // the layernorm's backward read) their gradient, which goes back to those rows; the other
       // rows' gradient is 0.
       detail::transformer::gather_rows<T>(be, dact, input, h.row_ids);
-      matmul_backward<T>(be, h.act, grad(g, dense_weight_, {C, C}), grad(g, dense_bias_, {C}), dpre, dact,
+      matmul_backward<T>(be, h.act, grad(fused, dense_weight_, {C, C}), grad(fused, dense_bias_, {C}), dpre, dact,
                          param(p, dense_weight_, {C, C}), GradientWrite::overwrite);
       zero<T>(be, dinput);
       detail::transformer::scatter_add_rows<T>(be, dinput, h.act, h.row_ids);

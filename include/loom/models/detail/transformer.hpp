@@ -480,9 +480,10 @@ double chunked_unembedding_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<
 //! The backward of chunked_unembedding_loss: per chunk, the logits again, dlogits from them and
 //! the forward's `stats` (scaled by `loss_scale`), then `dx` [N, C] = dlogits · w (written, not
 //! read: each chunk writes its own rows), and `dw` += dlogitsᵀ · x and `dbias` += its column sums
-//! where they are not empty. Communicates nothing: the caller sums dx over the group.
-template <class T, Backend B>
-void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<T> dw, Tensor<T> dbias,
+//! where they are not empty (of T, or fp32 sums: G = float). Communicates nothing: the caller
+//! sums dx over the group.
+template <class T, class G = T, Backend B>
+void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<G> dw, Tensor<G> dbias,
                                        const LogitScratch<T>& scratch, const LogitStatistics& stats, Tensor<const T> x,
                                        Tensor<const T> w, Tensor<const T> bias, Tensor<const std::int32_t> targets,
                                        std::int64_t vocab_begin, std::int64_t vocab_size, accumulate_t<T> loss_scale,

@@ -269,8 +269,20 @@ class Model : public detail::transformer::Slice<Config> {
       return;
     }
     if (layer == head_layer(config_))
-      return head_backward(be, params, grads, a, s, grad(grads, wte_, {vocab_rows_, C()}));
+      return with_fused_grads(grads, a, [&](auto fused) {
+        head_backward(be, params, grads, a, s, grad(fused, wte_, {vocab_rows_, C()}));
+      });
     block_backward(be, layer, blocks_[layer - 1], params, grads, a, s);
+  }
+
+  //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
+  //! (FusesFp32Gradients): a block's linear layers' weights and biases, and the head's wte (the
+  //! unembedding GEMM's). The embedding's scatter into wte and wpe, and the layernorms, write
+  //! `grads`.
+  std::vector<ElementRange> fp32_gradient_parameters(int layer) const {
+    if (layer == embedding_layer) return {};
+    if (layer == head_layer(config_)) return parameter_ranges({wte_});
+    return block_linear_ranges(blocks_[static_cast<std::size_t>(layer - 1)]);
   }
 
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight
@@ -298,9 +310,12 @@ class Model : public detail::transformer::Slice<Config> {
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     // The head's input pass is its backward without the tied-embedding gradient (dwte), unless
     // it recomputes its logits: then dwte too, from the chunks it computes anyway.
-    if (layer == head_layer(config_))
-      return head_backward(be, params, grads, a, s,
-                           chunked_logits() ? grad(grads, wte_, {vocab_rows_, C()}) : Tensor<T>{});
+    if (layer == head_layer(config_)) {
+      if (!chunked_logits()) return head_backward(be, params, grads, a, s, Tensor<T>{});
+      return with_fused_grads(grads, a, [&](auto fused) {
+        head_backward(be, params, grads, a, s, grad(fused, wte_, {vocab_rows_, C()}));
+      });
+    }
     block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
@@ -319,8 +334,10 @@ class Model : public detail::transformer::Slice<Config> {
       // dwte += dlogits^T · lnf: the dlogits backward_input left in place of the logits.
       const std::int64_t C = config_.channels;
       const HeadSaved h = carve_head(a.saved, s);
-      matmul_backward<T>(be, Tensor<T>{}, grad(grads, wte_, {vocab_rows_, C}), Tensor<T>{}, h.logits, h.lnf,
-                         param(params, wte_, {vocab_rows_, C}));
+      with_fused_grads(grads, a, [&](auto fused) {
+        const auto dwte = grad(fused, wte_, {vocab_rows_, C});
+        matmul_backward<T>(be, Tensor<T>{}, dwte, decltype(dwte){}, h.logits, h.lnf, param(params, wte_, {vocab_rows_, C}));
+      });
       return;
     }
     block_backward_weight(be, blocks_[layer - 1], params, grads, a, s, stash);
@@ -541,7 +558,7 @@ class Model : public detail::transformer::Slice<Config> {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
     d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
-    block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(g, o));
+    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(fused, o)); });
   }
 
   //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
@@ -577,25 +594,28 @@ class Model : public detail::transformer::Slice<Config> {
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const BlockSaved b = carve_block(a.saved, s);
     const BlockStash st = carve_block_stash(stash, s);
-    const BlockLinearGrads w = block_linear_grads(g, o);
     const Tensor<T> no_input_grad{};
     // The layernorms' outputs whole: kept (replicated), or gathered into the stash by the I pass.
     const Tensor<const T> ln2 = split_.split() ? st.ln2 : b.ln2, ln1 = split_.split() ? st.ln1 : b.ln1;
-    matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.output, b.fch_gelu,
-                       param(p, o.fcproj_w, {C, F}));
-    matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, ln2, param(p, o.fc_w, {F, C}));
-    matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.res2, b.atty, param(p, o.proj_w, {C, Ca}));
-    matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, ln1, param(p, o.qkv_w, {3 * Ca, C}));
+    with_fused_grads(g, a, [&](auto fused) {
+      const auto w = block_linear_grads(fused, o);
+      matmul_backward<T>(be, no_input_grad, w.fcproj_w, w.fcproj_b, st.output, b.fch_gelu,
+                         param(p, o.fcproj_w, {C, F}));
+      matmul_backward<T>(be, no_input_grad, w.fc_w, w.fc_b, st.fch, ln2, param(p, o.fc_w, {F, C}));
+      matmul_backward<T>(be, no_input_grad, w.proj_w, w.proj_b, st.res2, b.atty, param(p, o.proj_w, {C, Ca}));
+      matmul_backward<T>(be, no_input_grad, w.qkv_w, w.qkv_b, st.qkv, ln1, param(p, o.qkv_w, {3 * Ca, C}));
+    });
   }
 
   //! A block's backward from the output gradient to the input gradient, through the gradients
   //! `d`, whose contents on entry do not matter: each kernel overwrites its output there
   //! (GradientWrite::overwrite), which spares zeroing them and reading the zeros back. The
-  //! linear layers' weight gradients go to `w` in the same calls, or are skipped when `w` is
-  //! empty (backward_input).
+  //! linear layers' weight gradients go to `w` in the same calls (of T, or fp32 sums: G = float),
+  //! or are skipped when `w` is empty (backward_input).
+  template <class G>
   void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
-                            const BlockLinearGrads& w) const {
+                            const detail::transformer::BlockLinearGrads<G>& w) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const Tensor<T> input_grad = split_.local(a.input_grad, s);
@@ -724,10 +744,11 @@ class Model : public detail::transformer::Slice<Config> {
                                                        a.loss_scale);
   }
 
-  //! The head's backward; `dwte` (the tied embedding's gradient) may be empty: backward_input
-  //! leaves that GEMM to backward_weight, which reads the dlogits left in `saved`.
+  //! The head's backward; `dwte` (the tied embedding's gradient, of T or fp32 sums) may be empty:
+  //! backward_input leaves that GEMM to backward_weight, which reads the dlogits left in `saved`.
+  template <class G>
   void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
-                     MicroBatchShape s, Tensor<T> dwte) const {
+                     MicroBatchShape s, Tensor<G> dwte) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     HeadSaved h = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");
@@ -736,14 +757,14 @@ class Model : public detail::transformer::Slice<Config> {
     const Tensor<T> dlnf = w.dlnf;  // written, not read, by either path
     if (chunked_logits()) {
       detail::transformer::chunked_unembedding_loss_backward<T>(
-          be, dlnf, dwte, Tensor<T>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
+          be, dlnf, dwte, Tensor<G>{}, w.chunk, h.stats, h.lnf, param(p, wte_, {vocab_rows_, C}), Tensor<const T>{},
           a.targets.reshape({N}), vocab_begin_, config_.vocab_size, a.loss_scale, logits_chunk(s));
     } else {
       // dlogits overwrite the logits they are computed from (this rank's slice), unless the
       // forward wrote them already.
       detail::transformer::vocab_parallel_loss_backward<T>(be, h.logits, h.stats, a.targets.reshape({N}), vocab_begin_,
                                                            config_.vocab_size, a.loss_scale);
-      matmul_backward<T>(be, dlnf, dwte, Tensor<T>{}, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}),
+      matmul_backward<T>(be, dlnf, dwte, Tensor<G>{}, h.logits, h.lnf, param(p, wte_, {vocab_rows_, C}),
                          GradientWrite::overwrite);
     }
     // f backward of the column-parallel logits: sum the slices' shares of dlnf (this rank's rows

@@ -149,6 +149,9 @@ class PipelineExecutor {
     int recompute_layers = 0;
     std::uint64_t seed = 0;
     bool split_backward = false;
+    //! Where the engine keeps fp32 gradients and the model FusesFp32Gradients, its layers add
+    //! those gradients to the fp32 sums themselves (TrainerOptions::fp32_gradient_fusion).
+    bool fp32_gradient_fusion = false;
   };
 
   //! Runs `stage` on `backend` for the data-parallel rank of `data_parallel` and the pipeline
@@ -584,13 +587,14 @@ class PipelineExecutor {
                                    .loss_scale = loss_scale};
         (void)stage_.forward(*backend_, l, params, again);
       }
+      const ParameterView<T> grads = engine_->backward_grads(l);
+      a.fp32_grads = fused_grads(l);
       if (action.kind == Action::Kind::backward) {
-        stage_.backward(*backend_, l, params, engine_->backward_grads(l), a);
+        stage_.backward(*backend_, l, params, grads, a);
         notify(l, completes);
       } else {
         if constexpr (SplitBackwardModel<M>) {
-          stage_.backward_input(*backend_, l, params, engine_->backward_grads(l), a,
-                                range(slot.stash, p.stash_offset, j));
+          stage_.backward_input(*backend_, l, params, grads, a, range(slot.stash, p.stash_offset, j));
           // Parameter gradients the input pass makes go into the fp32 sums now, not after other
           // micro-batches' input passes have added theirs to them in bf16.
           engine_->drain(l);
@@ -605,6 +609,15 @@ class PipelineExecutor {
       transmit(Tensor<T>(slot.input_grad.data(), hidden_shape()), p.virtual_stage - 1,
                message_tag(1, mb, p.virtual_stage - 1), slot.input_grad_sent);
     if (action.kind == Action::Kind::backward) release(slot);
+  }
+
+  //! The fp32 sums `layer`'s backward adds its fp32_gradient_parameters to (after
+  //! backward_grads(layer), which opens them under ZeRO-2 and 3), or an empty view: the layer
+  //! then writes every gradient in T.
+  ParameterView<accumulate_t<T>> fused_grads(int layer) {
+    if constexpr (FusesFp32Gradients<M> && is_narrow_storage<T>)
+      if (settings_.fp32_gradient_fusion && engine_->fp32_gradients()) return engine_->fp32_grads_view(layer);
+    return {};
   }
 
   //! The weight-gradient pass of one chunk (after its backward_input).
@@ -624,8 +637,10 @@ class PipelineExecutor {
                           .loss_scale = loss_scale,
                           .dropout = dropout_key(action.micro_batch),
                           .lengths = inputs.lengths};
-        stage_.backward_weight(*backend_, l, engine_->backward_params(l), engine_->backward_grads(l), a,
-                               range(slot.stash, p.stash_offset, j));
+        const ParameterView<const T> params = engine_->backward_params(l);
+        const ParameterView<T> grads = engine_->backward_grads(l);
+        a.fp32_grads = fused_grads(l);
+        stage_.backward_weight(*backend_, l, params, grads, a, range(slot.stash, p.stash_offset, j));
         notify(l, completes);
       }
       release(slot);

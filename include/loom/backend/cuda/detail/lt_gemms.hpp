@@ -20,13 +20,15 @@
 namespace loom::detail {
 
 //! What a cuBLASLt GEMM's plan depends on: the column-major problem D = op(A) op(B) (operations,
-//! extents, leading dimensions), the element and compute types, the epilogue, the epilogue
+//! extents, leading dimensions), the element types (of A and B, and of C, D and the bias vector)
+//! and the compute type, the epilogue, the epilogue
 //! matrix's leading dimension (0 when it has none), and the alignment every pointer shares
 //! (cuBLASLt chooses kernels by alignment).
 struct LtGemmKey {
   cublasOperation_t op_a, op_b;
   std::int64_t m, n, k, lda, ldb, ldc;
-  cudaDataType_t data_type;
+  cudaDataType_t data_type;    //!< A's and B's
+  cudaDataType_t output_type;  //!< C's, D's and the bias vector's: data_type, or fp32 for fp32 sums
   cublasComputeType_t compute_type;
   cublasLtEpilogue_t epilogue;
   std::int64_t aux_ld;
@@ -41,7 +43,8 @@ struct LtGemmKeyHash {
       h ^= std::hash<std::int64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
     };
     for (const std::int64_t v : {std::int64_t{k.op_a}, std::int64_t{k.op_b}, k.m, k.n, k.k, k.lda, k.ldb, k.ldc,
-                                 std::int64_t{k.data_type}, std::int64_t{k.compute_type},
+                                 std::int64_t{k.data_type}, std::int64_t{k.output_type},
+                                 std::int64_t{k.compute_type},
                                  std::int64_t{k.epilogue}, k.aux_ld, std::int64_t{k.alignment}})
       mix(v);
     return h;
@@ -106,7 +109,7 @@ class LtGemmPlan {
     set(CUBLASLT_MATMUL_DESC_TRANSB, key.op_b);
     set(CUBLASLT_MATMUL_DESC_EPILOGUE, key.epilogue);
     if (operands.bias != nullptr) {
-      set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, key.data_type);
+      set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, key.output_type);
       set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, operands.bias);
     }
     if (operands.aux != nullptr) {
@@ -116,7 +119,7 @@ class LtGemmPlan {
     const bool a_rows = key.op_a == CUBLAS_OP_N, b_rows = key.op_b == CUBLAS_OP_N;
     layout(&a_, key.data_type, a_rows ? key.m : key.k, a_rows ? key.k : key.m, key.lda);
     layout(&b_, key.data_type, b_rows ? key.k : key.n, b_rows ? key.n : key.k, key.ldb);
-    layout(&c_, key.data_type, key.m, key.n, key.ldc);
+    layout(&c_, key.output_type, key.m, key.n, key.ldc);
 
     cublasLtMatmulPreference_t preference = nullptr;
     cublas_check(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
