@@ -99,7 +99,8 @@ std::vector<Kernel> kernels_of(const loom::cpu& be, std::int64_t n) {
   using A = loom::accumulate_t<T>;
   auto targets = std::make_shared<std::vector<std::int32_t>>(rows);
   for (std::int64_t r = 0; r < rows; ++r) (*targets)[r] = static_cast<std::int32_t>(r * 7919 % vocab);
-  auto stats = std::make_shared<std::vector<double>>(3 * rows + 1), losses = std::make_shared<std::vector<A>>(rows);
+  auto stats = std::make_shared<std::vector<double>>(3 * rows + 1);
+  auto losses = std::make_shared<std::vector<A>>(rows);
   auto logits = std::make_shared<std::vector<T>>(rows * columns);
   for (std::int64_t i = 0; i < rows * columns; ++i) (*logits)[i] = T(static_cast<float>(i % 97) / 16.0f - 3.0f);
   const A scale = A(1) / static_cast<A>(rows);

@@ -3,6 +3,7 @@
 # those that are missing (nothing is touched when all are there).
 #   scripts/install-deps.sh            compilers, CMake, Eigen, doctest, Open MPI, CLI11, JSON
 #   scripts/install-deps.sh --bench    also PyTorch (the reference benchmarks) and OpenBLAS
+#   scripts/install-deps.sh --clang    also Clang and its OpenMP (scripts/clang_check.sh)
 set -euo pipefail
 
 packages=(build-essential cmake libeigen3-dev doctest-dev libopenmpi-dev openmpi-bin
@@ -10,7 +11,8 @@ packages=(build-essential cmake libeigen3-dev doctest-dev libopenmpi-dev openmpi
 for arg in "$@"; do
   case "$arg" in
     --bench) packages+=(python3-torch libopenblas0-pthread) ;;
-    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+    --clang) packages+=(clang libomp-dev) ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
     *) echo "install-deps.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done

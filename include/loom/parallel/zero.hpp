@@ -627,6 +627,17 @@ class ZeroEngine {
 
 }  // namespace detail
 
+template <int Stage>
+struct Zero;
+
+namespace detail {
+//! Zero<Stage>::Engine<B, T>. A class template of the stage outside Zero (specialized below)
+//! rather than explicit specializations of a constrained member template, on which Clang 14
+//! crashes.
+template <int Stage, class B, class T>
+class ZeroStageEngine;
+}  // namespace detail
+
 //! ZeRO stage `Stage` (1, 2 or 3) on the data-parallel group. Units of whole layers of at least
 //! `bucket_bytes` (stages 1 and 2; stage 3 gathers one layer per unit, as FSDP wraps each block)
 //! are reduce-scattered during backward when `overlap` (else after it); stage 3 gathers the
@@ -651,37 +662,37 @@ struct Zero {
     return out << "}";
   }
 
+  //! The rank's shards and the stage's holding of parameters and gradients.
   template <Backend B, class T>
-  class Engine;
+  using Engine = detail::ZeroStageEngine<Stage, B, T>;
 };
 
+namespace detail {
+
 //! Stage 1: full parameters and gradients, sharded optimizer state.
-template <>
-template <Backend B, class T>
-class Zero<1>::Engine : public detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::FullGradients<B, T>> {
+template <class B, class T>
+class ZeroStageEngine<1, B, T> : public ZeroEngine<B, T, FullParameters<B, T>, FullGradients<B, T>> {
  public:
-  Engine(const Zero& z, EngineContext<B> c)
-      : detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::FullGradients<B, T>>(
+  ZeroStageEngine(const Zero<1>& z, EngineContext<B> c)
+      : ZeroEngine<B, T, FullParameters<B, T>, FullGradients<B, T>>(
             c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap) {}
 };
 
 //! Stage 2: full parameters, sharded gradients and optimizer state.
-template <>
-template <Backend B, class T>
-class Zero<2>::Engine : public detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::ShardedGradients<B, T>> {
+template <class B, class T>
+class ZeroStageEngine<2, B, T> : public ZeroEngine<B, T, FullParameters<B, T>, ShardedGradients<B, T>> {
  public:
-  Engine(const Zero& z, EngineContext<B> c)
-      : detail::ZeroEngine<B, T, detail::FullParameters<B, T>, detail::ShardedGradients<B, T>>(
+  ZeroStageEngine(const Zero<2>& z, EngineContext<B> c)
+      : ZeroEngine<B, T, FullParameters<B, T>, ShardedGradients<B, T>>(
             c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap) {}
 };
 
 //! Stage 3: everything sharded; parameters gathered per layer.
-template <>
-template <Backend B, class T>
-class Zero<3>::Engine : public detail::ZeroEngine<B, T, detail::ShardedParameters<B, T>, detail::ShardedGradients<B, T>> {
+template <class B, class T>
+class ZeroStageEngine<3, B, T> : public ZeroEngine<B, T, ShardedParameters<B, T>, ShardedGradients<B, T>> {
  public:
-  Engine(const Zero& z, EngineContext<B> c)
-      : detail::ZeroEngine<B, T, detail::ShardedParameters<B, T>, detail::ShardedGradients<B, T>>(
+  ZeroStageEngine(const Zero<3>& z, EngineContext<B> c)
+      : ZeroEngine<B, T, ShardedParameters<B, T>, ShardedGradients<B, T>>(
             c, gradient_buckets(c.layout, sizeof(T), 1), z.overlap, check_prefetch(z.prefetch)) {}
 
  private:
@@ -690,6 +701,8 @@ class Zero<3>::Engine : public detail::ZeroEngine<B, T, detail::ShardedParameter
     return prefetch;
   }
 };
+
+}  // namespace detail
 
 static_assert(Strategy<Zero<1>> && Strategy<Zero<2>> && Strategy<Zero<3>>);
 
