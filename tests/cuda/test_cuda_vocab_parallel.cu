@@ -199,6 +199,25 @@ void check_embedding(loom::cuda& be, const EmbeddingCase& c, const std::vector<s
         CHECK(got_dwpe == first_dwpe);
       }
     }
+    {
+      // bf16 rows into fp32 sums (TrainerOptions::fp32_gradient_fusion): the host float loop over
+      // the bf16 values, bit for bit (nothing rounded to bf16).
+      const std::vector<bf16> dout16 = cast_to<bf16>(dout);
+      std::vector<float> want_dwte32 = table_rows(dwte0, begin, rows, C), want_dwpe32 = dwpe0;
+      for (std::int64_t bt = 0; bt < N; ++bt) {
+        const std::int64_t local = static_cast<std::int64_t>(tokens[bt]) - begin;
+        for (std::int64_t j = 0; j < C; ++j) {
+          const float g = static_cast<float>(dout16[bt * C + j]);
+          if (local >= 0 && local < rows) want_dwte32[local * C + j] += g;
+          want_dwpe32[(bt % Tn) * C + j] += g;
+        }
+      }
+      const DeviceArray<bf16> dout16_device(be, dout16, Shape{B, Tn, C});
+      const DeviceTensor dwte(be, table_rows(dwte0, begin, rows, C), Shape{rows, C}), dwpe(be, dwpe0, Shape{c.max_T, C});
+      vocab_parallel_embedding_backward<bf16>(be, dwte.view(), begin, dwpe.view(), dout16_device.cview(), ids.cview());
+      check_same_bits(dwte.to_host(be), want_dwte32, "fp32 dwte slice from bf16 rows");
+      check_same_bits(dwpe.to_host(be), want_dwpe32, "fp32 dwpe from bf16 rows");
+    }
     std::copy(first_dwte.begin(), first_dwte.end(), dwte_all.begin() + begin * C);
     // The double reference of dwpe (every slice gets the whole position gradient).
     std::vector<double> want_dwpe_exact(dwpe0.begin(), dwpe0.end()), dwpe_magnitude = abs_of(want_dwpe_exact);

@@ -363,6 +363,13 @@ TEST_CASE("bf16: vocabulary-parallel embedding, forward and backward") {
       // A token repeats up to B * Tn / V + 1 = 13 times; a position sums B rows.
       check_close(dwte.narrow, dwte.wide, 14.0, 14);
       check_close(dwpe.narrow, dwpe.wide, static_cast<double>(B + 1), B + 1);
+      // Into fp32 sums (fp32 gradient fusion): the float kernel's bits, from the same values in
+      // the same order, nothing rounded to bf16.
+      Values dwte32(rows * C, 65), dwpe32(maxT * C, 66);
+      loom::kernels::vocab_parallel_embedding_backward<bf16>(*be, dwte32.fl({rows, C}), vocab_begin,
+                                                             dwpe32.fl({maxT, C}), dout.cbf({B, Tn, C}), ids);
+      CHECK(dwte32.wide == dwte.wide);
+      CHECK(dwpe32.wide == dwpe.wide);
     }
     // The whole-vocabulary kernels share the same code.
     Values out(B * Tn * C, 67), dwte(V * C, 68), dwpe(maxT * C, 69);

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/block_body.hpp"
@@ -94,9 +95,9 @@ __global__ void sort_input_kernel(Key* keys, std::int64_t* source_rows, const st
 //! equal keys adds that segment's dout rows to dwte[key] in (b, t) order, one column per thread,
 //! in a register (acc = dwte; acc += g1; acc += g2; ...: the CPU kernel's float order). Other
 //! positions, and the segment of ids not in the slice, leave at once. No two blocks share a
-//! dwte row, so there are no atomics.
-template <class T>
-__global__ void token_grad_kernel(T* dwte, const std::uint32_t* keys, const std::int64_t* source_rows,
+//! dwte row, so there are no atomics. dwte is of T, or fp32 sums (G = float, stored unrounded).
+template <class T, class G>
+__global__ void token_grad_kernel(G* dwte, const std::uint32_t* keys, const std::int64_t* source_rows,
                                   const T* dout, std::int64_t n, std::int64_t channels,
                                   std::uint32_t not_in_slice) {
   for (std::int64_t start = blockIdx.x; start < n; start += gridDim.x) {
@@ -112,22 +113,23 @@ __global__ void token_grad_kernel(T* dwte, const std::uint32_t* keys, const std:
       end += same;
       if (same < static_cast<int>(blockDim.x)) break;
     }
-    T* row = dwte + static_cast<std::int64_t>(key) * channels;
+    G* row = dwte + static_cast<std::int64_t>(key) * channels;
     for (std::int64_t j = threadIdx.x; j < channels; j += blockDim.x) {
       accumulate_t<T> acc = to_accumulate(row[j]);
       for (std::int64_t k = start; k < end; ++k) acc += to_accumulate(dout[source_rows[k] * channels + j]);
-      row[j] = static_cast<T>(acc);
+      row[j] = static_cast<G>(acc);
     }
   }
 }
 
-//! dwpe[t, j] += dout[b, t, j] for b = 0, 1, ... in order (the CPU kernel's float order).
-template <class T>
-__global__ void position_grad_kernel(T* dwpe, const T* dout, std::int64_t batch, std::int64_t seq_channels) {
+//! dwpe[t, j] += dout[b, t, j] for b = 0, 1, ... in order (the CPU kernel's float order); dwpe
+//! of T or fp32 sums (G).
+template <class T, class G>
+__global__ void position_grad_kernel(G* dwpe, const T* dout, std::int64_t batch, std::int64_t seq_channels) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < seq_channels; i += cuda_kernels::grid_stride()) {
     accumulate_t<T> acc = to_accumulate(dwpe[i]);
     for (std::int64_t b = 0; b < batch; ++b) acc += to_accumulate(dout[b * seq_channels + i]);
-    dwpe[i] = static_cast<T>(acc);
+    dwpe[i] = static_cast<G>(acc);
   }
 }
 
@@ -565,9 +567,11 @@ void vocab_parallel_embedding_forward(const cuda& be, Tensor<T> out, Tensor<cons
 //! `dwpe` is non-empty. Deterministic without atomics, and the same bits as the CPU kernel: the
 //! slice's ids are sorted (stable, so each id keeps its rows in (b, t) order) and each id's rows
 //! are added in that order. Takes `cuda&`: the sort's scratch comes from the backend's
-//! allocator (workspace), freed on return (stream order makes the reuse safe).
-template <class T>
-void vocab_parallel_embedding_backward(cuda& be, Tensor<T> dwte_slice, std::int64_t vocab_begin, Tensor<T> dwpe,
+//! allocator (workspace), freed on return (stream order makes the reuse safe). `dwte_slice` and
+//! `dwpe` are of T, or for bf16 fp32 gradient sums (G = accumulate_t<T>, stored unrounded).
+template <class T, class G = T>
+  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+void vocab_parallel_embedding_backward(cuda& be, Tensor<G> dwte_slice, std::int64_t vocab_begin, Tensor<G> dwpe,
                                        Tensor<const T> dout, Tensor<const std::int32_t> tokens) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");
   namespace k = detail::cuda_kernels;

@@ -169,11 +169,11 @@ class Model : public detail::transformer::Slice<Config> {
   }
 
   //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
-  //! (FusesFp32Gradients): a block's linear layers' weights and biases, and the head's dense layer
-  //! and unembedding (wte and the output bias). The embedding's scatters and the layernorms write
-  //! `grads`.
+  //! (FusesFp32Gradients): the embeddings (wte's rows and wpe), a block's linear layers' weights
+  //! and biases, and the head's dense layer and unembedding (wte and the output bias). Only the
+  //! layernorms write `grads`.
   std::vector<ElementRange> fp32_gradient_parameters(int layer) const {
-    if (layer == embedding_layer) return {};
+    if (layer == embedding_layer) return parameter_ranges({wte_, wpe_});
     if (layer == head_layer(config_)) return parameter_ranges({dense_weight_, dense_bias_, wte_, output_bias_});
     return block_linear_ranges(blocks_[static_cast<std::size_t>(layer - 1)]);
   }
@@ -319,9 +319,11 @@ class Model : public detail::transformer::Slice<Config> {
     split_.sum_norm_grads(be, w.norm_grads, {grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()})});
     // Every rank accumulates its wte rows and the whole wpe gradient from the whole sum's gradient.
     const Tensor<const T> dsum = split_.gather(w.dsum, w.gathered);
-    vocab_parallel_embedding_backward<T>(be, grad(g, wte_, {vocab_rows_, C()}), vocab_begin_,
-                                         grad(g, wpe_, {config_.max_seq_len, C()}),
-                                         dsum.reshape({s.batch, s.seq, C()}), a.tokens);
+    with_fused_grads(g, a, [&](auto fused) {
+      vocab_parallel_embedding_backward<T>(be, grad(fused, wte_, {vocab_rows_, C()}), vocab_begin_,
+                                           grad(fused, wpe_, {config_.max_seq_len, C()}),
+                                           dsum.reshape({s.batch, s.seq, C()}), a.tokens);
+    });
   }
 
   // ---------------------------------------------------------------------------------------------

@@ -263,9 +263,11 @@ class Model : public detail::transformer::Slice<Config> {
       const Tensor<const T> dropped =
           through_hidden_dropout(be, layer, a, detail::transformer::hidden_site, w.dropped, s);
       const Tensor<const T> dout = split_.gather(dropped, w.gathered);
-      vocab_parallel_embedding_backward<T>(be, grad(grads, wte_, {vocab_rows_, C()}), vocab_begin_,
-                                           grad(grads, wpe_, {config_.max_seq_len, C()}),
-                                           dout.reshape({s.batch, s.seq, C()}), a.tokens);
+      with_fused_grads(grads, a, [&](auto fused) {
+        vocab_parallel_embedding_backward<T>(be, grad(fused, wte_, {vocab_rows_, C()}), vocab_begin_,
+                                             grad(fused, wpe_, {config_.max_seq_len, C()}),
+                                             dout.reshape({s.batch, s.seq, C()}), a.tokens);
+      });
       return;
     }
     if (layer == head_layer(config_))
@@ -276,11 +278,10 @@ class Model : public detail::transformer::Slice<Config> {
   }
 
   //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
-  //! (FusesFp32Gradients): a block's linear layers' weights and biases, and the head's wte (the
-  //! unembedding GEMM's). The embedding's scatter into wte and wpe, and the layernorms, write
-  //! `grads`.
+  //! (FusesFp32Gradients): the embeddings (wte's rows and wpe), a block's linear layers' weights
+  //! and biases, and the head's wte (the unembedding GEMM's). Only the layernorms write `grads`.
   std::vector<ElementRange> fp32_gradient_parameters(int layer) const {
-    if (layer == embedding_layer) return {};
+    if (layer == embedding_layer) return parameter_ranges({wte_, wpe_});
     if (layer == head_layer(config_)) return parameter_ranges({wte_});
     return block_linear_ranges(blocks_[static_cast<std::size_t>(layer - 1)]);
   }

@@ -20,9 +20,10 @@ inline constexpr std::int64_t column_block = 64;
 inline constexpr std::int64_t parallel_min_elements = 1 << 14;
 
 //! dte[ids[bt] - vocab_begin] += dout[bt] for the ids in [vocab_begin, vocab_begin + slice_rows),
-//! and dpe[t] += sum over b of dout[b, t] where `dpe` is not null; dout is [B * Tn, C].
-template <class T>
-void accumulate(const cpu& be, T* dte, std::int64_t vocab_begin, std::int64_t slice_rows, T* dpe,
+//! and dpe[t] += sum over b of dout[b, t] where `dpe` is not null; dout is [B * Tn, C]. The
+//! gradients are of T, or fp32 sums of a bf16 layer's (G = float: the sums stored unrounded).
+template <class T, class G>
+void accumulate(const cpu& be, G* dte, std::int64_t vocab_begin, std::int64_t slice_rows, G* dpe,
                 const T* dout, const std::int32_t* ids, std::int64_t B, std::int64_t Tn, std::int64_t C) {
   using A = accumulate_t<T>;
   const std::int64_t rows = B * Tn;
@@ -43,7 +44,7 @@ void accumulate(const cpu& be, T* dte, std::int64_t vocab_begin, std::int64_t sl
     A sum[column_block];
     for (std::int64_t start = 0, end = 0; start < count; start = end) {
       const std::int32_t id = ids[sorted[start]];
-      T* row = dte + (static_cast<std::int64_t>(id) - vocab_begin) * C + j0;
+      G* row = dte + (static_cast<std::int64_t>(id) - vocab_begin) * C + j0;
       widen_into(row, sum, width);
       for (end = start; end < count && ids[sorted[end]] == id; ++end) {
         const T* g = dout + sorted[end] * C + j0;
@@ -53,7 +54,7 @@ void accumulate(const cpu& be, T* dte, std::int64_t vocab_begin, std::int64_t sl
     }
     if (dpe == nullptr) continue;
     for (std::int64_t t = 0; t < Tn; ++t) {
-      T* row = dpe + t * C + j0;
+      G* row = dpe + t * C + j0;
       widen_into(row, sum, width);
       for (std::int64_t b = 0; b < B; ++b) {
         const T* g = dout + (b * Tn + t) * C + j0;
