@@ -3,6 +3,7 @@
 //! double, float for float and bf16 (mixed precision as llm.c and Megatron do it: bf16 storage,
 //! fp32 arithmetic, one rounding per stored result).
 
+#include <concepts>
 #include <type_traits>
 
 #include "loom/core/bf16.hpp"
@@ -36,5 +37,10 @@ LOOM_HD constexpr accumulate_t<T> to_accumulate(T x) noexcept {
 //! once on store.
 template <class T>
 inline constexpr bool is_narrow_storage = !std::is_same_v<std::remove_const_t<T>, accumulate_t<T>>;
+
+//! Whether G may hold the gradients of parameters stored as T: T itself, or its accumulate type
+//! (the fp32 sums of a bf16 layer's gradients, TrainerOptions::fp32_gradient_fusion).
+template <class G, class T>
+concept GradientOf = std::same_as<G, T> || std::same_as<G, accumulate_t<T>>;
 
 }  // namespace loom

@@ -58,9 +58,9 @@ struct TrainerOptions {
   //! already do all of it in fp32; every strategy and schedule takes it.
   bool fp32_gradients = false;
   //! With fp32_gradients, a model whose layers can add gradients to the fp32 sums directly
-  //! (FusesFp32Gradients: GPT-2's and BERT's linear layers and unembedding) has them do so: the
-  //! weight-gradient GEMMs accumulate into fp32 (Megatron-LM's gradient_accumulation_fusion), so
-  //! those gradients are never rounded to bf16 and never drained. Off: every layer writes bf16
+  //! (FusesFp32Gradients: GPT-2's and BERT's embeddings, linear layers and unembeddings) has them
+  //! do so: the weight-gradient GEMMs accumulate into fp32 (Megatron-LM's
+  //! gradient_accumulation_fusion), so those gradients are never rounded to bf16 and never drained. Off: every layer writes bf16
   //! and the strategy drains it (the comparison docs/mixed_precision.md makes).
   bool fp32_gradient_fusion = true;
 
@@ -466,7 +466,7 @@ class Trainer {
                    .recompute_layers = options.recompute_layers,
                    .seed = options.seed,
                    .split_backward = splits_backward_schedule<S>,
-                   .fp32_gradient_fusion = options.fp32_gradient_fusion}),
+                   .fp32_gradient_fusion = fuses_fp32_gradients(options)}),
         whole_layout_(loom::whole_layout(stage().model().layout())),
         optimizer_(std::move(optimizer)),
         schedule_((check_schedule(schedule, pipeline, chunks_per_rank(schedule)), std::move(schedule))),
@@ -604,8 +604,8 @@ class Trainer {
   static std::vector<std::vector<ElementRange>> layer_drained_of(const Stage& stage,
                                                                  const std::vector<std::vector<ElementRange>>& reads,
                                                                  const TrainerOptions& options) {
-    if constexpr (FusesFp32Gradients<M> && is_narrow_storage<T>) {
-      if (options.fp32_gradients && options.fp32_gradient_fusion) {
+    if constexpr (FusesFp32Gradients<M>) {
+      if (fuses_fp32_gradients(options)) {
         std::vector<std::vector<ElementRange>> out;
         for (int l = 0; l < stage.num_layers(); ++l)
           out.push_back(subtract_ranges(reads[static_cast<std::size_t>(l)], stage.fp32_gradient_parameters(l)));
@@ -613,6 +613,12 @@ class Trainer {
       }
     }
     return reads;
+  }
+  //! Whether the layers add their fp32_gradient_parameters to the fp32 sums themselves: the one
+  //! decision both the executor (which hands them the sums) and the drains (which skip those
+  //! ranges) follow.
+  static bool fuses_fp32_gradients(const TrainerOptions& o) noexcept {
+    return FusesFp32Gradients<M> && is_narrow_storage<T> && o.fp32_gradients && o.fp32_gradient_fusion;
   }
 
   //! The model must be split over the mesh's tensor-parallel group.

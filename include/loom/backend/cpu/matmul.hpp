@@ -79,12 +79,10 @@ auto op(const M& m) {
 //! [N] on every row, else 0. Per tile: the blocks of op(a) and op(b) widened to float, one Eigen
 //! float GEMM, one rounding per element. `c` and `bias` are of T, or of float (U = the accumulate
 //! type: fp32 gradient sums, which take the float result unrounded).
-template <bool TransA, bool TransB, class T, class U = T>
+template <bool TransA, bool TransB, class T, GradientOf<T> U = T>
 void staged_gemm(const cpu& be, U* c, std::int64_t M, std::int64_t N, std::int64_t K, const T* a,
                  std::int64_t lda, const T* b, std::int64_t ldb, const std::type_identity_t<U>* bias,
                  bool accumulate) {
-  static_assert(std::is_same_v<U, T> || std::is_same_v<U, accumulate_t<T>>,
-                "loom: a staged GEMM's output is of the operands' type or of their accumulate type");
   using A = accumulate_t<T>;
   const std::int64_t col_tiles = (N + tile - 1) / tile, tiles = (M + tile - 1) / tile * col_tiles;
   Staging<T> scratch(be.threads(), 2 * tile * K + tile * tile);
@@ -289,8 +287,7 @@ void matmul_forward(const cpu& be, Tensor<T> out, Tensor<const T> in, Tensor<con
 //! `dweight` and `dbias` are of T, or for bf16 of float (G = accumulate_t<T>): fp32 gradient sums
 //! the products are added to before any rounding (Megatron-LM's gradient-accumulation fusion;
 //! TrainerOptions::fp32_gradient_fusion).
-template <class T, class G = T>
-  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+template <class T, GradientOf<T> G = T>
 void matmul_backward(const cpu& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                      GradientWrite din_write = GradientWrite::accumulate) {

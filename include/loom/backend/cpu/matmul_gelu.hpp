@@ -4,7 +4,6 @@
 //! a model that calls these runs the same code on both.
 
 #include <cstdint>
-#include <type_traits>
 
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/backend/cpu/elementwise.hpp"
@@ -37,8 +36,7 @@ void matmul_gelu_forward(const cpu& be, Tensor<T> out, Tensor<T> pre, Tensor<con
 //! matmul_backward computes them (each may be empty: skipped, the input-gradient pass of a split
 //! backward). `in` and `pre` are both [N, C]; `kind` is the forward's GELU. `dweight` and `dbias`
 //! may be fp32 sums of a bf16 layer's gradients (G, as matmul_backward's).
-template <class T, class G = T>
-  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+template <class T, GradientOf<T> G = T>
 void gelu_matmul_backward(const cpu& be, Tensor<T> dpre, Tensor<G> dweight, Tensor<G> dbias, Tensor<const T> dout,
                           Tensor<const T> in, Tensor<const T> weight, Tensor<const T> pre, Gelu kind = Gelu::tanh) {
   namespace d = detail::matmul;

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "loom/backend/cpu/cpu.hpp"
@@ -184,8 +183,7 @@ void vocab_parallel_embedding_forward(const cpu& be, Tensor<T> out, Tensor<const
 //! dwpe[t] += sum over b of dout[b,t] when `dwpe` is non-empty (every rank holds wpe whole and
 //! gets its whole gradient). Deterministic for any thread count. `dwte_slice` and `dwpe` are of
 //! T, or for bf16 fp32 gradient sums (G = accumulate_t<T>; TrainerOptions::fp32_gradient_fusion).
-template <class T, class G = T>
-  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+template <class T, GradientOf<T> G = T>
 void vocab_parallel_embedding_backward(const cpu& be, Tensor<G> dwte_slice, std::int64_t vocab_begin,
                                        Tensor<G> dwpe, Tensor<const T> dout,
                                        Tensor<const std::int32_t> tokens) {

@@ -80,10 +80,8 @@ inline Gemm weight_grad_gemm(std::int64_t N, std::int64_t C, std::int64_t OC) {
 //! cuBLAS supports under CUBLAS_COMPUTE_32F). With bf16 C, cuBLAS may round A B to bf16 before it
 //! adds beta C (seen on an H100, CUDA 13: a gradient accumulated into bf16 is off by up to
 //! 2^-8 |A B|, not 2^-8 of the sum); an fp32 C takes the fp32 sum.
-template <class T, class U = T>
+template <class T, GradientOf<T> U = T>
 void gemm(const cuda& be, const Gemm& g, const T* a, const T* b, U* c, float beta, const char* kernel) {
-  static_assert(std::is_same_v<U, T> || std::is_same_v<U, accumulate_t<T>>,
-                "loom: a GEMM's output is of its operands' type or of their accumulate type");
   const float alpha = 1.0f;
   constexpr cudaDataType_t type = data_type<T>();
   const cublasStatus_t status =
@@ -114,7 +112,7 @@ inline std::uint32_t common_alignment(std::initializer_list<const void*> pointer
 //! Returns false, having launched nothing, when cuBLASLt cannot fuse it (an auxiliary leading
 //! dimension not a multiple of 8, or no algorithm): the caller then runs the unfused kernels.
 //! C (and the bias vector) are of U: T, or float for fp32 gradient sums of bf16 operands.
-template <class T, class U = T>
+template <class T, GradientOf<T> U = T>
 bool lt_gemm(cuda& be, const Gemm& g, const T* a, const T* b, U* c, float beta, cublasLtEpilogue_t epilogue,
              LtEpilogueOperands operands, std::int64_t aux_ld, const char* kernel) {
   LtGemms& lt = be.lt_gemms();
@@ -199,7 +197,7 @@ struct BiasGradTerm {
 //! from the same GEMM's BGRADB epilogue (summed in fp32, rounded to G into scratch, then added
 //! by add_to). G is T, or float for fp32 gradient sums. False, having launched nothing, where
 //! cuBLASLt cannot fuse it.
-template <class T, class G>
+template <class T, GradientOf<T> G>
 bool weight_and_bias_grad(cuda& be, G* dweight, G* dbias, const T* dout, const T* in, std::int64_t N, std::int64_t C,
                           std::int64_t OC, const char* kernel) {
   const Buffer<G, cuda> sums(be, OC, MemoryCategory::workspace);
@@ -212,7 +210,7 @@ bool weight_and_bias_grad(cuda& be, G* dweight, G* dbias, const T* dout, const T
 
 //! dbias[cols] += column sums of dout[rows, cols], in a fixed order (cuda_kernels::add_column_sums),
 //! in fp32 and rounded once into a bf16 dbias (G = T), or added unrounded to fp32 sums (G = float).
-template <class T, class G>
+template <class T, GradientOf<T> G>
 void bias_grad(cuda& be, G* dbias, const T* dout, std::int64_t rows, std::int64_t cols) {
   cuda_kernels::add_column_sums<1>(be, cuda_kernels::ColumnOutputs<G, 1>{{dbias}}, rows, cols,
                                    BiasGradTerm<T>{dout, cols}, "matmul_backward bias gradient");
@@ -269,8 +267,7 @@ void matmul_forward(cuda& be, Tensor<T> out, Tensor<const T> in, Tensor<const T>
 //! `dweight` and `dbias` are of T, or for bf16 of float (G = accumulate_t<T>): fp32 gradient sums
 //! the GEMM adds its fp32 products to (cuBLAS with fp32 C; Megatron-LM's gradient-accumulation
 //! fusion, TrainerOptions::fp32_gradient_fusion).
-template <class T, class G = T>
-  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+template <class T, GradientOf<T> G = T>
 void matmul_backward(cuda& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                      Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                      GradientWrite din_write = GradientWrite::accumulate) {

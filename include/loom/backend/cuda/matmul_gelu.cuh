@@ -8,7 +8,6 @@
 //! Gelu::erf always takes the unfused path (the GEMM, then loom's element-wise kernel).
 
 #include <cstdint>
-#include <type_traits>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/kernel_support.cuh"
@@ -55,8 +54,7 @@ void matmul_gelu_forward(cuda& be, Tensor<T> out, Tensor<T> pre, Tensor<const T>
 //! the input-gradient pass of a split backward). `in` and `pre` are both [N, C]; `kind` is the
 //! forward's GELU. `dweight` and `dbias` may be fp32 sums of a bf16 layer's gradients (G, as
 //! matmul_backward's).
-template <class T, class G = T>
-  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+template <class T, GradientOf<T> G = T>
 void gelu_matmul_backward(cuda& be, Tensor<T> dpre, Tensor<G> dweight, Tensor<G> dbias, Tensor<const T> dout,
                           Tensor<const T> in, Tensor<const T> weight, Tensor<const T> pre, Gelu kind = Gelu::tanh) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");

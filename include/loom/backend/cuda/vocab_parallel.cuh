@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "loom/backend/cuda/cuda.hpp"
 #include "loom/backend/cuda/detail/block_body.hpp"
@@ -96,7 +95,7 @@ __global__ void sort_input_kernel(Key* keys, std::int64_t* source_rows, const st
 //! in a register (acc = dwte; acc += g1; acc += g2; ...: the CPU kernel's float order). Other
 //! positions, and the segment of ids not in the slice, leave at once. No two blocks share a
 //! dwte row, so there are no atomics. dwte is of T, or fp32 sums (G = float, stored unrounded).
-template <class T, class G>
+template <class T, GradientOf<T> G>
 __global__ void token_grad_kernel(G* dwte, const std::uint32_t* keys, const std::int64_t* source_rows,
                                   const T* dout, std::int64_t n, std::int64_t channels,
                                   std::uint32_t not_in_slice) {
@@ -124,7 +123,7 @@ __global__ void token_grad_kernel(G* dwte, const std::uint32_t* keys, const std:
 
 //! dwpe[t, j] += dout[b, t, j] for b = 0, 1, ... in order (the CPU kernel's float order); dwpe
 //! of T or fp32 sums (G).
-template <class T, class G>
+template <class T, GradientOf<T> G>
 __global__ void position_grad_kernel(G* dwpe, const T* dout, std::int64_t batch, std::int64_t seq_channels) {
   for (std::int64_t i = cuda_kernels::grid_first(); i < seq_channels; i += cuda_kernels::grid_stride()) {
     accumulate_t<T> acc = to_accumulate(dwpe[i]);
@@ -569,8 +568,7 @@ void vocab_parallel_embedding_forward(const cuda& be, Tensor<T> out, Tensor<cons
 //! are added in that order. Takes `cuda&`: the sort's scratch comes from the backend's
 //! allocator (workspace), freed on return (stream order makes the reuse safe). `dwte_slice` and
 //! `dwpe` are of T, or for bf16 fp32 gradient sums (G = accumulate_t<T>, stored unrounded).
-template <class T, class G = T>
-  requires(std::is_same_v<G, T> || std::is_same_v<G, accumulate_t<T>>)
+template <class T, GradientOf<T> G = T>
 void vocab_parallel_embedding_backward(cuda& be, Tensor<G> dwte_slice, std::int64_t vocab_begin, Tensor<G> dwpe,
                                        Tensor<const T> dout, Tensor<const std::int32_t> tokens) {
   static_assert(detail::cuda_kernels::supported<T>, "loom: the cuda kernels take T = float or bf16");

@@ -482,7 +482,7 @@ double chunked_unembedding_loss(B& be, CommunicatorRef& tensor_parallel, Tensor<
 //! read: each chunk writes its own rows), and `dw` += dlogitsᵀ · x and `dbias` += its column sums
 //! where they are not empty (of T, or fp32 sums: G = float). Communicates nothing: the caller
 //! sums dx over the group.
-template <class T, class G = T, Backend B>
+template <class T, GradientOf<T> G = T, Backend B>
 void chunked_unembedding_loss_backward(B& be, Tensor<T> dx, Tensor<G> dw, Tensor<G> dbias,
                                        const LogitScratch<T>& scratch, const LogitStatistics& stats, Tensor<const T> x,
                                        Tensor<const T> w, Tensor<const T> bias, Tensor<const std::int32_t> targets,

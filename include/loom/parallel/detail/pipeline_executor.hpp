@@ -149,8 +149,9 @@ class PipelineExecutor {
     int recompute_layers = 0;
     std::uint64_t seed = 0;
     bool split_backward = false;
-    //! Where the engine keeps fp32 gradients and the model FusesFp32Gradients, its layers add
-    //! those gradients to the fp32 sums themselves (TrainerOptions::fp32_gradient_fusion).
+    //! Whether the layers add their fp32_gradient_parameters to the engine's fp32 sums themselves
+    //! (the Trainer decides: a FusesFp32Gradients bf16 model under TrainerOptions::fp32_gradients
+    //! with fp32_gradient_fusion; the engine drains the rest).
     bool fp32_gradient_fusion = false;
   };
 
@@ -615,8 +616,7 @@ class PipelineExecutor {
   //! backward_grads(layer), which opens them under ZeRO-2 and 3), or an empty view: the layer
   //! then writes every gradient in T.
   ParameterView<accumulate_t<T>> fused_grads(int layer) {
-    if constexpr (FusesFp32Gradients<M> && is_narrow_storage<T>)
-      if (settings_.fp32_gradient_fusion && engine_->fp32_gradients()) return engine_->fp32_grads_view(layer);
+    if (settings_.fp32_gradient_fusion) return engine_->fp32_grads_view(layer);
     return {};
   }
 

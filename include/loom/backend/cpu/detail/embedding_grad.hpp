@@ -22,7 +22,7 @@ inline constexpr std::int64_t parallel_min_elements = 1 << 14;
 //! dte[ids[bt] - vocab_begin] += dout[bt] for the ids in [vocab_begin, vocab_begin + slice_rows),
 //! and dpe[t] += sum over b of dout[b, t] where `dpe` is not null; dout is [B * Tn, C]. The
 //! gradients are of T, or fp32 sums of a bf16 layer's (G = float: the sums stored unrounded).
-template <class T, class G>
+template <class T, GradientOf<T> G>
 void accumulate(const cpu& be, G* dte, std::int64_t vocab_begin, std::int64_t slice_rows, G* dpe,
                 const T* dout, const std::int32_t* ids, std::int64_t B, std::int64_t Tn, std::int64_t C) {
   using A = accumulate_t<T>;
