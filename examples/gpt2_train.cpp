@@ -237,12 +237,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::IsMember({"float", "bf16"}));
   app.add_flag("--fp32-gradients", o.fp32_gradients,
                "With --dtype bf16: add the micro-batches' gradients up, all-reduce and clip them in fp32 (Megatron-LM's "
-               "--accumulate-allreduce-grads-in-fp32), not in bf16; 4 more bytes a parameter, twice the all-reduce "
-               "bytes. Every strategy and schedule");
+               "--accumulate-allreduce-grads-in-fp32), not in bf16; the fp32 sums replace the bf16 gradients (2 more "
+               "bytes a parameter under DDP), twice the all-reduce bytes. Every strategy and schedule");
   app.add_flag("--no-fp32-gradient-fusion", o.no_fp32_gradient_fusion,
-               "With --fp32-gradients: the linear layers write bf16 gradients that are then added to the fp32 sums "
-               "(drained) after each layer, instead of their weight-gradient GEMMs adding to the fp32 sums directly "
-               "(Megatron-LM's gradient-accumulation fusion, the default); for comparisons");
+               "With --fp32-gradients: the layers write bf16 gradients that are then added to the fp32 sums "
+               "(drained) after each layer, instead of adding to the fp32 sums directly (Megatron-LM's "
+               "gradient-accumulation fusion, the default; the bf16 gradients then need 2 more bytes a parameter); "
+               "for comparisons");
   app.add_option("--attention", o.attention,
                  "stored: keep the attention probabilities (B x heads x seq^2 per block) for the backward; "
                  "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM); "

@@ -518,18 +518,20 @@ std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shap
 //! The ZeRO formula for this rank's parameters + gradients + optimizer state (sizeof(T) bytes
 //! for each parameter and gradient, 4 per optimizer slot and, for bf16, 4 of fp32 master
 //! weights; with fp32 gradients the gradients held are fp32, and stage 1 keeps the bf16 ones
-//! too), plus the optimizer's per-tensor state (Adafactor's moments, held whole on every rank),
-//! beside what it holds; padding and the working set apart.
+//! too where the layers write any, `narrow_gradients`), plus the optimizer's per-tensor state
+//! (Adafactor's moments, held whole on every rank), beside what it holds; padding and the
+//! working set apart.
 template <class T, class Strategy>
 void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots,
-                       bool fp32_gradients, std::int64_t tensor_state_bytes) {
+                       bool fp32_gradients, bool narrow_gradients, std::int64_t tensor_state_bytes) {
   using loom::MemoryCategory;
   const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
   const double bytes = sizeof(T), state = 4.0 * slots + (loom::is_narrow_storage<T> ? 4.0 : 0.0);
   const bool wide = fp32_gradients && loom::is_narrow_storage<T>;
   const double grad_bytes = wide ? 4.0 : bytes;
   const int stage = std::is_same_v<Strategy, loom::Zero<1>> ? 1 : std::is_same_v<Strategy, loom::Zero<2>> ? 2 : 3;
-  const double formula = (stage == 1 ? (bytes + grad_bytes + (wide ? bytes : 0.0)) * psi + state * psi / n
+  const double formula = (stage == 1 ? (bytes + grad_bytes + (wide && narrow_gradients ? bytes : 0.0)) * psi +
+                                            state * psi / n
                          : stage == 2 ? bytes * psi + (grad_bytes + state) * psi / n
                                       : (bytes + grad_bytes + state) * psi / n) +
                          static_cast<double>(tensor_state_bytes);
@@ -607,7 +609,7 @@ class TrainingRunOf final : public TrainingRun {
     if constexpr (requires { trainer_->engine().plan(); })
       gpt2_example::print_zero_memory<typename Trainer::scalar_type>(
           trainer_->engine().plan(), trainer_->memory(), trainer_->strategy(), Trainer::optimizer_type::state_slots,
-          trainer_->options().fp32_gradients, trainer_->tensor_state_bytes());
+          trainer_->options().fp32_gradients, trainer_->layers_write_gradients(), trainer_->tensor_state_bytes());
   }
 
  private:

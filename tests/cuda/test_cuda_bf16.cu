@@ -189,6 +189,15 @@ TEST_CASE("bf16: layernorm keeps float statistics and rounds each result once") 
     check_bf16(d_din.to_host(be), din, {.terms = C, .term = 4.0}, "din");
     check_bf16(d_dw.to_host(be), dw, {.terms = N + 1, .term = 4.0}, "dweight");
     check_bf16(d_db.to_host(be), db, {.terms = N + 1}, "dbias");
+    // Weight and bias gradients into fp32 sums (fp32 gradient fusion): the same float totals
+    // stored unrounded, which round to the bf16 run's bits; din the same bits.
+    const Device<bf16> d_din32(be, din0, {N, C});
+    const Device<float> d_dw32(be, floats_of(dw0), {C}), d_db32(be, floats_of(db0), {C});
+    loom::kernels::layernorm_backward<bf16, float>(be, d_din32.view(), d_dw32.view(), d_db32.view(), d_dout.cview(),
+                                                   d_in.cview(), d_weight.cview(), h_mean.cview(), h_rstd.cview());
+    CHECK(floats_of(d_din32.to_host(be)) == floats_of(d_din.to_host(be)));
+    CHECK(floats_of(cast_to<bf16>(d_dw32.to_host(be))) == floats_of(d_dw.to_host(be)));
+    CHECK(floats_of(cast_to<bf16>(d_db32.to_host(be))) == floats_of(d_db.to_host(be)));
   }
 }
 

@@ -645,10 +645,11 @@ TEST_CASE("layernorm_backward accumulates the host formula of the derivative, th
 }
 
 //! layernorm_backward's fused path on the host (host_block.hpp): the fused body over every block,
-//! then the column totals, for T with P vectors of 16 bytes a lane (C = 32 P of them).
-template <class T, int P>
-void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din, std::vector<T>& dweight,
-                            std::vector<T>& dbias, const std::vector<T>& dout, const std::vector<T>& in,
+//! then the column totals, for T with P vectors of 16 bytes a lane (C = 32 P of them); the
+//! weight and bias gradients of G (T, or fp32 sums of bf16 layers).
+template <class T, int P, class G = T>
+void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din, std::vector<G>& dweight,
+                            std::vector<G>& dbias, const std::vector<T>& dout, const std::vector<T>& in,
                             const std::vector<T>& weight, const std::vector<float>& mean,
                             const std::vector<float>& rstd, const T* residual = nullptr, bool accumulate = true) {
   namespace ln = detail::cuda_layernorm;
@@ -666,7 +667,7 @@ void fused_backward_on_host(std::int64_t N, std::int64_t C, std::vector<T>& din,
         ln::with_gradient_base(args, [&]<ln::GradientBase Base>() { ln::fused_backward_block<T, P, Base>(th, args); });
       },
       ln::fused_threads);
-  const k::ColumnOutputs<T, 2> outputs{{dweight.data(), dbias.data()}};
+  const k::ColumnOutputs<G, 2> outputs{{dweight.data(), dbias.data()}};
   run_grid(
       k::column_blocks(C), 2, k::totals_shared<float>,
       [&](HostThread& th) { k::column_totals_block<2>(th, outputs, partials.data(), blocks, C); }, k::totals_threads);
@@ -703,6 +704,20 @@ void check_fused_backward_on_host(const LayernormCase& c, bool residual = false,
                                stats.rstd, residual ? res_t.data() : nullptr, accumulate);
   check_grads(ref, floats_of(din), floats_of(dweight), floats_of(dbias),
               std::is_same_v<T, float> ? float_tolerance : 1e-2);
+  if constexpr (std::is_same_v<T, bf16>) {
+    // Into fp32 sums (fp32 gradient fusion): the same float totals stored unrounded, so they
+    // round to the bf16 run's bits and sit within float accuracy of the reference; din as before.
+    std::vector<T> din32 = accumulate ? cast_to<T>(din0) : std::vector<T>(din0.size(), T(std::nanf("")));
+    std::vector<float> dweight32 = dw0, dbias32 = db0;
+    fused_backward_on_host<T, P, float>(c.N, c.C, din32, dweight32, dbias32, cast_to<T>(g), cast_to<T>(x),
+                                        cast_to<T>(w), stats.mean, stats.rstd, residual ? res_t.data() : nullptr,
+                                        accumulate);
+    CHECK(floats_of(din32) == floats_of(din));
+    CHECK(floats_of(cast_to<T>(dweight32)) == floats_of(dweight));
+    CHECK(floats_of(cast_to<T>(dbias32)) == floats_of(dbias));
+    check_close(dweight32, ref.dweight, ref.dweight_magnitude, float_tolerance, "dweight (fp32 sums)");
+    check_close(dbias32, ref.dbias, ref.dbias_magnitude, float_tolerance, "dbias (fp32 sums)");
+  }
 }
 
 TEST_CASE("layernorm_backward's fused body and the column totals match the host formula (host emulation)") {

@@ -204,6 +204,16 @@ TEST_CASE("bf16: layernorm keeps float statistics and rounds each result once") 
       check_close(din.narrow, din.wide, 4.0 * static_cast<double>(C), C);
       check_close(dw.narrow, dw.wide, 4.0 * static_cast<double>(N), N);
       check_close(db.narrow, db.wide, static_cast<double>(N), N);
+      // Weight and bias gradients into fp32 sums (fp32 gradient fusion): the float kernel's bits,
+      // from the same values in the same order, nothing rounded to bf16; din as before.
+      Values din32(N * C, 36), dw32(C, 37), db32(C, 38);
+      loom::kernels::layernorm_backward<bf16, float>(*be, din32.bf({N, C}), dw32.fl({C}), db32.fl({C}),
+                                                     dout.cbf({N, C}), in.cbf({N, C}), w.cbf({C}),
+                                                     Tensor<const float>(mean.data(), {N}),
+                                                     Tensor<const float>(rstd.data(), {N}));
+      CHECK(din32.narrow == din.narrow);
+      CHECK(dw32.wide == dw.wide);
+      CHECK(db32.wide == db.wide);
     }
   }
 }

@@ -139,7 +139,8 @@ concept SplitBackwardModel =
 //! arithmetic instead of writing a bf16 gradient that the strategy then adds in (drains).
 //! `fp32_gradient_parameters(layer)` are the layout ranges (within layer_parameters(layer))
 //! whose gradients `layer` adds there, whatever pass of its backward makes them; the strategy
-//! drains the rest.
+//! drains the rest. Where that leaves nothing for any layer, the strategy keeps no gradient
+//! buffer of T, and the layers' `grads` views are empty.
 template <class M>
 concept FusesFp32Gradients = Model<M> && requires(const M& m, int layer) {
   { m.fp32_gradient_parameters(layer) } -> std::same_as<std::vector<ElementRange>>;

@@ -7,10 +7,26 @@
 #include <vector>
 
 #include "loom/comm/ref.hpp"
+#include "loom/core/accumulate.hpp"
 #include "loom/core/parameter_view.hpp"
 #include "loom/core/parameters.hpp"
 
 namespace loom {
+
+//! Whether layers write gradients of the parameters' type `T`: always, unless `fp32_gradients`
+//! keeps fp32 sums of bf16 gradients and `drained` (per layer, what is drained after its
+//! backward) is empty for every layer, each adding all it reads to the sums itself.
+template <class T>
+bool layers_write_gradients(bool fp32_gradients, const std::vector<std::vector<ElementRange>>& drained) noexcept {
+  if constexpr (!is_narrow_storage<T>) {
+    return true;  // float gradients are the fp32 sums
+  } else {
+    if (!fp32_gradients) return true;
+    for (const std::vector<ElementRange>& ranges : drained)
+      if (!ranges.empty()) return true;
+    return false;
+  }
+}
 
 //! What a strategy's engine is built from: the rank's backend, its data-parallel group, the
 //! parameter layout, the optimizer's state slots per parameter and the initialisation seed.
@@ -34,6 +50,14 @@ struct EngineContext {
   //! What the engine drains after `layer`'s backward (layer_drained, else layer_parameters).
   const std::vector<std::vector<ElementRange>>& drained() const noexcept {
     return layer_drained != nullptr ? *layer_drained : layer_parameters;
+  }
+  //! Whether the layers write gradients of the parameters' type `T` at all
+  //! (loom::layers_write_gradients). Where they do not, engines allocate no such gradient buffer
+  //! (Megatron-LM's gradient-accumulation fusion keeps only main_grad too) and hand the layers
+  //! empty views.
+  template <class T>
+  bool layers_write_gradients() const noexcept {
+    return loom::layers_write_gradients<T>(fp32_gradients, drained());
   }
 };
 

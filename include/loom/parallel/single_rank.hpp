@@ -24,11 +24,13 @@ namespace detail {
 //! optimizer-state buffers of the layout on this rank (DESIGN.md invariant 4), parameters
 //! initialised from the seed (invariant 1), every layer seeing the whole buffers.
 //!
-//! With fp32 gradients (bf16 parameters and EngineContext::fp32_gradients), the layers still
-//! write bf16 gradients into the flat buffer, but after each layer's backward the elements it
-//! reads are drained into an fp32 buffer (sum += part, part = 0): every layer's contribution of
-//! every micro-batch is added in fp32 (a tied embedding's two uses too), and the reduction, the
-//! norm and the optimizer read the fp32 sums.
+//! With fp32 gradients (bf16 parameters and EngineContext::fp32_gradients), the reduction, the
+//! norm and the optimizer read an fp32 buffer of gradient sums. Layers that fuse
+//! (TrainerOptions::fp32_gradient_fusion) add their gradients to it themselves; what the others
+//! write in bf16 into the flat buffer is drained into it after each layer's backward (sum +=
+//! part, part = 0), so every layer's contribution of every micro-batch is added in fp32 (a tied
+//! embedding's two uses too). Where every layer fuses, the bf16 buffer is not allocated
+//! (EngineContext::layers_write_gradients).
 template <class B, class T>
 class ReplicatedEngine {
  public:
@@ -38,7 +40,8 @@ class ReplicatedEngine {
       : backend_(&context.backend),
         layout_(&context.layout),
         params_(context.backend, context.layout.total(), MemoryCategory::parameters),
-        grads_(context.backend, context.layout.total(), MemoryCategory::gradients),
+        grads_(context.backend, context.template layers_write_gradients<T>() ? context.layout.total() : 0,
+               MemoryCategory::gradients),
         wide_(context.backend, fp32_gradients_held(context) ? context.layout.total() : 0, MemoryCategory::gradients),
         drained_(fp32_gradients_held(context) ? context.drained() : std::vector<std::vector<ElementRange>>{}),
         state_(context.backend, context.layout.total() * context.state_slots, MemoryCategory::optimizer_state),
@@ -63,10 +66,12 @@ class ReplicatedEngine {
   //! Whether this engine keeps fp32 gradients.
   bool fp32_gradients() const noexcept { return wide_.size() > 0; }
 
-  //! The full parameters and gradients, in layout order.
+  //! The full parameters and gradients, in layout order (gradients: null where the layers write
+  //! none of T, EngineContext::layers_write_gradients).
   const T* params() const noexcept { return params_.data(); }
   T* mutable_params() noexcept { return params_.data(); }
-  T* grads() noexcept { return grads_.data(); }
+  T* grads() noexcept { return grads_.size() > 0 ? grads_.data() : nullptr; }
+  const T* grads() const noexcept { return grads_.size() > 0 ? grads_.data() : nullptr; }
   //! The fp32 gradient sums (null unless fp32_gradients()).
   wide_type* fp32_grads() noexcept { return fp32_gradients() ? wide_.data() : nullptr; }
   const wide_type* fp32_grads() const noexcept { return fp32_gradients() ? wide_.data() : nullptr; }
@@ -76,7 +81,10 @@ class ReplicatedEngine {
   ParameterView<const T> forward_params(int /*layer*/) const noexcept { return ParameterView<const T>(params_.data()); }
   void after_forward(int /*layer*/) noexcept {}
   ParameterView<const T> backward_params(int /*layer*/) const noexcept { return ParameterView<const T>(params_.data()); }
-  ParameterView<T> backward_grads(int /*layer*/) noexcept { return ParameterView<T>(grads_.data()); }
+  //! Empty where the layers write no gradient of T: a write through it throws.
+  ParameterView<T> backward_grads(int /*layer*/) noexcept {
+    return grads_.size() > 0 ? ParameterView<T>(grads_.data()) : ParameterView<T>{};
+  }
 
   void begin_step() {
     grads_.zero();
@@ -96,7 +104,7 @@ class ReplicatedEngine {
   double grad_sum_of_squares(bool count_replicated = true) const {
     const std::int64_t total = layout_->total();
     return gradient_sum_of_squares(
-        *backend_, *layout_, FlatRange<T>{.begin = 0, .end = total, .grads = grads_.data(), .fp32_grads = fp32_grads()},
+        *backend_, *layout_, FlatRange<T>{.begin = 0, .end = total, .grads = grads(), .fp32_grads = fp32_grads()},
         count_replicated);
   }
 
@@ -111,7 +119,7 @@ class ReplicatedEngine {
         scale<T>(*backend_, grads_.view(), grad_scale);
     }
     const std::int64_t total = layout_->total();
-    const FlatRange<T> range{.begin = 0, .end = total, .params = params_.data(), .grads = grads_.data(),
+    const FlatRange<T> range{.begin = 0, .end = total, .params = params_.data(), .grads = grads(),
                              .fp32_grads = fp32_grads(), .state = state_.data(), .state_stride = total,
                              .master = master_.data()};
     apply(std::span<const FlatRange<T>>(&range, 1));

@@ -118,6 +118,7 @@ struct TensorStateOf<O, B, T> {
 template <Model M, Optimizer O, Schedule S = GradientAccumulation, Strategy St = SingleRank>
 class Trainer {
  public:
+  using model_type = M;
   using backend_type = typename M::backend_type;
   using scalar_type = typename M::scalar_type;
   using optimizer_type = O;
@@ -408,7 +409,8 @@ class Trainer {
     return engine_.mutable_params();
   }
   //! The flat gradients of the last step (after clipping), where the strategy holds them whole.
-  //! With TrainerOptions::fp32_gradients (bf16 models) they are in fp32_gradients() instead.
+  //! With TrainerOptions::fp32_gradients (bf16 models) they are in fp32_gradients() instead, and
+  //! this is null where the model fuses every gradient (no bf16 gradient buffer exists).
   const scalar_type* gradients() noexcept
     requires requires(Engine& e) { e.grads(); }
   {
@@ -420,6 +422,12 @@ class Trainer {
     requires requires(Engine& e) { e.fp32_grads(); }
   {
     return engine_.fp32_grads();
+  }
+  //! Whether this rank's layers write gradients of the parameters' type: false for a bf16 model
+  //! whose layers all add their gradients to the fp32 sums themselves (TrainerOptions::
+  //! fp32_gradient_fusion), for which the strategy keeps no bf16 gradient buffer.
+  bool layers_write_gradients() const noexcept {
+    return loom::layers_write_gradients<scalar_type>(options_.fp32_gradients, layer_drained_);
   }
   const MemoryTracker& memory() const noexcept { return backend_->memory(); }
   const TrainerOptions& options() const noexcept { return options_; }

@@ -50,6 +50,9 @@ struct ShardContext {
   //! Layout ranges each layer's drain covers (EngineContext::drained(): what it reads, less what
   //! it adds to fp32 sums itself).
   std::vector<std::vector<ElementRange>> layer_ranges;
+  //! Whether the layers write gradients of the parameters' type (EngineContext::
+  //! layers_write_gradients): else the gradient holders keep only fp32 sums.
+  bool narrow_grads = true;
 
   int layers() const noexcept { return static_cast<int>(layer_units.size()); }
   const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
@@ -234,14 +237,15 @@ class ShardedParameters {
 
 //! Stage 1: full gradients accumulate over the micro-batches with no communication; in the last
 //! one each unit is reduce-scattered in place as soon as its layers are done. With fp32
-//! gradients the layers write the bf16 buffer, each layer's part is drained into a full fp32
-//! buffer after its backward, and the fp32 buffer is what is reduce-scattered.
+//! gradients a full fp32 buffer is what is reduce-scattered: fusing layers add to it
+//! themselves, what the others write in the bf16 buffer is drained into it after each layer's
+//! backward, and where nothing is drained there is no bf16 buffer (ShardContext::narrow_grads).
 template <class B, class T>
 class FullGradients {
  public:
   using wide_type = accumulate_t<T>;
   FullGradients(ShardContext<B>& c, bool overlap, bool fp32)
-      : c_(&c), full_(*c.backend, c.plan->padded_total(), MemoryCategory::gradients),
+      : c_(&c), full_(*c.backend, !fp32 || c.narrow_grads ? c.plan->padded_total() : 0, MemoryCategory::gradients),
         wide_(*c.backend, fp32 ? c.plan->padded_total() : 0, MemoryCategory::gradients),
         in_flight_(c.plan->units().size()), overlap_(overlap) {
     full_.zero();
@@ -253,11 +257,12 @@ class FullGradients {
     next_ = static_cast<int>(c_->plan->units().size()) - 1;
   }
   bool fp32() const noexcept { return wide_.size() > 0; }
-  ParameterView<T> backward(int layer) { return view(layer, full_.data()); }
+  //! The bf16 (or float) gradients of the units `layer` reads; empty where there are none.
+  ParameterView<T> backward(int layer) { return narrow() ? view(layer, full_.data()) : ParameterView<T>{}; }
   //! The fp32 sums of the units `layer` reads (fp32 gradients only).
   ParameterView<wide_type> fp32_view(int layer) { return view(layer, wide_.data()); }
   void drain(int layer) {
-    if (fp32()) c_->drain(layer, backward(layer), fp32_view(layer));
+    if (fp32() && narrow()) c_->drain(layer, backward(layer), fp32_view(layer));
   }
   void after_backward(int layer, bool last_micro_batch) {
     drain(layer);
@@ -269,11 +274,12 @@ class FullGradients {
     start_done(0);
     for (auto& r : in_flight_) r.wait();
   }
-  T* owned(const ShardUnit& u) { return piece_of(full_.data(), u); }
+  T* owned(const ShardUnit& u) { return narrow() ? piece_of(full_.data(), u) : nullptr; }
   //! This rank's piece of the fp32 sums of unit `u`; null without fp32 gradients.
   wide_type* owned_fp32(const ShardUnit& u) { return fp32() ? piece_of(wide_.data(), u) : nullptr; }
 
  private:
+  bool narrow() const noexcept { return full_.size() > 0; }
   template <class U>
   ParameterView<U> view(int layer, U* full) {
     return c_->template view<U>(layer, [&](int u) { return full + c_->unit(u).padded_offset; });
@@ -308,8 +314,10 @@ class FullGradients {
 //! unit (DeepSpeed ZeRO-2's and FSDP's behaviour under accumulation). At most
 //! `max_reducing` units are being reduced at once (DeepSpeed keeps two reduce buckets): the
 //! working set is the units backward is filling plus those. With fp32 gradients an open unit
-//! has an fp32 buffer beside the bf16 one the layers write; each layer's part is drained into it
-//! after the layer's backward, the fp32 buffer is reduce-scattered, and the shard is fp32.
+//! has an fp32 buffer, which fusing layers add to themselves, beside the bf16 one the others
+//! write (none where nothing is drained: ShardContext::narrow_grads); each layer's bf16 part is
+//! drained into it after the layer's backward, the fp32 buffer is reduce-scattered, and the
+//! shard is fp32.
 template <class B, class T>
 class ShardedGradients {
  public:
@@ -335,10 +343,11 @@ class ShardedGradients {
       if (s.state != State::idle) continue;
       while (reducing_.size() >= max_reducing) accumulate_oldest();
       const std::int64_t length = c_->unit(u).piece * c_->plan->ranks();
-      s.buffer = acquire_zeroed(pool_, length);
+      if (narrow()) s.buffer = acquire_zeroed(pool_, length);
       if (fp32_) s.wide = acquire_zeroed(wide_pool_, length);
       s.state = State::open;
     }
+    if (!narrow()) return {};
     return c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); });
   }
   //! The fp32 sums of the units `layer` reads (fp32 gradients only), open since backward(layer).
@@ -347,7 +356,7 @@ class ShardedGradients {
   }
   //! Drains what `layer` wrote: its units are open (a layer reads no unit of a later layer).
   void drain(int layer) {
-    if (!fp32_) return;
+    if (!fp32_ || !narrow()) return;
     c_->drain(layer, c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); }),
               fp32_view(layer));
   }
@@ -363,6 +372,8 @@ class ShardedGradients {
   wide_type* owned_fp32(const ShardUnit& u) { return fp32_ ? wide_shard_.data() + u.shard_offset : nullptr; }
 
  private:
+  //! Whether the layers write gradients of T (else fp32 gradients with no bf16 buffers).
+  bool narrow() const noexcept { return !fp32_ || c_->narrow_grads; }
   enum class State { idle, open, reducing };
   struct Unit {
     Buffer<T, B> buffer;
@@ -384,7 +395,7 @@ class ShardedGradients {
       if (s.state != State::open || c_->unit(u).first_layer < layer) continue;
       const ShardUnit& unit = c_->unit(u);
       if (fp32_) {
-        pool_.release(std::move(s.buffer));
+        if (narrow()) pool_.release(std::move(s.buffer));
         s.request = reduce_scatter(s.wide.data(), unit);
       } else {
         s.request = reduce_scatter(s.buffer.data(), unit);
@@ -609,7 +620,7 @@ class ZeroEngine {
 
  private:
   ShardContext<B> make_context(const EngineContext<B>& c) const {
-    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}, c.drained()};
+    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}, c.drained(), c.template layers_write_gradients<T>()};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
     return s;
   }

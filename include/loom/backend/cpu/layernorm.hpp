@@ -87,8 +87,11 @@ void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> mea
 //! around the layernorm, through a residual connection: din += residual + d in, summed in the
 //! accumulate type and rounded once. `din_write` = GradientWrite::overwrite writes din = d in (+
 //! residual) instead, never reading din: a pre-norm block's residual-stream gradient in one pass.
-template <class T>
-void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
+//! `dweight` and `dbias` are of T or, for bf16, fp32 sums (G = float, GradientOf): each column's
+//! sum is then stored unrounded (TrainerOptions::fp32_gradient_fusion).
+template <class T, class G = T>
+  requires GradientOf<G, T>
+void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                         Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd,
                         Tensor<const T> residual = {}, GradientWrite din_write = GradientWrite::accumulate) {
@@ -147,8 +150,8 @@ void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<T> dweight, Tensor<
 
   // Parameter gradients, by blocks of columns (no two threads on one element), each column summed
   // in the accumulate type from its old value and rounded once.
-  T* dw = dweight.data();
-  T* db = dbias.data();
+  G* dw = dweight.data();
+  G* db = dbias.data();
   const std::int64_t blocks = (C + d::column_block - 1) / d::column_block;
 #pragma omp parallel for num_threads(be.threads()) schedule(static) if (parallel && blocks > 1)
   for (std::int64_t blk = 0; blk < blocks; ++blk) {

@@ -361,8 +361,10 @@ void layernorm_forward(const cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> me
 //! dweight += sum over rows of dout * normalized in, dbias += sum over rows of dout. `residual`
 //! and `din_write` as on the CPU: din += residual + d in, or with GradientWrite::overwrite din =
 //! (residual +) d in without reading din, summed in the accumulate type and rounded once.
-template <class T>
-void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> dbias,
+//! `dweight` and `dbias` are of T or, for bf16, fp32 sums (G = float, GradientOf), stored unrounded.
+template <class T, class G = T>
+  requires GradientOf<G, T>
+void layernorm_backward(cuda& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                         Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd,
                         Tensor<const T> residual = {}, GradientWrite din_write = GradientWrite::accumulate) {
@@ -412,7 +414,7 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
       default: fused.template operator()<5>(); break;
     }
     detail::cuda_check_launch("layernorm_backward fused_backward_kernel");
-    k::add_column_totals(be, k::ColumnOutputs<T, 2>{{dweight.data(), dbias.data()}}, partials.data(), blocks, C,
+    k::add_column_totals(be, k::ColumnOutputs<G, 2>{{dweight.data(), dbias.data()}}, partials.data(), blocks, C,
                          "layernorm_backward parameter gradients");
     return;
   }
@@ -433,7 +435,7 @@ void layernorm_backward(cuda& be, Tensor<T> din, Tensor<T> dweight, Tensor<T> db
     default: launch(d::input_grad_kernel<T>); break;
   }
   detail::cuda_check_launch("layernorm_backward input_grad_kernel");
-  k::add_column_sums<2>(be, k::ColumnOutputs<T, 2>{{dweight.data(), dbias.data()}}, N, C,
+  k::add_column_sums<2>(be, k::ColumnOutputs<G, 2>{{dweight.data(), dbias.data()}}, N, C,
                         d::ParamGradTerms<T>{dout.data(), in.data(), mean.data(), rstd.data(), C},
                         "layernorm_backward parameter gradients");
 }

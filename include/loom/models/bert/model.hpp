@@ -162,20 +162,11 @@ class Model : public detail::transformer::Slice<Config> {
   void backward(B& be, int layer, ParameterView<const T> params, ParameterView<T> grads,
                 const BackwardArgs<T>& a) const {
     const MicroBatchShape s = shape_of(a.tokens);
-    if (layer == embedding_layer) return embedding_backward(be, params, grads, a, s);
+    if (layer == embedding_layer)
+      return with_fused_grads(grads, a, [&](auto fused) { embedding_backward(be, params, fused, a, s); });
     if (layer == head_layer(config_))
-      return with_fused_grads(grads, a, [&](auto fused) { head_backward(be, params, grads, fused, a, s, true); });
+      return with_fused_grads(grads, a, [&](auto fused) { head_backward(be, params, fused, a, s, true); });
     block_backward(be, layer, blocks_[layer - 1], params, grads, a, s);
-  }
-
-  //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
-  //! (FusesFp32Gradients): the embeddings (wte's rows and wpe), a block's linear layers' weights
-  //! and biases, and the head's dense layer and unembedding (wte and the output bias). Only the
-  //! layernorms write `grads`.
-  std::vector<ElementRange> fp32_gradient_parameters(int layer) const {
-    if (layer == embedding_layer) return parameter_ranges({wte_, wpe_});
-    if (layer == head_layer(config_)) return parameter_ranges({dense_weight_, dense_bias_, wte_, output_bias_});
-    return block_linear_ranges(blocks_[static_cast<std::size_t>(layer - 1)]);
   }
 
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight, on this rank:
@@ -202,8 +193,7 @@ class Model : public detail::transformer::Slice<Config> {
     // With chunked logits the input pass adds the unembedding's gradients too, from the chunks
     // it computes anyway.
     if (layer == head_layer(config_))
-      return with_fused_grads(grads, a,
-                              [&](auto fused) { head_backward(be, params, grads, fused, a, s, chunked_logits()); });
+      return with_fused_grads(grads, a, [&](auto fused) { head_backward(be, params, fused, a, s, chunked_logits()); });
     block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
@@ -226,16 +216,17 @@ class Model : public detail::transformer::Slice<Config> {
 
  private:
   using BlockOffsets = detail::transformer::BlockOffsets;
-  using BlockLinearGrads = detail::transformer::BlockLinearGrads<T>;
 
   //! The type of per-row statistics and losses (float for bf16).
   using A = accumulate_t<T>;
   using Carver = detail::transformer::Carver<T>;
 
   A eps() const noexcept { return static_cast<A>(config_.layernorm_eps); }
-  //! Where a layernorm's weight or bias gradient at `offset` accumulates in this pass: in `g`, or
-  //! under sequence parallelism in piece `piece` of `norm_grads` (RowSplit::norm_grad).
-  Tensor<T> norm_grad(ParameterView<T> g, std::int64_t offset, Tensor<T> norm_grads, int piece) const {
+  //! Where a layernorm's weight or bias gradient at `offset` accumulates in this pass: in `g` (of
+  //! T, or fp32 sums: G = float), or under sequence parallelism in piece `piece` of `norm_grads`
+  //! (RowSplit::norm_grad).
+  template <class G>
+  Tensor<G> norm_grad(ParameterView<G> g, std::int64_t offset, Tensor<G> norm_grads, int piece) const {
     return split_.norm_grad(grad(g, offset, {C()}), norm_grads, piece);
   }
 
@@ -265,7 +256,8 @@ class Model : public detail::transformer::Slice<Config> {
   //! the sum's gradient is gathered into (the forward sums the partial embeddings there), and last
   //! the layernorm's partial weight and bias gradients [2·C].
   struct EmbeddingWorkspace {
-    Tensor<T> gathered, dsum, dropped, norm_grads;
+    Tensor<T> gathered, dsum, dropped;
+    Tensor<A> norm_grads;  // wide enough for fp32 sums (RowSplit::norm_scratch)
   };
   EmbeddingWorkspace embedding_workspace(Carver& c, MicroBatchShape s) const {
     const auto r = split_.rows(s);
@@ -273,7 +265,7 @@ class Model : public detail::transformer::Slice<Config> {
     if (split_.split()) w.gathered = c.take({r.total, C()});
     w.dsum = c.take({r.local, C()});
     if (config_.hidden_dropout > 0) w.dropped = c.take({r.local, C()});
-    if (split_.split()) w.norm_grads = c.take({2 * C()});
+    if (split_.split()) w.norm_grads = c.template take<A>({2 * C()});
     return w;
   }
 
@@ -300,30 +292,31 @@ class Model : public detail::transformer::Slice<Config> {
     return 0.0;
   }
 
-  void embedding_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
+  //! The embedding's backward, its parameter gradients into `g` (of T, or fp32 sums: G = float).
+  template <class G>
+  void embedding_backward(B& be, ParameterView<const T> p, ParameterView<G> g, const BackwardArgs<T>& a,
                           MicroBatchShape s) const {
     const EmbeddingSaved e = carve_embedding(a.saved, s);
     check_numel(a.workspace, workspace_elements(embedding_layer, s), "bert embedding backward", "workspace");
     Carver c{a.workspace.data()};
     const EmbeddingWorkspace w = embedding_workspace(c, s);
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(w.norm_grads);
     zero<T>(be, w.dsum);
-    if (split_.split()) zero<T>(be, w.norm_grads);
+    if (split_.split()) zero<G>(be, norm_grads);
     // The output gradient (through the dropout mask) of this rank's rows: whole on every rank
     // without sequence parallelism, so the layernorm's gradients are too; with it they are partial
     // sums, summed over the group.
     const Tensor<const T> doutput = split_.through_drop(be, a, embedding_layer, detail::transformer::hidden_site,
                                                         config_.hidden_dropout, w.dropped, s);
-    layernorm_backward<T>(be, w.dsum, norm_grad(g, lne_weight_, w.norm_grads, 0),
-                          norm_grad(g, lne_bias_, w.norm_grads, 1), doutput, e.sum, param(p, lne_weight_, {C()}),
-                          e.mean, e.rstd);
-    split_.sum_norm_grads(be, w.norm_grads, {grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()})});
+    layernorm_backward<T, G>(be, w.dsum, norm_grad(g, lne_weight_, norm_grads, 0),
+                             norm_grad(g, lne_bias_, norm_grads, 1), doutput, e.sum, param(p, lne_weight_, {C()}),
+                             e.mean, e.rstd);
+    split_.sum_norm_grads(be, norm_grads, {grad(g, lne_weight_, {C()}), grad(g, lne_bias_, {C()})});
     // Every rank accumulates its wte rows and the whole wpe gradient from the whole sum's gradient.
     const Tensor<const T> dsum = split_.gather(w.dsum, w.gathered);
-    with_fused_grads(g, a, [&](auto fused) {
-      vocab_parallel_embedding_backward<T>(be, grad(fused, wte_, {vocab_rows_, C()}), vocab_begin_,
-                                           grad(fused, wpe_, {config_.max_seq_len, C()}),
-                                           dsum.reshape({s.batch, s.seq, C()}), a.tokens);
-    });
+    vocab_parallel_embedding_backward<T>(be, grad(g, wte_, {vocab_rows_, C()}), vocab_begin_,
+                                         grad(g, wpe_, {config_.max_seq_len, C()}), dsum.reshape({s.batch, s.seq, C()}),
+                                         a.tokens);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -409,7 +402,8 @@ class Model : public detail::transformer::Slice<Config> {
   //! partial weight and bias gradients (ln2 then ln1). The `*_whole` tensors say where the chain
   //! gathers each (all `gathered`, or the stash under backward_input).
   struct BlockGrads {
-    Tensor<T> r2, fch, h, r1, atty, qkv, mlp_out, gathered, partial, norm_grads;
+    Tensor<T> r2, fch, h, r1, atty, qkv, mlp_out, gathered, partial;
+    Tensor<A> norm_grads;  // wide enough for fp32 sums (RowSplit::norm_scratch)
     Tensor<T> mlp_whole, h_whole, r1_whole, input_whole;
   };
   BlockGrads block_workspace(Carver& w, MicroBatchShape s) const {
@@ -426,7 +420,7 @@ class Model : public detail::transformer::Slice<Config> {
     if (split_.split()) {
       d.gathered = w.take({r.total, C()});
       d.partial = w.take({r.total, C()});
-      d.norm_grads = w.take({4 * C()});
+      d.norm_grads = w.template take<A>({4 * C()});
       d.mlp_whole = d.h_whole = d.r1_whole = d.input_whole = d.gathered;
     }
     return d;
@@ -466,7 +460,7 @@ class Model : public detail::transformer::Slice<Config> {
                       const BackwardArgs<T>& a, MicroBatchShape s) const {
     const BlockSaved b = carve_block(a.saved, s);
     const BlockGrads d = carve_block_workspace(a.workspace, s, "bert block backward");
-    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(fused, o)); });
+    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, fused, a, s, b, d, true); });
   }
 
   //! The input pass computes the gradients the weight GEMMs read straight into the stash, and
@@ -491,7 +485,7 @@ class Model : public detail::transformer::Slice<Config> {
     }
     d.fch = st.fch;
     d.qkv = st.qkv;
-    block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
+    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, fused, a, s, b, d, false); });
   }
 
   void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -514,22 +508,25 @@ class Model : public detail::transformer::Slice<Config> {
   //! A block's backward from the output gradient to the input gradient, through the gradients
   //! `d`, whose contents on entry do not matter: each kernel overwrites its output there
   //! (GradientWrite::overwrite), which spares zeroing them and reading the zeros back. The
-  //! linear layers' weight gradients go to `w` in the same calls, or are skipped when `w` is
-  //! empty (backward_input). `w` is of T, or fp32 sums (G = float).
+  //! parameter gradients go to `g` (of T, or fp32 sums: G = float), the linear layers' weight
+  //! gradients in the same calls as their input gradients, unless `linear_grads` is false
+  //! (backward_input leaves them to backward_weight).
   template <class G>
-  void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<G> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
-                            const detail::transformer::BlockLinearGrads<G>& w) const {
+                            bool linear_grads) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const bool split = split_.split();
     const Tensor<T> input_grad = split_.local(a.input_grad, s);
     const Tensor<const T> input = split_.local(a.input, s);
     constexpr GradientWrite overwrite = GradientWrite::overwrite;
-    if (split_.split()) zero<T>(be, d.norm_grads);
+    const auto w = linear_grads ? block_linear_grads(g, o) : tr::BlockLinearGrads<G>{};
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(d.norm_grads);
+    if (split_.split()) zero<G>(be, norm_grads);
     // out = LN2(r2): the output gradient is whole on every rank (or this rank's rows: then the
     // layernorms' gradients are partial sums, summed over the group at the end).
-    layernorm_backward<T>(be, d.r2, norm_grad(g, o.ln2_w, d.norm_grads, 0), norm_grad(g, o.ln2_b, d.norm_grads, 1),
+    layernorm_backward<T, G>(be, d.r2, norm_grad(g, o.ln2_w, norm_grads, 0), norm_grad(g, o.ln2_b, norm_grads, 1),
                           split_.local(a.output_grad, s), b.r2, param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd, {},
                           overwrite);
     // r2 = h + dropout(mlp(h)): the MLP branch gets r2's gradient through the mask. g backward:
@@ -551,7 +548,7 @@ class Model : public detail::transformer::Slice<Config> {
     split_.reduce(dh, d.h);
     add_to<T>(be, d.h, d.r2);
     // h = LN1(r1); r1 = x + attn(x).
-    layernorm_backward<T>(be, d.r1, norm_grad(g, o.ln1_w, d.norm_grads, 2), norm_grad(g, o.ln1_b, d.norm_grads, 3),
+    layernorm_backward<T, G>(be, d.r1, norm_grad(g, o.ln1_w, norm_grads, 2), norm_grad(g, o.ln1_b, norm_grads, 3),
                           d.h, b.r1, param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd, {}, overwrite);
     copy<T>(be, input_grad, d.r1);
     // r1 = x + dropout(attn(x)): the branch's gradient through the mask, in place once the
@@ -568,8 +565,8 @@ class Model : public detail::transformer::Slice<Config> {
                        param(p, o.qkv_w, {3 * Ca, C}), overwrite);
     split_.reduce(dx_attention, d.h);
     add_to<T>(be, input_grad, d.h);
-    split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
-                                             grad(g, o.ln1_b, {C})});
+    split_.sum_norm_grads(be, norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+                                           grad(g, o.ln1_b, {C})});
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -742,12 +739,12 @@ class Model : public detail::transformer::Slice<Config> {
                        h.t, param(p, wte_, {vocab_rows_, C}));
   }
 
-  //! The head's backward; with `unembedding_grads` false it leaves wte's and the output bias's
-  //! gradients to backward_weight. The dense layer's and the unembedding's gradients go to
-  //! `fused` (`g`, or fp32 sums: fp32_gradient_parameters), the layernorm's to `g`.
+  //! The head's backward, its parameter gradients into `fused` (of T, or fp32 sums: G = float);
+  //! with `unembedding_grads` false it leaves wte's and the output bias's gradients to
+  //! backward_weight.
   template <class G>
-  void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, ParameterView<G> fused,
-                     const BackwardArgs<T>& a, MicroBatchShape s, bool unembedding_grads) const {
+  void head_backward(B& be, ParameterView<const T> p, ParameterView<G> fused, const BackwardArgs<T>& a,
+                     MicroBatchShape s, bool unembedding_grads) const {
     using detail::transformer::rows;
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "bert head backward", "workspace");
@@ -778,8 +775,8 @@ class Model : public detail::transformer::Slice<Config> {
     }
     // f backward of the column-parallel logits: sum the slices' shares of dt.
     nn::column_parallel_input_grad(tensor_parallel_, dt);
-    layernorm_backward<T>(be, dact, grad(g, lnm_weight_, {C}), grad(g, lnm_bias_, {C}), dt, h.act,
-                          param(p, lnm_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
+    layernorm_backward<T, G>(be, dact, grad(fused, lnm_weight_, {C}), grad(fused, lnm_bias_, {C}), dt, h.act,
+                             param(p, lnm_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
     // dt is spent: it becomes the gradient w.r.t. pre.
     const Tensor<T> dpre = dt;
     zero<T>(be, dpre);

@@ -398,10 +398,18 @@ class RowSplit {
                                            rows(s).first * channels_),
                  s);
   }
+  //! The scratch of norm_grad and sum_norm_grads for gradients of G (the parameters' type, or
+  //! fp32 sums under TrainerOptions::fp32_gradient_fusion): `scratch`, carved in the accumulate
+  //! type A, whose elements are as wide as either's, viewed as G (empty when the rows are whole).
+  template <class G, class A>
+  static Tensor<G> norm_scratch(Tensor<A> scratch) noexcept {
+    static_assert(sizeof(G) <= sizeof(A) && alignof(G) <= alignof(A), "loom: norm_scratch narrows, never widens");
+    return {reinterpret_cast<G*>(scratch.data()), scratch.shape()};
+  }
   //! Split rows give each rank a partial sum of a layernorm's weight and bias gradients, so the
   //! backward accumulates them in `scratch` (zeroed; empty when the rows are whole) and
   //! sum_norm_grads finishes them. Where the backward accumulates gradient `grad`: `grad` itself,
-  //! or piece `piece` (of grad's size) of `scratch`.
+  //! or piece `piece` (of grad's size) of `scratch`. Both are of the gradients' type (norm_scratch).
   template <class T>
   Tensor<T> norm_grad(Tensor<T> grad, Tensor<T> scratch, int piece) const {
     if (!split_) return grad;

@@ -5,7 +5,6 @@
 //! `Slice<Config>` for their own Config; their layers stay in their own headers.
 
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,6 +64,11 @@ class Slice {
   std::vector<ElementRange> layer_parameters(int layer) const {
     return layer_ranges(layout_, layer, layer == head_layer(config_) ? "wte" : "");
   }
+
+  //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
+  //! (FusesFp32Gradients): all it reads, layernorms included, so that under
+  //! TrainerOptions::fp32_gradient_fusion no bf16 gradient is written, drained or even allocated.
+  std::vector<ElementRange> fp32_gradient_parameters(int layer) const { return layer_parameters(layer); }
 
   //! Elements of the hidden state passed between layers on this rank: [B, T, C], or under
   //! sequence parallelism this rank's B·T/tp rows of it (rows r·B·T/tp onwards of [B·T, C]).
@@ -148,28 +152,9 @@ class Slice {
   Tensor<const T> row_bias(ParameterView<const T> p, std::int64_t offset) const {
     return first_rank() ? param(p, offset, {config_.channels}) : Tensor<const T>{};
   }
-  //! The layout ranges of the parameters starting at `offsets` (each a parameter's first element),
-  //! adjacent ones merged: what a layer's fp32_gradient_parameters lists.
-  std::vector<ElementRange> parameter_ranges(std::initializer_list<std::int64_t> offsets) const {
-    std::vector<ElementRange> ranges;
-    for (const auto& e : layout_.entries())
-      for (const std::int64_t offset : offsets)
-        if (e.offset == offset && e.numel() > 0) {
-          if (!ranges.empty() && ranges.back().end == e.offset)
-            ranges.back().end = e.offset + e.numel();
-          else
-            ranges.push_back({e.offset, e.offset + e.numel()});
-        }
-    return ranges;
-  }
-  //! The ranges of block `o`'s four linear layers' weights and biases: the gradients a block adds
-  //! into fp32 sums itself (fp32_gradient_parameters).
-  std::vector<ElementRange> block_linear_ranges(const BlockOffsets& o) const {
-    return parameter_ranges({o.qkv_w, o.qkv_b, o.proj_w, o.proj_b, o.fc_w, o.fc_b, o.fcproj_w, o.fcproj_b});
-  }
-  //! Calls `f(view)` with where the gradients listed by fp32_gradient_parameters go: the fp32 sums
-  //! `a.fp32_grads` where the caller gave them (a bf16 model under
-  //! TrainerOptions::fp32_gradient_fusion), else `grads`. `f` is instantiated for both.
+  //! Calls `f(view)` with where a layer's parameter gradients go: the fp32 sums `a.fp32_grads`
+  //! where the caller gave them (a bf16 model under TrainerOptions::fp32_gradient_fusion), else
+  //! `grads`. `f` is instantiated for both.
   template <class T, class F>
   static void with_fused_grads(ParameterView<T> grads, const BackwardArgs<T>& a, F&& f) {
     if constexpr (is_narrow_storage<T>)

@@ -271,19 +271,8 @@ class Model : public detail::transformer::Slice<Config> {
       return;
     }
     if (layer == head_layer(config_))
-      return with_fused_grads(grads, a, [&](auto fused) {
-        head_backward(be, params, grads, a, s, grad(fused, wte_, {vocab_rows_, C()}));
-      });
+      return with_fused_grads(grads, a, [&](auto fused) { head_backward(be, params, fused, a, s, true); });
     block_backward(be, layer, blocks_[layer - 1], params, grads, a, s);
-  }
-
-  //! The layout ranges whose gradients `layer` adds into BackwardArgs::fp32_grads when given
-  //! (FusesFp32Gradients): the embeddings (wte's rows and wpe), a block's linear layers' weights
-  //! and biases, and the head's wte (the unembedding GEMM's). Only the layernorms write `grads`.
-  std::vector<ElementRange> fp32_gradient_parameters(int layer) const {
-    if (layer == embedding_layer) return parameter_ranges({wte_, wpe_});
-    if (layer == head_layer(config_)) return parameter_ranges({wte_});
-    return block_linear_ranges(blocks_[static_cast<std::size_t>(layer - 1)]);
   }
 
   //! Elements `layer` keeps per micro-batch from backward_input to backward_weight
@@ -311,12 +300,8 @@ class Model : public detail::transformer::Slice<Config> {
     if (layer == embedding_layer) return backward(be, layer, params, grads, a);
     // The head's input pass is its backward without the tied-embedding gradient (dwte), unless
     // it recomputes its logits: then dwte too, from the chunks it computes anyway.
-    if (layer == head_layer(config_)) {
-      if (!chunked_logits()) return head_backward(be, params, grads, a, s, Tensor<T>{});
-      return with_fused_grads(grads, a, [&](auto fused) {
-        head_backward(be, params, grads, a, s, grad(fused, wte_, {vocab_rows_, C()}));
-      });
-    }
+    if (layer == head_layer(config_))
+      return with_fused_grads(grads, a, [&](auto fused) { head_backward(be, params, fused, a, s, chunked_logits()); });
     block_backward_input(be, layer, blocks_[layer - 1], params, grads, a, s, stash);
   }
 
@@ -346,7 +331,6 @@ class Model : public detail::transformer::Slice<Config> {
 
  private:
   using BlockOffsets = detail::transformer::BlockOffsets;
-  using BlockLinearGrads = detail::transformer::BlockLinearGrads<T>;
 
   //! The type of per-row statistics and losses (float for bf16).
   using A = accumulate_t<T>;
@@ -498,7 +482,8 @@ class Model : public detail::transformer::Slice<Config> {
   //! The `*_whole` tensors say where the chain gathers each of the four (all `gathered`, or the
   //! stash under backward_input, which the weight pass reads).
   struct BlockGrads {
-    Tensor<T> res2, fch, ln2, atty, qkv, ln1, dropped, gathered, partial, norm_grads;
+    Tensor<T> res2, fch, ln2, atty, qkv, ln1, dropped, gathered, partial;
+    Tensor<A> norm_grads;  // wide enough for fp32 sums (RowSplit::norm_scratch)
     Tensor<T> mlp_whole, ln2_whole, res2_whole, ln1_whole;
     Tensor<const T> mlp_out;
   };
@@ -517,7 +502,7 @@ class Model : public detail::transformer::Slice<Config> {
     if (split_.split()) {
       d.gathered = w.take({r.total, C});
       d.partial = w.take({r.total, C});
-      d.norm_grads = w.take({4 * C});
+      d.norm_grads = w.template take<A>({4 * C});
       d.mlp_whole = d.ln2_whole = d.res2_whole = d.ln1_whole = d.gathered;
     }
     return d;
@@ -559,7 +544,7 @@ class Model : public detail::transformer::Slice<Config> {
     const BlockSaved b = carve_block(a.saved, s);
     BlockGrads d = carve_block_workspace(a.workspace, s, "gpt2 block backward");
     d.mlp_out = through_hidden_dropout(be, layer, a, detail::transformer::mlp_site, d.dropped, s);
-    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, g, a, s, b, d, block_linear_grads(fused, o)); });
+    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, fused, a, s, b, d, true); });
   }
 
   //! The input pass keeps the gradients the weight GEMMs read in the stash instead of the
@@ -587,7 +572,7 @@ class Model : public detail::transformer::Slice<Config> {
       split_.drop(be, st.output, a.dropout, layer, detail::transformer::mlp_site, config_.hidden_dropout, s);
       d.mlp_out = st.output;
     }
-    block_backward_chain(be, layer, o, p, g, a, s, b, d, BlockLinearGrads{});
+    with_fused_grads(g, a, [&](auto fused) { block_backward_chain(be, layer, o, p, fused, a, s, b, d, false); });
   }
 
   void block_backward_weight(B& be, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
@@ -611,21 +596,24 @@ class Model : public detail::transformer::Slice<Config> {
   //! A block's backward from the output gradient to the input gradient, through the gradients
   //! `d`, whose contents on entry do not matter: each kernel overwrites its output there
   //! (GradientWrite::overwrite), which spares zeroing them and reading the zeros back. The
-  //! linear layers' weight gradients go to `w` in the same calls (of T, or fp32 sums: G = float),
-  //! or are skipped when `w` is empty (backward_input).
+  //! parameter gradients go to `g` (of T, or fp32 sums: G = float), the linear layers' weight
+  //! gradients in the same calls as their input gradients, unless `linear_grads` is false
+  //! (backward_input leaves them to backward_weight).
   template <class G>
-  void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<T> g,
+  void block_backward_chain(B& be, int layer, const BlockOffsets& o, ParameterView<const T> p, ParameterView<G> g,
                             const BackwardArgs<T>& a, MicroBatchShape s, const BlockSaved& b, const BlockGrads& d,
-                            const detail::transformer::BlockLinearGrads<G>& w) const {
+                            bool linear_grads) const {
     namespace tr = detail::transformer;
     const std::int64_t C = config_.channels, Ca = attention_channels_, F = mlp_channels_;
     const Tensor<T> input_grad = split_.local(a.input_grad, s);
+    const auto w = linear_grads ? block_linear_grads(g, o) : tr::BlockLinearGrads<G>{};
     // The layernorms' weight and bias gradients: straight into `g`, or under sequence parallelism
     // (partial sums over this rank's rows) into d.norm_grads, summed over the group at the end.
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(d.norm_grads);
     const auto norm_grad = [&](std::int64_t offset, int piece) {
-      return split_.norm_grad(grad(g, offset, {C}), d.norm_grads, piece);
+      return split_.norm_grad(grad(g, offset, {C}), norm_grads, piece);
     };
-    if (split_.split()) zero<T>(be, d.norm_grads);
+    if (split_.split()) zero<G>(be, norm_grads);
     // The column-parallel layers' input gradients are partial sums (f backward): summed in place,
     // or under sequence parallelism in d.partial and reduce-scattered into this rank's rows.
     const Tensor<T> dln2 = split_.split() ? d.partial : d.ln2, dln1 = split_.split() ? d.partial : d.ln1;
@@ -640,7 +628,7 @@ class Model : public detail::transformer::Slice<Config> {
                        overwrite);
     split_.reduce(dln2, d.ln2);
     // dres2 = the output gradient (the residual) + ln2's input gradient, written in one pass.
-    layernorm_backward<T>(be, d.res2, norm_grad(o.ln2_w, 0), norm_grad(o.ln2_b, 1), d.ln2, b.res2,
+    layernorm_backward<T, G>(be, d.res2, norm_grad(o.ln2_w, 0), norm_grad(o.ln2_b, 1), d.ln2, b.res2,
                           param(p, o.ln2_w, {C}), b.ln2_mean, b.ln2_rstd, split_.local(a.output_grad, s), overwrite);
     // res2 = input + dropout(attn(ln1(input))): the input gradient gets dres2 (the residual) and
     // ln1's input gradient. The branch gets dres2 through the mask, in place (under backward_input
@@ -658,12 +646,12 @@ class Model : public detail::transformer::Slice<Config> {
     split_.reduce(dln1, d.ln1);
     // The input gradient: dres2 + ln1's, written in one pass (or, where the branch dropped, ln1's
     // added to the residual's share copied there above).
-    layernorm_backward<T>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, split_.local(a.input, s),
+    layernorm_backward<T, G>(be, input_grad, norm_grad(o.ln1_w, 2), norm_grad(o.ln1_b, 3), d.ln1, split_.local(a.input, s),
                           param(p, o.ln1_w, {C}), b.ln1_mean, b.ln1_rstd,
                           drops ? Tensor<const T>{} : Tensor<const T>(d.res2),
                           drops ? GradientWrite::accumulate : overwrite);
-    split_.sum_norm_grads(be, d.norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
-                                             grad(g, o.ln1_b, {C})});
+    split_.sum_norm_grads(be, norm_grads, {grad(g, o.ln2_w, {C}), grad(g, o.ln2_b, {C}), grad(g, o.ln1_w, {C}),
+                                           grad(g, o.ln1_b, {C})});
   }
 
   //! The activations the head keeps; ln_f's statistics and the per-token losses in the
@@ -701,14 +689,15 @@ class Model : public detail::transformer::Slice<Config> {
   //! when chunked, and under sequence parallelism ln_f's partial weight and bias
   //! gradients [2·C].
   struct HeadWorkspace {
-    Tensor<T> dlnf, norm_grads;
+    Tensor<T> dlnf;
+    Tensor<A> norm_grads;  // wide enough for fp32 sums (RowSplit::norm_scratch)
     detail::transformer::LogitScratch<T> chunk;
   };
   HeadWorkspace head_workspace(Carver& c, MicroBatchShape s) const {
     HeadWorkspace w;
     if (chunked_logits()) w.chunk = detail::transformer::carve_logit_scratch(c, logits_chunk(s), vocab_rows_);
     w.dlnf = c.take({s.batch * s.seq, config_.channels});
-    if (split_.split()) w.norm_grads = c.take({2 * config_.channels});
+    if (split_.split()) w.norm_grads = c.template take<A>({2 * config_.channels});
     return w;
   }
   HeadSaved carve_head(Tensor<T> saved, MicroBatchShape s) const {
@@ -745,12 +734,14 @@ class Model : public detail::transformer::Slice<Config> {
                                                        a.loss_scale);
   }
 
-  //! The head's backward; `dwte` (the tied embedding's gradient, of T or fp32 sums) may be empty:
-  //! backward_input leaves that GEMM to backward_weight, which reads the dlogits left in `saved`.
+  //! The head's backward, its parameter gradients into `g` (of T, or fp32 sums: G = float); with
+  //! `unembedding_grads` false it leaves the tied embedding's (dwte) to backward_weight, which
+  //! reads the dlogits left in `saved`.
   template <class G>
-  void head_backward(B& be, ParameterView<const T> p, ParameterView<T> g, const BackwardArgs<T>& a,
-                     MicroBatchShape s, Tensor<G> dwte) const {
+  void head_backward(B& be, ParameterView<const T> p, ParameterView<G> g, const BackwardArgs<T>& a,
+                     MicroBatchShape s, bool unembedding_grads) const {
     const std::int64_t C = config_.channels, N = s.batch * s.seq;
+    const Tensor<G> dwte = unembedding_grads ? grad(g, wte_, {vocab_rows_, C}) : Tensor<G>{};
     HeadSaved h = carve_head(a.saved, s);
     check_numel(a.workspace, workspace_elements(head_layer(config_), s), "gpt2 head backward", "workspace");
     Carver c{a.workspace.data()};
@@ -773,12 +764,13 @@ class Model : public detail::transformer::Slice<Config> {
     const auto r = split_.rows(s);
     const Tensor<T> dlnf_rows{dlnf.data() + r.first * C, Shape{r.local, C}};
     split_.reduce(dlnf, dlnf_rows);
-    const Tensor<T> dweight = grad(g, lnf_weight_, {C}), dbias = grad(g, lnf_bias_, {C});
-    if (split_.split()) zero<T>(be, w.norm_grads);
-    layernorm_backward<T>(be, split_.local(a.input_grad, s), split_.norm_grad(dweight, w.norm_grads, 0),
-                          split_.norm_grad(dbias, w.norm_grads, 1), dlnf_rows, split_.local(a.input, s),
-                          param(p, lnf_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
-    split_.sum_norm_grads(be, w.norm_grads, {dweight, dbias});
+    const Tensor<G> dweight = grad(g, lnf_weight_, {C}), dbias = grad(g, lnf_bias_, {C});
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(w.norm_grads);
+    if (split_.split()) zero<G>(be, norm_grads);
+    layernorm_backward<T, G>(be, split_.local(a.input_grad, s), split_.norm_grad(dweight, norm_grads, 0),
+                             split_.norm_grad(dbias, norm_grads, 1), dlnf_rows, split_.local(a.input, s),
+                             param(p, lnf_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
+    split_.sum_norm_grads(be, norm_grads, {dweight, dbias});
   }
 
   std::int64_t lnf_weight_ = 0, lnf_bias_ = 0;
