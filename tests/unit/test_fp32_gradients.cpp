@@ -433,21 +433,26 @@ TEST_CASE("fp32 gradients: memory per rank under ZeRO (fp32 gradient shards; bf1
           CHECK(m.current(MemoryCategory::gradients) == 6 * padded);  // bf16 + fp32, full
         },
         false);
-    // An open unit has an fp32 buffer, and a bf16 one beside it only where drained: the pools'
-    // peak over a step (communication: the units' buffers, the gathers and reductions) shrinks.
-    std::size_t pools[2] = {0, 0};  // the largest over the ranks
-    std::mutex pools_mutex;
-    for (const bool fusion : {true, false})
-      check(
-          Zero<2>{.bucket_bytes = 2048},
-          [&](std::size_t, const MemoryTracker& m) {
-            const std::lock_guard lock(pools_mutex);
-            std::size_t& pool = pools[fusion ? 0 : 1];
-            pool = std::max(pool, m.peak(MemoryCategory::communication));
-          },
-          fusion, 2);
-    CHECK(pools[0] > 0);
-    CHECK(pools[0] < pools[1]);
+    // Under ZeRO-2 and 3 an open unit has an fp32 buffer, and a bf16 one beside it only where
+    // drained: the pools' peak over a step (communication: the units' buffers, the gathers and
+    // reductions) shrinks.
+    const auto pools_shrink = [&](auto strategy) {
+      std::size_t pools[2] = {0, 0};  // fused, drained: the largest over the ranks
+      std::mutex pools_mutex;
+      for (const bool fusion : {true, false})
+        check(
+            strategy,
+            [&](std::size_t, const MemoryTracker& m) {
+              const std::lock_guard lock(pools_mutex);
+              std::size_t& pool = pools[fusion ? 0 : 1];
+              pool = std::max(pool, m.peak(MemoryCategory::communication));
+            },
+            fusion, 2);
+      CHECK(pools[0] > 0);
+      CHECK(pools[0] < pools[1]);
+    };
+    pools_shrink(Zero<2>{.bucket_bytes = 2048});
+    pools_shrink(Zero<3>{});
     check(Zero<2>{.bucket_bytes = 2048}, [&](std::size_t padded, const MemoryTracker& m) {
       CHECK(m.current(MemoryCategory::parameters) == 2 * padded);
       CHECK(m.current(MemoryCategory::gradients) == 4 * padded / N);  // an fp32 shard
