@@ -89,8 +89,7 @@ void layernorm_forward(const cpu& be, Tensor<T> out, Tensor<accumulate_t<T>> mea
 //! residual) instead, never reading din: a pre-norm block's residual-stream gradient in one pass.
 //! `dweight` and `dbias` are of T or, for bf16, fp32 sums (G = float, GradientOf): each column's
 //! sum is then stored unrounded (TrainerOptions::fp32_gradient_fusion).
-template <class T, class G = T>
-  requires GradientOf<G, T>
+template <class T, GradientOf<T> G = T>
 void layernorm_backward(const cpu& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                         Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd,

@@ -362,8 +362,7 @@ void layernorm_forward(const cuda& be, Tensor<T> out, Tensor<accumulate_t<T>> me
 //! and `din_write` as on the CPU: din += residual + d in, or with GradientWrite::overwrite din =
 //! (residual +) d in without reading din, summed in the accumulate type and rounded once.
 //! `dweight` and `dbias` are of T or, for bf16, fp32 sums (G = float, GradientOf), stored unrounded.
-template <class T, class G = T>
-  requires GradientOf<G, T>
+template <class T, GradientOf<T> G = T>
 void layernorm_backward(cuda& be, Tensor<T> din, Tensor<G> dweight, Tensor<G> dbias,
                         Tensor<const T> dout, Tensor<const T> in, Tensor<const T> weight,
                         Tensor<const accumulate_t<T>> mean, Tensor<const accumulate_t<T>> rstd,

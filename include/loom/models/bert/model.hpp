@@ -300,9 +300,8 @@ class Model : public detail::transformer::Slice<Config> {
     check_numel(a.workspace, workspace_elements(embedding_layer, s), "bert embedding backward", "workspace");
     Carver c{a.workspace.data()};
     const EmbeddingWorkspace w = embedding_workspace(c, s);
-    const Tensor<G> norm_grads = split_.template norm_scratch<G>(w.norm_grads);
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(be, w.norm_grads);
     zero<T>(be, w.dsum);
-    if (split_.split()) zero<G>(be, norm_grads);
     // The output gradient (through the dropout mask) of this rank's rows: whole on every rank
     // without sequence parallelism, so the layernorm's gradients are too; with it they are partial
     // sums, summed over the group.
@@ -522,8 +521,7 @@ class Model : public detail::transformer::Slice<Config> {
     const Tensor<const T> input = split_.local(a.input, s);
     constexpr GradientWrite overwrite = GradientWrite::overwrite;
     const auto w = linear_grads ? block_linear_grads(g, o) : tr::BlockLinearGrads<G>{};
-    const Tensor<G> norm_grads = split_.template norm_scratch<G>(d.norm_grads);
-    if (split_.split()) zero<G>(be, norm_grads);
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(be, d.norm_grads);
     // out = LN2(r2): the output gradient is whole on every rank (or this rank's rows: then the
     // layernorms' gradients are partial sums, summed over the group at the end).
     layernorm_backward<T, G>(be, d.r2, norm_grad(g, o.ln2_w, norm_grads, 0), norm_grad(g, o.ln2_b, norm_grads, 1),

@@ -399,12 +399,15 @@ class RowSplit {
                  s);
   }
   //! The scratch of norm_grad and sum_norm_grads for gradients of G (the parameters' type, or
-  //! fp32 sums under TrainerOptions::fp32_gradient_fusion): `scratch`, carved in the accumulate
-  //! type A, whose elements are as wide as either's, viewed as G (empty when the rows are whole).
-  template <class G, class A>
-  static Tensor<G> norm_scratch(Tensor<A> scratch) noexcept {
+  //! fp32 sums under TrainerOptions::fp32_gradient_fusion), zeroed: `scratch`, carved in the
+  //! accumulate type A, whose elements are as wide as either's, viewed as G (empty when the rows
+  //! are whole).
+  template <class G, Backend B, class A>
+  Tensor<G> norm_scratch(B& be, Tensor<A> scratch) const {
     static_assert(sizeof(G) <= sizeof(A) && alignof(G) <= alignof(A), "loom: norm_scratch narrows, never widens");
-    return {reinterpret_cast<G*>(scratch.data()), scratch.shape()};
+    const Tensor<G> out{reinterpret_cast<G*>(scratch.data()), scratch.shape()};
+    if (split_) zero<G>(be, out);
+    return out;
   }
   //! Split rows give each rank a partial sum of a layernorm's weight and bias gradients, so the
   //! backward accumulates them in `scratch` (zeroed; empty when the rows are whole) and

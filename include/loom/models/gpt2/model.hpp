@@ -609,11 +609,10 @@ class Model : public detail::transformer::Slice<Config> {
     const auto w = linear_grads ? block_linear_grads(g, o) : tr::BlockLinearGrads<G>{};
     // The layernorms' weight and bias gradients: straight into `g`, or under sequence parallelism
     // (partial sums over this rank's rows) into d.norm_grads, summed over the group at the end.
-    const Tensor<G> norm_grads = split_.template norm_scratch<G>(d.norm_grads);
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(be, d.norm_grads);
     const auto norm_grad = [&](std::int64_t offset, int piece) {
       return split_.norm_grad(grad(g, offset, {C}), norm_grads, piece);
     };
-    if (split_.split()) zero<G>(be, norm_grads);
     // The column-parallel layers' input gradients are partial sums (f backward): summed in place,
     // or under sequence parallelism in d.partial and reduce-scattered into this rank's rows.
     const Tensor<T> dln2 = split_.split() ? d.partial : d.ln2, dln1 = split_.split() ? d.partial : d.ln1;
@@ -765,8 +764,7 @@ class Model : public detail::transformer::Slice<Config> {
     const Tensor<T> dlnf_rows{dlnf.data() + r.first * C, Shape{r.local, C}};
     split_.reduce(dlnf, dlnf_rows);
     const Tensor<G> dweight = grad(g, lnf_weight_, {C}), dbias = grad(g, lnf_bias_, {C});
-    const Tensor<G> norm_grads = split_.template norm_scratch<G>(w.norm_grads);
-    if (split_.split()) zero<G>(be, norm_grads);
+    const Tensor<G> norm_grads = split_.template norm_scratch<G>(be, w.norm_grads);
     layernorm_backward<T, G>(be, split_.local(a.input_grad, s), split_.norm_grad(dweight, norm_grads, 0),
                              split_.norm_grad(dbias, norm_grads, 1), dlnf_rows, split_.local(a.input, s),
                              param(p, lnf_weight_, {C}), h.mean, h.rstd, Tensor<const T>{}, GradientWrite::overwrite);
