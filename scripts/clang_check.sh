@@ -4,7 +4,7 @@
 # crashes on does not reach users who build with it; CI's builds use GCC. docs/building.md lists
 # Clang 14 as supported: Debian 12's clang is 14. Installs Clang first where it is missing
 # (scripts/install-deps.sh --clang). Exits non-zero, naming the files, if any fails.
-#   scripts/clang_check.sh [files...]   (default: tests/unit, examples and bench sources)
+#   scripts/clang_check.sh [files...]   (default: tests/unit, tests/sweep, examples and bench sources)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -12,7 +12,7 @@ command -v clang++ >/dev/null 2>&1 || scripts/install-deps.sh --clang
 scripts/install-deps.sh >/dev/null
 
 files=("$@")
-[ "${#files[@]}" -gt 0 ] || files=(tests/unit/*.cpp examples/*.cpp bench/*.cpp)
+[ "${#files[@]}" -gt 0 ] || files=(tests/unit/*.cpp tests/sweep/*.cpp examples/*.cpp bench/*.cpp)
 mpi_include=$(mpicxx --showme:incdirs 2>/dev/null | awk '{print $1}')
 flags=(-std=c++20 -fsyntax-only -fopenmp -Wall -Wextra -Iinclude -Itests -I/usr/include/eigen3
        "-DLOOM_TEST_DATA_DIR=\"$PWD/tests/data\"")

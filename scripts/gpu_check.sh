@@ -7,8 +7,8 @@
 #                                       # packed into .gpu/build-gpu.tar.xz
 #   scripts/gpu_check.sh run [GROUP...] # there (run with carry [".gpu"]): run them all, or
 #                                       # only the groups named: tests, demo, train, bench, torch,
-#                                       # step, best, large, profile (the last four not in the
-#                                       # default)
+#                                       # step, best, large, sweep, profile (the last five not in
+#                                       # the default)
 #
 # The device machine has the CUDA runtime and PyTorch's NCCL but not Debian's Eigen, doctest,
 # CLI11 or OpenMPI, so the programs are built here without MPI, for a generic x86-64 (no
@@ -39,10 +39,11 @@ build() {
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_ENABLE_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="$arch" -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_EXAMPLES=ON \
         -DLOOM_BUILD_BENCH=ON -DLOOM_BENCH_NATIVE=OFF -DLOOM_EXAMPLES_NATIVE=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
-  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train bert_train loom_cuda_attention_bench
+  cmake --build "$build_dir" --target "${programs[@]}" gpt2_train bert_train loom_cuda_attention_bench loom_option_sweep
   rm -rf "$bin" && mkdir -p "$bin"
   for p in "${programs[@]}"; do cp "$build_dir/tests/cuda/$p" "$bin/"; done
-  cp "$build_dir/examples/gpt2_train" "$build_dir/examples/bert_train" "$build_dir/bench/loom_cuda_attention_bench" "$bin/"
+  cp "$build_dir/examples/gpt2_train" "$build_dir/examples/bert_train" "$build_dir/bench/loom_cuda_attention_bench" \
+     "$build_dir/tests/sweep/loom_option_sweep" "$bin/"
   strip "$bin"/*
   mkdir -p "$root/.gpu"
   tar cf - -C "$root" build-gpu | xz -T2 -6 > "$root/.gpu/build-gpu.tar.xz"
@@ -118,7 +119,7 @@ run() {
     (cd "$bin" && timeout "$(( left < limit ? left : limit ))" "$@") > "$logs/$name.log" 2>&1
     rc=$?
     seconds=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { print b - a }')
-    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward" "$logs/$name.log" | tail -1 | cut -c1-400)
+    summary=$(grep -E "test cases:|loss [0-9.]+ -> |loom: |error|Error|^(eager|compile)-|^forward \+ backward|^loom_option_sweep:" "$logs/$name.log" | tail -1 | cut -c1-400)
     # Training runs: the median tokens/s of the steps after the first (which loads and plans).
     local median
     median=$(awk '/^step +[0-9]+ \|/ && $2 > 1 { for (i = 1; i <= NF; ++i) if ($i == "tok/s") print $(i - 1) }' \
@@ -272,6 +273,17 @@ run() {
       run_one gpt2_train_nccl_pp2_interleaved "${demo[@]}" --comm nccl --pp 2 --gpus 2 --schedule interleaved \
               --virtual-stages 2
     fi
+  fi
+  if want sweep; then
+    # Random gpt2_train and bert_train layouts (DP, ZeRO, TP, SP, PP schedules, recomputation,
+    # dropout, padding, bf16, resumes on another layout; tests/sweep/option_sweep.cpp) on the GPU,
+    # thread ranks sharing it through the staged communicator, each against one CPU rank: the same
+    # losses and gradient norms, or a refusal before step one. Float GEMMs run TF32 on the GPU
+    # (10-bit products) and bf16 kernels sum in other orders than the CPU's, hence the wider
+    # tolerances than ctest's CPU sweep (3e-6 and 3e-3 on the loss).
+    run_one option_sweep_cuda ./loom_option_sweep --gpt2-train ./gpt2_train --bert-train ./bert_train --seed 1 \
+            --setups "${GPU_CHECK_SWEEP_SETUPS:-12}" --layouts 3 --candidate-args="--device cuda" \
+            --float-tolerance 2e-3 --bf16-tolerance 1e-2
   fi
   if want profile; then
     # Where a bf16 GPT-2 small step's device time goes, kernel by kernel (Nsight Compute, one
