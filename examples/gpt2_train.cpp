@@ -460,6 +460,34 @@ int main(int argc, char** argv) {
                             "parameter's gradient must be summed across stages before it is sharded. Use "
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
     gpt2_example::check_family_options(o);
+    // A flag that would change nothing in this run is refused, not ignored: whoever gave it meant
+    // something this run would not do.
+    // A flag's value is named; a switch is named as given (--no-X is X's option).
+    const auto refuse_inert = [&](const char* flag, bool inert, const std::string& rule) {
+      if (!inert || app.count(flag) == 0) return;
+      const CLI::Option* option = app.get_option(flag);
+      if (option->get_expected_min() != 0) throw loom::Error(flag, option->as<std::string>(), rule);
+      std::string given = flag;
+      for (int i = 1; i < argc; ++i)
+        if (option->check_name(argv[i])) given = argv[i];
+      throw loom::Error(given, "", rule);
+    };
+    for (const char* flag : {"--gpus", "--flash-attention", "--warpgroup-attention", "--gemm-epilogues",
+                             "--no-communication-stream"})
+      refuse_inert(flag, o.device != "cuda", "it shapes how the GPUs run (--device cuda), and --device is " + o.device);
+    refuse_inert("--no-communication-stream", o.comm != "nccl" && o.comm != "mpi-nccl",
+                 "it sets where NCCL calls run (--comm nccl or mpi-nccl), and --comm is " + o.comm);
+    refuse_inert("--sequence-parallel", o.tp == 1,
+                 "it splits the rows between the layers over the tensor-parallel ranks, and --tp is 1");
+    refuse_inert("--prefetch", o.zero != 3,
+                 "it gathers ZeRO-3's parameters ahead, and --zero is " + std::to_string(o.zero));
+    refuse_inert("--pad-token", o.pad_min == 0, "it is what padded positions read, and --pad-min is 0: nothing is padded");
+    refuse_inert("--pad-min", o.pad_min > o.seq,
+                 "rows are drawn from [--pad-min, --seq] tokens, and --seq is " + std::to_string(o.seq));
+    refuse_inert("--stop-after", o.stop_after > o.steps,
+                 "must be at most --steps (" + std::to_string(o.steps) + "), where the run ends anyway");
+    refuse_inert("--min-lr-factor", o.lr_decay == "constant",
+                 "it is where the decay ends, and --lr-decay constant does not decay");
     for (const char* flag : {"--wsd-decay-steps", "--wsd-cooldown"})
       if (o.lr_decay != "wsd" && app.count(flag) > 0)
         throw loom::Error(flag, app.get_option(flag)->as<std::string>(),

@@ -277,12 +277,13 @@ run() {
   if want sweep; then
     # Random gpt2_train and bert_train layouts (DP, ZeRO, TP, SP, PP schedules, recomputation,
     # dropout, padding, bf16, resumes on another layout; tests/sweep/option_sweep.cpp) on the GPU,
+    # heads of 32 and 64 channels among them, where bf16 runs the tiled attention kernels,
     # thread ranks sharing it through the staged communicator, each against one CPU rank: the same
     # losses and gradient norms, or a refusal before step one. Float GEMMs run TF32 on the GPU
     # (10-bit products) and bf16 kernels sum in other orders than the CPU's, hence the wider
     # tolerances than ctest's CPU sweep (3e-6 and 3e-3 on the loss).
     run_one option_sweep_cuda ./loom_option_sweep --gpt2-train ./gpt2_train --bert-train ./bert_train --seed 1 \
-            --setups "${GPU_CHECK_SWEEP_SETUPS:-12}" --layouts 3 --candidate-args="--device cuda" \
+            --setups "${GPU_CHECK_SWEEP_SETUPS:-12}" --layouts 3 --head-sizes 8,32,64 --candidate-args="--device cuda" \
             --float-tolerance 2e-3 --bf16-tolerance 1e-2
   fi
   if want profile; then

@@ -161,12 +161,12 @@ const T& pick(std::mt19937_64& rng, const std::vector<T>& choices) {
 
 bool chance(std::mt19937_64& rng, double p) { return std::bernoulli_distribution(p)(rng); }
 
-Setup draw_setup(std::mt19937_64& rng) {
+Setup draw_setup(std::mt19937_64& rng, const std::vector<int>& head_sizes) {
   Setup s;
   s.bert = chance(rng, 0.3);
   s.layers = pick(rng, std::vector{2, 3, 4});
   s.heads = pick(rng, std::vector{2, 4});
-  s.head_size = pick(rng, std::vector{8, 16});
+  s.head_size = pick(rng, head_sizes);
   s.seq = pick(rng, std::vector{16, 32});
   s.batch = pick(rng, std::vector{12, 24});
   s.bf16 = chance(rng, 0.35);
@@ -247,7 +247,8 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
     l.virtual_stages = pick(rng, std::vector{2, 2, 3});
     add("--virtual-stages", std::to_string(l.virtual_stages));
   }
-  const bool sequence_parallel = l.tp > 1 && chance(rng, 0.5);
+  // Now and then a flag that would change nothing in this layout, which must be refused.
+  const bool sequence_parallel = l.tp > 1 ? chance(rng, 0.5) : chance(rng, 0.03);
   if (sequence_parallel) l.args.push_back("--sequence-parallel");
   const std::string recompute = pick(rng, std::vector<std::string>{"0", "0", "0", "1", "all"});
   add("--recompute-layers", recompute);
@@ -256,7 +257,8 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
   const bool every_position = s.bert && chance(rng, 0.25);
   if (every_position) l.args.push_back("--logits-at-every-position");
   if (chance(rng, 0.3)) l.args.push_back("--no-overlap");
-  if (l.zero == 3) add("--prefetch", pick(rng, std::vector<std::string>{"0", "1", "2"}));
+  const bool prefetch = l.zero == 3 || chance(rng, 0.03);
+  if (prefetch) add("--prefetch", pick(rng, std::vector<std::string>{"0", "1", "2"}));
   if (s.fp32_gradients && chance(rng, 0.3)) l.args.push_back("--no-fp32-gradient-fusion");
 
   // What gpt2_train refuses, by its documented rules (docs/gpt2_train.md).
@@ -278,6 +280,10 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
     why = "ZB-H1's weight passes read activations that recomputation would have dropped";
   else if (every_position && s.max_predictions > 0)
     why = "a head on every position has no room for a cap on the predictions";
+  else if (sequence_parallel && l.tp == 1)
+    why = "--sequence-parallel with --tp 1 would change nothing";
+  else if (prefetch && l.zero != 3)
+    why = "--prefetch without ZeRO-3 would change nothing";
   return l;
 }
 
@@ -368,9 +374,11 @@ struct Options {
   double timeout_s = 60, resume_chance = 0.2;
   // Relative differences from one rank a layout may show after step 1 (a fifth of them at step 1):
   // float, then bf16, {loss, grad norm}. float: the sums' order only (other splits, other
-  // micro-batches), measured at most 3.2e-7 and 1.2e-5 over 588 trained cases of 6 seeds; bf16:
-  // rounding at other points, growing with the steps, measured at most 1.9e-4 and 1.6e-2.
-  Tolerance float_tolerance{3e-6, 2e-4}, bf16_tolerance{3e-3, 8e-2};
+  // micro-batches), measured at most 3.2e-7 and 1.2e-5 over 790 trained cases of 8 seeds; bf16:
+  // rounding at other points, and without --fp32-gradients micro-batches summed in bf16, growing
+  // with the steps, measured at most 3.1e-4 and 3.1e-2.
+  Tolerance float_tolerance{3e-6, 2e-4}, bf16_tolerance{3e-3, 1.2e-1};
+  std::vector<int> head_sizes{8, 16};  // drawn from for each setup
   std::string candidate_args;  // appended to every layout's command line (--device cuda, say)
   std::string launcher;        // put before every layout's command line (mpirun -n {ranks})
   std::string work_dir;
@@ -471,7 +479,7 @@ class Sweep {
         fail(label + ": refused, and the sweep expected it to run: " + message, commands, &got);
       } else {
         ++refused_;
-        ++refusals_[message.substr(0, message.find(": got"))];
+        ++refusals_[message.substr(0, std::min(message.find(": got"), message.find("; ")))];
         if (o_.verbose) std::cout << label << ": refused (" << expected_refusal << "): " << message << "\n";
         return Verdict::refused;
       }
@@ -501,7 +509,7 @@ class Sweep {
   }
 
   void run_setup(int index) {
-    const Setup s = draw_setup(rng_);
+    const Setup s = draw_setup(rng_, o_.head_sizes);
     Args common{s.bert ? o_.bert_train : o_.gpt2_train};
     common.insert(common.end(), s.args.begin(), s.args.end());
     common.insert(common.end(), {"--threads", std::to_string(o_.threads), "--log-every", "100"});
@@ -590,6 +598,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--threads", o.threads, "--threads of every run")->capture_default_str();
+  app.add_option("--head-sizes", o.head_sizes,
+                 "Head sizes drawn from (the GPU's tiled attention runs at 32, 64 and 128 only)")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--timeout", o.timeout_s, "Seconds a run may take before it counts as a hang")->capture_default_str();
   app.add_option("--float-tolerance", o.float_tolerance.loss,
                  "Relative loss difference from one rank allowed in float after step 1 (the gradient norm's: "
@@ -597,7 +610,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--bf16-tolerance", o.bf16_tolerance.loss,
                  "Relative loss difference from one rank allowed in bf16 after step 1 (the gradient norm's: "
-                 "27x; at step 1, a fifth)")
+                 "40x; at step 1, a fifth)")
       ->capture_default_str();
   app.add_option("--resume-chance", o.resume_chance,
                  "How often a case saves its state after step 1 and another layout resumes it")
@@ -612,6 +625,6 @@ int main(int argc, char** argv) {
   app.add_flag("--verbose", o.verbose, "Print every case");
   CLI11_PARSE(app, argc, argv);
   if (app.count("--float-tolerance") > 0) o.float_tolerance.grad_norm = 67 * o.float_tolerance.loss;
-  if (app.count("--bf16-tolerance") > 0) o.bf16_tolerance.grad_norm = 27 * o.bf16_tolerance.loss;
+  if (app.count("--bf16-tolerance") > 0) o.bf16_tolerance.grad_norm = 40 * o.bf16_tolerance.loss;
   return Sweep(o).run();
 }
