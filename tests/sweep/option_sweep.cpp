@@ -442,22 +442,23 @@ class Sweep {
   int run() {
     for (int index = 0; index < o_.setups; ++index) run_setup(index);
     const int cases = o_.setups * o_.layouts;
-    std::cout << "loom_option_sweep: seed " << o_.seed << ", " << o_.setups << " setups x " << o_.layouts
-              << " layouts: " << ran_ << " trained as one rank (" << resumed_ << " of them resumed on another layout), "
-              << refused_ << " refused before step one as expected, " << failed_ << " failed\n";
-    std::printf(
-        "  largest relative differences from one rank: float loss %.2e, grad norm %.2e; bf16 loss %.2e, "
-        "grad norm %.2e\n",
-        worst_[0][0], worst_[0][1], worst_[1][0], worst_[1][1]);
-    if (!refusals_.empty()) {
-      std::cout << "  refusals by subject:\n";
-      for (const auto& [subject, count] : refusals_) std::cout << "    " << count << " x " << subject << "\n";
-    }
     // A sweep whose draws mostly get refused checks little: that is a failure of the sweep.
     if (3 * ran_ < cases) {
       std::cout << "FAILED: only " << ran_ << " of " << cases << " cases trained; the draws check too little\n";
       ++failed_;
     }
+    if (!refusals_.empty()) {
+      std::cout << "refusals by subject:\n";
+      for (const auto& [subject, count] : refusals_) std::cout << "    " << count << " x " << subject << "\n";
+    }
+    std::printf(
+        "largest relative differences from one rank: float loss %.2e, grad norm %.2e; bf16 loss %.2e, "
+        "grad norm %.2e\n",
+        worst_[0][0], worst_[0][1], worst_[1][0], worst_[1][1]);
+    // The summary last, where scripts/gpu_check.sh's table takes it from.
+    std::cout << "loom_option_sweep: seed " << o_.seed << ", " << o_.setups << " setups x " << o_.layouts
+              << " layouts: " << ran_ << " trained as one rank (" << resumed_ << " of them resumed on another layout), "
+              << refused_ << " refused before step one as expected, " << failed_ << " failed\n";
     if (failed_ == 0 && o_.work_dir.empty()) fs::remove_all(work_);
     return failed_ == 0 ? 0 : 1;
   }
