@@ -407,7 +407,7 @@ struct Options {
   std::string gpt2_train, bert_train;
   std::uint64_t seed = 1;
   int setups = 20, layouts = 3, max_ranks = 8, threads = 2;
-  double timeout_s = 60, resume_chance = 0.2;
+  double timeout_s = 120, resume_chance = 0.2;
   // Relative differences from one rank a layout may show after step 1 (a fifth of them at step 1):
   // float, then bf16, {loss, grad norm}. float: the sums' order only (other splits, other
   // micro-batches), measured at most 3.2e-7 and 1.2e-5 over 996 trained cases of 9 seeds; bf16:
