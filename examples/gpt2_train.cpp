@@ -461,8 +461,8 @@ int main(int argc, char** argv) {
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
     gpt2_example::check_family_options(o);
     // A flag that would change nothing in this run is refused, not ignored: whoever gave it meant
-    // something this run would not do.
-    // A flag's value is named; a switch is named as given (--no-X is X's option).
+    // something this run would not do. A flag's value is named; a switch is named as given (--no-X
+    // is X's option).
     const auto refuse_inert = [&](const char* flag, bool inert, const std::string& rule) {
       if (!inert || app.count(flag) == 0) return;
       const CLI::Option* option = app.get_option(flag);
@@ -481,7 +481,8 @@ int main(int argc, char** argv) {
                  "it splits the rows between the layers over the tensor-parallel ranks, and --tp is 1");
     refuse_inert("--prefetch", o.zero != 3,
                  "it gathers ZeRO-3's parameters ahead, and --zero is " + std::to_string(o.zero));
-    refuse_inert("--pad-token", o.pad_min == 0, "it is what padded positions read, and --pad-min is 0: nothing is padded");
+    refuse_inert("--pad-token", o.pad_min == 0,
+                 "it is what padded positions read, and --pad-min is 0: nothing is padded");
     refuse_inert("--pad-min", o.pad_min > o.seq,
                  "rows are drawn from [--pad-min, --seq] tokens, and --seq is " + std::to_string(o.seq));
     refuse_inert("--stop-after", o.stop_after > o.steps,
@@ -489,24 +490,20 @@ int main(int argc, char** argv) {
     refuse_inert("--min-lr-factor", o.lr_decay == "constant",
                  "it is where the decay ends, and --lr-decay constant does not decay");
     for (const char* flag : {"--wsd-decay-steps", "--wsd-cooldown"})
-      if (o.lr_decay != "wsd" && app.count(flag) > 0)
-        throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
-                          "it shapes a warmup-stable-decay schedule, and --lr-decay is " + o.lr_decay);
+      refuse_inert(flag, o.lr_decay != "wsd",
+                   "it shapes a warmup-stable-decay schedule, and --lr-decay is " + o.lr_decay);
     // Refuses a schedule that does not fit the run, before any rank starts.
     if (!gpt2_example::lr_schedule(o).has_end() && app.count("--lr-decay-steps") > 0)
       throw loom::Error("--lr-decay-steps", std::to_string(o.lr_decay_steps),
                         "--lr-decay " + o.lr_decay + " has no end step to set");
     for (const char* flag : {"--adam-beta1", "--adam-beta2", "--adam-eps"})
-      if (o.optimizer != "adamw" && app.count(flag) > 0)
-        throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
-                          "it sets AdamW's hyper-parameters, and --optimizer is " + o.optimizer);
+      refuse_inert(flag, o.optimizer != "adamw", "it sets AdamW's hyper-parameters, and --optimizer is " + o.optimizer);
     if (o.optimizer == "adamw") gpt2_example::adam_options(o).validate();
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
     for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every", "--tokenizer", "--samples"})
-      if (o.sample_tokens == 0 && app.count(flag) > 0)
-        throw loom::Error(flag, app.get_option(flag)->as<std::string>(),
-                          "it shapes the sample that --sample-tokens N asks for, and there is none");
+      refuse_inert(flag, o.sample_tokens == 0,
+                   "it shapes the sample that --sample-tokens N asks for, and there is none");
 #if !LOOM_EXAMPLE_BERT
     if (!o.tokenizer.empty()) gpt2_example::check_tokenizer(o);
 #endif

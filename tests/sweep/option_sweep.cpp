@@ -138,8 +138,7 @@ struct Setup {
   bool bf16 = false, fp32_gradients = false;
   int max_predictions = 0;  // bert_train's --max-predictions (0 = no cap)
   bool validates = false;   // a validation loss before the first step and after each
-  std::string optimizer = "adamw";
-  Args args;  // the command-line options all of this becomes
+  Args args;                // the command-line options all of this becomes
 
   int channels() const { return heads * head_size; }
   int pipeline_layers() const { return layers + 2; }  // embedding, blocks, head
@@ -162,6 +161,12 @@ const T& pick(std::mt19937_64& rng, const std::vector<T>& choices) {
 
 bool chance(std::mt19937_64& rng, double p) { return std::bernoulli_distribution(p)(rng); }
 
+// Appends an option and its value.
+void add(Args& args, std::string flag, std::string value) {
+  args.push_back(std::move(flag));
+  args.push_back(std::move(value));
+}
+
 Setup draw_setup(std::mt19937_64& rng, const std::vector<int>& head_sizes) {
   Setup s;
   s.bert = chance(rng, 0.3);
@@ -173,9 +178,9 @@ Setup draw_setup(std::mt19937_64& rng, const std::vector<int>& head_sizes) {
   s.bf16 = chance(rng, 0.35);
   s.fp32_gradients = s.bf16 && chance(rng, 0.5);
   // SGD has no bf16 path (fp32 master weights are AdamW's and Adafactor's).
-  s.optimizer = s.bf16 ? pick(rng, std::vector<std::string>{"adamw", "adamw", "adafactor"})
-                       : pick(rng, std::vector<std::string>{"adamw", "adamw", "sgd", "adafactor"});
-  const std::string lr = s.optimizer == "sgd" ? "0.05" : s.optimizer == "adafactor" ? "0.01" : "0.004";
+  const std::string optimizer = s.bf16 ? pick(rng, std::vector<std::string>{"adamw", "adamw", "adafactor"})
+                                       : pick(rng, std::vector<std::string>{"adamw", "adamw", "sgd", "adafactor"});
+  const std::string lr = optimizer == "sgd" ? "0.05" : optimizer == "adafactor" ? "0.01" : "0.004";
   s.args = {"--layers",    std::to_string(s.layers),
             "--heads",     std::to_string(s.heads),
             "--channels",  std::to_string(s.channels()),
@@ -183,29 +188,25 @@ Setup draw_setup(std::mt19937_64& rng, const std::vector<int>& head_sizes) {
             "--batch",     std::to_string(s.batch),
             "--steps",     std::to_string(s.steps),
             "--seed",      std::to_string(std::uniform_int_distribution<int>(1, 1'000'000)(rng)),
-            "--optimizer", s.optimizer,
+            "--optimizer", optimizer,
             "--lr",        lr,
             "--dtype",     s.bf16 ? "bf16" : "float"};
   if (s.fp32_gradients) s.args.push_back("--fp32-gradients");
-  const auto add = [&](std::string flag, std::string value) {
-    s.args.push_back(std::move(flag));
-    s.args.push_back(std::move(value));
-  };
-  add("--clip", pick(rng, std::vector<std::string>{"0", "1", "0.3"}));
-  add("--warmup", pick(rng, std::vector<std::string>{"0", "1"}));
-  add("--lr-decay", pick(rng, std::vector<std::string>{"cosine", "linear", "constant", "wsd"}));
-  if (chance(rng, 0.3)) add("--dropout", "0.1");
-  if (chance(rng, 0.2)) add("--attention-dropout", "0.1");
-  if (chance(rng, 0.25)) add("--pad-min", std::to_string(s.seq / 2));
-  if (chance(rng, 0.2)) add("--gelu", s.bert ? "tanh" : "erf");
-  if (chance(rng, 0.2)) add("--weight-decay", "0");
+  add(s.args, "--clip", pick(rng, std::vector<std::string>{"0", "1", "0.3"}));
+  add(s.args, "--warmup", pick(rng, std::vector<std::string>{"0", "1"}));
+  add(s.args, "--lr-decay", pick(rng, std::vector<std::string>{"cosine", "linear", "constant", "wsd"}));
+  if (chance(rng, 0.3)) add(s.args, "--dropout", "0.1");
+  if (chance(rng, 0.2)) add(s.args, "--attention-dropout", "0.1");
+  if (chance(rng, 0.25)) add(s.args, "--pad-min", std::to_string(s.seq / 2));
+  if (chance(rng, 0.2)) add(s.args, "--gelu", s.bert ? "tanh" : "erf");
+  if (chance(rng, 0.2)) add(s.args, "--weight-decay", "0");
   if (chance(rng, 0.3)) {
     s.validates = true;
     s.args.insert(s.args.end(), {"--val-data", "synthetic", "--eval-every", "1", "--eval-batches", "1"});
   }
   if (s.bert && chance(rng, 0.3)) {
     s.max_predictions = 3;
-    add("--max-predictions", "3");
+    add(s.args, "--max-predictions", "3");
   }
   return s;
 }
@@ -233,45 +234,41 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
   } else {
     l.zero = l.dp > 1 ? pick(rng, std::vector{0, 1, 2, 3}) : pick(rng, std::vector{0, 0, 0, 1, 3});
   }
-  // The micro-batch: a divisor of each rank's slice, or now and then one that does not divide.
-  const bool divides_dp = s.batch % l.dp == 0;
+  // The micro-batch: a divisor of each rank's slice (batches of 12 and 24 divide by every dp
+  // drawn), or now and then one that does not divide.
   const int slice = s.batch / l.dp;
-  l.micro = chance(rng, 0.05) ? 5 : pick(rng, divisors(std::max(slice, 1)));
+  l.micro = chance(rng, 0.05) ? 5 : pick(rng, divisors(slice));
 
-  const auto add = [&](std::string flag, std::string value) {
-    l.args.push_back(std::move(flag));
-    l.args.push_back(std::move(value));
-  };
-  add("--dp", std::to_string(l.dp));
-  add("--tp", std::to_string(l.tp));
-  add("--pp", std::to_string(l.pp));
-  add("--zero", std::to_string(l.zero));
-  add("--micro-batch", std::to_string(l.micro));
-  if (l.pp > 1) add("--schedule", l.schedule);
+  add(l.args, "--dp", std::to_string(l.dp));
+  add(l.args, "--tp", std::to_string(l.tp));
+  add(l.args, "--pp", std::to_string(l.pp));
+  add(l.args, "--zero", std::to_string(l.zero));
+  add(l.args, "--micro-batch", std::to_string(l.micro));
+  if (l.pp > 1) add(l.args, "--schedule", l.schedule);
   if (l.schedule == "interleaved") {
     l.virtual_stages = pick(rng, std::vector{2, 2, 3});
-    add("--virtual-stages", std::to_string(l.virtual_stages));
+    add(l.args, "--virtual-stages", std::to_string(l.virtual_stages));
   }
   // Now and then a flag that would change nothing in this layout, which must be refused.
   const bool sequence_parallel = l.tp > 1 ? chance(rng, 0.5) : chance(rng, 0.03);
   if (sequence_parallel) l.args.push_back("--sequence-parallel");
   const std::string recompute = pick(rng, std::vector<std::string>{"0", "0", "0", "1", "all"});
-  add("--recompute-layers", recompute);
-  add("--attention", pick(rng, std::vector<std::string>{"stored", "recompute", "auto"}));
-  if (chance(rng, 0.3)) add("--logits-chunk-rows", pick(rng, std::vector<std::string>{"5", "16"}));
+  add(l.args, "--recompute-layers", recompute);
+  add(l.args, "--attention", pick(rng, std::vector<std::string>{"stored", "recompute", "auto"}));
+  if (chance(rng, 0.3)) add(l.args, "--logits-chunk-rows", pick(rng, std::vector<std::string>{"5", "16"}));
   const bool every_position = s.bert && chance(rng, 0.25);
   if (every_position) l.args.push_back("--logits-at-every-position");
   if (chance(rng, 0.3)) l.args.push_back("--no-overlap");
   const bool prefetch = l.zero == 3 || chance(rng, 0.03);
-  if (prefetch) add("--prefetch", pick(rng, std::vector<std::string>{"0", "1", "2"}));
+  if (prefetch) add(l.args, "--prefetch", pick(rng, std::vector<std::string>{"0", "1", "2"}));
   if (s.fp32_gradients && chance(rng, 0.3)) l.args.push_back("--no-fp32-gradient-fusion");
 
   // What gpt2_train refuses, by its documented rules (docs/gpt2_train.md).
-  const int micro_batches = divides_dp && slice % l.micro == 0 ? slice / l.micro : 0;
+  const int micro_batches = slice % l.micro == 0 ? slice / l.micro : 0;
   std::string& why = l.expected_refusal;
   if (s.heads % l.tp != 0)
     why = "--tp must divide the heads";
-  else if (!divides_dp || slice % l.micro != 0)
+  else if (micro_batches == 0)
     why = "the batch must divide by micro-batch x dp";
   else if (l.pp > 1 && l.zero >= 2)
     why = "ZeRO-2/3 under a pipeline schedule";
@@ -356,22 +353,36 @@ Tolerance tolerance_at(std::int64_t steps_done, Tolerance t) {
   return {factor * t.loss, factor * t.grad_norm};
 }
 
-// Empty when `got` holds the reference's steps `first`..`last` (numbered from 1) within `t`, and
-// each validation loss it took the reference's after as many steps (if `validates`, at least
-// one), else what differs.
-std::string compare_metrics(const Metrics& got_metrics, const Metrics& want_metrics, int first, int last, Tolerance t,
-                            bool validates) {
+// How a run's metrics compare with the reference's: what differs beyond the tolerance (empty if
+// nothing), and the largest relative differences of its steps' losses and gradient norms.
+struct Comparison {
+  std::string differs;
+  double loss = 0, grad_norm = 0;
+};
+
+// Whether `got` holds the reference's steps `first`..`last` (numbered from 1) within `t`, and
+// each validation loss it took is the reference's after as many steps (if `validates`, at least
+// one).
+Comparison compare_metrics(const Metrics& got_metrics, const Metrics& want_metrics, int first, int last, Tolerance t,
+                           bool validates) {
+  Comparison c;
   const std::vector<Step>& got = got_metrics.steps;
   const std::vector<Step>& want = want_metrics.steps;
   const int count = last - first + 1;
-  if (static_cast<int>(got.size()) != count)
-    return "metrics: " + std::to_string(got.size()) + " steps, " + std::to_string(count) + " expected";
+  if (static_cast<int>(got.size()) != count) {
+    c.differs = "metrics: " + std::to_string(got.size()) + " steps, " + std::to_string(count) + " expected";
+    return c;
+  }
   for (int i = 0; i < count; ++i) {
     const Step& g = got[i];
     const Step& w = want[first - 1 + i];
-    if (g.step != w.step)
-      return "metrics: step " + std::to_string(g.step) + " where " + std::to_string(w.step) + " was due";
+    if (g.step != w.step) {
+      c.differs = "metrics: step " + std::to_string(g.step) + " where " + std::to_string(w.step) + " was due";
+      return c;
+    }
     const Tolerance at = tolerance_at(g.step - 1, t);
+    c.loss = std::max(c.loss, relative(g.loss, w.loss));
+    c.grad_norm = std::max(c.grad_norm, relative(g.grad_norm, w.grad_norm));
     if (!std::isfinite(g.loss) || !std::isfinite(g.grad_norm) || relative(g.loss, w.loss) > at.loss ||
         relative(g.grad_norm, w.grad_norm) > at.grad_norm) {
       char text[240];
@@ -381,24 +392,32 @@ std::string compare_metrics(const Metrics& got_metrics, const Metrics& want_metr
           "%.0e)",
           static_cast<long long>(g.step), g.loss, w.loss, relative(g.loss, w.loss), at.loss, g.grad_norm, w.grad_norm,
           relative(g.grad_norm, w.grad_norm), at.grad_norm);
-      return text;
+      c.differs = text;
+      return c;
     }
   }
-  if (validates && got_metrics.val_loss.empty()) return "metrics: no validation loss";
+  if (validates && got_metrics.val_loss.empty()) {
+    c.differs = "metrics: no validation loss";
+    return c;
+  }
   for (const auto& [steps_done, val_loss] : got_metrics.val_loss) {
     const auto want_val = want_metrics.val_loss.find(steps_done);
-    if (want_val == want_metrics.val_loss.end())
-      return "metrics: a validation loss after step " + std::to_string(steps_done) + ", where the reference has none";
+    if (want_val == want_metrics.val_loss.end()) {
+      c.differs =
+          "metrics: a validation loss after step " + std::to_string(steps_done) + ", where the reference has none";
+      return c;
+    }
     const double allowed = tolerance_at(steps_done, t).loss;
     if (!std::isfinite(val_loss) || relative(val_loss, want_val->second) > allowed) {
       char text[160];
       std::snprintf(text, sizeof text, "validation loss after step %lld: %.9g against %.9g (%.2e, allowed %.0e)",
                     static_cast<long long>(steps_done), val_loss, want_val->second,
                     relative(val_loss, want_val->second), allowed);
-      return text;
+      c.differs = text;
+      return c;
     }
   }
-  return {};
+  return c;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -487,12 +506,13 @@ class Sweep {
     return words;
   }
 
-  // Runs `command` (a layout of the setup) and checks it: refused before step one with loom's
+  // Runs `command`, a layout of setup `s`, and checks it: refused before step one with loom's
   // message when `expected_refusal` names a reason, else training steps `first`..`last` of the
-  // reference's `want` within `t`. `commands` are printed with a failure (the reference's too).
+  // reference's `want` within the setup's tolerance. `commands` are printed with a failure (the
+  // reference's too).
   Verdict check(const std::string& label, const Args& command, const fs::path& dir, const fs::path& metrics,
-                const std::string& expected_refusal, const Metrics& want, int first, int last, Tolerance t, bool bf16,
-                bool validates, std::vector<Args> commands) {
+                const std::string& expected_refusal, const Setup& s, const Metrics& want, int first, int last,
+                std::vector<Args> commands) {
     commands.insert(commands.begin(), command);
     fs::remove(metrics);
     const Outcome got = run_program(command, dir, o_.timeout_s);
@@ -526,23 +546,17 @@ class Sweep {
       fail(label + ": ran, and the sweep expected a refusal (" + expected_refusal + ")", commands, &got);
       return Verdict::failed;
     }
-    const Metrics got_metrics = read_metrics(metrics);
-    const std::vector<Step>& steps = got_metrics.steps;
-    const std::string differs = compare_metrics(got_metrics, want, first, last, t, validates);
-    if (!differs.empty()) {
-      fail(label + ": trains another model than one rank: " + differs, commands, nullptr);
+    const Comparison c = compare_metrics(read_metrics(metrics), want, first, last,
+                                         s.bf16 ? o_.bf16_tolerance : o_.float_tolerance, s.validates);
+    if (!c.differs.empty()) {
+      fail(label + ": trains another model than one rank: " + c.differs, commands, nullptr);
       return Verdict::failed;
     }
-    double loss_off = 0, norm_off = 0;
-    for (std::size_t i = 0; i < steps.size(); ++i) {
-      loss_off = std::max(loss_off, relative(steps[i].loss, want.steps[first - 1 + i].loss));
-      norm_off = std::max(norm_off, relative(steps[i].grad_norm, want.steps[first - 1 + i].grad_norm));
-    }
-    worst_[bf16][0] = std::max(worst_[bf16][0], loss_off);
-    worst_[bf16][1] = std::max(worst_[bf16][1], norm_off);
+    worst_[s.bf16][0] = std::max(worst_[s.bf16][0], c.loss);
+    worst_[s.bf16][1] = std::max(worst_[s.bf16][1], c.grad_norm);
     if (o_.verbose)
       std::printf("%s: steps %d..%d as one rank's (%s; loss %.1e, grad norm %.1e off) in %.2f s\n", label.c_str(),
-                  first, last, bf16 ? "bf16" : "float", loss_off, norm_off, got.seconds);
+                  first, last, s.bf16 ? "bf16" : "float", c.loss, c.grad_norm, got.seconds);
     return Verdict::trained;
   }
 
@@ -566,7 +580,6 @@ class Sweep {
       fail(label + ": the one-rank reference did not train", {reference}, &ref);
       return;
     }
-    const Tolerance t = s.bf16 ? o_.bf16_tolerance : o_.float_tolerance;
     const Args extra = words_of(o_.candidate_args);
     const auto layout_command = [&](const Layout& l, const Args& more) {
       Args command = launcher_for(l.ranks());
@@ -591,12 +604,12 @@ class Sweep {
           const fs::path state = dir / ("layout" + std::to_string(layout_index) + ".state");
           const Args first =
               layout_command(l, {"--stop-after", "1", "--save-state", state.string(), "--metrics", metrics.string()});
-          if (check(case_label + " (steps to the checkpoint)", first, dir, metrics, "", want, 1, 1, t, s.bf16,
-                    s.validates, {reference}) != Verdict::trained)
+          if (check(case_label + " (steps to the checkpoint)", first, dir, metrics, "", s, want, 1, 1, {reference}) !=
+              Verdict::trained)
             continue;
           const Args second = layout_command(next, {"--resume", state.string(), "--metrics", metrics.string()});
-          if (check(case_label + " (resumed on another layout)", second, dir, metrics, "", want, 2, s.steps, t, s.bf16,
-                    s.validates, {first, reference}) == Verdict::trained) {
+          if (check(case_label + " (resumed on another layout)", second, dir, metrics, "", s, want, 2, s.steps,
+                    {first, reference}) == Verdict::trained) {
             ++ran_;
             ++resumed_;
           }
@@ -604,8 +617,8 @@ class Sweep {
         }
       }
       const Args command = layout_command(l, {"--metrics", metrics.string()});
-      if (check(case_label, command, dir, metrics, l.expected_refusal, want, 1, s.steps, t, s.bf16, s.validates,
-                {reference}) == Verdict::trained)
+      if (check(case_label, command, dir, metrics, l.expected_refusal, s, want, 1, s.steps, {reference}) ==
+          Verdict::trained)
         ++ran_;
     }
   }
