@@ -244,6 +244,10 @@ int main(int argc, char** argv) {
                "(drained) after each layer, instead of adding to the fp32 sums directly (Megatron-LM's "
                "gradient-accumulation fusion, the default; the bf16 gradients then need 2 more bytes a parameter); "
                "for comparisons");
+  app.add_flag("--no-stop-on-non-finite", o.no_stop_on_non_finite,
+               "Apply a step whose loss or gradient norm is NaN or infinite, as PyTorch does, instead of stopping the "
+               "run there with the model of the step before (TrainerOptions::stop_on_non_finite, Megatron-LM's "
+               "check for NaN in the loss and gradients)");
   app.add_option("--attention", o.attention,
                  "stored: keep the attention probabilities (B x heads x seq^2 per block) for the backward; "
                  "recompute: keep each row's log-sum-exp and recompute them in the backward (one more GEMM); "

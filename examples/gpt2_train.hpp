@@ -113,6 +113,7 @@ struct Options {
   std::string dtype = "float";  // float, or bf16 (mixed precision: fp32 master weights and moments)
   bool fp32_gradients = false;  // bf16: micro-batches' gradients added up, reduced and clipped in fp32
   bool no_fp32_gradient_fusion = false;  // fp32 gradients drained from bf16, not added by the GEMMs
+  bool no_stop_on_non_finite = false;    // apply a step whose loss or gradient norm is not finite
   std::string attention = "auto";  // stored (probabilities), recompute (log-sum-exp only), or auto
   std::string recompute_layers = "0";  // layers per chunk that recompute all their activations, or "all"
   std::int64_t logits_chunk_rows = 0;  // the config's logits_chunk_rows (0: the head keeps its probabilities)
@@ -861,7 +862,8 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
        .seed = o.seed,
        .recompute_layers = recompute_layers_of(o),
        .fp32_gradients = o.fp32_gradients,
-       .fp32_gradient_fusion = !o.no_fp32_gradient_fusion},
+       .fp32_gradient_fusion = !o.no_fp32_gradient_fusion,
+       .stop_on_non_finite = !o.no_stop_on_non_finite},
       strategy, schedule);
 #if !LOOM_EXAMPLE_BERT
   if (!o.init.empty()) {

@@ -63,6 +63,12 @@ struct TrainerOptions {
   //! gradient_accumulation_fusion), so those gradients are never rounded to bf16 and never drained. Off: every layer writes bf16
   //! and the strategy drains it (the comparison docs/mixed_precision.md makes).
   bool fp32_gradient_fusion = true;
+  //! A step whose loss or gradient norm is not finite (NaN or infinite: a learning rate too
+  //! high, a poisoned weight) throws loom::Error on every rank, naming the step and the value,
+  //! and changes nothing: the parameters and the optimizer state stay those of the step before,
+  //! so that no later save writes a broken model (Megatron-LM's check_for_nan_in_loss_and_grad,
+  //! also on by default). Off: such an update is applied, NaN and all, as PyTorch applies it.
+  bool stop_on_non_finite = true;
 
   friend bool operator==(const TrainerOptions&, const TrainerOptions&) = default;
   friend std::ostream& operator<<(std::ostream& out, const TrainerOptions& o) {
@@ -71,7 +77,7 @@ struct TrainerOptions {
     if (o.recompute_layers == all_layers) out << "all";
     else out << o.recompute_layers;
     return out << ", fp32_gradients=" << o.fp32_gradients << ", fp32_gradient_fusion=" << o.fp32_gradient_fusion
-               << "}";
+               << ", stop_on_non_finite=" << o.stop_on_non_finite << "}";
   }
 };
 
@@ -207,6 +213,7 @@ class Trainer {
     if (pipeline_.size() > 1)
       m.pipeline_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - drain).count();
     m.grad_norm = std::sqrt(gradient_sum_of_squares());
+    if (options_.stop_on_non_finite && !(std::isfinite(m.loss) && std::isfinite(m.grad_norm))) refuse_non_finite(m);
     double grad_scale = 1.0;
     if (options_.clip_grad_norm > 0 && m.grad_norm > options_.clip_grad_norm)
       grad_scale = options_.clip_grad_norm / (m.grad_norm + 1e-6);
@@ -647,6 +654,25 @@ class Trainer {
     double sum = engine_.grad_sum_of_squares(tensor_parallel_.rank() == 0);
     if (tensor_parallel_.size() > 1) tensor_parallel_.all_reduce(std::span<double>(&sum, 1), ReduceOp::sum);
     return pipeline_sum(sum);
+  }
+
+  //! Ends a step whose loss or gradient norm is not finite without applying it, and throws
+  //! (TrainerOptions::stop_on_non_finite). Every rank of the mesh gets here in the same step:
+  //! both values are sums over the whole mesh, and a NaN or an infinity survives a sum in any
+  //! order, so no rank is left waiting in a collective.
+  [[noreturn]] void refuse_non_finite(const StepMetrics& m) {
+    // The strategy's update with nothing applied ends its step as any other (ZeRO gathers the
+    // unchanged shards again), so that the next step() starts where it would have.
+    engine_.update(1.0, [](std::span<const detail::FlatRange<T>>) {});
+    backend_->synchronize();
+    const bool loss = !std::isfinite(m.loss);
+    throw Error("trainer step " + detail::to_text(step_ + 1) + ": " + (loss ? "loss" : "gradient norm"),
+                loss ? m.loss : m.grad_norm,
+                "must be finite (loss " + detail::to_text(m.loss) + ", gradient norm " + detail::to_text(m.grad_norm) +
+                    "); the update was not applied: the parameters and optimizer state are those after step " +
+                    detail::to_text(step_) +
+                    ". A lower learning rate or clipping may help; TrainerOptions::stop_on_non_finite = false "
+                    "applies such updates");
   }
 
   //! `local` summed over the pipeline's stages.
