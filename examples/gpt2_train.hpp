@@ -25,6 +25,8 @@
 #include <variant>
 #include <vector>
 
+#include <unistd.h>
+
 #include "loom/backend/cpu/cpu.hpp"
 #include "loom/comm/any.hpp"
 #include "loom/comm/ref.hpp"
@@ -663,6 +665,33 @@ struct LoopStart {
   int sample_threads;                      //!< CPU threads --sample-tokens generates on
 };
 
+//! Refuses, before step 1, a file that a save would fail to write only after the whole run: its
+//! directory must exist and be writable (the writers go through `path + ".tmp"` and a rename).
+inline void check_output_file(const char* flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  LOOM_CHECK(!fs::is_directory(path, ec), flag, path, "it is a directory; it must name a file");
+  const fs::path dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : fs::path(".");
+  LOOM_CHECK(fs::is_directory(dir, ec), flag, path, "its directory, " + dir.string() + ", must exist");
+  LOOM_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, flag, path,
+             "its directory, " + dir.string() + ", must be writable");
+}
+
+//! The same for --save-hf's directory, which the save creates: it must be a directory if it
+//! exists, and its nearest existing ancestor a writable directory if it does not.
+inline void check_output_directory(const char* flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  fs::path dir = fs::absolute(path, ec);
+  while (!fs::exists(dir, ec) && dir.has_parent_path() && dir.parent_path() != dir) dir = dir.parent_path();
+  LOOM_CHECK(fs::is_directory(dir, ec), flag, path,
+             dir == fs::absolute(path, ec) ? "it is a file; it must name a directory"
+                                          : dir.string() + " is a file; it must be a directory for the save to create " + path);
+  LOOM_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, flag, path, dir.string() + " must be writable");
+}
+
 //! The training loop, from step first_step on: logging, --metrics, validation, sampling, and
 //! saving (--save-state, --save, --save-hf). Collective over the mesh.
 template <class Group>
@@ -683,6 +712,10 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
     metrics.open(o.metrics);
     LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
   }
+  // Every rank writes its part of --save-state; rank 0 alone writes --save.
+  check_output_file("--save-state", o.save_state);
+  if (lead) check_output_file("--save", o.save);
+  if (lead) check_output_directory("--save-hf", o.save_hf);
   if (lead && first_step > 0)
     std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", o.resume.c_str(),
                 static_cast<long long>(first_step), resume_seconds, resumed.meta.c_str());
