@@ -684,11 +684,12 @@ inline void check_output_directory(const char* flag, const std::string& path) {
   namespace fs = std::filesystem;
   if (path.empty()) return;
   std::error_code ec;
-  fs::path dir = fs::absolute(path, ec);
+  const fs::path target = fs::absolute(path, ec);
+  fs::path dir = target;
   while (!fs::exists(dir, ec) && dir.has_parent_path() && dir.parent_path() != dir) dir = dir.parent_path();
   LOOM_CHECK(fs::is_directory(dir, ec), flag, path,
-             dir == fs::absolute(path, ec) ? "it is a file; it must name a directory"
-                                          : dir.string() + " is a file; it must be a directory for the save to create " + path);
+             dir == target ? "it is a file; it must name a directory"
+                           : dir.string() + " is a file; it must be a directory for the save to create " + path);
   LOOM_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, flag, path, dir.string() + " must be writable");
 }
 
