@@ -138,8 +138,7 @@ int run_cpu(const Options& o, int& argc, char**& argv) {
       gpt2_example::check_mpi_world(o, world.size());
       // Each process uses --threads (0 = every core of its machine).
       loom::cpu backend(o.threads);
-      const int code = train_on(o, backend, world);
-      if (code != 0) throw loom::Error(gpt2_example::program, code, "training failed");
+      return gpt2_example::mpi_status(train_on(o, backend, world));
     });
 #else
     throw loom::Error("--comm", o.comm, std::string("this ") + gpt2_example::program + " was built without MPI (install libopenmpi-dev and rebuild)");
@@ -376,10 +375,22 @@ int main(int argc, char** argv) {
   app.add_option("--resume", o.resume,
                  "Go on from a training-state checkpoint (--save-state) of the same model, optimizer and "
                  "data options: its steps are done, the run continues to --steps");
+  app.add_flag("--resume-if-exists", o.resume_if_exists,
+               "With --resume: start at step 1 when its file does not exist (yet), so that one command line with "
+               "--save-state and --resume of the same file starts a run and, run again after a stop, goes on with it");
   app.add_option("--stop-after", o.stop_after,
                  "Stop after this step (0 = at --steps) while the learning-rate schedule still spans --steps: "
                  "a run cut short on purpose, to --resume later")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--stop-after-minutes", o.stop_after_minutes,
+                 "Stop before the step that would end past this many minutes from the start (each step taken "
+                 "to last as long as the one before), saving --save-state: a run that fits a job's time limit, to "
+                 "--resume later (Megatron-LM's --exit-duration-in-mins)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--no-save-on-signal", o.no_save_on_signal,
+               "With --save-state: let SIGINT, SIGTERM and SIGUSR1 end the process at once. By default the first "
+               "one stops the run after the step under way, on every rank, and saves the training state (a second "
+               "one ends it at once); the exit status is then 128 + the signal's number");
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--peak-tflops", o.peak_tflops, "The machine's peak TFLOP/s, to print MFU")
       ->check(CLI::NonNegativeNumber);
@@ -491,6 +502,9 @@ int main(int argc, char** argv) {
                  "rows are drawn from [--pad-min, --seq] tokens, and --seq is " + std::to_string(o.seq));
     refuse_inert("--stop-after", o.stop_after > o.steps,
                  "must be at most --steps (" + std::to_string(o.steps) + "), where the run ends anyway");
+    refuse_inert("--resume-if-exists", o.resume.empty(), "it says what --resume does without its file, and there is no --resume");
+    refuse_inert("--no-save-on-signal", o.save_state.empty(),
+                 "a signal stops the run to save --save-state, and there is none: it ends the process as usual");
     refuse_inert("--min-lr-factor", o.lr_decay == "constant",
                  "it is where the decay ends, and --lr-decay constant does not decay");
     for (const char* flag : {"--wsd-decay-steps", "--wsd-cooldown"})
@@ -521,6 +535,13 @@ int main(int argc, char** argv) {
                             ": give a held-out file of the same tokenizer");
     if ((o.comm == "nccl" || o.comm == "mpi-nccl") && o.device != "cuda")
       throw loom::Error("--comm", o.comm, "NCCL moves GPU buffers: it needs --device cuda");
+    // With --save-state, the first SIGINT, SIGTERM or SIGUSR1 stops the run after the step under
+    // way, on every rank, and saves it (run_training polls; docs/checkpoints.md).
+    std::optional<loom::StopSignals> signals;
+    if (!o.save_state.empty() && !o.no_save_on_signal)
+      signals.emplace(gpt2_example::program,
+                      "the run stops after the step under way and saves its training state (a second signal ends "
+                      "it at once)");
     return o.device == "cuda" ? gpt2_example::run_cuda(o, argc, argv) : run_cpu(o, argc, argv);
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());

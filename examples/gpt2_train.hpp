@@ -12,6 +12,7 @@
 #include <chrono>
 #include <charconv>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -54,6 +55,7 @@
 #include "loom/parallel/data_parallel.hpp"
 #include "loom/parallel/mesh.hpp"
 #include "loom/parallel/single_rank.hpp"
+#include "loom/parallel/stop_request.hpp"
 #include "loom/parallel/trainer.hpp"
 #include "loom/parallel/validation.hpp"
 #include "loom/parallel/zero.hpp"
@@ -152,7 +154,13 @@ struct Options {
   std::string save_state;  // a loom training-state checkpoint, written at the end and every save_every steps
   std::int64_t save_every = 0;
   std::string resume;  // a training-state checkpoint to go on from
+  bool resume_if_exists = false;  // start at step 1 when --resume's file is not there (yet)
   std::int64_t stop_after = 0;  // stop after this step (0 = at --steps); the schedule still spans --steps
+  double stop_after_minutes = 0;  // stop, saving --save-state, before the step that would end past this (0: none)
+  bool no_save_on_signal = false;  // with --save-state: SIGINT, SIGTERM and SIGUSR1 end the process as usual
+  // When the program started: --stop-after-minutes counts from here (loading and setup included,
+  // as a scheduler's time limit does).
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   int threads = 0;
   double peak_tflops = 0;
   std::int64_t log_every = 1;
@@ -693,6 +701,50 @@ inline void check_output_directory(const char* flag, const std::string& path) {
   LOOM_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, flag, path, dir.string() + " must be writable");
 }
 
+//! What an MPI process returns for run_training's status: 0, or 128 + a signal's number after a
+//! stop every rank agreed on (stop_early); any other status is a failure, raised so that the
+//! other ranks hear of it.
+inline int mpi_status(int code) {
+  if (code != 0 && (code <= 128 || code >= 128 + NSIG))
+    throw loom::Error(program, code, "training failed");
+  return code;
+}
+
+//! The end of a run stopped after `end_step` by `why` (a signal or --stop-after-minutes): the
+//! training state is saved (unless it was, after that step) and nothing else is written, since
+//! the run is not over; the resumed run writes --save and --save-hf at its end. Returns the exit
+//! status: 128 + the signal's number, as if the signal had ended the process (which shells and
+//! schedulers read as "ended by that signal"), or 0 at the time limit. Collective over `world`.
+template <class Group, class SaveState>
+int stop_early(const Options& o, Group& world, const loom::StopReason& why, std::int64_t end_step,
+               const std::optional<loom::TimeLimit>& time_limit, std::int64_t saved_after, SaveState& save_state) {
+  const bool lead = world.rank() == 0;
+  if (lead) {
+    if (why.signal != 0)
+      std::printf("stopped after step %lld of %lld: got %s\n", static_cast<long long>(end_step),
+                  static_cast<long long>(o.steps), loom::signal_name(why.signal).c_str());
+    else {
+      const double elapsed = time_limit->elapsed();
+      std::printf("stopped after step %lld of %lld: --stop-after-minutes %g: %.1f %s in, the next step would end "
+                  "past it\n",
+                  static_cast<long long>(end_step), static_cast<long long>(o.steps), o.stop_after_minutes,
+                  elapsed >= 60 ? elapsed / 60 : elapsed, elapsed >= 60 ? "minutes" : "s");
+    }
+    std::fflush(stdout);
+  }
+  if (o.save_state.empty()) {
+    if (lead) std::printf("nothing saved: there is no --save-state\n");
+  } else {
+    if (saved_after != end_step) save_state();
+    if (lead) std::printf("go on with --resume %s\n", o.save_state.c_str());
+  }
+  std::fflush(stdout);
+  // Every rank's part is written before any returns: under mpirun the first process to exit with
+  // a status other than 0 ends the others.
+  world.barrier();
+  return why.signal != 0 ? 128 + why.signal : 0;
+}
+
 //! The training loop, from step first_step on: logging, --metrics, validation, sampling, and
 //! saving (--save-state, --save, --save-hf). Collective over the mesh.
 template <class Group>
@@ -732,6 +784,13 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
   };
   double first_loss = 0, last_loss = 0;
   const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  // The run may also end early: at --stop-after-minutes, or (with --save-state) at a signal, which
+  // main's StopSignals records. After each step every rank asks, and all agree on one answer.
+  std::optional<TimeLimit> time_limit;
+  if (o.stop_after_minutes > 0) time_limit.emplace(o.started, o.stop_after_minutes * 60);
+  const bool stop_on_signal = !o.save_state.empty() && !o.no_save_on_signal;
+  StopReason stopped;
+  std::int64_t end_step = last_step, saved_after = -1;
   // Collective: every rank runs the forward passes, rank 0 prints.
   std::optional<ValidationLoss> first_val, last_val;
   const auto validate = [&](std::int64_t after_step) {
@@ -805,14 +864,26 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
       metrics << j.dump() << '\n';
       metrics.flush();
     }
-    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) save_state();
+    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) {
+      save_state();
+      saved_after = m.step;
+    }
+    if ((stop_on_signal || time_limit) && s + 1 < last_step) {
+      stopped = agree_to_stop(world, stop_on_signal ? StopSignals::received() : 0,
+                              time_limit && time_limit->next_step_would_pass());
+      if (stopped) {
+        end_step = m.step;
+        break;
+      }
+    }
   }
-  if (lead && first_step == 0 && last_step == o.steps)
+  if (lead && first_step == 0 && end_step == o.steps)
     std::printf("loss %.4f -> %.4f over %lld steps\n", first_loss, last_loss, static_cast<long long>(o.steps));
   else if (lead)
     std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
-                static_cast<long long>(first_step + 1), static_cast<long long>(last_step),
+                static_cast<long long>(first_step + 1), static_cast<long long>(end_step),
                 static_cast<long long>(o.steps));
+  if (stopped) return stop_early(o, world, stopped, end_step, time_limit, saved_after, save_state);
   if (lead && first_val)
     std::printf("val loss %.4f -> %.4f (perplexity %.2f -> %.2f)\n", first_val->loss, last_val->loss,
                 first_val->perplexity(), last_val->perplexity());
@@ -924,7 +995,17 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   std::int64_t first_step = 0;
   double resume_seconds = 0;
   io::TrainingStateInfo resumed;
-  if (!o.resume.empty()) {
+  bool resume = !o.resume.empty();
+  if (resume && o.resume_if_exists) {
+    // All ranks resume if any finds the file: one that cannot read it then fails the load, and
+    // every rank with it, instead of starting afresh while the others load.
+    double found[1] = {std::filesystem::exists(o.resume) ? 1.0 : 0.0};
+    world.all_reduce(std::span<double>(found), ReduceOp::max);
+    resume = found[0] > 0;
+    if (!resume && lead)
+      std::printf("--resume %s: no such file yet; starting at step 1 (--resume-if-exists)\n", o.resume.c_str());
+  }
+  if (resume) {
     // The header alone first: a run with nothing left to do ends before anything is loaded.
     resumed = io::read_training_state_info(o.resume);
     first_step = resumed.steps;

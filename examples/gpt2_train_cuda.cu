@@ -72,8 +72,7 @@ int run_cuda(const Options& o, int& argc, char**& argv) {
 #if LOOM_EXAMPLE_WITH_MPI
     return loom::mpi::run(argc, argv, [&](loom::mpi::Communicator& world) {
       check_mpi_world(o, world.size());
-      const int code = train_on_gpu(o, world, local_rank(world.rank()) % visible);
-      if (code != 0) throw loom::Error(gpt2_example::program, code, "training failed");
+      return mpi_status(train_on_gpu(o, world, local_rank(world.rank()) % visible));
     });
 #else
     throw loom::Error("--comm", o.comm, std::string("this ") + gpt2_example::program + " was built without MPI (install libopenmpi-dev and rebuild)");

@@ -29,6 +29,7 @@
 #include "loom/parallel/shard_plan.hpp"
 #include "loom/parallel/single_rank.hpp"
 #include "loom/parallel/stage_partition.hpp"
+#include "loom/parallel/stop_request.hpp"
 #include "loom/parallel/trainer.hpp"
 #include "loom/parallel/validation.hpp"
 #include "loom/parallel/zero.hpp"
