@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <string>
@@ -94,6 +95,28 @@ TEST_CASE("received() starts at 0 for each StopSignals and is seen from every th
   // Two at once would share (and fight over) the process's actions.
   CHECK(contains(error_of([] { StopSignals second("x", "y", {SIGUSR2}); }),
                  "loom: StopSignals: got a second one; one is already installed in this process"));
+}
+
+TEST_CASE("the handler leaves errno as it found it, and a long notice is cut to a whole line") {
+  {
+    StopSignals signals("test_stop_request", "stopping", {SIGUSR1});
+    // With stderr closed the handler's write fails and sets errno, which the code the signal
+    // interrupted must not see.
+    const int saved = ::dup(STDERR_FILENO);
+    ::close(STDERR_FILENO);
+    errno = EDOM;
+    std::raise(SIGUSR1);
+    const int seen = errno;
+    ::dup2(saved, STDERR_FILENO);
+    ::close(saved);
+    CHECK(StopSignals::received() == SIGUSR1);
+    CHECK(seen == EDOM);
+  }
+  StopSignals signals("test_stop_request", std::string(400, 'x'), {SIGUSR1});
+  const std::string said = stderr_of([] { std::raise(SIGUSR1); });
+  CHECK(said.size() == 256);
+  CHECK(said.starts_with("test_stop_request: got SIGUSR1; xxx"));
+  CHECK(said.back() == '\n');
 }
 
 TEST_CASE("bad signal lists are refused, and refusing installs nothing") {

@@ -61,11 +61,16 @@ inline StopSignalState& stop_signal_state() {
 static_assert(std::atomic<int>::is_always_lock_free, "a signal handler may only touch lock-free atomics");
 
 //! Records the first signal, writes its notice, and hands every handled signal back to its
-//! default action, so that a second one ends the process at once. Only async-signal-safe calls.
+//! default action, so that a second one ends the process at once. Only async-signal-safe calls,
+//! and errno as the interrupted code left it.
 inline void stop_signal_handler(int signo) {
+  const int interrupted_errno = errno;
   StopSignalState& s = stop_signal_state();
   int expected = 0;
-  if (!s.received.compare_exchange_strong(expected, signo)) return;
+  if (!s.received.compare_exchange_strong(expected, signo)) {
+    errno = interrupted_errno;
+    return;
+  }
   for (int i = 0; i < s.count; ++i) {
     if (s.signals[i] == signo && s.notice_lengths[i] > 0) {
       const ssize_t ignored = ::write(STDERR_FILENO, s.notices[i], s.notice_lengths[i]);
@@ -76,6 +81,7 @@ inline void stop_signal_handler(int signo) {
   fallback.sa_handler = SIG_DFL;
   sigemptyset(&fallback.sa_mask);
   for (int i = 0; i < s.count; ++i) ::sigaction(s.signals[i], &fallback, nullptr);
+  errno = interrupted_errno;
 }
 
 }  // namespace detail
@@ -116,6 +122,7 @@ class StopSignals {
           std::string(program) + ": got " + signal_name(s.signals[i]) + "; " + std::string(notice) + "\n";
       const std::size_t n = std::min(line.size(), detail::StopSignalState::notice_bytes);
       std::memcpy(s.notices[i], line.data(), n);
+      s.notices[i][n - 1] = '\n';  // a notice cut to fit still ends its line
       s.notice_lengths[i] = n;
     }
     struct sigaction action {};
