@@ -711,13 +711,13 @@ inline int mpi_status(int code) {
 }
 
 //! The end of a run stopped after `end_step` by `why` (a signal or --stop-after-minutes): the
-//! training state is saved (unless it was, after that step) and nothing else is written, since
+//! training state is saved (unless --save-every just did) and nothing else is written, since
 //! the run is not over; the resumed run writes --save and --save-hf at its end. Returns the exit
 //! status: 128 + the signal's number, as if the signal had ended the process (which shells and
 //! schedulers read as "ended by that signal"), or 0 at the time limit. Collective over `world`.
 template <class Group, class SaveState>
 int stop_early(const Options& o, Group& world, const loom::StopReason& why, std::int64_t end_step,
-               const std::optional<loom::TimeLimit>& time_limit, std::int64_t saved_after, SaveState& save_state) {
+               const std::optional<loom::TimeLimit>& time_limit, SaveState& save_state) {
   const bool lead = world.rank() == 0;
   if (lead) {
     if (why.signal != 0)
@@ -735,7 +735,7 @@ int stop_early(const Options& o, Group& world, const loom::StopReason& why, std:
   if (o.save_state.empty()) {
     if (lead) std::printf("nothing saved: there is no --save-state\n");
   } else {
-    if (saved_after != end_step) save_state();
+    if (o.save_every == 0 || end_step % o.save_every != 0) save_state();
     if (lead) std::printf("go on with --resume %s\n", o.save_state.c_str());
   }
   std::fflush(stdout);
@@ -790,7 +790,7 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
   if (o.stop_after_minutes > 0) time_limit.emplace(o.started, o.stop_after_minutes * 60);
   const bool stop_on_signal = !o.save_state.empty() && !o.no_save_on_signal;
   StopReason stopped;
-  std::int64_t end_step = last_step, saved_after = -1;
+  std::int64_t end_step = last_step;
   // Collective: every rank runs the forward passes, rank 0 prints.
   std::optional<ValidationLoss> first_val, last_val;
   const auto validate = [&](std::int64_t after_step) {
@@ -864,10 +864,7 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
       metrics << j.dump() << '\n';
       metrics.flush();
     }
-    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) {
-      save_state();
-      saved_after = m.step;
-    }
+    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) save_state();
     if ((stop_on_signal || time_limit) && s + 1 < last_step) {
       stopped = agree_to_stop(world, stop_on_signal ? StopSignals::received() : 0,
                               time_limit && time_limit->next_step_would_pass());
@@ -883,7 +880,7 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
     std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
                 static_cast<long long>(first_step + 1), static_cast<long long>(end_step),
                 static_cast<long long>(o.steps));
-  if (stopped) return stop_early(o, world, stopped, end_step, time_limit, saved_after, save_state);
+  if (stopped) return stop_early(o, world, stopped, end_step, time_limit, save_state);
   if (lead && first_val)
     std::printf("val loss %.4f -> %.4f (perplexity %.2f -> %.2f)\n", first_val->loss, last_val->loss,
                 first_val->perplexity(), last_val->perplexity());
@@ -999,9 +996,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   if (resume && o.resume_if_exists) {
     // All ranks resume if any finds the file: one that cannot read it then fails the load, and
     // every rank with it, instead of starting afresh while the others load.
-    double found[1] = {std::filesystem::exists(o.resume) ? 1.0 : 0.0};
-    world.all_reduce(std::span<double>(found), ReduceOp::max);
-    resume = found[0] > 0;
+    resume = trainer.any_of_ranks(std::filesystem::exists(o.resume));
     if (!resume && lead)
       std::printf("--resume %s: no such file yet; starting at step 1 (--resume-if-exists)\n", o.resume.c_str());
   }
