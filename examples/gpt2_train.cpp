@@ -369,12 +369,18 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"tanh", "erf"}));
   app.add_option("--save-state", o.save_state,
                  "Write a loom training-state checkpoint (parameters, optimizer state, steps done) at the end, "
-                 "and every --save-every steps; any mesh and strategy can --resume it");
+                 "and every --save-every steps; any mesh and strategy can --resume it. A name holding {step} "
+                 "(ckpt/step{step}.state) keeps one file per save, the step zero-padded to 8 digits");
+  app.add_option("--keep-last", o.keep_last,
+                 "With a --save-state holding {step}: after each save, delete the series' files but the newest N "
+                 "(0 = keep all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--save-every", o.save_every, "With --save-state: also save it after every N steps (0 = at the end only)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--resume", o.resume,
                  "Go on from a training-state checkpoint (--save-state) of the same model, optimizer and "
-                 "data options: its steps are done, the run continues to --steps");
+                 "data options: its steps are done, the run continues to --steps. A name holding {step} "
+                 "goes on from the series' file of the highest step");
   app.add_flag("--resume-if-exists", o.resume_if_exists,
                "With --resume: start at step 1 when its file does not exist (yet), so that one command line with "
                "--save-state and --resume of the same file starts a run and, run again after a stop, goes on with it");
@@ -519,6 +525,13 @@ int main(int argc, char** argv) {
     if (o.optimizer == "adamw") gpt2_example::adam_options(o).validate();
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
+    refuse_inert("--keep-last", o.keep_last > 0 && !loom::io::CheckpointSeries::is_pattern(o.save_state),
+                 "it deletes the older files of a --save-state series (a name holding {step}), and " +
+                     (o.save_state.empty() ? std::string("there is no --save-state")
+                                           : "--save-state " + o.save_state + " is one file"));
+    // A pattern's mistakes (two {step}, one in a directory) are found before any rank starts.
+    if (loom::io::CheckpointSeries::is_pattern(o.save_state)) (void)loom::io::CheckpointSeries(o.save_state, "--save-state");
+    if (loom::io::CheckpointSeries::is_pattern(o.resume)) (void)loom::io::CheckpointSeries(o.resume, "--resume");
     for (const char* flag : {"--prompt", "--temperature", "--top-k", "--sample-every", "--tokenizer", "--samples"})
       refuse_inert(flag, o.sample_tokens == 0,
                    "it shapes the sample that --sample-tokens N asks for, and there is none");

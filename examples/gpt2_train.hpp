@@ -34,6 +34,7 @@
 #include "loom/comm/self.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
+#include "loom/io/checkpoint_series.hpp"
 #include "loom/io/hugging_face.hpp"
 #include "loom/io/llmc_checkpoint.hpp"
 #include "loom/io/masked_lm.hpp"
@@ -153,6 +154,7 @@ struct Options {
   std::string gelu;     // tanh or erf (empty: the model's default, or the --init-hf config's)
   std::string save_state;  // a loom training-state checkpoint, written at the end and every save_every steps
   std::int64_t save_every = 0;
+  std::int64_t keep_last = 0;  // with a --save-state series ({step}): delete all but the newest N after a save (0: keep all)
   std::string resume;  // a training-state checkpoint to go on from
   bool resume_if_exists = false;  // start at step 1 when --resume's file is not there (yet)
   std::int64_t stop_after = 0;  // stop after this step (0 = at --steps); the schedule still spans --steps
@@ -670,8 +672,50 @@ struct LoopStart {
   std::int64_t first_step;                 //!< steps done before (--resume), else 0
   double resume_seconds;                   //!< how long loading --resume took
   const loom::io::TrainingStateInfo& resumed;  //!< --resume's header, if any
+  const std::string& resumed_from;         //!< --resume's file (a series' newest), if any
   int sample_threads;                      //!< CPU threads --sample-tokens generates on
 };
+
+//! The step of the newest file of `series` as rank 0 (`lead`) lists it, -1 if there is none, on
+//! every rank of `trainer`'s mesh: rank 0 alone reads the directory, so that all ranks take the
+//! same file even where their views of a shared file system lag. Collective; a failure to list
+//! fails every rank instead of leaving the others waiting.
+template <class Trainer>
+std::int64_t newest_in_series(Trainer& trainer, const loom::io::CheckpointSeries& series, bool lead) {
+  std::array<double, 2> shared{0, 0};  // rank 0 failed; its newest step + 1 (exact in a double below 2^53)
+  std::exception_ptr failure;
+  if (lead) {
+    try {
+      if (const std::optional<loom::io::CheckpointSeries::File> newest = series.latest())
+        shared[1] = static_cast<double>(newest->step + 1);
+    } catch (...) {
+      failure = std::current_exception();
+      shared[0] = 1;
+    }
+  }
+  trainer.sum_over_ranks(shared);
+  if (shared[0] > 0) {
+    if (failure) std::rethrow_exception(failure);
+    throw loom::Error("checkpoint series " + series.pattern().string(), "not listed", "rank 0 could not list it; its error says why");
+  }
+  return static_cast<std::int64_t>(shared[1]) - 1;
+}
+
+//! Refuses, before step 1, a --save-state series that holds a file saved after `first_step`,
+//! the step this run starts from (`newest`: the series' newest step, -1 for none): another run's,
+//! or this one's future abandoned for an earlier file. Its saves would mix with those, a --resume
+//! of the series would go on from the other run's newest, and --keep-last would delete this
+//! run's files as older.
+inline void check_series_is_this_runs(const Options& o, const loom::io::CheckpointSeries& series,
+                                      std::int64_t newest, std::int64_t first_step) {
+  if (newest <= first_step) return;
+  throw loom::Error(
+      "--save-state " + o.save_state, "a file saved after step " + std::to_string(newest) + ", " +
+                                          series.path_for(newest).string(),
+      "this run starts " + (first_step == 0 ? std::string("at step 1") : "after step " + std::to_string(first_step)) +
+          ", and its saves would mix with that run's: go on from the series (--resume " + o.save_state +
+          "), or move those files away, or save to another name");
+}
 
 //! Refuses, before step 1, a file that a save would fail to write only after the whole run: its
 //! directory must exist and be writable (the writers go through `path + ".tmp"` and a rename).
@@ -766,21 +810,35 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
     LOOM_CHECK(metrics.good(), "--metrics", o.metrics, "the file must be writable");
   }
   // Every rank writes its part of --save-state; rank 0 alone writes --save.
-  check_output_file("--save-state", o.save_state);
+  const std::optional<io::CheckpointSeries> series =
+      io::CheckpointSeries::is_pattern(o.save_state)
+          ? std::optional<io::CheckpointSeries>(std::in_place, o.save_state, "--save-state")
+          : std::nullopt;
+  check_output_file("--save-state", series ? series->path_for(first_step + 1).string() : o.save_state);
   if (lead) check_output_file("--save", o.save);
   if (lead) check_output_directory("--save-hf", o.save_hf);
   if (lead && first_step > 0)
-    std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", o.resume.c_str(),
+    std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", start.resumed_from.c_str(),
                 static_cast<long long>(first_step), resume_seconds, resumed.meta.c_str());
   // Collective: every rank gathers its part, rank 0 writes.
   const auto save_state = [&] {
     const auto begin = std::chrono::steady_clock::now();
-    run.save_state(o.save_state, state_meta(o, config, world.size()));
+    const std::string path = series ? series->path_for(run.steps()).string() : o.save_state;
+    run.save_state(path, state_meta(o, config, world.size()));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-    if (lead)
-      std::printf("saved training state %s after step %lld (%.1f MiB in %.2f s)\n", o.save_state.c_str(),
-                  static_cast<long long>(run.steps()),
-                  static_cast<double>(std::filesystem::file_size(o.save_state)) / (1 << 20), seconds);
+    if (!lead) return;
+    std::printf("saved training state %s after step %lld (%.1f MiB in %.2f s)\n", path.c_str(),
+                static_cast<long long>(run.steps()),
+                static_cast<double>(std::filesystem::file_size(path)) / (1 << 20), seconds);
+    // Every rank's part is in (the save agreed on it) before the older files go.
+    if (series && o.keep_last > 0) {
+      const io::CheckpointSeries::Pruned pruned = series->prune(o.keep_last, run.steps());
+      for (const std::filesystem::path& gone : pruned.removed)
+        std::printf("removed %s (--keep-last %lld)\n", gone.string().c_str(), static_cast<long long>(o.keep_last));
+      // An old file that stays costs disk, not the run: said, and training goes on.
+      for (const std::string& failure : pruned.failures)
+        std::fprintf(stderr, "%s: --keep-last: could not remove %s\n", program, failure.c_str());
+    }
   };
   double first_loss = 0, last_loss = 0;
   const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
@@ -992,8 +1050,23 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   std::int64_t first_step = 0;
   double resume_seconds = 0;
   io::TrainingStateInfo resumed;
+  std::string resume_path = o.resume;
   bool resume = !o.resume.empty();
-  if (resume && o.resume_if_exists) {
+  if (io::CheckpointSeries::is_pattern(o.resume)) {
+    // A series: its newest file, as rank 0 lists it, is every rank's.
+    const io::CheckpointSeries series(o.resume, "--resume");
+    const std::int64_t newest = newest_in_series(trainer, series, lead);
+    resume = newest >= 0;
+    if (resume)
+      resume_path = series.path_for(newest).string();
+    else if (!o.resume_if_exists)
+      throw Error("--resume", o.resume,
+                  "no file of the series is in " + series.directory().string() +
+                      " (--resume-if-exists starts at step 1 instead)");
+    else if (lead)
+      std::printf("--resume %s: no file of the series yet; starting at step 1 (--resume-if-exists)\n",
+                  o.resume.c_str());
+  } else if (resume && o.resume_if_exists) {
     // All ranks resume if any finds the file: one that cannot read it then fails the load, and
     // every rank with it, instead of starting afresh while the others load.
     resume = trainer.any_of_ranks(std::filesystem::exists(o.resume));
@@ -1002,15 +1075,19 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   }
   if (resume) {
     // The header alone first: a run with nothing left to do ends before anything is loaded.
-    resumed = io::read_training_state_info(o.resume);
+    resumed = io::read_training_state_info(resume_path);
     first_step = resumed.steps;
     LOOM_CHECK(first_step < o.steps && (o.stop_after == 0 || first_step < o.stop_after),
-               "--resume " + o.resume + ": steps done", first_step,
+               "--resume " + resume_path + ": steps done", first_step,
                "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
     // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
     const auto begin = std::chrono::steady_clock::now();
-    io::load_training_state(trainer, o.resume);
+    io::load_training_state(trainer, resume_path);
     resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  }
+  if (io::CheckpointSeries::is_pattern(o.save_state)) {
+    const io::CheckpointSeries series(o.save_state, "--save-state");
+    check_series_is_this_runs(o, series, newest_in_series(trainer, series, lead), first_step);
   }
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
@@ -1057,6 +1134,7 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   return run_training(o, run, mesh,
                       LoopStart{.config = config, .data = data, .val_data = val_data, .val_options = val_options,
                                 .first_step = first_step, .resume_seconds = resume_seconds, .resumed = resumed,
+                                .resumed_from = resume_path,
                                 .sample_threads = sample_threads});
 }
 
