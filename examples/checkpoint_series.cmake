@@ -1,6 +1,7 @@
 # --save-state and --resume of a series (a name holding {step}) with --keep-last: a run keeps one
-# file per save and only the newest few; resumed from the series on another mesh, it goes on from
-# the newest and ends where the uninterrupted run ends (DESIGN.md invariant 3). A run that would mix
+# file per save and only the newest few (the periodic ones written in the background,
+# --async-save); resumed from the series on another mesh, it goes on from the newest and ends
+# where the uninterrupted run ends (DESIGN.md invariant 3). A run that would mix
 # its files with another run's, a series with nothing to resume from, and a malformed pattern are
 # refused before step 1. TRAIN is gpt2_train or bert_train, DIR a scratch directory.
 set(common --demo --steps 12 --warmup 2 --log-every 100)
@@ -31,9 +32,11 @@ file(WRITE ${DIR}/series/step3.state "kept")
 
 train(whole)
 
-# Saves after steps 2, 4, 6 and (the end) 7; each save deletes all but the newest two.
-train(first --stop-after 7 --save-every 2 --keep-last 2 --save-state ${pattern} --dp 2 --threads 2)
+# Saves after steps 2, 4, 6 (in the background: --async-save) and (the end, waiting) 7; each save
+# in place deletes all but the newest two.
+train(first --stop-after 7 --save-every 2 --async-save --keep-last 2 --save-state ${pattern} --dp 2 --threads 2)
 if(NOT first MATCHES "saved training state [^\n]*/step00000006\\.state after step 6"
+   OR NOT first MATCHES "saving training state [^\n]*/step00000004\\.state after step 4 in the background"
    OR NOT first MATCHES "saved training state [^\n]*/step00000007\\.state after step 7"
    OR NOT first MATCHES "removed [^\n]*/step00000004\\.state \\(--keep-last 2\\)")
   message(FATAL_ERROR "the first run should save each step's file and remove the older ones:\n${first}")

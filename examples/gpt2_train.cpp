@@ -371,6 +371,10 @@ int main(int argc, char** argv) {
                  "Write a loom training-state checkpoint (parameters, optimizer state, steps done) at the end, "
                  "and every --save-every steps; any mesh and strategy can --resume it. A name holding {step} "
                  "(ckpt/step{step}.state) keeps one file per save, the step zero-padded to 8 digits");
+  app.add_flag("--async-save", o.async_save,
+               "With --save-every: write those saves in the background while training goes on (each rank keeps a "
+               "copy of its part of the state in memory until its file is in place); the save at the end, or at a "
+               "signal or time limit, still waits");
   app.add_option("--keep-last", o.keep_last,
                  "With a --save-state holding {step}: after each save, delete the series' files but the newest N "
                  "(0 = keep all)")
@@ -525,6 +529,9 @@ int main(int argc, char** argv) {
     if (o.optimizer == "adamw") gpt2_example::adam_options(o).validate();
     if (o.save_every > 0 && o.save_state.empty())
       throw loom::Error("--save-every", std::to_string(o.save_every), "needs --save-state (where to write it)");
+    refuse_inert("--async-save", o.save_every == 0,
+                 "it writes the --save-every saves in the background, and there are none (the save at the end waits "
+                 "anyway)");
     refuse_inert("--keep-last", o.keep_last > 0 && !loom::io::CheckpointSeries::is_pattern(o.save_state),
                  "it deletes the older files of a --save-state series (a name holding {step}), and " +
                      (o.save_state.empty() ? std::string("there is no --save-state")

@@ -34,6 +34,7 @@
 #include "loom/comm/self.hpp"
 #include "loom/core/error.hpp"
 #include "loom/core/memory.hpp"
+#include "loom/io/async_training_state.hpp"
 #include "loom/io/checkpoint_series.hpp"
 #include "loom/io/hugging_face.hpp"
 #include "loom/io/llmc_checkpoint.hpp"
@@ -154,6 +155,7 @@ struct Options {
   std::string gelu;     // tanh or erf (empty: the model's default, or the --init-hf config's)
   std::string save_state;  // a loom training-state checkpoint, written at the end and every save_every steps
   std::int64_t save_every = 0;
+  bool async_save = false;  // write the --save-every saves in the background while training goes on
   std::int64_t keep_last = 0;  // with a --save-state series ({step}): delete all but the newest N after a save (0: keep all)
   std::string resume;  // a training-state checkpoint to go on from
   bool resume_if_exists = false;  // start at step 1 when --resume's file is not there (yet)
@@ -593,6 +595,8 @@ class TrainingRun {
   virtual const loom::ParameterLayout& whole_layout() const = 0;
   //! io::save_training_state. Collective: every rank gathers its part, rank 0 writes.
   virtual void save_state(const std::string& path, const std::string& meta) = 0;
+  //! The run's io::AsyncTrainingStateSaver, for saves written in the background.
+  virtual loom::io::BackgroundSave& background_save() = 0;
   virtual std::int64_t steps() const = 0;
   virtual const loom::MemoryTracker& memory() const = 0;
   virtual std::int64_t activation_slots() const = 0;
@@ -604,7 +608,7 @@ class TrainingRun {
 template <class Trainer>
 class TrainingRunOf final : public TrainingRun {
  public:
-  explicit TrainingRunOf(Trainer& trainer) noexcept : trainer_(&trainer) {}
+  explicit TrainingRunOf(Trainer& trainer) : trainer_(&trainer), background_(trainer) {}
   loom::StepMetrics step(const loom::io::Batch& batch) override { return trainer_->step(batch); }
   double evaluate(const loom::io::Batch& batch) override { return trainer_->evaluate(batch); }
   std::vector<float> whole_weights() override {
@@ -615,6 +619,7 @@ class TrainingRunOf final : public TrainingRun {
   void save_state(const std::string& path, const std::string& meta) override {
     loom::io::save_training_state(*trainer_, path, meta);
   }
+  loom::io::BackgroundSave& background_save() override { return background_; }
   std::int64_t steps() const override { return trainer_->steps(); }
   const loom::MemoryTracker& memory() const override { return trainer_->memory(); }
   std::int64_t activation_slots() const override { return trainer_->activation_slots(); }
@@ -627,6 +632,7 @@ class TrainingRunOf final : public TrainingRun {
 
  private:
   Trainer* trainer_;
+  loom::io::AsyncTrainingStateSaver<Trainer> background_;
 };
 
 //! Rank 0's lines on the training data (and the validation data, if any).
@@ -820,25 +826,55 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
   if (lead && first_step > 0)
     std::printf("resumed from %s after step %lld in %.2f s (saved by %s)\n", start.resumed_from.c_str(),
                 static_cast<long long>(first_step), resume_seconds, resumed.meta.c_str());
-  // Collective: every rank gathers its part, rank 0 writes.
-  const auto save_state = [&] {
+  // After a save is in place: the series' older files go (--keep-last), once every rank's part
+  // of the new one is written. Rank 0.
+  const auto prune = [&](std::int64_t step) {
+    if (!series || o.keep_last == 0) return;
+    const io::CheckpointSeries::Pruned pruned = series->prune(o.keep_last, step);
+    for (const std::filesystem::path& gone : pruned.removed)
+      std::printf("removed %s (--keep-last %lld)\n", gone.string().c_str(), static_cast<long long>(o.keep_last));
+    // An old file that stays costs disk, not the run: said, and training goes on.
+    for (const std::string& failure : pruned.failures)
+      std::fprintf(stderr, "%s: --keep-last: could not remove %s\n", program, failure.c_str());
+  };
+  const auto state_path = [&] { return series ? series->path_for(run.steps()).string() : o.save_state; };
+  // --async-save: the periodic saves are written while training goes on; each step polls.
+  io::BackgroundSave& background = run.background_save();
+  const auto background_done = [&] {
+    if (!lead) return;
+    std::printf("saved training state %s after step %lld (%.1f MiB, in the background: in place %.2f s after it began)\n",
+                background.path().c_str(), static_cast<long long>(background.steps()),
+                static_cast<double>(std::filesystem::file_size(background.path())) / (1 << 20), background.seconds());
+    prune(background.steps());
+  };
+  // Collective: a save under way in the background finishes (files land in step order).
+  const auto finish_background_save = [&] {
+    if (!background.pending()) return;
+    background.wait();
+    background_done();
+  };
+  const auto save_state_in_background = [&] {
+    finish_background_save();
     const auto begin = std::chrono::steady_clock::now();
-    const std::string path = series ? series->path_for(run.steps()).string() : o.save_state;
+    background.start(state_path(), state_meta(o, config, world.size()));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (lead)
+      std::printf("saving training state %s after step %lld in the background (rank 0 copied %.1f MiB in %.2f s)\n",
+                  background.path().c_str(), static_cast<long long>(background.steps()),
+                  static_cast<double>(background.snapshot_bytes()) / (1 << 20), seconds);
+  };
+  // Collective: every rank writes its part, and waits for the others'.
+  const auto save_state = [&] {
+    finish_background_save();
+    const auto begin = std::chrono::steady_clock::now();
+    const std::string path = state_path();
     run.save_state(path, state_meta(o, config, world.size()));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (!lead) return;
     std::printf("saved training state %s after step %lld (%.1f MiB in %.2f s)\n", path.c_str(),
                 static_cast<long long>(run.steps()),
                 static_cast<double>(std::filesystem::file_size(path)) / (1 << 20), seconds);
-    // Every rank's part is in (the save agreed on it) before the older files go.
-    if (series && o.keep_last > 0) {
-      const io::CheckpointSeries::Pruned pruned = series->prune(o.keep_last, run.steps());
-      for (const std::filesystem::path& gone : pruned.removed)
-        std::printf("removed %s (--keep-last %lld)\n", gone.string().c_str(), static_cast<long long>(o.keep_last));
-      // An old file that stays costs disk, not the run: said, and training goes on.
-      for (const std::string& failure : pruned.failures)
-        std::fprintf(stderr, "%s: --keep-last: could not remove %s\n", program, failure.c_str());
-    }
+    prune(run.steps());
   };
   double first_loss = 0, last_loss = 0;
   const std::int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
@@ -922,7 +958,13 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
       metrics << j.dump() << '\n';
       metrics.flush();
     }
-    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) save_state();
+    if (background.pending() && background.poll()) background_done();
+    if (!o.save_state.empty() && o.save_every > 0 && m.step % o.save_every == 0 && s + 1 < last_step) {
+      if (o.async_save)
+        save_state_in_background();
+      else
+        save_state();
+    }
     if ((stop_on_signal || time_limit) && s + 1 < last_step) {
       stopped = agree_to_stop(world, stop_on_signal ? StopSignals::received() : 0,
                               time_limit && time_limit->next_step_would_pass());
@@ -938,6 +980,7 @@ int run_training(const Options& o, TrainingRun& run, loom::Mesh<Group>& mesh, co
     std::printf("loss %.4f -> %.4f over steps %lld..%lld of %lld\n", first_loss, last_loss,
                 static_cast<long long>(first_step + 1), static_cast<long long>(end_step),
                 static_cast<long long>(o.steps));
+  finish_background_save();
   if (stopped) return stop_early(o, world, stopped, end_step, time_limit, save_state);
   if (lead && first_val)
     std::printf("val loss %.4f -> %.4f (perplexity %.2f -> %.2f)\n", first_val->loss, last_val->loss,

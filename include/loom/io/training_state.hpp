@@ -571,83 +571,128 @@ inline TrainingStateInfo read_training_state_info(const std::filesystem::path& p
 
 namespace detail {
 
+//! Where the parts of a training-state file go: the header's bytes and the offsets after it.
+struct SaveGeometry {
+  HeaderBytes header;
+  std::uint64_t header_bytes = 0;  //!< where array 0 begins
+  std::uint64_t array_bytes = 0;   //!< bytes of each array
+  std::uint64_t tensor_begin = 0;  //!< where the per-tensor state begins
+  std::uint64_t trailer = 0;       //!< where the trailer begins
+  std::uint64_t file_bytes = 0;    //!< the whole file
+};
+
+template <class V>
+SaveGeometry save_geometry(const TrainingStateAccess<V>& trainer, std::string_view meta) {
+  SaveGeometry g{.header = training_state_header(trainer, meta)};
+  g.header_bytes = g.header.bytes().size();
+  g.array_bytes = static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V);
+  g.tensor_begin = g.header_bytes + static_cast<std::uint64_t>(trainer.arrays()) * g.array_bytes;
+  g.trailer = g.tensor_begin + 8 * static_cast<std::uint64_t>(trainer.whole_tensor_state_size());
+  g.file_bytes = g.trailer + trailer_bytes(trainer.state_slots);
+  return g;
+}
+
+//! The first phase of a save, on the creating rank: `tmp` created at the file's whole size (a
+//! full disk fails here, before any rank writes) with the header in place.
+inline void create_state_file(const std::filesystem::path& tmp, const SaveGeometry& g) {
+  PositionalFile file(tmp, PositionalFile::Mode::create, "training state");
+  file.reserve(g.file_bytes);
+  file.write_at(0, g.header.bytes().data(), g.header_bytes, "header");
+  file.close();
+}
+
+//! The second phase, on every rank: writes the elements this rank owns into `tmp` (array `a`'s
+//! owned values from values_of(a), at `runs`; the per-tensor state from `tensor`, at
+//! `tensor_runs`) and returns the checksum terms' sums, one per array and one for the per-tensor
+//! state. A rank that owns nothing (a DDP replica other than the first) does not open the file.
+template <class V, class ValuesOf>
+std::vector<std::uint64_t> write_owned_part(const std::filesystem::path& tmp, const SaveGeometry& g, int arrays,
+                                            const std::vector<WholeRun>& runs, ValuesOf&& values_of,
+                                            const std::vector<WholeRun>& tensor_runs,
+                                            const std::vector<double>& tensor) {
+  std::vector<std::uint64_t> sums(static_cast<std::size_t>(arrays) + 1, 0);
+  if (runs.empty() && tensor_runs.empty()) return sums;
+  PositionalFile file(tmp, PositionalFile::Mode::write, "training state");
+  for (int array = 0; array < arrays; ++array) {
+    const std::vector<V>& values = values_of(array);
+    const std::uint64_t begin = g.header_bytes + static_cast<std::uint64_t>(array) * g.array_bytes;
+    for (const WholeRun& r : runs) {
+      file.write_at(begin + static_cast<std::uint64_t>(r.whole) * sizeof(V), values.data() + r.local,
+                    static_cast<std::size_t>(r.count) * sizeof(V), array_name(array));
+      sums[static_cast<std::size_t>(array)] += elements_checksum(values.data() + r.local, sizeof(V), r.whole, r.count);
+    }
+  }
+  for (const WholeRun& r : tensor_runs) {
+    file.write_at(g.tensor_begin + static_cast<std::uint64_t>(r.whole) * 8, tensor.data() + r.local,
+                  static_cast<std::size_t>(r.count) * 8, "per-tensor optimizer state");
+    sums.back() += elements_checksum(tensor.data() + r.local, 8, r.whole, r.count);
+  }
+  file.close();
+  return sums;
+}
+
+//! The last phase, on the creating rank: the trailer (the header's checksum, then `sums`, the
+//! ranks' summed checksums) and the closing magic written, the file flushed to the disk and
+//! renamed from `tmp` over `path`.
+inline void finish_state_file(const std::filesystem::path& tmp, const std::filesystem::path& path,
+                              const SaveGeometry& g, const std::vector<std::uint64_t>& sums) {
+  std::vector<std::uint64_t> trailer{checksum(g.header.bytes().data(), g.header_bytes)};
+  trailer.insert(trailer.end(), sums.begin(), sums.end());
+  PositionalFile file(tmp, PositionalFile::Mode::write, "training state");
+  file.write_at(g.trailer, trailer.data(), trailer.size() * sizeof(std::uint64_t), "checksums");
+  file.write_at(g.trailer + trailer.size() * sizeof(std::uint64_t), training_state_magic.data(),
+                training_state_magic.size(), "closing magic");
+  file.sync();  // every rank's part, before the rename: a crash must not leave a renamed empty file
+  file.close();
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec)
+    throw Error("training state: renaming " + quoted(tmp) + " to " + quoted(path), ec.message(),
+                "the directory must be writable");
+}
+
+//! `path` + ".tmp": where a save writes before its rename.
+inline std::filesystem::path temporary_of(const std::filesystem::path& path) {
+  std::filesystem::path tmp = path;
+  tmp += ".tmp";
+  return tmp;
+}
+
 //! save_training_state, for one state element type.
 template <class V>
 void save_state(TrainingStateAccess<V>& trainer, const std::filesystem::path& path, std::string_view meta) {
   const int arrays = trainer.arrays();
   const bool creator = trainer.first_rank();
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
-  const detail::HeaderBytes header = detail::training_state_header(trainer, meta);
-  const std::uint64_t header_bytes = header.bytes().size();
-  const std::uint64_t array_bytes = static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V);
-  const std::uint64_t tensor_begin = header_bytes + arrays * array_bytes;
-  const std::uint64_t trailer = tensor_begin + 8 * static_cast<std::uint64_t>(trainer.whole_tensor_state_size());
+  const std::filesystem::path tmp = temporary_of(path);
+  const SaveGeometry geometry = save_geometry(trainer, meta);
   // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
   // failed, so that none goes on alone; the others carry the checksums' limbs (each array's,
   // then the per-tensor state's).
-  std::vector<double> shared(1 + (arrays + 1) * detail::limbs);
+  std::vector<double> shared(1 + (arrays + 1) * limbs);
   const auto remove_tmp = [&] {
     if (!creator) return;
     std::error_code ignored;
     std::filesystem::remove(tmp, ignored);
   };
   auto phase = [&](bool mine, auto&& work) {
-    if (!detail::agreed_phase(trainer, shared, mine, work, remove_tmp)) return;
-    throw Error("training state " + detail::quoted(path), "not saved",
+    if (!agreed_phase(trainer, shared, mine, work, remove_tmp)) return;
+    throw Error("training state " + quoted(path), "not saved",
                 "another rank failed to write its part; its error says why");
   };
-  phase(creator, [&] {
-    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::create, "training state");
-    file.reserve(trailer + detail::trailer_bytes(trainer.state_slots));
-    file.write_at(0, header.bytes().data(), header_bytes, "header");
-    file.close();
-  });
+  phase(creator, [&] { create_state_file(tmp, geometry); });
   phase(true, [&] {
-    const std::vector<WholeRun> runs = trainer.owned_state_runs();
-    const std::vector<WholeRun> tensor_runs = trainer.owned_tensor_state_runs();
-    // A DDP replica other than the first: it need not see the file.
-    if (runs.empty() && tensor_runs.empty()) return;
-    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
-    for (int array = 0; array < arrays; ++array) {
-      const std::vector<V> values = trainer.copy_owned_state(array);
-      const std::uint64_t begin = header_bytes + static_cast<std::uint64_t>(array) * array_bytes;
-      std::uint64_t sum = 0;
-      for (const WholeRun& r : runs) {
-        file.write_at(begin + static_cast<std::uint64_t>(r.whole) * sizeof(V), values.data() + r.local,
-                      static_cast<std::size_t>(r.count) * sizeof(V), detail::array_name(array));
-        sum += detail::elements_checksum(values.data() + r.local, sizeof(V), r.whole, r.count);
-      }
-      detail::put_limbs(sum, shared.data() + 1 + array * detail::limbs);
-    }
-    if (!tensor_runs.empty()) {
-      const std::vector<double> values = trainer.copy_tensor_state();
-      std::uint64_t sum = 0;
-      for (const WholeRun& r : tensor_runs) {
-        file.write_at(tensor_begin + static_cast<std::uint64_t>(r.whole) * 8, values.data() + r.local,
-                      static_cast<std::size_t>(r.count) * 8, "per-tensor optimizer state");
-        sum += detail::elements_checksum(values.data() + r.local, 8, r.whole, r.count);
-      }
-      detail::put_limbs(sum, shared.data() + 1 + arrays * detail::limbs);
-    }
-    file.close();
+    // One array at a time: a rank holds a copy of one array's owned elements, not of all.
+    std::vector<V> values;
+    const std::vector<double> tensor = trainer.copy_tensor_state();
+    const std::vector<std::uint64_t> sums = write_owned_part<V>(
+        tmp, geometry, arrays, trainer.owned_state_runs(),
+        [&](int array) -> const std::vector<V>& { return values = trainer.copy_owned_state(array); },
+        trainer.owned_tensor_state_runs(), tensor);
+    for (int array = 0; array <= arrays; ++array) put_limbs(sums[static_cast<std::size_t>(array)], shared.data() + 1 + array * limbs);
   });
-  std::vector<std::uint64_t> sums{detail::checksum(header.bytes().data(), header_bytes)};
-  for (int array = 0; array <= arrays; ++array)
-    sums.push_back(detail::get_limbs(shared.data() + 1 + array * detail::limbs));
-  phase(creator, [&] {
-    detail::PositionalFile file(tmp, detail::PositionalFile::Mode::write, "training state");
-    file.write_at(trailer, sums.data(), sums.size() * sizeof(std::uint64_t), "checksums");
-    file.write_at(trailer + sums.size() * sizeof(std::uint64_t), detail::training_state_magic.data(),
-                  detail::training_state_magic.size(), "closing magic");
-    file.sync();  // every rank's part, before the rename: a crash must not leave a renamed empty file
-    file.close();
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec)
-      throw Error("training state: renaming " + detail::quoted(tmp) + " to " + detail::quoted(path), ec.message(),
-                  "the directory must be writable");
-  });
+  std::vector<std::uint64_t> sums;
+  for (int array = 0; array <= arrays; ++array) sums.push_back(get_limbs(shared.data() + 1 + array * limbs));
+  phase(creator, [&] { finish_state_file(tmp, path, geometry, sums); });
 }
 
 //! load_training_state, for one state element type.
