@@ -1123,14 +1123,17 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
     LOOM_CHECK(first_step < o.steps && (o.stop_after == 0 || first_step < o.stop_after),
                "--resume " + resume_path + ": steps done", first_step,
                "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
+  }
+  // A --save-state series that would mix with another run's is refused before anything loads.
+  if (io::CheckpointSeries::is_pattern(o.save_state)) {
+    const io::CheckpointSeries series(o.save_state, "--save-state");
+    check_series_is_this_runs(o, series, newest_in_series(trainer, series, lead), first_step);
+  }
+  if (resume) {
     // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
     const auto begin = std::chrono::steady_clock::now();
     io::load_training_state(trainer, resume_path);
     resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-  }
-  if (io::CheckpointSeries::is_pattern(o.save_state)) {
-    const io::CheckpointSeries series(o.save_state, "--save-state");
-    check_series_is_this_runs(o, series, newest_in_series(trainer, series, lead), first_step);
   }
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch

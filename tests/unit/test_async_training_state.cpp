@@ -12,12 +12,14 @@
 #include <iterator>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/comm/threads.hpp"
 #include "loom/io/async_training_state.hpp"
 #include "loom/io/training_state.hpp"
 #include "loom/loom.hpp"
+#include "support/state_mesh.hpp"
 #include "support/temp_path.hpp"
 #include "support/training.hpp"
 
@@ -28,33 +30,18 @@ using namespace loom::test;
 
 namespace {
 
-constexpr std::int64_t global_batch = 8, seq = 16, saved_at = 3, total_steps = 6;
+constexpr std::int64_t saved_at = state_saved_at;
 
-gpt2::Config config() {
-  gpt2::Config c = small_test_config();
-  c.num_heads = 4;
-  return c;
-}
-
-//! Calls f(trainer, world rank) on every thread rank of `shape`, each with an AdamW trainer of
-//! strategy `St` on this file's model.
+//! Calls f(trainer, world rank) on every thread rank of `shape`, each with a trainer of strategy
+//! `St` (support/state_mesh.hpp).
 template <class St, class F>
 void on_mesh(MeshShape shape, F&& f) {
-  using Gpt = gpt2::Model<cpu, float>;
-  threads::run(shape.size(), [&](threads::Communicator& world) {
-    Mesh<threads::Communicator> mesh(world, shape);
-    cpu be(1);
-    Trainer<Gpt, AdamW, GradientAccumulation, St> trainer(
-        be, mesh, Gpt(config(), mesh.tensor_parallel()), AdamW({.weight_decay = 0.1}),
-        WarmupCosineLr{.lr = 1e-2, .warmup = 2, .total_steps = total_steps, .min_lr_factor = 0.1},
-        {.micro_batch_size = 1, .seed = 5}, St{}, GradientAccumulation{});
-    f(trainer, world.rank());
-  });
+  on_state_mesh<GradientAccumulation, St>(shape, St{}, GradientAccumulation{}, 5, std::forward<F>(f));
 }
 
 template <class Trainer>
 void step(Trainer& trainer, std::int64_t s) {
-  trainer.step(make_batch(s, global_batch, seq, config().vocab_size));
+  trainer.step(make_batch(s, state_batch, state_seq, state_config().vocab_size));
 }
 
 //! The bytes of the file at `path`.
@@ -79,7 +66,7 @@ void check_same_file(MeshShape shape) {
     CHECK_THROWS_WITH(saver.start(background.path), doctest::Contains("wait() for one save to finish"));
     // The trainer moves on while the copy is written: the file must hold step 3's state.
     int finished = -1;
-    for (std::int64_t s = saved_at; s < total_steps; ++s) {
+    for (std::int64_t s = saved_at; s < state_steps; ++s) {
       step(trainer, s);
       if (saver.poll()) finished = static_cast<int>(s + 1);
     }

@@ -17,6 +17,7 @@
 #include "loom/comm/threads.hpp"
 #include "loom/io/training_state.hpp"
 #include "loom/loom.hpp"
+#include "support/state_mesh.hpp"
 #include "support/temp_path.hpp"
 #include "support/training.hpp"
 
@@ -27,16 +28,8 @@ using namespace loom::test;
 
 namespace {
 
-constexpr std::int64_t global_batch = 8, seq = 16, total_steps = 6, saved_at = 3;
-
-//! small_test_config with heads and vocabulary that 4 tensor-parallel ranks divide.
-gpt2::Config state_config() {
-  gpt2::Config c = small_test_config();
-  c.num_heads = 4;
-  return c;
-}
-
-WarmupCosineLr state_lr() { return {.lr = 1e-2, .warmup = 2, .total_steps = total_steps, .min_lr_factor = 0.1}; }
+constexpr std::int64_t global_batch = state_batch, seq = state_seq, total_steps = state_steps,
+                       saved_at = state_saved_at;
 
 //! What a stretch of training did: its losses and, at its end, every training-state array of the
 //! whole model (parameters, then the two AdamW moments).
@@ -55,22 +48,6 @@ auto run_steps(Trainer& trainer, std::int64_t first, std::int64_t last) {
   return leg;
 }
 
-//! Calls f(trainer, world rank) on every thread rank of `shape`, each with a trainer of strategy
-//! `St` and schedule `Sc` on this file's model.
-template <class Sc, class St, class T = float, class F>
-void on_mesh(MeshShape shape, St strategy, Sc schedule, std::uint64_t seed, F&& f) {
-  using Gpt = gpt2::Model<cpu, T>;
-  threads::run(shape.size(), [&](threads::Communicator& world) {
-    Mesh<threads::Communicator> mesh(world, shape);
-    cpu be(1);
-    Trainer<Gpt, AdamW, Sc, St> trainer(be, mesh, Gpt(state_config(), mesh.tensor_parallel()),
-                                        AdamW({.weight_decay = 0.1}), state_lr(),
-                                        {.micro_batch_size = 1, .clip_grad_norm = 0.05, .seed = seed}, strategy,
-                                        schedule);
-    f(trainer, world.rank());
-  });
-}
-
 //! Trains steps [first, last) on thread ranks of `shape` with schedule `Sc` and strategy `St`,
 //! after loading `load` (if any) and before saving `save` (if any); rank 0's leg. Every rank must
 //! gather the same state.
@@ -80,7 +57,7 @@ Leg<accumulate_t<T>> train_leg(MeshShape shape, std::int64_t first, std::int64_t
   Leg<accumulate_t<T>> out;
   std::mutex mutex;
   std::vector<std::string> mismatched;
-  on_mesh<Sc, St, T>(shape, strategy, schedule, seed, [&](auto& trainer, int rank) {
+  on_state_mesh<Sc, St, T>(shape, strategy, schedule, seed, [&](auto& trainer, int rank) {
     if (!load.empty()) {
       const io::TrainingStateInfo info = io::load_training_state(trainer, load);
       CHECK(info.steps == first);
@@ -176,7 +153,7 @@ void check_state_runs(MeshShape shape, St strategy = {}, Sc schedule = {}) {
   std::vector<int> owners(static_cast<std::size_t>(total), 0);
   std::vector<std::int64_t> owned_counts;
   std::mutex mutex;
-  on_mesh<Sc, St>(shape, strategy, schedule, 5, [&](auto& trainer, int rank) {
+  on_state_mesh<Sc, St>(shape, strategy, schedule, 5, [&](auto& trainer, int rank) {
     CAPTURE(rank);
     trainer.step(make_batch(0, global_batch, seq, state_config().vocab_size));
     const std::vector<WholeRun> owned = trainer.owned_state_runs();
@@ -234,7 +211,7 @@ TEST_CASE("every element of the training state has one owner, and each rank read
 
 TEST_CASE("Zero<3> ranks write and read only their shard") {
   const std::int64_t total = gpt2::Model<cpu, float>(state_config()).layout().total();
-  on_mesh<GradientAccumulation, Zero<3>>({.dp = 4, .tp = 1, .pp = 1}, {}, {}, 5, [&](auto& trainer, int) {
+  on_state_mesh<GradientAccumulation, Zero<3>>({.dp = 4, .tp = 1, .pp = 1}, {}, {}, 5, [&](auto& trainer, int) {
     const std::int64_t shard = trainer.engine().plan().owned_elements();
     CHECK(static_cast<std::int64_t>(trainer.copy_owned_state(0).size()) == shard);
     for (int a = 0; a < 3; ++a) {
@@ -370,7 +347,7 @@ void make_version(const std::filesystem::path& path, std::uint32_t version) {
 std::vector<std::string> zero3_load_errors(MeshShape shape, const std::filesystem::path& path) {
   std::mutex mutex;
   std::vector<std::string> errors;
-  on_mesh<GradientAccumulation, Zero<3>>(shape, {}, {}, 5, [&](auto& trainer, int) {
+  on_state_mesh<GradientAccumulation, Zero<3>>(shape, {}, {}, 5, [&](auto& trainer, int) {
     try {
       io::load_training_state(trainer, path);
     } catch (const Error& e) {

@@ -113,7 +113,7 @@ class CheckpointSeries {
     std::erase_if(files, [&](const File& f) { return f.step > newest_step; });
     if (files.size() > static_cast<std::size_t>(keep))
       doomed.assign(files.begin(), files.end() - static_cast<std::ptrdiff_t>(keep));
-    for (File& f : scan(std::string(suffix_) + ".tmp"))
+    for (File& f : scan(suffix_ + ".tmp"))
       if (f.step < newest_step) doomed.push_back(std::move(f));
     Pruned out;
     for (const File& f : doomed) {
