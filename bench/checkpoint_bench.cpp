@@ -1,10 +1,11 @@
 // loom_checkpoint_bench: what a training-state save costs the run. GPT-2 (small by default) on
-// thread ranks, saving every --save-every steps, three ways in one run, alternated --repeats
-// times: no save, save_training_state (the step waits for the file), and
-// AsyncTrainingStateSaver (the step pays for a copy of each rank's owned state; threads write it
-// while training goes on). Reported: the median step without a save, the median extra time of a
-// step that saves (its stall), the whole run's time (the last background save waited for), and
-// the background saves against the blocking ones.
+// thread ranks, saving every --save-every steps, four ways in one run, alternated --repeats
+// times: no save, save_training_state (the step waits for the file), and AsyncTrainingStateSaver
+// (the step pays for a copy of each rank's owned state; threads write it while training goes on),
+// its copy in buffers kept from the save before (the default) or in fresh ones each time.
+// Reported: the median step without a save, the median extra time of a step that saves (its
+// stall), the whole run's time (the last background save waited for), the background saves
+// against the blocking ones, and kept buffers against fresh ones.
 //
 //   loom_checkpoint_bench                                  # GPT-2 small, 1 rank, save every 4 steps
 //   loom_checkpoint_bench --ranks 2                        # ZeRO-1 on 2 thread ranks
@@ -39,8 +40,17 @@ struct Options {
   std::string json;
 };
 
-enum class Mode { none, blocking, background };
-const char* name(Mode m) { return m == Mode::none ? "no save" : m == Mode::blocking ? "blocking" : "background"; }
+enum class Mode { none, blocking, background, background_fresh };
+constexpr int mode_count = 4;
+const char* name(Mode m) {
+  switch (m) {
+    case Mode::none: return "no save";
+    case Mode::blocking: return "blocking";
+    case Mode::background: return "background";
+    case Mode::background_fresh: return "bg, fresh";
+  }
+  return "";
+}
 
 //! One run's timings on rank 0: every step's seconds (a save step's include its save call), which
 //! steps saved, and the run's whole time.
@@ -61,7 +71,7 @@ Run run(const Options& o, const loom::gpt2::Config& config, Mode mode, St strate
     loom::Trainer<Gpt, loom::AdamW, loom::GradientAccumulation, St> trainer(
         backend, comm, Gpt(config), loom::AdamW(), loom::ConstantLr{.lr = 1e-4},
         {.micro_batch_size = o.batch / o.ranks}, strategy);
-    loom::io::AsyncTrainingStateSaver saver(trainer);
+    loom::io::AsyncTrainingStateSaver saver(trainer, {.keep_buffers = mode != Mode::background_fresh});
     const loom::io::SyntheticMarkov data({.vocab_size = config.vocab_size});
     trainer.step(data.batch_at(0, o.batch, o.seq));  // untimed: first-touch of every buffer
     comm.barrier();
@@ -72,7 +82,7 @@ Run run(const Options& o, const loom::gpt2::Config& config, Mode mode, St strate
         trainer.step(data.batch_at(s, o.batch, o.seq));
         if (saver.pending()) saver.poll();
         if (save && mode == Mode::blocking) loom::io::save_training_state(trainer, file);
-        if (save && mode == Mode::background) {
+        if (save && (mode == Mode::background || mode == Mode::background_fresh)) {
           saver.wait();  // the one before, if it is still under way
           saver.start(file);
         }
@@ -126,10 +136,10 @@ int main(int argc, char** argv) {
                 loom::bench::machine_line(threads).c_str());
     if (const std::string w = loom::bench::load_warning(load); !w.empty()) std::printf("%s\n", w.c_str());
 
-    const Mode modes[] = {Mode::none, Mode::blocking, Mode::background};
-    std::vector<Run> runs[3];
+    const Mode modes[mode_count] = {Mode::none, Mode::blocking, Mode::background, Mode::background_fresh};
+    std::vector<Run> runs[mode_count];
     for (int r = 0; r < o.repeats; ++r)
-      for (int m = 0; m < 3; ++m)
+      for (int m = 0; m < mode_count; ++m)
         runs[m].push_back(o.ranks > 1 ? run(o, config, modes[m], loom::Zero<1>{}, threads)
                                       : run(o, config, modes[m], loom::SingleRank{}, threads));
 
@@ -137,8 +147,8 @@ int main(int argc, char** argv) {
       double step = 0, stall = 0, total = 0, drain = 0;
       std::uint64_t bytes = 0;
     };
-    Row rows[3];
-    for (int m = 0; m < 3; ++m) {
+    Row rows[mode_count];
+    for (int m = 0; m < mode_count; ++m) {
       std::vector<double> plain, saving, totals, drains;
       for (const Run& r : runs[m]) {
         plain.insert(plain.end(), r.plain.begin(), r.plain.end());
@@ -154,7 +164,7 @@ int main(int argc, char** argv) {
     }
     std::printf("\n%-11s | %12s %14s | %11s %12s | %9s\n", "save", "step s", "stall/save s", "run s",
                 "last wait s", "file MiB");
-    for (int m = 0; m < 3; ++m)
+    for (int m = 0; m < mode_count; ++m)
       std::printf("%-11s | %12.3f %14.3f | %11.2f %12.3f | %9.1f\n", name(modes[m]), rows[m].step, rows[m].stall,
                   rows[m].total, rows[m].drain, static_cast<double>(rows[m].bytes) / (1 << 20));
     const double saves = o.steps / o.save_every;
@@ -163,6 +173,9 @@ int main(int argc, char** argv) {
                 "background +%.2f s against blocking +%.2f s for %.0f saves\n",
                 rows[2].stall, rows[1].stall, rows[1].stall > 0 ? rows[2].stall / rows[1].stall : 0.0, background_cost,
                 blocking_cost, saves);
+    std::printf("background copies into kept buffers: stall %.3f s against %.3f s into fresh ones (%.2fx); the "
+                "first save of a run allocates them either way\n",
+                rows[2].stall, rows[3].stall, rows[3].stall > 0 ? rows[2].stall / rows[3].stall : 0.0);
     std::printf("step s: median of the steps that do not save; stall/save: the median step that saves, less that; "
                 "run s: median whole run, the last background save waited for (last wait)\n");
 
@@ -175,7 +188,7 @@ int main(int argc, char** argv) {
     report["seq"] = o.seq;
     report["steps"] = o.steps;
     report["save_every"] = o.save_every;
-    for (int m = 0; m < 3; ++m)
+    for (int m = 0; m < mode_count; ++m)
       report["rows"].push_back({{"save", name(modes[m])}, {"step_seconds_median", rows[m].step},
                                 {"stall_seconds_median", rows[m].stall}, {"run_seconds_median", rows[m].total},
                                 {"last_wait_seconds", rows[m].drain}, {"file_bytes", rows[m].bytes}});

@@ -372,9 +372,9 @@ int main(int argc, char** argv) {
                  "and every --save-every steps; any mesh and strategy can --resume it. A name holding {step} "
                  "(ckpt/step{step}.state) keeps one file per save, the step zero-padded to 8 digits");
   app.add_flag("--async-save", o.async_save,
-               "With --save-every: write those saves in the background while training goes on (each rank keeps a "
-               "copy of its part of the state in memory until its file is in place); the save at the end, or at a "
-               "signal or time limit, still waits");
+               "With --save-every: write those saves in the background while training goes on (each rank copies "
+               "its part of the state into host memory, which it keeps for the next save); the save at the end, or "
+               "at a signal or time limit, still waits");
   app.add_option("--keep-last", o.keep_last,
                  "With a --save-state holding {step}: after each save, delete the series' files but the newest N "
                  "(0 = keep all)")

@@ -11,7 +11,9 @@
 #include <functional>
 #include <iterator>
 #include <mutex>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -91,6 +93,50 @@ TEST_CASE("a background save writes save_training_state's file, byte for byte, w
   SUBCASE("Zero<1> on DP2 x TP2: every rank writes its part") { check_same_file<Zero<1>>({.dp = 2, .tp = 2, .pp = 1}); }
   SUBCASE("DDP on DP2: the second replica owns nothing") { check_same_file<DataParallel>({.dp = 2, .tp = 1, .pp = 1}); }
   SUBCASE("one rank") { check_same_file<SingleRank>({.dp = 1, .tp = 1, .pp = 1}); }
+}
+
+TEST_CASE("the buffers of one background save serve the next, and it writes the state as it is then") {
+  TempPath first("state_async_first"), second("state_async_second"), now("state_async_now");
+  on_mesh<DataParallel>({.dp = 2, .tp = 1, .pp = 1}, [&](auto& trainer, int rank) {
+    using V = typename std::decay_t<decltype(trainer)>::state_type;
+    const std::uint64_t owned_bytes = static_cast<std::uint64_t>(trainer.owned_state_elements()) * sizeof(V) *
+                                      static_cast<std::uint64_t>(std::decay_t<decltype(trainer)>::state_arrays);
+    CHECK(owned_bytes == (rank == 0 ? static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V) * 3 : 0));
+    std::vector<V> wrong(1);
+    if (rank == 0)
+      CHECK_THROWS_WITH(trainer.copy_owned_state(0, std::span<V>(wrong)), doctest::Contains("owned_state_elements"));
+
+    io::AsyncTrainingStateSaver kept(trainer);
+    io::AsyncTrainingStateSaver fresh(trainer, {.keep_buffers = false});
+    CHECK(kept.buffer_bytes() == 0);
+    step(trainer, 0);
+    kept.start(first.path);
+    CHECK(kept.snapshot_bytes() == owned_bytes);
+    CHECK(kept.buffer_bytes() == owned_bytes);
+    CHECK_THROWS_WITH(kept.release_buffers(), doctest::Contains("still being saved"));
+    kept.wait();
+    CHECK(kept.buffer_bytes() == owned_bytes);  // kept for the next save
+
+    // The trainer moves on; the next save into the same buffers must hold the new state, not the
+    // last save's: the same bytes as a blocking save of it.
+    step(trainer, 1);
+    io::save_training_state(trainer, now.path);
+    kept.start(second.path);
+    kept.wait();
+    CHECK(file_bytes(second.path) == file_bytes(now.path));
+    CHECK(file_bytes(second.path) != file_bytes(first.path));
+    CHECK(io::read_training_state_info(second.path).steps == 2);
+    CHECK(kept.buffer_bytes() == owned_bytes);
+    kept.release_buffers();
+    CHECK(kept.buffer_bytes() == 0);
+
+    // Without keep_buffers the copy lives only while the save is under way.
+    fresh.start(second.path);
+    CHECK(fresh.buffer_bytes() == owned_bytes);
+    fresh.wait();
+    CHECK(fresh.buffer_bytes() == 0);
+    CHECK(file_bytes(second.path) == file_bytes(now.path));
+  });
 }
 
 TEST_CASE("a background save that fails leaves the good file, and every rank hears of it") {

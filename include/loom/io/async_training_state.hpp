@@ -36,6 +36,17 @@ class BackgroundSave {
   virtual std::int64_t steps() const noexcept = 0;
   virtual std::uint64_t snapshot_bytes() const noexcept = 0;
   virtual double seconds() const = 0;
+  virtual std::uint64_t buffer_bytes() const noexcept = 0;
+  virtual void release_buffers() = 0;
+};
+
+//! How an AsyncTrainingStateSaver holds its copies of the state.
+struct AsyncSaveOptions {
+  //! Keep the host buffers that hold a save's copy for the next save (PyTorch DCP's cached staged
+  //! state dict). A fresh buffer costs the first touch of its pages, several times the copy
+  //! itself, in the step that starts the save; a kept one costs its memory between saves (about
+  //! the rank's owned state: 12 bytes per owned parameter for fp32 AdamW).
+  bool keep_buffers = true;
 };
 
 namespace detail {
@@ -45,7 +56,8 @@ namespace detail {
 template <class V>
 class AsyncSave {
  public:
-  explicit AsyncSave(std::unique_ptr<TrainingStateAccess<V>> trainer) : trainer_(std::move(trainer)) {}
+  AsyncSave(std::unique_ptr<TrainingStateAccess<V>> trainer, AsyncSaveOptions options)
+      : trainer_(std::move(trainer)), options_(options) {}
   AsyncSave(const AsyncSave&) = delete;
   AsyncSave& operator=(const AsyncSave&) = delete;
   ~AsyncSave() { abandon(); }
@@ -55,6 +67,16 @@ class AsyncSave {
   std::int64_t steps() const noexcept { return steps_; }
   std::uint64_t snapshot_bytes() const noexcept { return snapshot_bytes_; }
   double seconds() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
+  std::uint64_t buffer_bytes() const noexcept {
+    std::uint64_t bytes = tensor_snapshot_.capacity() * sizeof(double);
+    for (const std::vector<V>& a : arrays_snapshot_) bytes += a.capacity() * sizeof(V);
+    return bytes;
+  }
+  void release_buffers() {
+    LOOM_CHECK(!pending(), "background training-state save: release_buffers", "called while " + quoted(path_) +
+               " is still being saved", "wait() for the save to finish first");
+    free_buffers();
+  }
 
   void start(const std::filesystem::path& path, std::string_view meta) {
     LOOM_CHECK(!pending(), "background training-state save of " + quoted(path), "started while " + quoted(path_) +
@@ -77,9 +99,11 @@ class AsyncSave {
           tensor_runs_ = trainer_->owned_tensor_state_runs();
           snapshot_bytes_ = 0;
           if (!runs_.empty() || !tensor_runs_.empty()) {
+            arrays_snapshot_.resize(static_cast<std::size_t>(arrays_));
             for (int array = 0; array < arrays_; ++array) {
-              arrays_snapshot_.push_back(trainer_->copy_owned_state(array));
-              snapshot_bytes_ += arrays_snapshot_.back().size() * sizeof(V);
+              std::vector<V>& copy = arrays_snapshot_[static_cast<std::size_t>(array)];
+              trainer_->copy_owned_state(array, copy);
+              snapshot_bytes_ += copy.size() * sizeof(V);
             }
             tensor_snapshot_ = trainer_->copy_tensor_state();
             snapshot_bytes_ += tensor_snapshot_.size() * sizeof(double);
@@ -124,7 +148,7 @@ class AsyncSave {
     // flushes the file and renames it, in the background too.
     std::vector<std::uint64_t> sums;
     for (int a = 0; a <= arrays_; ++a) sums.push_back(get_limbs(shared.data() + 2 + a * limbs));
-    release_snapshot();
+    if (!options_.keep_buffers) free_buffers();
     state_ = State::finishing;
     if (creator_) launch([this, sums = std::move(sums)] { finish_state_file(tmp_, path_, geometry_, sums); });
     return false;
@@ -174,21 +198,23 @@ class AsyncSave {
     if (state_ != State::idle) clear();
   }
 
+  // After a failure the buffers go too, kept or not: the failure may have been a lack of memory.
   void clear() noexcept {
     state_ = State::idle;
-    release_snapshot();
+    free_buffers();
     if (creator_) {
       std::error_code ignored;
       std::filesystem::remove(tmp_, ignored);
     }
   }
 
-  void release_snapshot() noexcept {
+  void free_buffers() noexcept {
     std::vector<std::vector<V>>().swap(arrays_snapshot_);
     std::vector<double>().swap(tensor_snapshot_);
   }
 
   std::unique_ptr<TrainingStateAccess<V>> trainer_;
+  AsyncSaveOptions options_;
   State state_ = State::idle;
   std::filesystem::path path_, tmp_;
   std::int64_t steps_ = 0;
@@ -218,14 +244,15 @@ class AsyncSave {
 //! checksums, flushes the file to the disk and renames it over the path. The file is
 //! save_training_state's, byte for byte. A failure on any rank throws on every rank, from the
 //! poll or wait that hears of it, and leaves the last good file. The trainer must outlive it;
-//! destroyed with a save under way (no collective is possible then) it gives the save up.
+//! destroyed with a save under way (no collective is possible then) it gives the save up. With
+//! AsyncSaveOptions::keep_buffers (the default) the host buffers of one save's copy serve the next.
 template <class Trainer>
 class AsyncTrainingStateSaver final : public BackgroundSave {
  public:
   using state_type = typename Trainer::state_type;
 
-  explicit AsyncTrainingStateSaver(Trainer& trainer)
-      : save_(std::make_unique<detail::TrainerStateAccess<Trainer>>(trainer)) {}
+  explicit AsyncTrainingStateSaver(Trainer& trainer, AsyncSaveOptions options = {})
+      : save_(std::make_unique<detail::TrainerStateAccess<Trainer>>(trainer), options) {}
 
   //! Starts saving the trainer's state as it is now to `path`, with `meta` (as
   //! save_training_state). Collective. A save must not be under way (wait() for it).
@@ -245,6 +272,11 @@ class AsyncTrainingStateSaver final : public BackgroundSave {
   std::uint64_t snapshot_bytes() const noexcept override { return save_.snapshot_bytes(); }
   //! Seconds since the save under way (or the last one) started.
   double seconds() const override { return save_.seconds(); }
+  //! The bytes of host memory this rank holds for copies: the save under way's, or with
+  //! keep_buffers the last save's, kept for the next.
+  std::uint64_t buffer_bytes() const noexcept override { return save_.buffer_bytes(); }
+  //! Frees the buffers kept for the next save (it allocates them again). Not while a save is under way.
+  void release_buffers() override { save_.release_buffers(); }
 
  private:
   detail::AsyncSave<state_type> save_;

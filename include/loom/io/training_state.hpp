@@ -471,7 +471,8 @@ class TrainingStateAccess {
   virtual std::int64_t whole_tensor_state_size() const = 0;
   virtual std::vector<WholeRun> owned_state_runs() const = 0;
   virtual std::vector<WholeRun> needed_state_runs(int array) const = 0;
-  virtual std::vector<V> copy_owned_state(int array) = 0;
+  //! Trainer::copy_owned_state into `out`, resized to the owned elements (its capacity kept).
+  virtual void copy_owned_state(int array, std::vector<V>& out) = 0;
   virtual void load_needed_state(int array, std::span<const V> values) = 0;
   virtual std::vector<WholeRun> owned_tensor_state_runs() const = 0;
   virtual std::vector<WholeRun> needed_tensor_state_runs() const = 0;
@@ -499,7 +500,10 @@ class TrainerStateAccess final : public TrainingStateAccess<typename Trainer::st
   std::int64_t whole_tensor_state_size() const override { return trainer_.whole_tensor_state_size(); }
   std::vector<WholeRun> owned_state_runs() const override { return trainer_.owned_state_runs(); }
   std::vector<WholeRun> needed_state_runs(int array) const override { return trainer_.needed_state_runs(array); }
-  std::vector<V> copy_owned_state(int array) override { return trainer_.copy_owned_state(array); }
+  void copy_owned_state(int array, std::vector<V>& out) override {
+    out.resize(static_cast<std::size_t>(trainer_.owned_state_elements()));
+    trainer_.copy_owned_state(array, std::span<V>(out));
+  }
   void load_needed_state(int array, std::span<const V> values) override { trainer_.load_needed_state(array, values); }
   std::vector<WholeRun> owned_tensor_state_runs() const override { return trainer_.owned_tensor_state_runs(); }
   std::vector<WholeRun> needed_tensor_state_runs() const override { return trainer_.needed_tensor_state_runs(); }
@@ -681,12 +685,16 @@ void save_state(TrainingStateAccess<V>& trainer, const std::filesystem::path& pa
   };
   phase(creator, [&] { create_state_file(tmp, geometry); });
   phase(true, [&] {
-    // One array at a time: a rank holds a copy of one array's owned elements, not of all.
+    // One array at a time, in one buffer: a rank holds a copy of one array's owned elements,
+    // not of all, and touches that buffer's pages once.
     std::vector<V> values;
     const std::vector<double> tensor = trainer.copy_tensor_state();
     const std::vector<std::uint64_t> sums = write_owned_part<V>(
         tmp, geometry, arrays, trainer.owned_state_runs(),
-        [&](int array) -> const std::vector<V>& { return values = trainer.copy_owned_state(array); },
+        [&](int array) -> const std::vector<V>& {
+          trainer.copy_owned_state(array, values);
+          return values;
+        },
         trainer.owned_tensor_state_runs(), tensor);
     for (int array = 0; array <= arrays; ++array) put_limbs(sums[static_cast<std::size_t>(array)], shared.data() + 1 + array * limbs);
   });

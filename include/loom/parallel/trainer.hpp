@@ -294,11 +294,23 @@ class Trainer {
   //! state slot k - 1): this rank's owned elements (owned_state_runs), in host memory. Not
   //! collective.
   std::vector<state_type> copy_owned_state(int array) {
-    detail::check_state_array(array, O::state_slots);
-    std::vector<state_type> values(static_cast<std::size_t>(elements_of(engine_.owned_state_ranges())));
-    engine_.copy_owned_state_to(array, values.data());
+    std::vector<state_type> values(static_cast<std::size_t>(owned_state_elements()));
+    copy_owned_state(array, values);
     return values;
   }
+  //! As copy_owned_state(array), into `out`, which must hold owned_state_elements(): for a caller
+  //! that keeps its buffer from one copy to the next (a fresh one costs its pages' first touch,
+  //! several times the copy itself). Not collective.
+  void copy_owned_state(int array, std::span<state_type> out) {
+    detail::check_state_array(array, O::state_slots);
+    const std::int64_t expected = owned_state_elements();
+    LOOM_CHECK(static_cast<std::int64_t>(out.size()) == expected, "copy_owned_state: elements", out.size(),
+               "must equal this rank's owned_state_elements() " + detail::to_text(expected));
+    engine_.copy_owned_state_to(array, out.data());
+  }
+  //! How many elements of each training-state array this rank owns: the sum of
+  //! owned_state_runs()' counts (0 on a data-parallel replica other than the first).
+  std::int64_t owned_state_elements() const { return elements_of(engine_.owned_state_ranges()); }
   //! Where the elements load_needed_state(array, ...) takes are in whole_layout(): everything
   //! this rank holds of the array (its slice and stage, and its ZeRO shard where the array is
   //! sharded), tied copies included. Ranks may need the same elements.
