@@ -98,9 +98,10 @@ TEST_CASE("a background save writes save_training_state's file, byte for byte, w
 TEST_CASE("the buffers of one background save serve the next, and it writes the state as it is then") {
   TempPath first("state_async_first"), second("state_async_second"), now("state_async_now");
   on_mesh<DataParallel>({.dp = 2, .tp = 1, .pp = 1}, [&](auto& trainer, int rank) {
-    using V = typename std::decay_t<decltype(trainer)>::state_type;
-    const std::uint64_t owned_bytes = static_cast<std::uint64_t>(trainer.owned_state_elements()) * sizeof(V) *
-                                      static_cast<std::uint64_t>(std::decay_t<decltype(trainer)>::state_arrays);
+    using Tr = std::decay_t<decltype(trainer)>;
+    using V = typename Tr::state_type;
+    const std::uint64_t owned_bytes =
+        static_cast<std::uint64_t>(trainer.owned_state_elements()) * sizeof(V) * static_cast<std::uint64_t>(Tr::state_arrays);
     CHECK(owned_bytes == (rank == 0 ? static_cast<std::uint64_t>(trainer.whole_layout().total()) * sizeof(V) * 3 : 0));
     std::vector<V> wrong(1);
     if (rank == 0)

@@ -294,6 +294,7 @@ class Trainer {
   //! state slot k - 1): this rank's owned elements (owned_state_runs), in host memory. Not
   //! collective.
   std::vector<state_type> copy_owned_state(int array) {
+    detail::check_state_array(array, O::state_slots);  // before the allocation, not after it
     std::vector<state_type> values(static_cast<std::size_t>(owned_state_elements()));
     copy_owned_state(array, values);
     return values;
