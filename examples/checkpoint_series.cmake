@@ -1,9 +1,10 @@
 # --save-state and --resume of a series (a name holding {step}) with --keep-last: a run keeps one
 # file per save and only the newest few (the periodic ones written in the background,
-# --async-save); resumed from the series on another mesh, it goes on from the newest and ends
-# where the uninterrupted run ends (DESIGN.md invariant 3). A run that would mix
-# its files with another run's, a series with nothing to resume from, and a malformed pattern are
-# refused before step 1. TRAIN is gpt2_train or bert_train, DIR a scratch directory.
+# --async-save); resumed from the series on another mesh, it goes on from the newest intact file
+# (passing over a damaged one) and ends where the uninterrupted run ends (DESIGN.md invariant 3).
+# A run that would mix its files with another run's, a series with nothing to resume from, and a
+# malformed pattern are refused before step 1. TRAIN is gpt2_train or bert_train, DIR a scratch
+# directory.
 set(common --demo --steps 12 --warmup 2 --log-every 100)
 include(${CMAKE_CURRENT_LIST_DIR}/train_script.cmake)
 # A run that must be refused before step 1 with a message matching `expected`.
@@ -57,6 +58,18 @@ if(NOT second MATCHES "resumed from [^\n]*/step00000007\\.state after step 7"
 endif()
 expect_resumed_loss("${whole}" "${second}" "stopped on dp2 after step 7 and resumed from the series on pp2")
 expect_names(${DIR}/series "notes.txt step00000010.state step00000012.state step3.state" "after the second run")
+
+# The newest file damaged (here overwritten, as a disk or a copy might leave it): the resume passes
+# it over for step 10's, moves it out of the series, and the run ends where the whole run ends.
+file(WRITE ${DIR}/series/step00000012.state "not a checkpoint any more: the bytes of a damaged file")
+train(third --resume ${pattern} --save-state ${pattern} --save-every 2 --keep-last 2 --tp 2 --threads 2)
+if(NOT third MATCHES "passed over step 12, which is corrupt \\(loom: [^\n]*step00000012\\.state': magic: got [^\n]*\\); moved it to [^\n]*/step00000012\\.state\\.corrupt\n"
+   OR NOT third MATCHES "resumed from [^\n]*/step00000010\\.state after step 10")
+  message(FATAL_ERROR "the third run should pass over the damaged step 12 and go on from step 10:\n${third}")
+endif()
+expect_resumed_loss("${whole}" "${third}" "resumed on tp2 from step 10, past a damaged step 12")
+expect_names(${DIR}/series "notes.txt step00000010.state step00000012.state step00000012.state.corrupt step3.state"
+             "after the third run")
 
 # A series with no file yet: refused, or (--resume-if-exists) a run from step 1.
 file(MAKE_DIRECTORY ${DIR}/empty)

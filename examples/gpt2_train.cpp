@@ -384,7 +384,7 @@ int main(int argc, char** argv) {
   app.add_option("--resume", o.resume,
                  "Go on from a training-state checkpoint (--save-state) of the same model, optimizer and "
                  "data options: its steps are done, the run continues to --steps. A name holding {step} "
-                 "goes on from the series' file of the highest step");
+                 "goes on from the series' file of the highest step, passing over damaged newer ones (renamed NAME.corrupt)");
   app.add_flag("--resume-if-exists", o.resume_if_exists,
                "With --resume: start at step 1 when its file does not exist (yet), so that one command line with "
                "--save-state and --resume of the same file starts a run and, run again after a stop, goes on with it");

@@ -684,16 +684,24 @@ struct LoopStart {
 
 //! The step of the newest file of `series` as rank 0 (`lead`) lists it, -1 if there is none, on
 //! every rank of `trainer`'s mesh: rank 0 alone reads the directory, so that all ranks take the
-//! same file even where their views of a shared file system lag. Collective; a failure to list
+//! same file even where their views of a shared file system lag. Files in `passed_over` (corrupt
+//! ones that --resume leaves behind, to be moved out) do not count. Collective; a failure to list
 //! fails every rank instead of leaving the others waiting.
 template <class Trainer>
-std::int64_t newest_in_series(Trainer& trainer, const loom::io::CheckpointSeries& series, bool lead) {
+std::int64_t newest_in_series(Trainer& trainer, const loom::io::CheckpointSeries& series, bool lead,
+                              const std::vector<loom::io::SkippedCheckpoint>& passed_over = {}) {
   std::array<double, 2> shared{0, 0};  // rank 0 failed; its newest step + 1 (exact in a double below 2^53)
   std::exception_ptr failure;
   if (lead) {
     try {
-      if (const std::optional<loom::io::CheckpointSeries::File> newest = series.latest())
-        shared[1] = static_cast<double>(newest->step + 1);
+      std::vector<loom::io::CheckpointSeries::File> files = series.list();
+      std::erase_if(files, [&](const loom::io::CheckpointSeries::File& f) {
+        return std::any_of(passed_over.begin(), passed_over.end(), [&](const loom::io::SkippedCheckpoint& s) {
+          std::error_code ec;
+          return std::filesystem::equivalent(f.path, s.path, ec);
+        });
+      });
+      if (!files.empty()) shared[1] = static_cast<double>(files.back().step + 1);
     } catch (...) {
       failure = std::current_exception();
       shared[0] = 1;
@@ -1094,47 +1102,72 @@ int train(const Options& o, Backend& backend, loom::Mesh<Group>& mesh, Opt optim
   double resume_seconds = 0;
   io::TrainingStateInfo resumed;
   std::string resume_path = o.resume;
-  bool resume = !o.resume.empty();
+  std::vector<io::SkippedCheckpoint> passed_over;
+  // A run with nothing left to do ends before anything is loaded.
+  const auto check_steps_left = [&](const std::string& file, std::int64_t steps_done) {
+    LOOM_CHECK(steps_done < o.steps && (o.stop_after == 0 || steps_done < o.stop_after),
+               "--resume " + file + ": steps done", steps_done,
+               "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
+  };
+  // A --save-state series that would mix with another run's is refused before anything loads.
+  const auto check_save_series = [&](std::int64_t start, const std::vector<io::SkippedCheckpoint>& corrupt) {
+    if (!io::CheckpointSeries::is_pattern(o.save_state)) return;
+    const io::CheckpointSeries series(o.save_state, "--save-state");
+    check_series_is_this_runs(o, series, newest_in_series(trainer, series, lead, corrupt), start);
+  };
   if (io::CheckpointSeries::is_pattern(o.resume)) {
-    // A series: its newest file, as rank 0 lists it, is every rank's.
+    // A series: its newest intact file, as rank 0 lists it, is every rank's. Corrupt newer ones
+    // are passed over and moved out of the series.
     const io::CheckpointSeries series(o.resume, "--resume");
-    const std::int64_t newest = newest_in_series(trainer, series, lead);
-    resume = newest >= 0;
-    if (resume)
-      resume_path = series.path_for(newest).string();
-    else if (!o.resume_if_exists)
+    const auto begin = std::chrono::steady_clock::now();
+    const std::optional<io::SeriesCheckpoint> found =
+        io::load_newest_training_state(trainer, series, [&](const io::SeriesCheckpoint& candidate) {
+          check_steps_left(candidate.file.path.string(), candidate.info.steps);
+          check_save_series(candidate.info.steps, candidate.skipped);
+        });
+    if (found) {
+      resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+      resume_path = found->file.path.string();
+      resumed = found->info;
+      first_step = resumed.steps;
+      passed_over = found->skipped;
+    } else if (!o.resume_if_exists) {
       throw Error("--resume", o.resume,
                   "no file of the series is in " + series.directory().string() +
                       " (--resume-if-exists starts at step 1 instead)");
-    else if (lead)
-      std::printf("--resume %s: no file of the series yet; starting at step 1 (--resume-if-exists)\n",
-                  o.resume.c_str());
-  } else if (resume && o.resume_if_exists) {
-    // All ranks resume if any finds the file: one that cannot read it then fails the load, and
-    // every rank with it, instead of starting afresh while the others load.
-    resume = trainer.any_of_ranks(std::filesystem::exists(o.resume));
-    if (!resume && lead)
-      std::printf("--resume %s: no such file yet; starting at step 1 (--resume-if-exists)\n", o.resume.c_str());
+    } else {
+      if (lead)
+        std::printf("--resume %s: no file of the series yet; starting at step 1 (--resume-if-exists)\n",
+                    o.resume.c_str());
+      check_save_series(0, {});
+    }
+  } else {
+    bool resume = !o.resume.empty();
+    if (resume && o.resume_if_exists) {
+      // All ranks resume if any finds the file: one that cannot read it then fails the load, and
+      // every rank with it, instead of starting afresh while the others load.
+      resume = trainer.any_of_ranks(std::filesystem::exists(o.resume));
+      if (!resume && lead)
+        std::printf("--resume %s: no such file yet; starting at step 1 (--resume-if-exists)\n", o.resume.c_str());
+    }
+    if (resume) {
+      // The header alone first.
+      resumed = io::read_training_state_info(resume_path);
+      first_step = resumed.steps;
+      check_steps_left(resume_path, first_step);
+    }
+    check_save_series(first_step, {});
+    if (resume) {
+      // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
+      const auto begin = std::chrono::steady_clock::now();
+      io::load_training_state(trainer, resume_path);
+      resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    }
   }
-  if (resume) {
-    // The header alone first: a run with nothing left to do ends before anything is loaded.
-    resumed = io::read_training_state_info(resume_path);
-    first_step = resumed.steps;
-    LOOM_CHECK(first_step < o.steps && (o.stop_after == 0 || first_step < o.stop_after),
-               "--resume " + resume_path + ": steps done", first_step,
-               "--steps (" + std::to_string(o.steps) + ") and --stop-after must be more, or there is nothing to do");
-  }
-  // A --save-state series that would mix with another run's is refused before anything loads.
-  if (io::CheckpointSeries::is_pattern(o.save_state)) {
-    const io::CheckpointSeries series(o.save_state, "--save-state");
-    check_series_is_this_runs(o, series, newest_in_series(trainer, series, lead), first_step);
-  }
-  if (resume) {
-    // Every rank reads the file and keeps its part; any mesh and strategy can resume any other's.
-    const auto begin = std::chrono::steady_clock::now();
-    io::load_training_state(trainer, resume_path);
-    resume_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-  }
+  if (lead)
+    for (const io::SkippedCheckpoint& s : passed_over)
+      std::printf("--resume %s: passed over step %lld, which is corrupt (%s); moved it to %s\n", o.resume.c_str(),
+                  static_cast<long long>(s.step), s.reason.c_str(), s.moved_to.string().c_str());
   // The schedule's shape on this rank; live_micro_batches runs the schedule's own checks
   // (interleaved: micro-batches a multiple of pp) on every rank alike, before any step. A batch
   // that does not split into micro-batches is left to step 1, whose message names the rule.

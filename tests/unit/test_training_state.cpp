@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -505,6 +506,158 @@ TEST_CASE("a load that fails on one rank fails on every rank instead of leaving 
     else
       CHECK_THROWS_WITH(io::load_training_state(trainer, file.str() + ".missing"), doctest::Contains("cannot open"));
   });
+}
+
+namespace {
+
+//! A one-rank run's state saved after each of steps 1 to `last` into `series`; returns the
+//! parameters after each step (index 0: after step 1).
+std::vector<std::vector<float>> save_series(const io::CheckpointSeries& series, std::int64_t last) {
+  OneRank<> run;
+  std::vector<std::vector<float>> parameters;
+  for (std::int64_t s = 0; s < last; ++s) {
+    run.trainer.step(make_batch(s, global_batch, seq, state_config().vocab_size));
+    io::save_training_state(run.trainer, series.path_for(s + 1));
+    parameters.push_back(run.trainer.gather_state(0));
+  }
+  return parameters;
+}
+
+std::vector<std::int64_t> steps_of(const std::vector<io::CheckpointSeries::File>& files) {
+  std::vector<std::int64_t> steps;
+  for (const io::CheckpointSeries::File& f : files) steps.push_back(f.step);
+  return steps;
+}
+
+}  // namespace
+
+TEST_CASE("a damaged file raises CorruptCheckpoint; an intact file of another model a plain Error") {
+  TempPath file("state_kind");
+  OneRank<> saver;
+  io::save_training_state(saver.trainer, file.path);
+  const auto bytes = std::filesystem::file_size(file.path);
+  SUBCASE("an array") {
+    flip_byte(file.path, bytes - 200);
+    OneRank<> loader;
+    CHECK_THROWS_AS(io::load_training_state(loader.trainer, file.path), io::CorruptCheckpoint);
+  }
+  SUBCASE("the header") {
+    flip_byte(file.path, 69);
+    CHECK_THROWS_AS(io::read_training_state_info(file.path), io::CorruptCheckpoint);
+  }
+  SUBCASE("truncated inside the header") {
+    std::filesystem::resize_file(file.path, 30);  // inside the reserved field after the state slots
+    CHECK_THROWS_WITH_AS(io::read_training_state_info(file.path), doctest::Contains("the header runs past it"),
+                         io::CorruptCheckpoint);
+  }
+  SUBCASE("another model, another optimizer, a missing file") {
+    gpt2::Config other = state_config();
+    other.num_layers = 3;
+    const auto is_corrupt = [](auto&& load) {
+      try {
+        load();
+      } catch (const io::CorruptCheckpoint&) {
+        return true;
+      } catch (const Error&) {
+        return false;
+      }
+      FAIL("no error");
+      return false;
+    };
+    OneRank<> smaller(other), loader;
+    OneRank<SgdMomentum> sgd;
+    CHECK_FALSE(is_corrupt([&] { io::load_training_state(smaller.trainer, file.path); }));
+    CHECK_FALSE(is_corrupt([&] { io::load_training_state(sgd.trainer, file.path); }));
+    CHECK_FALSE(is_corrupt([&] { io::load_training_state(loader.trainer, file.str() + ".missing"); }));
+  }
+}
+
+TEST_CASE("a series resumes from its newest intact file on a mesh, and the corrupt newer ones leave the series") {
+  TempPath dir("series_fallback");
+  std::filesystem::create_directories(dir.path);
+  const io::CheckpointSeries series(dir.path / "step{step}.state");
+  const std::vector<std::vector<float>> parameters = save_series(series, 4);
+  // Step 4's arrays fail their checksums only once loaded; step 3 is truncated (its header says so).
+  flip_byte(series.path_for(4), std::filesystem::file_size(series.path_for(4)) - 200);
+  std::filesystem::resize_file(series.path_for(3), std::filesystem::file_size(series.path_for(3)) - 1000);
+  // A file already where step 4's would go aside: kept, and step 4 goes beside it.
+  std::filesystem::path taken = series.path_for(4);
+  taken += ".corrupt";
+  std::ofstream(taken) << "kept";
+
+  std::mutex mutex;
+  std::vector<std::int64_t> accepted;
+  on_state_mesh<GradientAccumulation, Zero<3>>({.dp = 2, .tp = 2, .pp = 1}, {}, {}, 5, [&](auto& trainer, int rank) {
+    std::vector<std::int64_t> offered;
+    const std::optional<io::SeriesCheckpoint> found =
+        io::load_newest_training_state(trainer, series, [&](const io::SeriesCheckpoint& candidate) {
+          offered.push_back(candidate.file.step);
+          // Step 3's header was found corrupt before step 4 was offered to load.
+          CHECK(candidate.skipped.size() == (candidate.file.step == 4 ? 0u : 2u));
+        });
+    const std::vector<float> loaded = trainer.gather_state(0);
+    std::lock_guard lock(mutex);
+    CAPTURE(rank);
+    REQUIRE(found.has_value());
+    CHECK(found->file.step == 2);
+    CHECK(found->info.steps == 2);
+    CHECK(trainer.steps() == 2);
+    CHECK(loaded == parameters[1]);
+    REQUIRE(found->skipped.size() == 2);
+    CHECK(found->skipped[0].step == 4);
+    CHECK(found->skipped[0].reason.find("checksum of array 2") != std::string::npos);
+    CHECK(found->skipped[1].step == 3);
+    CHECK(found->skipped[1].reason.find("truncated") != std::string::npos);
+    if (rank == 0) {
+      CHECK(found->skipped[0].moved_to.filename() == "step00000004.state.corrupt.2");
+      CHECK(found->skipped[1].moved_to.filename() == "step00000003.state.corrupt");
+      accepted = offered;
+    }
+  });
+  // Steps 4 and 2 were offered to `accept`; step 3 never was.
+  CHECK(accepted == std::vector<std::int64_t>{4, 2});
+  CHECK(steps_of(series.list()) == std::vector<std::int64_t>{1, 2});
+  CHECK(std::filesystem::exists(dir.path / "step00000003.state.corrupt"));
+  CHECK(std::filesystem::exists(dir.path / "step00000004.state.corrupt.2"));
+  CHECK(std::filesystem::file_size(taken) == 4);
+  // The series' saves and pruning no longer see them.
+  CHECK(series.prune(1, 2).removed == std::vector<std::filesystem::path>{series.path_for(1)});
+}
+
+TEST_CASE("a series resume moves nothing when no file is intact, or when a file is intact but not the trainer's") {
+  TempPath dir("series_no_fallback");
+  std::filesystem::create_directories(dir.path);
+  const io::CheckpointSeries series(dir.path / "s{step}");
+  OneRank<> loader;
+  SUBCASE("an empty series") { CHECK_FALSE(io::load_newest_training_state(loader.trainer, series).has_value()); }
+  SUBCASE("every file corrupt") {
+    save_series(series, 2);
+    for (std::int64_t step : {1, 2})
+      std::filesystem::resize_file(series.path_for(step), std::filesystem::file_size(series.path_for(step)) - 8);
+    CHECK_THROWS_WITH(io::load_newest_training_state(loader.trainer, series),
+                      doctest::Contains("every file corrupt (steps 2, 1); there is no intact one to resume from; "
+                                        "nothing was moved"));
+    CHECK(steps_of(series.list()) == std::vector<std::int64_t>{1, 2});
+  }
+  SUBCASE("the newest is another optimizer's") {
+    save_series(series, 1);
+    OneRank<SgdMomentum> other;
+    io::save_training_state(other.trainer, series.path_for(2));
+    CHECK_THROWS_WITH(io::load_newest_training_state(loader.trainer, series),
+                      doctest::Contains("optimizer: got SgdMomentum"));
+    CHECK(steps_of(series.list()) == std::vector<std::int64_t>{1, 2});
+  }
+  SUBCASE("accept refuses the newest") {
+    save_series(series, 2);
+    flip_byte(series.path_for(2), 69);
+    CHECK_THROWS_WITH(io::load_newest_training_state(loader.trainer, series,
+                                                     [](const io::SeriesCheckpoint& c) {
+                                                       throw Error("accept", c.file.step, "refused");
+                                                     }),
+                      doctest::Contains("accept: got 1; refused"));
+    CHECK(steps_of(series.list()) == std::vector<std::int64_t>{1, 2});
+    CHECK(loader.trainer.steps() == 0);
+  }
 }
 
 }  // namespace test_training_state

@@ -38,6 +38,7 @@
 #include <filesystem>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -47,6 +48,7 @@
 
 #include "loom/core/error.hpp"
 #include "loom/core/parameters.hpp"
+#include "loom/io/checkpoint_series.hpp"
 #include "loom/io/token_file.hpp"
 
 namespace loom::io {
@@ -65,7 +67,24 @@ struct TrainingStateInfo {
   int version = 3;  //!< of the format: 1 (FNV-1a array checksums), 2, or 3 (per-tensor state)
 };
 
+//! The Error a training-state file whose bytes are wrong raises: a checksum, magic, size or
+//! header field that no save writes (a file truncated, overwritten or damaged on the disk). A
+//! file that is intact but not the trainer's (another model or optimizer, a newer format), or
+//! that cannot be opened or read, raises a plain Error. load_newest_training_state falls back to
+//! an older file of a series from this one only.
+class CorruptCheckpoint : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
+
+//! Throws CorruptCheckpoint(what, value, rule) unless `intact`.
+template <class V>
+void check_intact(bool intact, std::string what, const V& value, std::string rule) {
+  if (!intact) [[unlikely]]
+    throw CorruptCheckpoint(std::move(what), loom::detail::to_text(value), std::move(rule));
+}
 
 inline constexpr std::array<char, 8> training_state_magic{'L', 'O', 'O', 'M', 'S', 'T', 'A', 'T'};
 //! The version this loom writes; it reads 1 as well.
@@ -166,10 +185,8 @@ class HeaderReader {
   std::string get_string(std::string_view what) {
     const auto n = get<std::uint64_t>(what);
     const std::uint64_t rest = file_bytes_ - bytes_read();
-    if (n > rest)
-      throw Error(file_->name() + ": length of " + std::string(what), n,
-                  "longer than the rest of the file (" + loom::detail::to_text(rest) +
-                      " bytes): the header is corrupt");
+    check_intact(n <= rest, file_->name() + ": length of " + std::string(what), n,
+                 "longer than the rest of the file (" + loom::detail::to_text(rest) + " bytes): the header is corrupt");
     std::string text(n, '\0');
     read(text.data(), n, what);
     return text;
@@ -179,6 +196,11 @@ class HeaderReader {
 
  private:
   void read(void* data, std::size_t bytes, std::string_view what) {
+    // The end of the file inside the header is damage, not a failed read.
+    if (bytes > file_bytes_ - std::min<std::uint64_t>(bytes_read(), file_bytes_))
+      throw CorruptCheckpoint(file_->name() + ": " + std::string(what),
+                              "the end of the file at byte " + loom::detail::to_text(file_bytes_),
+                              "the header runs past it: the file is truncated or corrupt");
     file_->read(data, bytes, what);
     const std::size_t at = bytes_.size();
     bytes_.resize(at + bytes);
@@ -245,58 +267,57 @@ inline TrainingStateInfo read_training_state_header(BinaryFile& file, std::vecto
   const std::uint64_t size = file.size();
   HeaderReader in(file, size);
   const auto magic = in.get<std::array<char, 8>>("magic");
-  if (magic != training_state_magic)
-    throw Error(file.name() + ": magic", printable(magic),
-                "expected LOOMSTAT (a loom training-state checkpoint; llm.c weight files are read by --init)");
+  check_intact(magic == training_state_magic, file.name() + ": magic", printable(magic),
+               "expected LOOMSTAT (a loom training-state checkpoint; llm.c weight files are read by --init)");
   const auto version = in.get<std::uint32_t>("version");
   LOOM_CHECK(version >= 1 && version <= training_state_version, file.name() + ": version", version,
              "this loom reads versions 1 to " + loom::detail::to_text(training_state_version));
   TrainingStateInfo info;
   info.version = static_cast<int>(version);
   info.scalar_bytes = static_cast<int>(in.get<std::uint32_t>("scalar bytes"));
-  LOOM_CHECK(info.scalar_bytes == 4 || info.scalar_bytes == 8, file.name() + ": scalar bytes", info.scalar_bytes,
-             "must be 4 (fp32) or 8 (double)");
+  check_intact(info.scalar_bytes == 4 || info.scalar_bytes == 8, file.name() + ": scalar bytes", info.scalar_bytes,
+               "must be 4 (fp32) or 8 (double)");
   info.steps = in.get<std::int64_t>("steps");
-  LOOM_CHECK(info.steps >= 0, file.name() + ": steps", info.steps, "must be >= 0");
+  check_intact(info.steps >= 0, file.name() + ": steps", info.steps, "must be >= 0");
   info.state_slots = in.get<std::int32_t>("state slots");
-  LOOM_CHECK(info.state_slots >= 0 && info.state_slots <= 8, file.name() + ": state slots", info.state_slots,
-             "must be in [0, 8]");
+  check_intact(info.state_slots >= 0 && info.state_slots <= 8, file.name() + ": state slots", info.state_slots,
+               "must be in [0, 8]");
   (void)in.get<std::int32_t>("reserved");
   info.optimizer = in.get_string("optimizer name");
   info.meta = in.get_string("meta");
   const auto count = in.get<std::uint64_t>("parameter count");
-  LOOM_CHECK(count <= size / 16, file.name() + ": parameter count", count, "more than the file can hold: corrupt");
+  check_intact(count <= size / 16, file.name() + ": parameter count", count, "more than the file can hold: corrupt");
   std::int64_t elements = 0;
   for (std::uint64_t p = 0; p < count; ++p) {
     std::string name = in.get_string("parameter name");
     const auto rank = in.get<std::uint32_t>("rank of " + name);
-    LOOM_CHECK(rank <= 4, file.name() + ": rank of " + name, rank, "must be <= 4: corrupt");
+    check_intact(rank <= 4, file.name() + ": rank of " + name, rank, "must be <= 4: corrupt");
     std::vector<std::int64_t> extents;
     for (std::uint32_t d = 0; d < rank; ++d) {
       extents.push_back(in.get<std::int64_t>("shape of " + name));
-      LOOM_CHECK(extents.back() >= 0 && extents.back() <= (std::int64_t{1} << 40), file.name() + ": shape of " + name,
-                 extents.back(), "must be in [0, 2^40]: corrupt");
+      check_intact(extents.back() >= 0 && extents.back() <= (std::int64_t{1} << 40),
+                   file.name() + ": shape of " + name, extents.back(), "must be in [0, 2^40]: corrupt");
     }
     Shape shape = Shape::of(extents);
     elements += shape.numel();
     info.parameters.emplace_back(std::move(name), shape);
   }
   info.elements = in.get<std::int64_t>("elements");
-  LOOM_CHECK(info.elements == elements, file.name() + ": elements", info.elements,
-             "the parameters' shapes add up to " + loom::detail::to_text(elements) + ": corrupt");
+  check_intact(info.elements == elements, file.name() + ": elements", info.elements,
+               "the parameters' shapes add up to " + loom::detail::to_text(elements) + ": corrupt");
   if (info.version >= 3) {
     info.tensor_elements = in.get<std::int64_t>("tensor elements");
-    LOOM_CHECK(info.tensor_elements >= 0 && static_cast<std::uint64_t>(info.tensor_elements) <= size / 8,
-               file.name() + ": tensor elements", info.tensor_elements, "more than the file can hold: corrupt");
+    check_intact(info.tensor_elements >= 0 && static_cast<std::uint64_t>(info.tensor_elements) <= size / 8,
+                 file.name() + ": tensor elements", info.tensor_elements, "more than the file can hold: corrupt");
   }
   const std::uint64_t header_sum = in.hash();
   const std::uint64_t arrays = 1 + static_cast<std::uint64_t>(info.state_slots);
   const std::uint64_t expected =
       in.bytes_read() + arrays * static_cast<std::uint64_t>(elements) * static_cast<std::uint64_t>(info.scalar_bytes) +
       8 * static_cast<std::uint64_t>(info.tensor_elements) + trailer_bytes(info.state_slots, info.version);
-  LOOM_CHECK(size == expected, file.name() + ": size", loom::detail::to_text(size) + " bytes",
-             "expected " + loom::detail::to_text(expected) + " for its header (" +
-                 (size < expected ? "the file is truncated: an interrupted copy?" : "extra bytes at the end") + ")");
+  check_intact(size == expected, file.name() + ": size", loom::detail::to_text(size) + " bytes",
+               "expected " + loom::detail::to_text(expected) + " for its header (" +
+                   (size < expected ? "the file is truncated: an interrupted copy?" : "extra bytes at the end") + ")");
   const std::uint64_t arrays_begin = in.bytes_read();
   file.seek(size - trailer_bytes(info.state_slots, info.version));
   std::uint64_t stored_header_sum = 0;
@@ -306,10 +327,10 @@ inline TrainingStateInfo read_training_state_header(BinaryFile& file, std::vecto
   file.read(array_sums.data(), 8 * (arrays + (info.version >= 3 ? 1 : 0)), "array checksums");
   std::array<char, 8> end{};
   file.read(end.data(), end.size(), "closing magic");
-  LOOM_CHECK(end == training_state_magic, file.name() + ": closing magic", printable(end),
-             "expected LOOMSTAT: the file is corrupt");
-  LOOM_CHECK(stored_header_sum == header_sum, file.name() + ": header checksum", header_sum,
-             "the trailer records " + loom::detail::to_text(stored_header_sum) + ": the header is corrupt");
+  check_intact(end == training_state_magic, file.name() + ": closing magic", printable(end),
+               "expected LOOMSTAT: the file is corrupt");
+  check_intact(stored_header_sum == header_sum, file.name() + ": header checksum", header_sum,
+               "the trailer records " + loom::detail::to_text(stored_header_sum) + ": the header is corrupt");
   file.seek(arrays_begin);
   return info;
 }
@@ -416,8 +437,8 @@ inline std::string array_name(int array) {
 inline void check_array_sum(const std::string& file, int array, const std::vector<std::uint64_t>& sums,
                             std::uint64_t sum) {
   const std::uint64_t recorded = sums[static_cast<std::size_t>(array)];
-  LOOM_CHECK(sum == recorded, file + ": checksum of " + array_name(array), sum,
-             "the trailer records " + loom::detail::to_text(recorded) + ": the file is corrupt");
+  check_intact(sum == recorded, file + ": checksum of " + array_name(array), sum,
+               "the trailer records " + loom::detail::to_text(recorded) + ": the file is corrupt");
 }
 
 //! Whether `runs` are the whole of an array of `elements`, in order.
@@ -515,12 +536,13 @@ class TrainerStateAccess final : public TrainingStateAccess<typename Trainer::st
 };
 
 //! One phase of a collective save or load: runs `work` where `mine`, then sums `shared` (zeroed
-//! first; slot 0 counts the ranks that failed) over the trainer's mesh, so that no rank goes on
-//! alone. A rank whose work throws still takes part in the sum, calls `cleanup` and rethrows.
-//! Returns whether another rank failed (after calling `cleanup`).
+//! first; slot 0 counts the ranks that failed, and with `count_other_failures` slot 1 those whose
+//! failure was not a CorruptCheckpoint) over the trainer's mesh, so that no rank goes on alone. A
+//! rank whose work throws still takes part in the sum, calls `cleanup` and rethrows. Returns
+//! whether another rank failed (after calling `cleanup`).
 template <class V, class Work, class Cleanup>
 bool agreed_phase(TrainingStateAccess<V>& trainer, std::vector<double>& shared, bool mine, Work&& work,
-                  Cleanup&& cleanup) {
+                  Cleanup&& cleanup, bool count_other_failures = false) {
   std::fill(shared.begin(), shared.end(), 0.0);
   if (mine) {
     try {
@@ -528,6 +550,14 @@ bool agreed_phase(TrainingStateAccess<V>& trainer, std::vector<double>& shared, 
     } catch (...) {
       shared.assign(shared.size(), 0.0);
       shared[0] = 1;
+      if (count_other_failures) {
+        try {
+          throw;
+        } catch (const CorruptCheckpoint&) {
+        } catch (...) {
+          shared[1] = 1;
+        }
+      }
       trainer.sum_over_ranks(shared);
       cleanup();
       throw;
@@ -709,12 +739,17 @@ TrainingStateInfo load_state(TrainingStateAccess<V>& trainer, const std::filesys
   const int arrays = trainer.arrays();
   const bool first_rank = trainer.first_rank();
   // Each phase ends with the ranks summing `shared` over the mesh: slot 0 counts the ranks that
-  // failed; slots 1 to 4 carry an array's checksum limbs.
-  std::vector<double> shared(1 + detail::limbs);
+  // failed, slot 1 those whose failure was not a corrupt file; slots 2 to 5 carry an array's
+  // checksum limbs. Every rank then throws a CorruptCheckpoint, or none does.
+  std::vector<double> shared(2 + detail::limbs);
+  double* const sum_limbs = shared.data() + 2;
   auto phase = [&](auto&& work) {
-    if (detail::agreed_phase(trainer, shared, true, work, [] {}))
-      throw Error("training state " + detail::quoted(path), "not loaded",
-                  "another rank failed to load it (a missing or different file there?); its error says why");
+    if (!detail::agreed_phase(trainer, shared, true, work, [] {}, true)) return;
+    if (shared[1] == 0)
+      throw CorruptCheckpoint("training state " + detail::quoted(path), "not loaded",
+                              "another rank found it corrupt; its error says why");
+    throw Error("training state " + detail::quoted(path), "not loaded",
+                "another rank failed to load it (a missing or different file there?); its error says why");
   };
   TrainingStateInfo info;
   std::vector<std::uint64_t> sums;
@@ -784,11 +819,11 @@ TrainingStateInfo load_state(TrainingStateAccess<V>& trainer, const std::filesys
       detail::for_each_held(owned, mine, [&](std::int64_t local, std::int64_t whole, std::int64_t count) {
         sum += detail::elements_checksum(bytes + static_cast<std::size_t>(local) * width, width, whole, count);
       });
-      detail::put_limbs(sum, shared.data() + 1);
+      detail::put_limbs(sum, sum_limbs);
     });
     if (info.version != 1)
       detail::check_array_sum("training state " + detail::quoted(path), array, sums,
-                              detail::get_limbs(shared.data() + 1));
+                              detail::get_limbs(sum_limbs));
     if (!same_width) {
       for (std::size_t i = 0; i < values.size(); ++i) {
         if (width == 4) {
@@ -821,13 +856,14 @@ TrainingStateInfo load_state(TrainingStateAccess<V>& trainer, const std::filesys
     detail::for_each_held(tensor_owned, tensor_needed, [&](std::int64_t local, std::int64_t whole, std::int64_t count) {
       sum += detail::elements_checksum(tensor_values.data() + local, 8, whole, count);
     });
-    detail::put_limbs(sum, shared.data() + 1);
+    detail::put_limbs(sum, sum_limbs);
   });
-  const std::uint64_t tensor_sum = detail::get_limbs(shared.data() + 1);
-  LOOM_CHECK(tensor_sum == sums[static_cast<std::size_t>(arrays)],
-             "training state " + detail::quoted(path) + ": checksum of the per-tensor optimizer state", tensor_sum,
-             "the trailer records " + loom::detail::to_text(sums[static_cast<std::size_t>(arrays)]) +
-                 ": the file is corrupt");
+  const std::uint64_t tensor_sum = detail::get_limbs(sum_limbs);
+  detail::check_intact(tensor_sum == sums[static_cast<std::size_t>(arrays)],
+                       "training state " + detail::quoted(path) + ": checksum of the per-tensor optimizer state",
+                       tensor_sum,
+                       "the trailer records " + loom::detail::to_text(sums[static_cast<std::size_t>(arrays)]) +
+                           ": the file is corrupt");
   trainer.load_tensor_state(tensor_values);
   trainer.set_steps(info.steps);
   return info;
@@ -863,6 +899,172 @@ template <class Trainer>
 TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::path& path) {
   detail::TrainerStateAccess<Trainer> access(trainer);
   return detail::load_state(access, path);
+}
+
+
+//! A file of a series that load_newest_training_state passed over: its bytes are wrong.
+struct SkippedCheckpoint {
+  std::int64_t step = 0;           //!< the step its name says it was saved after
+  std::filesystem::path path;      //!< its name in the series
+  std::filesystem::path moved_to;  //!< where the first rank moved it, once a file has loaded (empty elsewhere)
+  std::string reason;              //!< the CorruptCheckpoint's message (or where to find it: another rank's)
+};
+
+//! A series' file that load_newest_training_state loads, and the newer ones it passed over.
+struct SeriesCheckpoint {
+  CheckpointSeries::File file;             //!< the file
+  TrainingStateInfo info;                  //!< its header
+  std::vector<SkippedCheckpoint> skipped;  //!< the corrupt files after it, newest first
+};
+
+namespace detail {
+
+//! What a caught exception says.
+inline std::string message_of(const std::exception_ptr& failure) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+//! `path` + ".corrupt", or + ".corrupt.N" for the first N from 2 that names no file: where a
+//! corrupt file of a series goes, out of the series and beside it.
+inline std::filesystem::path corrupt_name(const std::filesystem::path& path) {
+  for (int n = 1;; ++n) {
+    std::filesystem::path aside = path;
+    aside += n == 1 ? std::string(".corrupt") : ".corrupt." + std::to_string(n);
+    std::error_code ec;
+    if (!std::filesystem::exists(std::filesystem::symlink_status(aside, ec))) return aside;
+  }
+}
+
+}  // namespace detail
+
+//! Loads the newest intact file of `series` into `trainer`: collective over the trainer's mesh.
+//! The first rank lists the series. For its newest file every rank reads the header, calls
+//! `accept(candidate)` (which refuses a file by throwing, alike on every rank: a run with
+//! nothing left to do, say) and loads it (load_training_state). A file found corrupt on any rank,
+//! in its header or in its arrays (CorruptCheckpoint), is passed over for the next older one; any
+//! other failure (a file that cannot be read, or is another model's) throws on every rank at
+//! once, since an older file would fail alike or hide it. Once a file has loaded, the first rank
+//! renames each file passed over to `path + ".corrupt"`: out of the series, so that its later
+//! saves, pruning and resumes do not take it for this run's newest, and kept, since nothing
+//! that was on the disk is deleted. Returns nothing when the series has no file; throws,
+//! renaming nothing, when every file is corrupt. A file that fails its checksums part-way
+//! through a load leaves the trainer part-loaded; the older file's load then replaces all of it.
+template <class Trainer, class Accept>
+std::optional<SeriesCheckpoint> load_newest_training_state(Trainer& trainer, const CheckpointSeries& series,
+                                                           Accept&& accept) {
+  detail::TrainerStateAccess<Trainer> access(trainer);
+  const bool first = access.first_rank();
+  const std::string subject = "checkpoint series " + series.pattern().string();
+  // The first rank's list, newest last; a failure to list reaches every rank at the first offer.
+  std::vector<CheckpointSeries::File> files;
+  std::exception_ptr list_failure;
+  if (first) {
+    try {
+      files = series.list();
+    } catch (...) {
+      list_failure = std::current_exception();
+    }
+  }
+  std::vector<SkippedCheckpoint> skipped;
+  for (std::size_t offered = 0;; ++offered) {
+    // The first rank offers its next file, as its step + 1 (exact in a double below 2^53), or 0
+    // when none is left.
+    std::array<double, 2> offer{0, 0};
+    if (list_failure)
+      offer[0] = 1;
+    else if (first && offered < files.size())
+      offer[1] = static_cast<double>(files[files.size() - 1 - offered].step + 1);
+    access.sum_over_ranks(offer);
+    if (offer[0] > 0) {
+      if (list_failure) std::rethrow_exception(list_failure);
+      throw Error(subject, "not listed", "the first rank could not list it; its error says why");
+    }
+    if (offer[1] == 0) break;
+    const auto step = static_cast<std::int64_t>(offer[1]) - 1;
+    const std::filesystem::path path = series.path_for(step);
+
+    // The header, on every rank: slot 0 counts the ranks that failed, slot 1 those whose failure
+    // was not a corrupt file.
+    SeriesCheckpoint candidate{.file = {step, path}, .info = {}, .skipped = skipped};
+    std::exception_ptr failure;
+    std::array<double, 2> failed{0, 0};
+    try {
+      candidate.info = read_training_state_info(path);
+    } catch (const CorruptCheckpoint&) {
+      failure = std::current_exception();
+      failed[0] = 1;
+    } catch (...) {
+      failure = std::current_exception();
+      failed = {1, 1};
+    }
+    access.sum_over_ranks(failed);
+    if (failed[1] > 0) {
+      if (failure) std::rethrow_exception(failure);
+      throw Error(subject + ": " + detail::quoted(path), "not read",
+                  "another rank could not read its header; its error says why");
+    }
+    const auto pass_over = [&](std::string reason) {
+      skipped.push_back({.step = step, .path = path, .moved_to = {}, .reason = std::move(reason)});
+    };
+    if (failed[0] > 0) {
+      pass_over(failure ? detail::message_of(failure) : "another rank found its header corrupt; its error says why");
+      continue;
+    }
+    accept(std::as_const(candidate));
+    try {
+      // load_state throws a CorruptCheckpoint on every rank or on none.
+      load_training_state(trainer, path);
+    } catch (const CorruptCheckpoint& e) {
+      pass_over(e.what());
+      continue;
+    }
+
+    // Loaded: the files passed over leave the series, on the first rank.
+    std::array<double, 1> move_failed{0};
+    std::exception_ptr move_failure;
+    if (first) {
+      try {
+        for (SkippedCheckpoint& s : skipped) {
+          const std::filesystem::path aside = detail::corrupt_name(s.path);
+          std::error_code ec;
+          std::filesystem::rename(s.path, aside, ec);
+          if (ec)
+            throw Error(subject + ": moving the corrupt " + detail::quoted(s.path) + " to " + detail::quoted(aside),
+                        ec.message(),
+                        "the directory must be writable; move or delete it yourself, then resume again");
+          s.moved_to = aside;
+        }
+      } catch (...) {
+        move_failure = std::current_exception();
+        move_failed[0] = 1;
+      }
+    }
+    access.sum_over_ranks(move_failed);
+    if (move_failed[0] > 0) {
+      if (move_failure) std::rethrow_exception(move_failure);
+      throw Error(subject, "corrupt files not moved out", "the first rank could not move them; its error says why");
+    }
+    candidate.skipped = std::move(skipped);
+    return candidate;
+  }
+  if (skipped.empty()) return std::nullopt;
+  std::string steps;
+  for (const SkippedCheckpoint& s : skipped) steps += (steps.empty() ? "" : ", ") + std::to_string(s.step);
+  throw Error(subject, "every file corrupt (steps " + steps + ")",
+              "there is no intact one to resume from; nothing was moved. The newest's error: " +
+                  skipped.front().reason);
+}
+
+//! load_newest_training_state accepting any file.
+template <class Trainer>
+std::optional<SeriesCheckpoint> load_newest_training_state(Trainer& trainer, const CheckpointSeries& series) {
+  return load_newest_training_state(trainer, series, [](const SeriesCheckpoint&) {});
 }
 
 }  // namespace loom::io
