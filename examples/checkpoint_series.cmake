@@ -1,7 +1,8 @@
 # --save-state and --resume of a series (a name holding {step}) with --keep-last: a run keeps one
 # file per save and only the newest few (the periodic ones written in the background,
 # --async-save); resumed from the series on another mesh, it goes on from the newest intact file
-# (passing over a damaged one) and ends where the uninterrupted run ends (DESIGN.md invariant 3).
+# (passing over a damaged one) and ends where the uninterrupted run ends (DESIGN.md invariant 3);
+# --check-state tells the intact files from the damaged one.
 # A run that would mix its files with another run's, a series with nothing to resume from, and a
 # malformed pattern are refused before step 1. TRAIN is gpt2_train or bert_train, DIR a scratch
 # directory.
@@ -70,6 +71,21 @@ endif()
 expect_resumed_loss("${whole}" "${third}" "resumed on tp2 from step 10, past a damaged step 12")
 expect_names(${DIR}/series "notes.txt step00000010.state step00000012.state step00000012.state.corrupt step3.state"
              "after the third run")
+
+# --check-state reads files whole without training: the series' two are intact, the damaged one
+# moved aside is not (exit 1), and the flag is a mode of its own (--demo beside it is refused).
+execute_process(COMMAND ${TRAIN} --check-state ${pattern} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "step00000010\\.state: intact: saved after step 10, AdamW \\(2 state slots\\), fp32"
+   OR NOT out MATCHES "2 of 2 files intact")
+  message(FATAL_ERROR "--check-state of the series should find its two files intact (${rc}):\n${out}\n${err}")
+endif()
+execute_process(COMMAND ${TRAIN} --check-state ${DIR}/series/step00000012.state.corrupt
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1 OR NOT out MATCHES "step00000012\\.state\\.corrupt: CORRUPT: loom: [^\n]*magic")
+  message(FATAL_ERROR "--check-state of the damaged file should say so and exit 1 (${rc}):\n${out}\n${err}")
+endif()
+refused("loom: --check-state: got [^\n]*; it checks files and trains nothing, so --demo would change nothing"
+        --check-state ${pattern})
 
 # A series with no file yet: refused, or (--resume-if-exists) a run from step 1.
 file(MAKE_DIRECTORY ${DIR}/empty)

@@ -385,6 +385,10 @@ int main(int argc, char** argv) {
                  "Go on from a training-state checkpoint (--save-state) of the same model, optimizer and "
                  "data options: its steps are done, the run continues to --steps. A name holding {step} "
                  "goes on from the series' file of the highest step, passing over damaged newer ones (renamed NAME.corrupt)");
+  CLI::Option* check_state_option = app.add_option(
+      "--check-state", o.check_state,
+      "Check a training-state file, or every file of a series (a name holding {step}), whole: read it and compare "
+      "every checksum, print a line per file, exit 1 if any is corrupt. Trains nothing; give it alone");
   app.add_flag("--resume-if-exists", o.resume_if_exists,
                "With --resume: start at step 1 when its file does not exist (yet), so that one command line with "
                "--save-state and --resume of the same file starts a run and, run again after a stop, goes on with it");
@@ -472,6 +476,15 @@ int main(int argc, char** argv) {
   if (o.accumulation > 0 && o.micro_batch > 0 && !app.count("--batch"))
     o.batch = o.micro_batch * o.accumulation * (o.comm == "threads" ? o.dp : 1);
   try {
+    if (!o.check_state.empty()) {
+      // A mode of its own: every other option would change nothing, and is refused.
+      for (const CLI::Option* option : app.get_options())
+        if (option != check_state_option && option->count() > 0)
+          throw loom::Error("--check-state", o.check_state,
+                            "it checks files and trains nothing, so " + option->get_name() +
+                                " would change nothing: give --check-state alone");
+      return gpt2_example::check_state_files(o.check_state);
+    }
     if (o.schedule.empty()) o.schedule = o.pp > 1 ? "1f1b" : "accumulation";
     // Rejected here, before any rank starts: the library rejects these at compile time, so
     // gpt2_train has no such Trainer to let fail.

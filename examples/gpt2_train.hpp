@@ -158,6 +158,7 @@ struct Options {
   bool async_save = false;  // write the --save-every saves in the background while training goes on
   std::int64_t keep_last = 0;  // with a --save-state series ({step}): delete all but the newest N after a save (0: keep all)
   std::string resume;  // a training-state checkpoint to go on from
+  std::string check_state;  // a training-state file or series to check whole, instead of training
   bool resume_if_exists = false;  // start at step 1 when --resume's file is not there (yet)
   std::int64_t stop_after = 0;  // stop after this step (0 = at --steps); the schedule still spans --steps
   double stop_after_minutes = 0;  // stop, saving --save-state, before the step that would end past this (0: none)
@@ -713,6 +714,40 @@ std::int64_t newest_in_series(Trainer& trainer, const loom::io::CheckpointSeries
     throw loom::Error("checkpoint series " + series.pattern().string(), "not listed", "rank 0 could not list it; its error says why");
   }
   return static_cast<std::int64_t>(shared[1]) - 1;
+}
+
+//! --check-state: reads the training-state file at `path`, or every file of the series it names
+//! (oldest first), whole and compares its checksums (io::check_training_state); prints a line per
+//! file. Returns 0 when every file is intact, 1 otherwise.
+inline int check_state_files(const std::string& path) {
+  namespace io = loom::io;
+  std::vector<std::filesystem::path> files;
+  if (io::CheckpointSeries::is_pattern(path)) {
+    const io::CheckpointSeries series(path, "--check-state");
+    for (const io::CheckpointSeries::File& f : series.list()) files.push_back(f.path);
+    LOOM_CHECK(!files.empty(), "--check-state", path, "no file of the series is in " + series.directory().string());
+  } else {
+    files.emplace_back(path);
+  }
+  std::size_t intact = 0;
+  for (const std::filesystem::path& file : files) {
+    const auto begin = std::chrono::steady_clock::now();
+    try {
+      const io::TrainingStateInfo info = io::check_training_state(file);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+      const double mib = static_cast<double>(std::filesystem::file_size(file)) / (1 << 20);
+      std::printf("%s: intact: saved after step %lld, %s (%d state slots), %s, %.1f MiB checked in %.2f s\n",
+                  file.string().c_str(), static_cast<long long>(info.steps), info.optimizer.c_str(), info.state_slots,
+                  info.scalar_bytes == 4 ? "fp32" : "double", mib, seconds);
+      ++intact;
+    } catch (const io::CorruptCheckpoint& e) {
+      std::printf("%s: CORRUPT: %s\n", file.string().c_str(), e.what());
+    } catch (const loom::Error& e) {
+      std::printf("%s: not checked: %s\n", file.string().c_str(), e.what());
+    }
+  }
+  if (files.size() > 1) std::printf("%zu of %zu files intact\n", intact, files.size());
+  return intact == files.size() ? 0 : 1;
 }
 
 //! Refuses, before step 1, a --save-state series that holds a file saved after `first_step`,

@@ -660,4 +660,65 @@ TEST_CASE("a series resume moves nothing when no file is intact, or when a file 
   }
 }
 
+TEST_CASE("check_training_state reads a whole file without a trainer and names the part whose bytes are wrong") {
+  TempPath file("state_check");
+  const auto saved = [&](auto optimizer) {
+    OneRank<decltype(optimizer)> saver(state_config(), optimizer);
+    saver.trainer.step(make_batch(0, global_batch, seq, state_config().vocab_size));
+    io::save_training_state(saver.trainer, file.path);
+    return std::filesystem::file_size(file.path);
+  };
+  SUBCASE("AdamW: the arrays") {
+    const auto bytes = saved(AdamW{});
+    const io::TrainingStateInfo info = io::check_training_state(file.path);
+    CHECK(info.steps == 1);
+    CHECK(info.optimizer == "AdamW");
+    // A byte of the last element of each array in turn (no per-tensor state between the arrays
+    // and the trailer).
+    const std::uintmax_t array_bytes = static_cast<std::uintmax_t>(info.elements) * 4;
+    for (int array = 2; array >= 0; --array) {
+      CAPTURE(array);
+      const std::uintmax_t at =
+          bytes - io::detail::trailer_bytes(info.state_slots) - static_cast<std::uintmax_t>(2 - array) * array_bytes - 2;
+      flip_byte(file.path, at);
+      CHECK_THROWS_WITH_AS(io::check_training_state(file.path),
+                           doctest::Contains((io::detail::array_name(array) + ": got").c_str()), io::CorruptCheckpoint);
+      flip_byte(file.path, at);
+      CHECK(io::check_training_state(file.path).steps == 1);
+    }
+  }
+  SUBCASE("Adafactor: the per-tensor state") {
+    const auto bytes = saved(Adafactor{});
+    const io::TrainingStateInfo info = io::check_training_state(file.path);
+    REQUIRE(info.tensor_elements > 0);
+    flip_byte(file.path, bytes - io::detail::trailer_bytes(info.state_slots) - 3);
+    CHECK_THROWS_WITH_AS(io::check_training_state(file.path), doctest::Contains("checksum of the per-tensor optimizer state"),
+                         io::CorruptCheckpoint);
+  }
+  SUBCASE("versions 1 and 2") {
+    for (const std::uint32_t version : {1u, 2u}) {
+      CAPTURE(version);
+      saved(AdamW{});
+      make_version(file.path, version);
+      CHECK(io::check_training_state(file.path).version == static_cast<int>(version));
+      flip_byte(file.path, std::filesystem::file_size(file.path) - 100);
+      CHECK_THROWS_WITH_AS(io::check_training_state(file.path), doctest::Contains("checksum of array 2"),
+                           io::CorruptCheckpoint);
+    }
+  }
+  SUBCASE("a missing file is not a corrupt one") {
+    const auto is_corrupt = [&] {
+      try {
+        io::check_training_state(file.str() + ".missing");
+      } catch (const io::CorruptCheckpoint&) {
+        return true;
+      } catch (const Error& e) {
+        return std::string(e.what()).find("cannot open") == std::string::npos;
+      }
+      return true;
+    };
+    CHECK_FALSE(is_corrupt());
+  }
+}
+
 }  // namespace test_training_state

@@ -427,6 +427,23 @@ inline std::uint64_t checksum_of(const PositionalFile& file, std::uint64_t offse
   return hash;
 }
 
+//! elements_checksum of `count` scalars of `width` bytes at byte `offset` of `file`, element 0
+//! first, read a few MiB at a time.
+inline std::uint64_t elements_checksum_of(const PositionalFile& file, std::uint64_t offset, std::size_t width,
+                                          std::int64_t count, std::string_view what) {
+  const std::int64_t per_read = (std::int64_t{8} << 20) / static_cast<std::int64_t>(width);
+  std::vector<char> buffer(static_cast<std::size_t>(std::min(per_read, count)) * width);
+  std::uint64_t sum = 0;
+  for (std::int64_t done = 0; done < count;) {
+    const std::int64_t n = std::min(per_read, count - done);
+    file.read_at(offset + static_cast<std::uint64_t>(done) * width, buffer.data(), static_cast<std::size_t>(n) * width,
+                 what);
+    sum += elements_checksum(buffer.data(), width, done, n);
+    done += n;
+  }
+  return sum;
+}
+
 //! "array 1 (optimizer state slot 0)": how messages name training-state array `array`.
 inline std::string array_name(int array) {
   return "array " + loom::detail::to_text(array) +
@@ -438,6 +455,15 @@ inline void check_array_sum(const std::string& file, int array, const std::vecto
                             std::uint64_t sum) {
   const std::uint64_t recorded = sums[static_cast<std::size_t>(array)];
   check_intact(sum == recorded, file + ": checksum of " + array_name(array), sum,
+               "the trailer records " + loom::detail::to_text(recorded) + ": the file is corrupt");
+}
+
+//! Throws unless `sum` is the checksum the trailer records for the per-tensor state (the last of
+//! `sums`, after the `arrays` arrays').
+inline void check_tensor_state_sum(const std::string& file, int arrays, const std::vector<std::uint64_t>& sums,
+                                   std::uint64_t sum) {
+  const std::uint64_t recorded = sums[static_cast<std::size_t>(arrays)];
+  check_intact(sum == recorded, file + ": checksum of the per-tensor optimizer state", sum,
                "the trailer records " + loom::detail::to_text(recorded) + ": the file is corrupt");
 }
 
@@ -858,12 +884,7 @@ TrainingStateInfo load_state(TrainingStateAccess<V>& trainer, const std::filesys
     });
     detail::put_limbs(sum, sum_limbs);
   });
-  const std::uint64_t tensor_sum = detail::get_limbs(sum_limbs);
-  detail::check_intact(tensor_sum == sums[static_cast<std::size_t>(arrays)],
-                       "training state " + detail::quoted(path) + ": checksum of the per-tensor optimizer state",
-                       tensor_sum,
-                       "the trailer records " + loom::detail::to_text(sums[static_cast<std::size_t>(arrays)]) +
-                           ": the file is corrupt");
+  detail::check_tensor_state_sum("training state " + detail::quoted(path), arrays, sums, detail::get_limbs(sum_limbs));
   trainer.load_tensor_state(tensor_values);
   trainer.set_steps(info.steps);
   return info;
@@ -901,6 +922,42 @@ TrainingStateInfo load_training_state(Trainer& trainer, const std::filesystem::p
   return detail::load_state(access, path);
 }
 
+
+//! Reads all of the training-state file at `path` and compares every checksum its trailer
+//! records with its bytes (the header's, each array's and the per-tensor state's): what a load
+//! checks, without a trainer, a model or a mesh (for a file copied between machines, or one kept
+//! to go back to). Returns its header; throws a CorruptCheckpoint naming the first part whose
+//! bytes are wrong, or an Error when the file cannot be read.
+inline TrainingStateInfo check_training_state(const std::filesystem::path& path) {
+  std::vector<std::uint64_t> sums;
+  TrainingStateInfo info;
+  std::uint64_t size = 0;
+  {
+    detail::BinaryFile header(path, "rb", "training state");
+    size = header.size();
+    info = detail::read_training_state_header(header, sums);
+  }
+  const int arrays = 1 + info.state_slots;
+  const auto width = static_cast<std::size_t>(info.scalar_bytes);
+  const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * width;
+  const std::uint64_t tensor_begin = size - detail::trailer_bytes(info.state_slots, info.version) -
+                                     8 * static_cast<std::uint64_t>(info.tensor_elements);
+  const std::uint64_t arrays_begin = tensor_begin - static_cast<std::uint64_t>(arrays) * array_bytes;
+  const detail::PositionalFile file(path, detail::PositionalFile::Mode::read, "training state");
+  for (int array = 0; array < arrays; ++array) {
+    const std::uint64_t offset = arrays_begin + static_cast<std::uint64_t>(array) * array_bytes;
+    const std::string what = detail::array_name(array);
+    detail::check_array_sum(file.name(), array, sums,
+                            info.version == 1 ? detail::checksum_of(file, offset, array_bytes, what)
+                                              : detail::elements_checksum_of(file, offset, width, info.elements, what));
+  }
+  if (info.version >= 3) {
+    const std::uint64_t sum =
+        detail::elements_checksum_of(file, tensor_begin, 8, info.tensor_elements, "per-tensor optimizer state");
+    detail::check_tensor_state_sum(file.name(), arrays, sums, sum);
+  }
+  return info;
+}
 
 //! A file of a series that load_newest_training_state passed over: its bytes are wrong.
 struct SkippedCheckpoint {
