@@ -523,6 +523,21 @@ std::vector<std::vector<float>> save_series(const io::CheckpointSeries& series, 
   return parameters;
 }
 
+//! Whether f() throws a CorruptCheckpoint (true) or another loom::Error (false); fails if it
+//! throws neither.
+template <class F>
+bool is_corrupt(F&& f) {
+  try {
+    f();
+  } catch (const io::CorruptCheckpoint&) {
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+  FAIL("no error");
+  return false;
+}
+
 std::vector<std::int64_t> steps_of(const std::vector<io::CheckpointSeries::File>& files) {
   std::vector<std::int64_t> steps;
   for (const io::CheckpointSeries::File& f : files) steps.push_back(f.step);
@@ -553,17 +568,6 @@ TEST_CASE("a damaged file raises CorruptCheckpoint; an intact file of another mo
   SUBCASE("another model, another optimizer, a missing file") {
     gpt2::Config other = state_config();
     other.num_layers = 3;
-    const auto is_corrupt = [](auto&& load) {
-      try {
-        load();
-      } catch (const io::CorruptCheckpoint&) {
-        return true;
-      } catch (const Error&) {
-        return false;
-      }
-      FAIL("no error");
-      return false;
-    };
     OneRank<> smaller(other), loader;
     OneRank<SgdMomentum> sgd;
     CHECK_FALSE(is_corrupt([&] { io::load_training_state(smaller.trainer, file.path); }));
@@ -707,17 +711,8 @@ TEST_CASE("check_training_state reads a whole file without a trainer and names t
     }
   }
   SUBCASE("a missing file is not a corrupt one") {
-    const auto is_corrupt = [&] {
-      try {
-        io::check_training_state(file.str() + ".missing");
-      } catch (const io::CorruptCheckpoint&) {
-        return true;
-      } catch (const Error& e) {
-        return std::string(e.what()).find("cannot open") == std::string::npos;
-      }
-      return true;
-    };
-    CHECK_FALSE(is_corrupt());
+    CHECK_FALSE(is_corrupt([&] { io::check_training_state(file.str() + ".missing"); }));
+    CHECK_THROWS_WITH(io::check_training_state(file.str() + ".missing"), doctest::Contains("cannot open"));
   }
 }
 

@@ -412,36 +412,48 @@ class PositionalFile {
   int fd_ = -1;
 };
 
-//! checksum() of bytes [offset, offset + bytes) of `file`, read a few MiB at a time (the array
-//! checksums of version 1 files).
-inline std::uint64_t checksum_of(const PositionalFile& file, std::uint64_t offset, std::uint64_t bytes,
-                                 std::string_view what) {
-  std::vector<char> buffer(std::size_t{8} << 20);  // a multiple of 8: the words do not straddle reads
-  std::uint64_t hash = 0xcbf29ce484222325ull;
+//! Calls fn(data, n, done) for bytes [offset, offset + bytes) of `file`, read 8 MiB at a time
+//! (`done` bytes before these n): a multiple of 8, so that no 8-byte word or scalar straddles two reads.
+template <class Fn>
+void for_each_chunk(const PositionalFile& file, std::uint64_t offset, std::uint64_t bytes, std::string_view what,
+                    Fn&& fn) {
+  std::vector<char> buffer(static_cast<std::size_t>(std::min<std::uint64_t>(std::uint64_t{8} << 20, bytes)));
   for (std::uint64_t done = 0; done < bytes;) {
     const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(buffer.size(), bytes - done));
     file.read_at(offset + done, buffer.data(), n, what);
-    hash = checksum(buffer.data(), n, hash);
+    fn(buffer.data(), n, done);
     done += n;
   }
+}
+
+//! checksum() of bytes [offset, offset + bytes) of `file` (the array checksums of version 1 files).
+inline std::uint64_t checksum_of(const PositionalFile& file, std::uint64_t offset, std::uint64_t bytes,
+                                 std::string_view what) {
+  std::uint64_t hash = 0xcbf29ce484222325ull;
+  for_each_chunk(file, offset, bytes, what,
+                 [&](const char* data, std::size_t n, std::uint64_t) { hash = checksum(data, n, hash); });
   return hash;
 }
 
-//! elements_checksum of `count` scalars of `width` bytes at byte `offset` of `file`, element 0
-//! first, read a few MiB at a time.
+//! elements_checksum of `count` scalars of `width` bytes at byte `offset` of `file`, element 0 first.
 inline std::uint64_t elements_checksum_of(const PositionalFile& file, std::uint64_t offset, std::size_t width,
                                           std::int64_t count, std::string_view what) {
-  const std::int64_t per_read = (std::int64_t{8} << 20) / static_cast<std::int64_t>(width);
-  std::vector<char> buffer(static_cast<std::size_t>(std::min(per_read, count)) * width);
   std::uint64_t sum = 0;
-  for (std::int64_t done = 0; done < count;) {
-    const std::int64_t n = std::min(per_read, count - done);
-    file.read_at(offset + static_cast<std::uint64_t>(done) * width, buffer.data(), static_cast<std::size_t>(n) * width,
-                 what);
-    sum += elements_checksum(buffer.data(), width, done, n);
-    done += n;
-  }
+  for_each_chunk(file, offset, static_cast<std::uint64_t>(count) * width, what,
+                 [&](const char* data, std::size_t n, std::uint64_t done) {
+                   sum += elements_checksum(data, width, static_cast<std::int64_t>(done / width),
+                                            static_cast<std::int64_t>(n / width));
+                 });
   return sum;
+}
+
+//! Where array 0 begins in a training-state file of `file_bytes` with header `info` (read_training_state_header
+//! has checked that the sizes add up): the arrays, the per-tensor state and the trailer end the file.
+inline std::uint64_t arrays_begin_of(const TrainingStateInfo& info, std::uint64_t file_bytes) {
+  return file_bytes - trailer_bytes(info.state_slots, info.version) -
+         8 * static_cast<std::uint64_t>(info.tensor_elements) -
+         (1 + static_cast<std::uint64_t>(info.state_slots)) * static_cast<std::uint64_t>(info.elements) *
+             static_cast<std::uint64_t>(info.scalar_bytes);
 }
 
 //! "array 1 (optimizer state slot 0)": how messages name training-state array `array`.
@@ -795,8 +807,7 @@ TrainingStateInfo load_state(TrainingStateAccess<V>& trainer, const std::filesys
                loom::detail::to_text(info.tensor_elements) + " numbers",
                "the trainer's optimizer keeps " + loom::detail::to_text(trainer.whole_tensor_state_size()) +
                    " for this model: corrupt");
-    arrays_begin = header.size() - detail::trailer_bytes(info.state_slots, info.version) - arrays * array_bytes -
-                   8 * static_cast<std::uint64_t>(info.tensor_elements);
+    arrays_begin = detail::arrays_begin_of(info, header.size());
     for (int array = 0; array < arrays; ++array)
       runs[static_cast<std::size_t>(array)] = trainer.needed_state_runs(array);
     if (info.version != 1 || !first_rank) return;
@@ -940,9 +951,8 @@ inline TrainingStateInfo check_training_state(const std::filesystem::path& path)
   const int arrays = 1 + info.state_slots;
   const auto width = static_cast<std::size_t>(info.scalar_bytes);
   const std::uint64_t array_bytes = static_cast<std::uint64_t>(info.elements) * width;
-  const std::uint64_t tensor_begin = size - detail::trailer_bytes(info.state_slots, info.version) -
-                                     8 * static_cast<std::uint64_t>(info.tensor_elements);
-  const std::uint64_t arrays_begin = tensor_begin - static_cast<std::uint64_t>(arrays) * array_bytes;
+  const std::uint64_t arrays_begin = detail::arrays_begin_of(info, size);
+  const std::uint64_t tensor_begin = arrays_begin + static_cast<std::uint64_t>(arrays) * array_bytes;
   const detail::PositionalFile file(path, detail::PositionalFile::Mode::read, "training state");
   for (int array = 0; array < arrays; ++array) {
     const std::uint64_t offset = arrays_begin + static_cast<std::uint64_t>(array) * array_bytes;
