@@ -7,6 +7,7 @@
 //   loom_zero_bench                                   # GPT-2 small, 2 ranks, batches 2 and 4 x 128
 //   loom_zero_bench --model tiny --seq 64 --steps 2   # quick look
 //   loom_zero_bench --json zero.json
+//   loom_zero_bench --ranks 4 --replicas 2            # also ZeRO-2/3 as 2 copies sharded over 2 ranks (HSDP)
 //
 // Formulas (DESIGN.md, fp32 AdamW: 4 + 4 + 8 bytes per parameter): DDP 16Ψ; ZeRO-1 8Ψ + 8Ψ/N;
 // ZeRO-2 4Ψ + 12Ψ/N; ZeRO-3 16Ψ/N.
@@ -35,6 +36,7 @@ struct Options {
   std::int64_t micro_batch = 1;
   int warmup = 1, steps = 3;
   int threads = 0;  // per rank; 0 = cores / ranks
+  int replicas = 1;  // > 1: also hybrid-sharded ZeRO-2 and ZeRO-3 rows (Zero::replicas)
   std::string json;
 };
 
@@ -61,7 +63,7 @@ double formula_bytes(int stage, double psi, double n) {
 
 template <class St>
 Row measure(const Options& o, const loom::gpt2::Config& config, std::int64_t batch, int stage, St strategy,
-            const std::string& name) {
+            const std::string& name, int replicas = 1) {
   Row row;
   row.strategy = name;
   row.batch = batch;
@@ -90,7 +92,7 @@ Row measure(const Options& o, const loom::gpt2::Config& config, std::int64_t bat
     const double psi = static_cast<double>(config.stored_parameter_count());
     row.peak_mib = loom::MemoryTracker::mib(mem.peak_total());
     row.held_mib = held / (1 << 20);
-    row.formula_mib = formula_bytes(stage, psi, o.ranks) / (1 << 20);
+    row.formula_mib = formula_bytes(stage, psi, o.ranks / replicas) / (1 << 20);  // sharded over one copy
     row.padding_mib = row.held_mib - row.formula_mib;
     row.working_mib = loom::MemoryTracker::mib(mem.peak(MemoryCategory::communication));
   });
@@ -112,8 +114,16 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--steps", o.steps, "Timed steps (median reported)")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--threads", o.threads, "Threads per rank (0 = cores / ranks)")->capture_default_str();
+  app.add_option("--replicas", o.replicas,
+                 "Also run ZeRO-2 and ZeRO-3 as this many copies of the model, each sharded over ranks / replicas "
+                 "(hybrid sharding; must divide --ranks)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--json", o.json, "Write the table as JSON here");
   CLI11_PARSE(app, argc, argv);
+  if (o.ranks % o.replicas != 0) {
+    std::fprintf(stderr, "loom_zero_bench: --replicas: got %d; must divide --ranks (%d)\n", o.replicas, o.ranks);
+    return 2;
+  }
 
   const double load = loom::bench::load_average();
   try {
@@ -135,28 +145,37 @@ int main(int argc, char** argv) {
       rows.push_back(measure(o, config, batch, 1, loom::Zero<1>{}, "ZeRO-1"));
       rows.push_back(measure(o, config, batch, 2, loom::Zero<2>{}, "ZeRO-2"));
       rows.push_back(measure(o, config, batch, 3, loom::Zero<3>{}, "ZeRO-3"));
+      if (o.replicas > 1) {
+        const std::string copies = "x" + std::to_string(o.replicas);
+        rows.push_back(measure(o, config, batch, 2, loom::Zero<2>{.replicas = o.replicas}, "ZeRO-2" + copies,
+                               o.replicas));
+        rows.push_back(measure(o, config, batch, 3, loom::Zero<3>{.replicas = o.replicas}, "ZeRO-3" + copies,
+                               o.replicas));
+      }
     }
 
-    std::printf("\n%-8s %6s | %9s %9s %8s | %10s | %10s %10s %8s | %10s\n", "strategy", "batch", "step s",
+    std::printf("\n%-9s %6s | %9s %9s %8s | %10s | %10s %10s %8s | %10s\n", "strategy", "batch", "step s",
                 "tok/s", "vs DDP", "peak MiB", "held MiB", "formula", "padding", "working");
     double ddp_tokens = 0;
     for (const Row& r : rows) {
       if (r.strategy == "DDP") ddp_tokens = r.tokens_per_second;
-      std::printf("%-8s %6lld | %9.3f %9.0f %7.0f%% | %10.1f | %10.1f %10.1f %8.3f | %10.1f\n", r.strategy.c_str(),
+      std::printf("%-9s %6lld | %9.3f %9.0f %7.0f%% | %10.1f | %10.1f %10.1f %8.3f | %10.1f\n", r.strategy.c_str(),
                   static_cast<long long>(r.batch), r.seconds.median, r.tokens_per_second,
                   100.0 * r.tokens_per_second / ddp_tokens, r.peak_mib, r.held_mib, r.formula_mib, r.padding_mib,
                   r.working_mib);
     }
     std::printf("\nheld = parameters + gradients + optimizer state on rank 0; formula = DESIGN.md's ZeRO formula for "
-                "Psi = %lld, N = %d; padding = held - formula; working = peak of the communication category (ZeRO-2/3 "
-                "per-unit gradients, ZeRO-3 gathered parameters); peak = everything at once, activations included.\n",
-                static_cast<long long>(config.stored_parameter_count()), o.ranks);
+                "Psi = %lld, N = %d (N = %d in each copy of the xR rows: R copies, hybrid sharding); padding = held - "
+                "formula; working = peak of the communication category (ZeRO-2/3 per-unit gradients, ZeRO-3 gathered "
+                "parameters); peak = everything at once, activations included.\n",
+                static_cast<long long>(config.stored_parameter_count()), o.ranks, o.ranks / o.replicas);
 
     nlohmann::json report;
     report["benchmark"] = "loom_zero_bench";
     report["machine"] = loom::bench::machine_json(threads, load);
     report["model"] = o.model;
     report["ranks"] = o.ranks;
+    report["replicas"] = o.replicas;
     report["seq"] = o.seq;
     for (const Row& r : rows)
       report["rows"].push_back({{"strategy", r.strategy}, {"batch", r.batch}, {"step_seconds_median", r.seconds.median},

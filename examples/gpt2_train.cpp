@@ -11,6 +11,7 @@
 //   gpt2_train --demo --dp 4                            # DDP over 4 thread ranks, one process
 //   mpirun -n 2 gpt2_train --demo --comm mpi            # DDP over 2 MPI processes
 //   gpt2_train --demo --dp 2 --zero 3                   # ZeRO-3 (FSDP FULL_SHARD) over 2 ranks
+//   gpt2_train --demo --dp 4 --zero 3 --zero-replicas 2 # 2 copies, each sharded over 2 ranks (HSDP)
 //   gpt2_train --demo --dp 2 --tp 2                     # 4 ranks: 2 replicas of a 2-way TP model
 //   gpt2_train --demo --tp 2 --sequence-parallel        # the layernorms' rows split over the TP ranks too
 //   gpt2_train --demo --pp 2                            # 2 pipeline stages, 1F1B
@@ -456,6 +457,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0, 3));
   app.add_option("--prefetch", o.prefetch, "ZeRO-3: layers whose parameters are gathered ahead")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--zero-replicas", o.zero_replicas,
+                 "ZeRO: hybrid sharding (FSDP's HYBRID_SHARD). The data-parallel ranks hold this many copies of "
+                 "the model, each sharded over --dp / R adjacent ranks; gathers and reduce-scatters stay within "
+                 "a copy, and the copies all-reduce their shards' gradients after backward")
+      ->capture_default_str()->check(CLI::PositiveNumber);
 
   // --demo sets defaults first; explicit options on the command line win.
   for (int i = 1; i < argc; ++i)
@@ -497,6 +503,10 @@ int main(int argc, char** argv) {
                             "): they reduce-scatter gradients in every micro-batch's backward, and a tied "
                             "parameter's gradient must be summed across stages before it is sharded. Use "
                             "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
+    if (o.dp % o.zero_replicas != 0)
+      throw loom::Error("--zero-replicas", std::to_string(o.zero_replicas),
+                        "must divide --dp (" + std::to_string(o.dp) +
+                            "): each replica shards the model over --dp / --zero-replicas ranks");
     gpt2_example::check_family_options(o);
     // A flag that would change nothing in this run is refused, not ignored: whoever gave it meant
     // something this run would not do. A flag's value is named; a switch is named as given (--no-X
@@ -519,6 +529,8 @@ int main(int argc, char** argv) {
                  "it splits the rows between the layers over the tensor-parallel ranks, and --tp is 1");
     refuse_inert("--prefetch", o.zero != 3,
                  "it gathers ZeRO-3's parameters ahead, and --zero is " + std::to_string(o.zero));
+    refuse_inert("--zero-replicas", o.zero == 0,
+                 "it splits ZeRO's data-parallel ranks into sharded copies of the model, and --zero is 0");
     refuse_inert("--pad-token", o.pad_min == 0,
                  "it is what padded positions read, and --pad-min is 0: nothing is padded");
     refuse_inert("--pad-min", o.pad_min > o.seq,

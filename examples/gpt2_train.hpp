@@ -176,6 +176,7 @@ struct Options {
   std::optional<int> virtual_stages;  // interleaved only; 2 when not given
   int zero = 0;
   int prefetch = 1;
+  int zero_replicas = 1;  //!< --zero-replicas: hybrid sharding (Zero::replicas)
   std::string comm = "threads";
   std::string device = "cpu";  // cpu or cuda
   int gpus = 0;  // cuda: GPUs the thread ranks use (0 = every GPU this process sees)
@@ -538,7 +539,7 @@ std::string describe_schedule(const S& schedule, const loom::ScheduleShape& shap
 //! (Adafactor's moments, held whole on every rank), beside what it holds; padding and the
 //! working set apart.
 template <class T, class Strategy>
-void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy&, int slots,
+void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m, const Strategy& strategy, int slots,
                        bool fp32_gradients, bool narrow_gradients, std::int64_t tensor_state_bytes) {
   using loom::MemoryCategory;
   const double psi = static_cast<double>(plan.padded_total() - plan.padding()), n = plan.ranks();
@@ -555,9 +556,12 @@ void print_zero_memory(const loom::ShardPlan& plan, const loom::MemoryTracker& m
                                           m.current(MemoryCategory::optimizer_state));
   const std::string per_tensor =
       tensor_state_bytes > 0 ? ", per-tensor state " + std::to_string(tensor_state_bytes) + " bytes" : "";
-  std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d, %d state slots%s), "
+  // Under hybrid sharding N is the ranks of one replica, over which the model is sharded.
+  const std::string replicas =
+      strategy.replicas > 1 ? " in each of " + std::to_string(strategy.replicas) + " replicas" : "";
+  std::printf("ZeRO-%d memory on rank 0: formula %.2f MiB (psi = %.0f parameters, N = %d%s, %d state slots%s), "
               "held %.2f MiB, of which padding %.2f MiB (%lld elements); working set (communication, peak) %.2f MiB\n",
-              stage, formula / (1 << 20), psi, plan.ranks(), slots, per_tensor.c_str(), held / (1 << 20),
+              stage, formula / (1 << 20), psi, plan.ranks(), replicas.c_str(), slots, per_tensor.c_str(), held / (1 << 20),
               (held - formula) / (1 << 20), static_cast<long long>(plan.padding()),
               loom::MemoryTracker::mib(m.peak(MemoryCategory::communication)));
 }
@@ -1271,13 +1275,16 @@ int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
   const std::size_t bucket_bytes = o.bucket_mib << 20;
   const bool overlap = !o.no_overlap;
   if constexpr (loom::pipelined_schedule<Schedule>) {
-    if (o.zero == 1) return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap});
+    if (o.zero == 1)
+      return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
     return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
   } else {
     switch (o.zero) {
-      case 1: return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap});
-      case 2: return fn(loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = overlap});
-      case 3: return fn(loom::Zero<3>{.bucket_bytes = bucket_bytes, .overlap = overlap, .prefetch = o.prefetch});
+      case 1: return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
+      case 2: return fn(loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
+      case 3:
+        return fn(loom::Zero<3>{
+            .bucket_bytes = bucket_bytes, .overlap = overlap, .prefetch = o.prefetch, .replicas = o.zero_replicas});
       default:
         if (data_parallel_ranks == 1) return fn(loom::SingleRank{});
         return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});

@@ -544,6 +544,7 @@ TEST_CASE("ranks sharing the GPU: DDP and ZeRO-1/2/3 train as one rank") {
   check_staged<Zero<1>>({.dp = 2, .tp = 1, .pp = 1});
   check_staged<Zero<2>>({.dp = 2, .tp = 1, .pp = 1});
   check_staged<Zero<3>>({.dp = 4, .tp = 1, .pp = 1});
+  check_staged<Zero<3>>({.dp = 4, .tp = 1, .pp = 1}, Zero<3>{.replicas = 2});  // hybrid sharding
 }
 
 TEST_CASE("ranks sharing the GPU: tensor parallelism and DP x TP train as one rank") {

@@ -2,7 +2,7 @@
 // mpiexec): DP = 2, 4 and 8, each on the ranks [0, dp) of the world, with and without gradient
 // accumulation and clipping, against one-rank training that every rank also runs locally
 // (DESIGN.md invariant 3: fp32, 1e-5 relative over 5 AdamW steps), and the replicas
-// bit-identical across processes.
+// bit-identical across processes; hybrid sharding (Zero's replicas) on DP = 4.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -67,6 +67,11 @@ TEST_CASE("Zero<1>, Zero<2>, Zero<3> over MPI processes train the same model as 
   check_parity<Zero<1>>({2, 4}, {.bucket_bytes = 4096});
   check_parity<Zero<2>>({2, 4}, {.bucket_bytes = 4096});
   check_parity<Zero<3>>({2, 4}, {});
+}
+
+TEST_CASE("hybrid sharding over MPI processes: 4 ranks as 2 replicas of 2 shards train as one rank") {
+  check_parity<Zero<2>>({4}, {.bucket_bytes = 4096, .replicas = 2});
+  check_parity<Zero<3>>({4}, {.replicas = 2});
 }
 
 int main(int argc, char** argv) {

@@ -146,7 +146,7 @@ struct Setup {
 
 // A parallel layout and the options that must not change what is trained.
 struct Layout {
-  int dp = 1, tp = 1, pp = 1, zero = 0, micro = 0, virtual_stages = 0;
+  int dp = 1, tp = 1, pp = 1, zero = 0, micro = 0, virtual_stages = 0, zero_replicas = 1;
   std::string schedule = "accumulation";
   Args args;
   std::string expected_refusal;  // empty when the combination should run
@@ -259,6 +259,13 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
   const bool every_position = s.bert && chance(rng, 0.25);
   if (every_position) l.args.push_back("--logits-at-every-position");
   if (chance(rng, 0.3)) l.args.push_back("--no-overlap");
+  // Hybrid sharding: now and then copies of the sharded model, and rarely a count that does not
+  // divide --dp, or one without ZeRO.
+  const bool replicas = l.zero >= 1 && l.dp > 1 ? chance(rng, 0.4) : chance(rng, 0.03);
+  if (replicas) {
+    l.zero_replicas = chance(rng, 0.1) ? l.dp + 1 : pick(rng, divisors(l.dp));
+    add(l.args, "--zero-replicas", std::to_string(l.zero_replicas));
+  }
   const bool prefetch = l.zero == 3 || chance(rng, 0.03);
   if (prefetch) add(l.args, "--prefetch", pick(rng, std::vector<std::string>{"0", "1", "2"}));
   if (s.fp32_gradients && chance(rng, 0.3)) l.args.push_back("--no-fp32-gradient-fusion");
@@ -272,6 +279,8 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
     why = "the batch must divide by micro-batch x dp";
   else if (l.pp > 1 && l.zero >= 2)
     why = "ZeRO-2/3 under a pipeline schedule";
+  else if (l.dp % l.zero_replicas != 0)
+    why = "--zero-replicas must divide --dp";
   else if (l.pp > s.pipeline_layers())
     why = "more stages than layers";
   else if (l.schedule == "interleaved" && l.pp * l.virtual_stages > s.pipeline_layers())
@@ -286,6 +295,8 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
     why = "--sequence-parallel with --tp 1 would change nothing";
   else if (prefetch && l.zero != 3)
     why = "--prefetch without ZeRO-3 would change nothing";
+  else if (replicas && l.zero == 0)
+    why = "--zero-replicas without ZeRO would change nothing";
   return l;
 }
 

@@ -523,6 +523,7 @@ TEST_CASE("Adafactor on bf16 models: fp32 master weights; DDP and ZeRO train as 
     check_close(bf16_run<Zero<1>>(2, fp32_gradients, {.bucket_bytes = 2048}), reference, 1e-3);
     check_close(bf16_run<Zero<2>>(3, fp32_gradients, {.bucket_bytes = 2048}), reference, 1e-3);
     check_close(bf16_run<Zero<3>>(2, fp32_gradients), reference, 1e-3);
+    check_close(bf16_run<Zero<3>>(4, fp32_gradients, {.replicas = 2}), reference, 1e-3);
   }
   // And close to the float model's training: bf16 rounding, not a different optimizer.
   cpu be(1);

@@ -139,6 +139,43 @@ TEST_CASE("any: run, start, start_group and split reach the held communicator; a
   }
 }
 
+TEST_CASE("CommunicatorRef::split: the referenced communicator's sub-groups, held; conformance on them") {
+  // 1..8 ranks split into colors rank % 2, keyed in reverse: sizes, ranks and every collective.
+  for (int n = 1; n <= 8; ++n) {
+    CAPTURE(n);
+    std::vector<conformance::Failures> failures(static_cast<std::size_t>(n));
+    std::vector<int> sizes(static_cast<std::size_t>(n)), ranks(static_cast<std::size_t>(n)),
+        calls(static_cast<std::size_t>(n));
+    loom::threads::run(n, [&](loom::threads::Communicator& world) {
+      const int rank = world.rank();
+      int runs = 0, starts = 0, groups = 0;  // this rank's: the threads do not share them
+      Counting counting(std::move(world), runs, starts, groups);
+      loom::CommunicatorRef ref(counting);
+      loom::AnyCommunicator half = ref.split(rank % 2, n - rank);
+      sizes[static_cast<std::size_t>(rank)] = half.size();
+      ranks[static_cast<std::size_t>(rank)] = half.rank();
+      failures[static_cast<std::size_t>(rank)] = conformance::run_all(half);
+      // A split of the split, through a reference again: each rank alone.
+      loom::AnyCommunicator alone = loom::CommunicatorRef(half).split(half.rank(), 0);
+      sizes[static_cast<std::size_t>(rank)] += 100 * alone.size();
+      calls[static_cast<std::size_t>(rank)] = runs + starts + groups;
+    });
+    conformance::report(failures);
+    for (int r = 0; r < n; ++r) {
+      const int same_color = (n - r % 2 + 1) / 2;  // ranks r' < n with r' % 2 == r % 2
+      CHECK(sizes[static_cast<std::size_t>(r)] == 100 + same_color);  // the split's split: size 1
+      // Keys n - r: the highest world rank of a color is its rank 0.
+      CHECK(ranks[static_cast<std::size_t>(r)] == same_color - 1 - r / 2);
+      // The sub-group's calls went through the referenced communicator's split.
+      CHECK(calls[static_cast<std::size_t>(r)] > 0);
+    }
+  }
+  // A default reference is the group of one rank, and so is its split.
+  loom::AnyCommunicator self = loom::CommunicatorRef{}.split(0, 0);
+  CHECK(self.size() == 1);
+  CHECK(self.rank() == 0);
+}
+
 TEST_CASE("any: default-constructed, the group of one rank") {
   loom::AnyCommunicator one;
   CHECK(one.rank() == 0);

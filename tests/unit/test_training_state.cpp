@@ -202,6 +202,9 @@ TEST_CASE("every element of the training state has one owner, and each rank read
   SUBCASE("one rank") { check_state_runs<GradientAccumulation, SingleRank>(one_rank); }
   SUBCASE("Zero<1> on DP2 x TP2") { check_state_runs<GradientAccumulation, Zero<1>>(dp2_tp2); }
   SUBCASE("Zero<3> on DP2 x TP2") { check_state_runs<GradientAccumulation, Zero<3>>(dp2_tp2); }
+  SUBCASE("Zero<3> as 2 replicas on DP4: the second replica owns nothing, reads its shard") {
+    check_state_runs<GradientAccumulation, Zero<3>>({.dp = 4, .tp = 1, .pp = 1}, {.replicas = 2});
+  }
   SUBCASE("1F1B and DDP on TP2 x PP2: the tied embedding's copy on the last stage is not its") {
     check_state_runs<OneFOneB, DataParallel>(tp2_pp2);
   }
@@ -293,6 +296,13 @@ TEST_CASE("a state saved on one mesh and strategy resumes on another and trains 
     const MeshShape pp2{.dp = 1, .tp = 1, .pp = 2};
     train_leg<Interleaved1F1B, DataParallel>(pp2, 0, saved_at, "", file.str(), {}, {.virtual_stages = 2});
     check_close(train_leg<ZeroBubbleH1, Zero<1>>(dp2_pp2, saved_at, total_steps, file.str(), ""), reference, 1e-5);
+  }
+  SUBCASE("Zero<3> as 2 replicas on DP4, resumed with Zero<1> as 2 replicas on DP2 x TP2") {
+    TempPath file("state_mesh");
+    train_leg<GradientAccumulation, Zero<3>>(dp4, 0, saved_at, "", file.str(), {.replicas = 2});
+    check_close(train_leg<GradientAccumulation, Zero<1>>(dp2_tp2, saved_at, total_steps, file.str(), "",
+                                                         {.replicas = 2}),
+                reference, 1e-5);
   }
   SUBCASE("Zero<3> on DP2 x TP2, resumed with Zero<2> on TP4") {
     TempPath file("state_mesh");

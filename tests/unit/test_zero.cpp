@@ -1,13 +1,15 @@
 // Zero<1>, Zero<2>, Zero<3> on thread ranks: parity with one-rank training for every stage and
 // DP = 1..4, with and without gradient accumulation and clipping; results independent of unit
-// size, overlap and stage-3 prefetch; memory per rank equal to the ZeRO formulas for fp32
-// AdamW (with padding reported apart); the shard plan; rejected configurations.
+// size, overlap and stage-3 prefetch; hybrid sharding (replicas) likewise; memory per rank equal
+// to the ZeRO formulas for fp32 AdamW (with padding reported apart); the shard plan; rejected
+// configurations.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/comm/threads.hpp"
@@ -73,6 +75,28 @@ TEST_CASE("ZeRO results do not depend on unit size, overlap or prefetch") {
   }
 }
 
+TEST_CASE("hybrid sharding: Zero<S> with replicas trains the same model as one rank") {
+  // (ranks, replicas): two copies each sharded over 2 ranks, three over 2, two over 3, and one
+  // copy per rank (the shard is the whole model: DDP's holding through ZeRO's code).
+  const std::vector<std::pair<int, int>> layouts{{4, 2}, {6, 3}, {6, 2}, {2, 2}};
+  for (double clip : {0.0, 0.05}) {
+    const ParityRun reference = single_rank_run(global_batch, seq, clip);
+    for (const std::pair<int, int>& layout : layouts)
+      for (std::int64_t micro_batch : {global_batch / layout.first, std::int64_t{1}}) {
+        const int ranks = layout.first, replicas = layout.second;  // not bindings: Clang 14 cannot capture those
+        CAPTURE(clip);
+        CAPTURE(ranks);
+        CAPTURE(replicas);
+        CAPTURE(micro_batch);
+        check_parity(sharded<Zero<1>>(ranks, micro_batch, clip, {.bucket_bytes = 4096, .replicas = replicas}),
+                     reference);
+        check_parity(sharded<Zero<2>>(ranks, micro_batch, clip, {.bucket_bytes = 4096, .replicas = replicas}),
+                     reference);
+        check_parity(sharded<Zero<3>>(ranks, micro_batch, clip, {.replicas = replicas}), reference);
+      }
+  }
+}
+
 namespace {
 //! Bytes held per category by each rank right after construction, and after one step.
 struct Held {
@@ -88,13 +112,13 @@ gpt2::Config deep_config() {
 }
 
 template <class St>
-std::vector<Held> held_by_rank(int ranks) {
+std::vector<Held> held_by_rank(int ranks, int replicas = 1) {
   std::vector<Held> held(static_cast<std::size_t>(ranks));
   threads::run(ranks, [&](threads::Communicator& comm) {
     cpu be(1);
     Trainer<Gpt, AdamW, GradientAccumulation, St> trainer(be, comm, Gpt(deep_config()), AdamW(),
                                                           ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1},
-                                                          St{.bucket_bytes = 4096});
+                                                          St{.bucket_bytes = 4096, .replicas = replicas});
     Held& h = held[static_cast<std::size_t>(comm.rank())];
     h.parameters = be.memory().current(MemoryCategory::parameters);
     h.gradients = be.memory().current(MemoryCategory::gradients);
@@ -142,6 +166,19 @@ TEST_CASE("memory per rank: the ZeRO formulas for fp32 AdamW, padding apart") {
   }
 }
 
+TEST_CASE("memory per rank under hybrid sharding: the formulas with N the ranks of one replica") {
+  // Four ranks as two replicas hold what two ranks of plain ZeRO hold, byte for byte.
+  const auto totals = [](const Held& h) { return h.parameters + h.gradients + h.optimizer_state; };
+  const std::vector<Held> two = held_by_rank<Zero<3>>(2);
+  for (const Held& h : held_by_rank<Zero<3>>(4, 2)) {
+    CHECK(h.shard == two[0].shard);
+    CHECK(totals(h) == totals(two[0]));
+    CHECK(h.communication_peak == two[0].communication_peak);
+  }
+  const std::vector<Held> two_1 = held_by_rank<Zero<1>>(2);
+  for (const Held& h : held_by_rank<Zero<1>>(4, 2)) CHECK(totals(h) == totals(two_1[0]));
+}
+
 TEST_CASE("shard plan: equal pieces per unit, padding at each unit's end, every element owned once") {
   const Gpt model(small_test_config());
   const ParameterLayout& layout = model.layout();
@@ -184,6 +221,25 @@ TEST_CASE("ZeRO rejects a rank whose shard would hold no parameter, and a bad pr
   });
   REQUIRE(messages.size() == 2);
   CHECK(messages[0].find("Zero<3>: prefetch: got -1") != std::string::npos);
+
+  // Replicas that do not divide the ranks are refused on every rank, before any split.
+  for (int replicas : {0, 3, 8}) {
+    CAPTURE(replicas);
+    messages.clear();
+    threads::run(4, [&](threads::Communicator& comm) {
+      cpu be(1);
+      try {
+        Trainer<Gpt, AdamW, GradientAccumulation, Zero<2>> trainer(be, comm, Gpt(small_test_config()), AdamW(),
+                                                                   ConstantLr{}, {}, {.replicas = replicas});
+      } catch (const Error& e) {
+        std::lock_guard lock(mutex);
+        messages.push_back(e.what());
+      }
+    });
+    REQUIRE(messages.size() == 4);
+    CHECK(messages[0].find("Zero<2>: replicas: got " + std::to_string(replicas) +
+                           "; must divide the data-parallel ranks (4)") != std::string::npos);
+  }
 }
 
 TEST_CASE("gather_parameters and load_parameters round-trip under every stage") {
@@ -202,6 +258,7 @@ TEST_CASE("gather_parameters and load_parameters round-trip under every stage") 
   round_trip(Zero<1>{});
   round_trip(Zero<2>{});
   round_trip(Zero<3>{});
+  round_trip(Zero<3>{.replicas = 3});
 }
 
 }  // namespace test_zero

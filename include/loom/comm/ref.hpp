@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "loom/comm/any.hpp"
 #include "loom/comm/collectives.hpp"
 #include "loom/comm/concepts.hpp"
 #include "loom/comm/request.hpp"
@@ -38,6 +39,9 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
   Request start(const CollectiveCall& call) { return ops_->start(object_, call); }
   //! Starts the group on the referenced communicator (its own start_group).
   std::vector<Request> start_group(std::span<const CollectiveCall> calls) { return ops_->start_group(object_, calls); }
+  //! The referenced communicator's split(color, key), held by an AnyCommunicator (collective
+  //! over the group): for a strategy that divides its group further (Zero's replicas).
+  AnyCommunicator split(int color, int key) { return ops_->split(object_, color, key); }
 
  private:
   struct Ops {
@@ -47,6 +51,7 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
     Request (*start)(void*, const CollectiveCall&);
     std::vector<Request> (*start_group)(void*, std::span<const CollectiveCall>);
     bool (*in_issue_order)(const void*);
+    AnyCommunicator (*split)(void*, int, int);
   };
   template <class C>
   static constexpr Ops ops_for{
@@ -55,14 +60,16 @@ class CommunicatorRef : public CollectiveInterface<CommunicatorRef> {
       [](void* c, const CollectiveCall& call) { static_cast<C*>(c)->run(call); },
       [](void* c, const CollectiveCall& call) { return static_cast<C*>(c)->start(call); },
       [](void* c, std::span<const CollectiveCall> calls) { return static_cast<C*>(c)->start_group(calls); },
-      [](const void* c) { return point_to_point_runs_in_issue_order(*static_cast<const C*>(c)); }};
+      [](const void* c) { return point_to_point_runs_in_issue_order(*static_cast<const C*>(c)); },
+      [](void* c, int color, int key) { return AnyCommunicator(static_cast<C*>(c)->split(color, key)); }};
 
   static constexpr Ops self_ops{
       [](const void*) { return 0; }, [](const void*) { return 1; },
       [](void*, const CollectiveCall& call) { SelfCommunicator{}.run(call); },
       [](void*, const CollectiveCall& call) { return SelfCommunicator{}.start(call); },
       [](void*, std::span<const CollectiveCall> calls) { return SelfCommunicator{}.start_group(calls); },
-      [](const void*) { return false; }};
+      [](const void*) { return false; },
+      [](void*, int color, int key) { return AnyCommunicator(SelfCommunicator{}.split(color, key)); }};
 
   void* object_;
   const Ops* ops_;

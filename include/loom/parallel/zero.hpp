@@ -11,6 +11,12 @@
 //!
 //! A stage is a pair of holding policies (FullParameters or ShardedParameters, FullGradients or
 //! ShardedGradients) under one engine: the stage number picks the pair in one place.
+//!
+//! With `replicas` R > 1 (hybrid sharding: FSDP's HYBRID_SHARD, torchtitan's replicate × shard
+//! degrees, DeepSpeed's MiCS) the D data-parallel ranks form R groups of D/R adjacent ranks. Each
+//! group shards the model as above among its own ranks; after backward the ranks holding the
+//! same shard in the R groups all-reduce its gradient. Gathers and reduce-scatters stay inside a
+//! group (a node, say) and only 1/(D/R) of the gradient crosses between groups.
 
 #include <algorithm>
 #include <cstddef>
@@ -22,6 +28,7 @@
 #include <vector>
 
 #include "loom/backend/concepts.hpp"
+#include "loom/comm/any.hpp"
 #include "loom/comm/ref.hpp"
 #include "loom/comm/request.hpp"
 #include "loom/core/buffer.hpp"
@@ -38,6 +45,43 @@
 namespace loom {
 
 namespace detail {
+
+//! The data-parallel group of a Zero engine split for hybrid sharding: `replicas` groups of
+//! adjacent ranks that each hold one sharded copy of the model (shard()), and across them the
+//! ranks that hold the same shard (replica()). With one replica nothing is split: shard() is the
+//! whole group and replica() the group of one rank.
+class ShardGroups {
+ public:
+  ShardGroups(CommunicatorRef data_parallel, int replicas, const char* who)
+      : all_(data_parallel), replicas_(checked(data_parallel.size(), replicas, who)) {
+    if (replicas_ == 1) return;
+    const int shard_size = all_.size() / replicas_, rank = all_.rank();
+    // Collective over the group; every rank checked the same sizes above, so all get here.
+    shard_ = all_.split(rank / shard_size, rank);
+    replica_ = all_.split(rank % shard_size, rank);
+  }
+  ShardGroups(const ShardGroups&) = delete;
+  ShardGroups& operator=(const ShardGroups&) = delete;
+
+  //! Every data-parallel rank (the loss is summed over them).
+  CommunicatorRef all() const noexcept { return all_; }
+  //! The ranks that share one copy of the model, each holding a shard of it.
+  CommunicatorRef shard() noexcept { return replicas_ == 1 ? all_ : CommunicatorRef(shard_); }
+  //! The ranks, one in each copy, that hold the same shard.
+  CommunicatorRef replica() noexcept { return replicas_ == 1 ? CommunicatorRef{} : CommunicatorRef(replica_); }
+  int replicas() const noexcept { return replicas_; }
+
+ private:
+  static int checked(int ranks, int replicas, const char* who) {
+    LOOM_CHECK(replicas >= 1 && ranks % replicas == 0, std::string(who) + ": replicas", replicas,
+               "must divide the data-parallel ranks (" + std::to_string(ranks) +
+                   "): each replica shards the model over ranks / replicas of them");
+    return replicas;
+  }
+  CommunicatorRef all_;
+  int replicas_;
+  AnyCommunicator shard_, replica_;  // split only with more than one replica
+};
 
 //! What the holding policies share: the plan, the group, the backend, which units each layer
 //! reads, and the layer count.
@@ -450,8 +494,10 @@ template <class B, class T, class P, class G>
 class ZeroEngine {
  public:
   template <class... ParameterArgs>
-  ZeroEngine(EngineContext<B> context, std::vector<GradientBucket> units, bool overlap, ParameterArgs... args)
-      : plan_(context.layout, units, context.data_parallel.size(), context.data_parallel.rank()),
+  ZeroEngine(EngineContext<B> context, std::vector<GradientBucket> units, bool overlap, int replicas, const char* who,
+             ParameterArgs... args)
+      : groups_(context.data_parallel, replicas, who),
+        plan_(context.layout, units, groups_.shard().size(), groups_.shard().rank()),
         context_(make_context(context)),
         layout_(&context.layout),
         state_(context.backend, plan_.shard_size() * context.state_slots, MemoryCategory::optimizer_state),
@@ -489,14 +535,22 @@ class ZeroEngine {
     grads_.after_backward(layer, last_micro_batch);
     params_.after_backward(layer);
   }
-  void finish_gradients() { grads_.finish(); }
+  //! Completes the reductions; with replicas, sums each shard over the ranks that hold it.
+  void finish_gradients() {
+    grads_.finish();
+    if (groups_.replicas() > 1) reduce_over_replicas();
+  }
+  //! The number of copies of the model the data-parallel group holds (Zero::replicas).
+  int replicas() const noexcept { return groups_.replicas(); }
 
+  //! Sums over every data-parallel rank (the loss: every rank trains on its own slice).
   double global_sum(double local) {
-    context_.group.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
+    groups_.all().all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
     return local;
   }
-  //! Each element is in exactly one rank's pieces (padding excluded): sum them, then over ranks;
-  //! parameters replicated over tensor parallelism only when `count_replicated`.
+  //! Each element is in exactly one rank's pieces within a replica (padding excluded): sum them,
+  //! then over the replica's ranks; parameters replicated over tensor parallelism only when
+  //! `count_replicated`.
   double grad_sum_of_squares(bool count_replicated = true) {
     double local = 0;
     for (const ShardUnit& u : plan_.units()) {
@@ -509,7 +563,8 @@ class ZeroEngine {
                                .fp32_grads = grads_.owned_fp32(u)},
           count_replicated);
     }
-    return global_sum(local);
+    context_.group.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
+    return local;
   }
 
   //! Scales this rank's gradient pieces by `grad_scale`, calls `apply` with them and its
@@ -539,26 +594,24 @@ class ZeroEngine {
     params_.after_update();
   }
   //! Sums `values` computed over the elements this rank updates (its pieces) into the values
-  //! over all elements: over the data-parallel group, whose pieces are disjoint.
+  //! over all elements: over the replica's ranks, whose pieces are disjoint.
   void reduce_updated(std::span<double> values) {
     if (context_.group.size() > 1) context_.group.all_reduce(values, ReduceOp::sum);
   }
 
   //! The layout ranges of the training state this rank owns: its piece of every unit, in unit
-  //! order. The ranks of the group own disjoint ranges that cover the layout.
+  //! order, on the first replica (the others hold the same values and report none). The ranks of
+  //! the group own disjoint ranges that cover the layout.
   std::vector<ElementRange> owned_state_ranges() const {
-    std::vector<ElementRange> ranges;
-    for (const ShardUnit& u : plan_.units())
-      if (const std::int64_t n = plan_.owned_count(u); n > 0)
-        ranges.push_back({plan_.owned_begin(u), plan_.owned_begin(u) + n});
-    return ranges;
+    if (!reports_state_) return {};
+    return shard_ranges();
   }
-  //! The layout ranges load_state(array, ...) takes: the owned ones, except that the
-  //! parameters of stages 1 and 2 are held whole and so taken whole.
+  //! The layout ranges load_state(array, ...) takes: this rank's pieces (on every replica),
+  //! except that the parameters of stages 1 and 2 are held whole and so taken whole.
   std::vector<ElementRange> needed_state_ranges(int array) const {
     check_state_array(array, state_slots_);
     if (array == 0 && !P::sharded) return {ElementRange{0, layout_->total()}};
-    return owned_state_ranges();
+    return shard_ranges();
   }
   //! Writes the elements of training-state array `array` this rank owns to host `out`
   //! (owned_state_ranges() one after another): array 0 is the parameters at the optimizer's
@@ -566,6 +619,7 @@ class ZeroEngine {
   //! slot k - 1.
   void copy_owned_state_to(int array, accumulate_t<T>* out) {
     check_state_array(array, state_slots_);
+    if (!reports_state_) return;
     for (const ShardUnit& u : plan_.units()) {
       const std::int64_t n = plan_.owned_count(u);
       if (n == 0) continue;
@@ -619,12 +673,35 @@ class ZeroEngine {
   }
 
  private:
-  ShardContext<B> make_context(const EngineContext<B>& c) const {
-    ShardContext<B> s{&c.backend, c.data_parallel, &plan_, {}, c.drained(), c.template layers_write_gradients<T>()};
+  ShardContext<B> make_context(const EngineContext<B>& c) {
+    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, c.drained(), c.template layers_write_gradients<T>()};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
     return s;
   }
+  //! This rank's piece of every unit it owns part of, in unit order.
+  std::vector<ElementRange> shard_ranges() const {
+    std::vector<ElementRange> ranges;
+    for (const ShardUnit& u : plan_.units())
+      if (const std::int64_t n = plan_.owned_count(u); n > 0)
+        ranges.push_back({plan_.owned_begin(u), plan_.owned_begin(u) + n});
+    return ranges;
+  }
+  //! Sums this rank's gradient pieces over the replicas (the padding too: zeros), all units at once.
+  void reduce_over_replicas() {
+    CommunicatorRef replica = groups_.replica();
+    std::vector<Request>& pending = replica_pending_;
+    pending.clear();
+    for (const ShardUnit& u : plan_.units()) {
+      const auto n = static_cast<std::size_t>(u.piece);
+      if (auto* wide = grads_.owned_fp32(u))
+        pending.push_back(replica.all_reduce_async(std::span(wide, n), ReduceOp::sum));
+      else
+        pending.push_back(replica.all_reduce_async(std::span(grads_.owned(u), n), ReduceOp::sum));
+    }
+    for (Request& r : pending) r.wait();
+  }
 
+  ShardGroups groups_;
 
   ShardPlan plan_;
   ShardContext<B> context_;
@@ -634,6 +711,8 @@ class ZeroEngine {
   P params_;
   G grads_;
   int state_slots_;
+  bool reports_state_ = groups_.replica().rank() == 0;
+  std::vector<Request> replica_pending_;
 };
 
 }  // namespace detail
@@ -665,11 +744,16 @@ struct Zero {
   std::size_t bucket_bytes = std::size_t{25} << 20;
   bool overlap = true;
   int prefetch = 1;  //!< stage 3: layers gathered ahead (0 = each just in time)
+  //! Hybrid sharding: copies of the model over the data-parallel group, each sharded over
+  //! ranks / replicas adjacent ranks; the copies all-reduce their shards' gradients after
+  //! backward. 1 shards over the whole group.
+  int replicas = 1;
 
   friend bool operator==(const Zero&, const Zero&) = default;
   friend std::ostream& operator<<(std::ostream& out, const Zero& z) {
     out << "Zero<" << Stage << ">{bucket_bytes=" << z.bucket_bytes << ", overlap=" << z.overlap;
     if (Stage == 3) out << ", prefetch=" << z.prefetch;
+    if (z.replicas != 1) out << ", replicas=" << z.replicas;
     return out << "}";
   }
 
@@ -686,7 +770,7 @@ class ZeroStageEngine<1, B, T> : public ZeroEngine<B, T, FullParameters<B, T>, F
  public:
   ZeroStageEngine(const Zero<1>& z, EngineContext<B> c)
       : ZeroEngine<B, T, FullParameters<B, T>, FullGradients<B, T>>(
-            c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap) {}
+            c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap, z.replicas, "Zero<1>") {}
 };
 
 //! Stage 2: full parameters, sharded gradients and optimizer state.
@@ -695,7 +779,7 @@ class ZeroStageEngine<2, B, T> : public ZeroEngine<B, T, FullParameters<B, T>, S
  public:
   ZeroStageEngine(const Zero<2>& z, EngineContext<B> c)
       : ZeroEngine<B, T, FullParameters<B, T>, ShardedGradients<B, T>>(
-            c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap) {}
+            c, gradient_buckets(c.layout, sizeof(T), z.bucket_bytes), z.overlap, z.replicas, "Zero<2>") {}
 };
 
 //! Stage 3: everything sharded; parameters gathered per layer.
@@ -704,7 +788,7 @@ class ZeroStageEngine<3, B, T> : public ZeroEngine<B, T, ShardedParameters<B, T>
  public:
   ZeroStageEngine(const Zero<3>& z, EngineContext<B> c)
       : ZeroEngine<B, T, ShardedParameters<B, T>, ShardedGradients<B, T>>(
-            c, gradient_buckets(c.layout, sizeof(T), 1), z.overlap, check_prefetch(z.prefetch)) {}
+            c, gradient_buckets(c.layout, sizeof(T), 1), z.overlap, z.replicas, "Zero<3>", check_prefetch(z.prefetch)) {}
 
  private:
   static int check_prefetch(int prefetch) {
