@@ -460,7 +460,7 @@ int main(int argc, char** argv) {
   app.add_option("--zero-replicas", o.zero_replicas,
                  "ZeRO: hybrid sharding (FSDP's HYBRID_SHARD). The data-parallel ranks hold this many copies of "
                  "the model, each sharded over --dp / R adjacent ranks; gathers and reduce-scatters stay within "
-                 "a copy, and the copies all-reduce their shards' gradients after backward")
+                 "a copy, and the copies all-reduce their shards' gradients during the backward (after it with --no-overlap)")
       ->capture_default_str()->check(CLI::PositiveNumber);
 
   // --demo sets defaults first; explicit options on the command line win.

@@ -5,9 +5,12 @@
 // configurations.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -94,6 +97,103 @@ TEST_CASE("hybrid sharding: Zero<S> with replicas trains the same model as one r
                      reference);
         check_parity(sharded<Zero<3>>(ranks, micro_batch, clip, {.replicas = replicas}), reference);
       }
+  }
+}
+
+namespace {
+//! A thread communicator that logs every collective its rank issues as "<group>: <call>", its
+//! splits logging to the same list as "<group>/<k>" for its k-th split.
+class Recording : public CollectiveInterface<Recording> {
+ public:
+  using loom_communicator = void;
+  Recording(threads::Communicator comm, std::vector<std::string>& log, std::string name)
+      : comm_(std::move(comm)), log_(&log), name_(std::move(name)) {}
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+  void run(const CollectiveCall& call) {
+    record(call);
+    comm_.run(call);
+  }
+  Request start(const CollectiveCall& call) {
+    record(call);
+    return comm_.start(call);
+  }
+  std::vector<Request> start_group(std::span<const CollectiveCall> calls) {
+    for (const CollectiveCall& call : calls) record(call);
+    return comm_.start_group(calls);
+  }
+  Recording split(int color, int key) {
+    return Recording(comm_.split(color, key), *log_, name_ + "/" + std::to_string(splits_++));
+  }
+
+ private:
+  void record(const CollectiveCall& call) {
+    std::ostringstream line;
+    line << name_ << ": " << call;
+    log_->push_back(line.str());
+  }
+  threads::Communicator comm_;
+  std::vector<std::string>* log_;
+  std::string name_;
+  int splits_ = 0;
+};
+
+//! Each rank's log of collectives over two steps of `strategy` on 4 ranks, 3 micro-batches each.
+template <class St>
+std::vector<std::vector<std::string>> collective_logs(St strategy) {
+  std::vector<std::vector<std::string>> logs(4);
+  threads::run(4, [&](threads::Communicator& world) {
+    std::vector<std::string>& log = logs[static_cast<std::size_t>(world.rank())];
+    Recording comm(std::move(world), log, "dp");
+    cpu be(1);
+    Trainer<Gpt, AdamW, GradientAccumulation, St> trainer(be, comm, Gpt(small_test_config()), AdamW(),
+                                                          ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1}, strategy);
+    for (std::int64_t step = 0; step < 2; ++step) trainer.step(make_batch(step, global_batch, seq, small_test_config().vocab_size));
+  });
+  return logs;
+}
+
+//! Index of the first (or last) line of log[begin, end) that starts with `prefix`; -1 if none.
+std::ptrdiff_t find_line(const std::vector<std::string>& log, std::size_t begin, std::size_t end,
+                         const std::string& prefix, bool last) {
+  std::ptrdiff_t found = -1;
+  for (std::size_t i = begin; i < end; ++i)
+    if (log[i].starts_with(prefix)) {
+      found = static_cast<std::ptrdiff_t>(i);
+      if (!last) break;
+    }
+  return found;
+}
+}  // namespace
+
+TEST_CASE("hybrid sharding: every rank issues the same collectives in the same order, replicas' overlapped") {
+  // NCCL runs a rank's collectives in issue order; ranks of two groups that issued them in
+  // different orders could wait on each other forever. Here the copies' all-reduces ("dp/1")
+  // start during the last micro-batch's backward, between the reduce-scatters ("dp/0"), and
+  // every rank's sequence is the same.
+  const auto check = [](const std::vector<std::vector<std::string>>& logs, bool overlapped) {
+    for (std::size_t r = 1; r < logs.size(); ++r) CHECK(logs[r] == logs[0]);
+    // The two steps issue the same calls: each is half of the log.
+    const std::vector<std::string>& log = logs[0];
+    const std::size_t half = log.size() / 2;
+    REQUIRE(log.size() == 2 * half);
+    CHECK(std::equal(log.begin(), log.begin() + static_cast<std::ptrdiff_t>(half), log.begin() + static_cast<std::ptrdiff_t>(half)));
+    for (std::size_t begin : {std::size_t{0}, half}) {
+      const std::ptrdiff_t first_replica = find_line(log, begin, begin + half, "dp/1: all_reduce", false);
+      const std::ptrdiff_t last_scatter = find_line(log, begin, begin + half, "dp/0: reduce_scatter", true);
+      REQUIRE(first_replica >= 0);
+      REQUIRE(last_scatter >= 0);
+      CHECK((first_replica < last_scatter) == overlapped);
+    }
+  };
+  SUBCASE("Zero<1>") {
+    check(collective_logs(Zero<1>{.bucket_bytes = 4096, .replicas = 2}), true);
+    check(collective_logs(Zero<1>{.bucket_bytes = 4096, .overlap = false, .replicas = 2}), false);
+  }
+  SUBCASE("Zero<2>") { check(collective_logs(Zero<2>{.bucket_bytes = 4096, .replicas = 2}), true); }
+  SUBCASE("Zero<3>") {
+    check(collective_logs(Zero<3>{.replicas = 2}), true);
+    check(collective_logs(Zero<3>{.overlap = false, .replicas = 2}), false);
   }
 }
 

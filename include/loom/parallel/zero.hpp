@@ -14,9 +14,10 @@
 //!
 //! With `replicas` R > 1 (hybrid sharding: FSDP's HYBRID_SHARD, torchtitan's replicate × shard
 //! degrees, DeepSpeed's MiCS) the D data-parallel ranks form R groups of D/R adjacent ranks. Each
-//! group shards the model as above among its own ranks; after backward the ranks holding the
-//! same shard in the R groups all-reduce its gradient. Gathers and reduce-scatters stay inside a
-//! group (a node, say) and only 1/(D/R) of the gradient crosses between groups.
+//! group shards the model as above among its own ranks; in the last micro-batch's backward the
+//! ranks holding the same shard in the R groups all-reduce its gradient, unit by unit. Gathers
+//! and reduce-scatters stay inside a group (a node, say) and only 1/(D/R) of the gradient
+//! crosses between groups.
 
 #include <algorithm>
 #include <cstddef>
@@ -298,7 +299,7 @@ class FullGradients {
   void begin_step() {
     full_.zero();
     wide_.zero();
-    next_ = static_cast<int>(c_->plan->units().size()) - 1;
+    next_ = handed_ = static_cast<int>(c_->plan->units().size()) - 1;
   }
   bool fp32() const noexcept { return wide_.size() > 0; }
   //! The bf16 (or float) gradients of the units `layer` reads; empty where there are none.
@@ -317,6 +318,15 @@ class FullGradients {
   void finish() {
     start_done(0);
     for (auto& r : in_flight_) r.wait();
+  }
+  //! Calls `f(u)` for each unit whose reduce-scatter has started since the last call, in start
+  //! order, once it is complete: this rank's piece of it then holds the step's sum over the group.
+  template <class F>
+  void hand_over_started(F&& f) {
+    for (; handed_ > next_; --handed_) {
+      in_flight_[static_cast<std::size_t>(handed_)].wait();
+      f(handed_);
+    }
   }
   T* owned(const ShardUnit& u) { return narrow() ? piece_of(full_.data(), u) : nullptr; }
   //! This rank's piece of the fp32 sums of unit `u`; null without fp32 gradients.
@@ -349,7 +359,8 @@ class FullGradients {
   Buffer<wide_type, B> wide_;  // empty unless fp32 gradients
   std::vector<Request> in_flight_;
   bool overlap_;
-  int next_ = -1;
+  int next_ = -1;     // the next unit to reduce-scatter (they start from the last)
+  int handed_ = -1;   // the next unit hand_over_started passes on
 };
 
 //! Stages 2 and 3: only the shard persists. While backward fills a unit's gradient it lives in a
@@ -379,6 +390,9 @@ class ShardedGradients {
   void begin_step() {
     shard_.zero();
     wide_shard_.zero();
+    last_micro_batch_ = false;
+    started_last_.clear();
+    handed_ = 0;
   }
   bool fp32() const noexcept { return fp32_; }
   ParameterView<T> backward(int layer) {
@@ -404,13 +418,25 @@ class ShardedGradients {
     c_->drain(layer, c_->template view<T>(layer, [&](int u) { return units_[static_cast<std::size_t>(u)].buffer.data(); }),
               fp32_view(layer));
   }
-  void after_backward(int layer, bool /*last_micro_batch*/) {
+  void after_backward(int layer, bool last_micro_batch) {
+    last_micro_batch_ = last_micro_batch;
     drain(layer);
     while (!reducing_.empty() && units_[static_cast<std::size_t>(reducing_.front())].request.test()) accumulate_oldest();
     if (overlap_ || layer == 0) start_done(layer);
     if (layer == 0) drain_reductions();  // the micro-batch's backward is over
   }
   void finish() { drain_reductions(); }
+  //! Calls `f(u)` for each unit whose reduce-scatter started in the step's last micro-batch since
+  //! the last call, in start order, once this rank's piece is added to the shard: the shard's
+  //! piece of the unit then holds the step's sum over the group.
+  template <class F>
+  void hand_over_started(F&& f) {
+    for (; handed_ < started_last_.size(); ++handed_) {
+      const int u = started_last_[handed_];
+      while (units_[static_cast<std::size_t>(u)].state == State::reducing) accumulate_oldest();
+      f(u);
+    }
+  }
   T* owned(const ShardUnit& u) { return fp32_ ? nullptr : shard_.data() + u.shard_offset; }
   //! This rank's piece of the fp32 gradient shard of unit `u`; null without fp32 gradients.
   wide_type* owned_fp32(const ShardUnit& u) { return fp32_ ? wide_shard_.data() + u.shard_offset : nullptr; }
@@ -446,6 +472,7 @@ class ShardedGradients {
       }
       s.state = State::reducing;
       reducing_.push_back(u);
+      if (last_micro_batch_) started_last_.push_back(u);
     }
   }
   template <class U>
@@ -486,6 +513,9 @@ class ShardedGradients {
   std::vector<Unit> units_;
   std::vector<int> reducing_;  // units being reduced, oldest first
   bool overlap_;
+  bool last_micro_batch_ = false;
+  std::vector<int> started_last_;  // units whose reduction started in the last micro-batch, in order
+  std::size_t handed_ = 0;         // how many of them hand_over_started has passed on
 };
 
 //! The engine every stage shares: the plan, the optimizer state shard, the update of this
@@ -531,14 +561,21 @@ class ZeroEngine {
   //! The fp32 sums of the units `layer` reads (fp32 gradients only): what the layers add their
   //! fused gradients to, and under stage 1 what the tied exchange sums.
   ParameterView<accumulate_t<T>> fp32_grads_view(int layer) { return grads_.fp32_view(layer); }
+  //! After `layer`'s backward. With replicas, in the last micro-batch, first starts the
+  //! all-reduces over the replicas of the units whose reduce-scatters began at earlier layers
+  //! (waiting for those), then the reduce-scatters of the units now done: every rank issues the
+  //! two groups' collectives in the same order, which NCCL's in-order streams need.
   void on_backward(int layer, bool last_micro_batch) {
+    if (last_micro_batch && groups_.replicas() > 1) reduce_over_replicas();
     grads_.after_backward(layer, last_micro_batch);
     params_.after_backward(layer);
   }
   //! Completes the reductions; with replicas, sums each shard over the ranks that hold it.
   void finish_gradients() {
     grads_.finish();
-    if (groups_.replicas() > 1) reduce_over_replicas();
+    if (groups_.replicas() == 1) return;
+    reduce_over_replicas();
+    for (Request& r : replica_pending_) r.wait();
   }
   //! The number of copies of the model the data-parallel group holds (Zero::replicas).
   int replicas() const noexcept { return groups_.replicas(); }
@@ -686,19 +723,19 @@ class ZeroEngine {
         ranges.push_back({plan_.owned_begin(u), plan_.owned_begin(u) + n});
     return ranges;
   }
-  //! Sums this rank's gradient pieces over the replicas (the padding too: zeros), all units at once.
+  //! Starts summing over the replicas this rank's piece (padding included: zeros) of each unit
+  //! whose step sum over the replica is complete and not yet passed on.
   void reduce_over_replicas() {
-    CommunicatorRef replica = groups_.replica();
-    std::vector<Request>& pending = replica_pending_;
-    pending.clear();
-    for (const ShardUnit& u : plan_.units()) {
+    replica_pending_.resize(plan_.units().size());
+    grads_.hand_over_started([&](int unit) {
+      const ShardUnit& u = plan_.units()[static_cast<std::size_t>(unit)];
       const auto n = static_cast<std::size_t>(u.piece);
+      Request& r = replica_pending_[static_cast<std::size_t>(unit)];
       if (auto* wide = grads_.owned_fp32(u))
-        pending.push_back(replica.all_reduce_async(std::span(wide, n), ReduceOp::sum));
+        r = groups_.replica().all_reduce_async(std::span(wide, n), ReduceOp::sum);
       else
-        pending.push_back(replica.all_reduce_async(std::span(grads_.owned(u), n), ReduceOp::sum));
-    }
-    for (Request& r : pending) r.wait();
+        r = groups_.replica().all_reduce_async(std::span(grads_.owned(u), n), ReduceOp::sum);
+    });
   }
 
   ShardGroups groups_;
@@ -745,8 +782,8 @@ struct Zero {
   bool overlap = true;
   int prefetch = 1;  //!< stage 3: layers gathered ahead (0 = each just in time)
   //! Hybrid sharding: copies of the model over the data-parallel group, each sharded over
-  //! ranks / replicas adjacent ranks; the copies all-reduce their shards' gradients after
-  //! backward. 1 shards over the whole group.
+  //! ranks / replicas adjacent ranks; the copies all-reduce their shards' gradients during the
+  //! last micro-batch's backward (with `overlap`; else after it). 1 shards over the whole group.
   int replicas = 1;
 
   friend bool operator==(const Zero&, const Zero&) = default;
