@@ -22,4 +22,9 @@ TEST_CASE("Interleaved1F1B (v = 2) with Zero<1> on every DP x TP x PP mesh up to
   check_pipeline_meshes(Interleaved1F1B{.virtual_stages = 2}, Zero<1>{.bucket_bytes = 4096});
 }
 
+TEST_CASE("Interleaved1F1B (v = 2) with Zero<1> as 2 copies (hybrid sharding) on DP2 x TP2 x PP2 trains the same model as one rank") {
+  for (double clip : {0.0, 0.05})
+    check_pipeline_mesh({.dp = 2, .tp = 2, .pp = 2}, clip, Interleaved1F1B{.virtual_stages = 2}, Zero<1>{.bucket_bytes = 4096, .replicas = 2});
+}
+
 }  // namespace test_pipeline_parity_interleaved

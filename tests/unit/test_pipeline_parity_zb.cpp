@@ -20,4 +20,9 @@ TEST_CASE("ZeroBubbleH1 with Zero<1> on every DP x TP x PP mesh up to 8 ranks tr
   check_pipeline_meshes(ZeroBubbleH1{}, Zero<1>{.bucket_bytes = 4096});
 }
 
+TEST_CASE("ZeroBubbleH1 with Zero<1> as 2 copies (hybrid sharding) on DP4 x PP2 trains the same model as one rank") {
+  for (double clip : {0.0, 0.05})
+    check_pipeline_mesh({.dp = 4, .tp = 1, .pp = 2}, clip, ZeroBubbleH1{}, Zero<1>{.bucket_bytes = 4096, .replicas = 2});
+}
+
 }  // namespace test_pipeline_parity_zb
