@@ -577,9 +577,6 @@ class ZeroEngine {
     reduce_over_replicas();
     for (Request& r : replica_pending_) r.wait();
   }
-  //! The number of copies of the model the data-parallel group holds (Zero::replicas).
-  int replicas() const noexcept { return groups_.replicas(); }
-
   //! Sums over every data-parallel rank (the loss: every rank trains on its own slice).
   double global_sum(double local) {
     groups_.all().all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
@@ -600,7 +597,7 @@ class ZeroEngine {
                                .fp32_grads = grads_.owned_fp32(u)},
           count_replicated);
     }
-    context_.group.all_reduce(std::span<double>(&local, 1), ReduceOp::sum);
+    reduce_updated(std::span<double>(&local, 1));
     return local;
   }
 
