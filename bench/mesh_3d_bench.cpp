@@ -7,6 +7,7 @@
 //   loom_mesh_3d_bench --shapes 2x2x2,1x2x4 --steps 5
 //   loom_mesh_3d_bench --quick                           # the smoke test (seconds)
 //   loom_mesh_3d_bench --json mesh.json
+//   loom_mesh_3d_bench --shapes 2x1x4,2x2x2 --strategies ddp,zero1,zero3   # strategies side by side
 //
 // Every rank is a thread with 1 CPU thread. On a machine with fewer cores than ranks the ranks
 // share the cores (8 ranks on 2 cores: each gets a quarter of a core on average), so TFLOP/s per
@@ -43,6 +44,7 @@ struct Options {
   std::int64_t micro_batch = 1;
   int warmup = 1, steps = 3;
   bool overlap = false;
+  std::vector<std::string> strategies{"ddp"};  // ddp, zero1, zero2, zero3 over the data-parallel axis
   bool reference = true;
   bool quick = false;
   std::string json;
@@ -50,6 +52,7 @@ struct Options {
 
 struct Row {
   loom::MeshShape shape;
+  std::string strategy = "ddp";
   std::string schedule;
   std::int64_t micro_batches = 0;  // per pipeline
   loom::bench::Stats seconds;
@@ -93,11 +96,13 @@ std::vector<loom::MeshShape> all_shapes(int ranks) {
 }
 
 //! Steps of `config` on a mesh of `shape` over thread ranks: schedule `S` (GradientAccumulation
-//! without pipeline stages, OneFOneB with), DataParallel over the data-parallel axis.
-template <class S>
-Row measure(const Options& o, const loom::gpt2::Config& config, loom::MeshShape shape, const std::string& schedule) {
+//! without pipeline stages, OneFOneB with), strategy `St` over the data-parallel axis.
+template <class S, class St>
+Row measure(const Options& o, const loom::gpt2::Config& config, loom::MeshShape shape, const std::string& schedule,
+            St strategy, const std::string& strategy_name) {
   Row row;
   row.shape = shape;
+  row.strategy = strategy_name;
   row.schedule = schedule;
   row.ranks = shape.size();
   row.micro_batches = o.batch / (o.micro_batch * shape.dp);
@@ -108,10 +113,9 @@ Row measure(const Options& o, const loom::gpt2::Config& config, loom::MeshShape 
   loom::threads::run(shape.size(), [&](loom::threads::Communicator& world) {
     loom::Mesh<loom::threads::Communicator> mesh(world, shape);
     loom::cpu backend(1);
-    loom::Trainer<Gpt, loom::AdamW, S, loom::DataParallel> trainer(
-        backend, mesh, Gpt(config, mesh.tensor_parallel()), loom::AdamW({.weight_decay = 0.1}),
-        loom::ConstantLr{.lr = 3e-4}, {.micro_batch_size = o.micro_batch, .clip_grad_norm = 1.0},
-        loom::DataParallel{.overlap = o.overlap});
+    loom::Trainer<Gpt, loom::AdamW, S, St> trainer(backend, mesh, Gpt(config, mesh.tensor_parallel()),
+                                                   loom::AdamW({.weight_decay = 0.1}), loom::ConstantLr{.lr = 3e-4},
+                                                   {.micro_batch_size = o.micro_batch, .clip_grad_norm = 1.0}, strategy);
     const auto r = static_cast<std::size_t>(world.rank());
     for (int s = 0; s < steps; ++s) {
       const loom::io::Batch batch = data.batch_at(s, o.batch, o.seq);
@@ -165,11 +169,22 @@ Row measure_reference(const Options& o, const loom::gpt2::Config& config) {
   return row;
 }
 
+//! measure() with the strategy named `name` (ddp, zero1, zero2 or zero3).
+template <class S>
+Row measure_named(const Options& o, const loom::gpt2::Config& config, loom::MeshShape shape, const std::string& schedule,
+                  const std::string& name) {
+  if (name == "zero1") return measure<S>(o, config, shape, schedule, loom::Zero<1>{.overlap = o.overlap}, name);
+  if (name == "zero2") return measure<S>(o, config, shape, schedule, loom::Zero<2>{.overlap = o.overlap}, name);
+  if (name == "zero3") return measure<S>(o, config, shape, schedule, loom::Zero<3>{.overlap = o.overlap}, name);
+  return measure<S>(o, config, shape, schedule, loom::DataParallel{.overlap = o.overlap}, name);
+}
+
 double tflops_per_rank(const Row& r) { return r.flops / r.seconds.median / r.ranks / 1e12; }
 
 void print_row(const Row& r, const Options& o, std::int64_t parameters, const char* label) {
-  std::printf("%-9s %9.2fM %3d %3d %3d  %-5s %6lld %4lld %6lld | %8.3f %8.3f %9.0f %9.4f | %9.1f %9.1f\n", label,
-              static_cast<double>(parameters) / 1e6, r.shape.dp, r.shape.tp, r.shape.pp, r.schedule.c_str(),
+  std::printf("%-9s %9.2fM %3d %3d %3d  %-5s %-5s %6lld %4lld %6lld | %8.3f %8.3f %9.0f %9.4f | %9.1f %9.1f\n", label,
+              static_cast<double>(parameters) / 1e6, r.shape.dp, r.shape.tp, r.shape.pp, r.strategy.c_str(),
+              r.schedule.c_str(),
               static_cast<long long>(o.micro_batch), static_cast<long long>(r.micro_batches),
               static_cast<long long>(o.batch), r.seconds.median, r.seconds.min,
               static_cast<double>(o.batch * o.seq) / r.seconds.median, tflops_per_rank(r), r.peak_mib, r.state_mib);
@@ -191,7 +206,11 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", o.micro_batch, "Sequences per micro-batch")->capture_default_str();
   app.add_option("--warmup", o.warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--steps", o.steps, "Timed steps (median reported)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_flag("--overlap", o.overlap, "DataParallel overlaps the gradient all-reduce with backward");
+  app.add_flag("--overlap", o.overlap, "The strategy overlaps its gradient reduction with backward");
+  app.add_option("--strategies", o.strategies, "Strategies over dp, each on every mesh: ddp, zero1, zero2, zero3")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero3"}));
   app.add_flag("!--no-reference", o.reference, "Skip the one-rank reference line");
   app.add_flag("--quick", o.quick, "A few seconds in all: the smoke test");
   app.add_option("--json", o.json, "Write the table as JSON here");
@@ -215,7 +234,7 @@ int main(int argc, char** argv) {
     const double flops_per_step = whole.flops_per_token(o.seq) * static_cast<double>(o.batch * o.seq);
     std::printf("loom_mesh_3d_bench: GPT-2 %lld layers x %lld channels, %lld heads, vocabulary %lld (padded %lld), "
                 "seq %lld: %lld parameters (%.2f GFLOP per step of %lld sequences); %d thread ranks x 1 thread, fp32 "
-                "AdamW, DataParallel (overlap %s) over dp, 1F1B when pp > 1; medians of %d steps after %d\n%s\n",
+                "AdamW, the strategy (overlap %s) over dp, 1F1B when pp > 1; medians of %d steps after %d\n%s\n",
                 static_cast<long long>(o.layers), static_cast<long long>(o.channels), static_cast<long long>(o.heads),
                 static_cast<long long>(o.vocab), static_cast<long long>(config.padded_vocab_size),
                 static_cast<long long>(o.seq), static_cast<long long>(config.parameter_count()), flops_per_step / 1e9,
@@ -233,9 +252,9 @@ int main(int argc, char** argv) {
     if (o.shapes.empty()) shapes = all_shapes(o.ranks);
     for (const std::string& s : o.shapes) shapes.push_back(parse_shape(s));
 
-    std::printf("\n%-9s %10s %3s %3s %3s  %-5s %6s %4s %6s | %8s %8s %9s %9s | %9s %9s\n", "", "params", "DP", "TP",
-                "PP", "sched", "micro", "m", "global", "step s", "(min)", "tokens/s", "TFLOP/s", "peak MiB",
-                "state MiB");
+    std::printf("\n%-9s %10s %3s %3s %3s  %-5s %-5s %6s %4s %6s | %8s %8s %9s %9s | %9s %9s\n", "", "params", "DP",
+                "TP", "PP", "strat", "sched", "micro", "m", "global", "step s", "(min)", "tokens/s", "TFLOP/s",
+                "peak MiB", "state MiB");
     std::vector<Row> rows;
     std::vector<std::string> skipped;
     for (const loom::MeshShape& shape : shapes) {
@@ -243,12 +262,14 @@ int main(int argc, char** argv) {
         skipped.push_back(shape_text(shape) + ": " + why);
         continue;
       }
-      if (shape.pp == 1)
-        rows.push_back(measure<loom::GradientAccumulation>(o, config, shape, "GA"));
-      else
-        rows.push_back(measure<loom::OneFOneB>(o, config, shape, "1F1B"));
-      print_row(rows.back(), o, config.parameter_count(), "mesh");
-      std::fflush(stdout);
+      for (const std::string& strategy : o.strategies) {
+        if (shape.pp == 1)
+          rows.push_back(measure_named<loom::GradientAccumulation>(o, config, shape, "GA", strategy));
+        else
+          rows.push_back(measure_named<loom::OneFOneB>(o, config, shape, "1F1B", strategy));
+        print_row(rows.back(), o, config.parameter_count(), "mesh");
+        std::fflush(stdout);
+      }
     }
     Row reference;
     if (o.reference) {
@@ -271,7 +292,7 @@ int main(int argc, char** argv) {
     report["micro_batch"] = o.micro_batch;
     auto entry = [&](const Row& r) {
       return nlohmann::json{{"dp", r.shape.dp}, {"tp", r.shape.tp}, {"pp", r.shape.pp}, {"ranks", r.ranks},
-                            {"schedule", r.schedule}, {"micro_batches_per_pipeline", r.micro_batches},
+                            {"strategy", r.strategy}, {"schedule", r.schedule}, {"micro_batches_per_pipeline", r.micro_batches},
                             {"step_seconds_median", r.seconds.median}, {"step_seconds_min", r.seconds.min},
                             {"flops_per_step", r.flops}, {"tflops_per_rank", tflops_per_rank(r)},
                             {"peak_mib_max_over_ranks", r.peak_mib}, {"state_mib_max_over_ranks", r.state_mib},

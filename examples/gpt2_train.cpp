@@ -497,12 +497,6 @@ int main(int argc, char** argv) {
     if (o.virtual_stages && o.schedule != "interleaved")
       throw loom::Error("--virtual-stages", std::to_string(*o.virtual_stages),
                         "only --schedule interleaved has virtual stages (the schedule is " + o.schedule + ")");
-    if (o.schedule != "accumulation" && o.zero >= 2)
-      throw loom::Error("--zero", std::to_string(o.zero),
-                        "ZeRO-2 and ZeRO-3 cannot run under a pipeline schedule (--schedule " + o.schedule +
-                            "): they reduce-scatter gradients in every micro-batch's backward, and a tied "
-                            "parameter's gradient must be summed across stages before it is sharded. Use "
-                            "--zero 0 (DDP) or --zero 1 with --pp, or --schedule accumulation without it");
     if (o.dp % o.zero_replicas != 0)
       throw loom::Error("--zero-replicas", std::to_string(o.zero_replicas),
                         "must divide --dp (" + std::to_string(o.dp) +

@@ -1267,28 +1267,21 @@ int with_schedule(const Options& o, Fn&& fn) {
 }
 
 //! Calls `fn` with the strategy of --zero: SingleRank on one data-parallel rank, DataParallel on
-//! more, or a ZeRO stage. Under a pipeline schedule only DataParallel (a no-op reduction on one
-//! rank) and Zero<1> exist: Zero<2>/<3> do not compile with one (main rejects them first), and
-//! leaving SingleRank out keeps the instantiations few.
+//! more, or a ZeRO stage. Under a pipeline schedule DataParallel stands for SingleRank too (a
+//! no-op reduction on one rank), which keeps the instantiations fewer.
 template <class Schedule, class Fn>
 int with_strategy(const Options& o, int data_parallel_ranks, Fn&& fn) {
   const std::size_t bucket_bytes = o.bucket_mib << 20;
   const bool overlap = !o.no_overlap;
-  if constexpr (loom::pipelined_schedule<Schedule>) {
-    if (o.zero == 1)
-      return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
-    return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
-  } else {
-    switch (o.zero) {
-      case 1: return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
-      case 2: return fn(loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
-      case 3:
-        return fn(loom::Zero<3>{
-            .bucket_bytes = bucket_bytes, .overlap = overlap, .prefetch = o.prefetch, .replicas = o.zero_replicas});
-      default:
-        if (data_parallel_ranks == 1) return fn(loom::SingleRank{});
-        return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
-    }
+  switch (o.zero) {
+    case 1: return fn(loom::Zero<1>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
+    case 2: return fn(loom::Zero<2>{.bucket_bytes = bucket_bytes, .overlap = overlap, .replicas = o.zero_replicas});
+    case 3:
+      return fn(loom::Zero<3>{
+          .bucket_bytes = bucket_bytes, .overlap = overlap, .prefetch = o.prefetch, .replicas = o.zero_replicas});
+    default:
+      if (data_parallel_ranks == 1 && !loom::pipelined_schedule<Schedule>) return fn(loom::SingleRank{});
+      return fn(loom::DataParallel{.bucket_bytes = bucket_bytes, .overlap = overlap});
   }
 }
 

@@ -553,13 +553,18 @@ TEST_CASE("ranks sharing the GPU: tensor parallelism and DP x TP train as one ra
   check_staged<Zero<1>>({.dp = 2, .tp = 2, .pp = 1});
 }
 
-TEST_CASE("ranks sharing the GPU: pipeline schedules and a 2 x 2 x 2 mesh train as one rank") {
+TEST_CASE("ranks sharing the GPU: pipeline schedules (with ZeRO-1, 2 and 3) and a 2 x 2 x 2 mesh train as one rank") {
   if (!have_gpu()) return;
   check_staged<DataParallel, OneFOneB>({.dp = 1, .tp = 1, .pp = 2});
   check_staged<DataParallel, ZeroBubbleH1>({.dp = 1, .tp = 1, .pp = 2});
   check_staged<DataParallel, Interleaved1F1B>({.dp = 1, .tp = 1, .pp = 2}, DataParallel{},
                                               Interleaved1F1B{.virtual_stages = 2});
   check_staged<Zero<1>, OneFOneB>({.dp = 2, .tp = 2, .pp = 2});
+  // ZeRO-3 on a pipeline: each stage sharded over its data-parallel ranks, the tied wte's unit
+  // reduce-scattered once after the stages' exchange; ZeRO-2 under interleaving.
+  check_staged<Zero<3>, OneFOneB>({.dp = 2, .tp = 1, .pp = 2});
+  check_staged<Zero<2>, Interleaved1F1B>({.dp = 2, .tp = 1, .pp = 2}, Zero<2>{},
+                                         Interleaved1F1B{.virtual_stages = 2});
 }
 
 //! BERT on one GPU (fp32 products), with stored and with recomputed attention, the whole global

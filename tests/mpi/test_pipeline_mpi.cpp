@@ -1,5 +1,6 @@
 // Pipeline parallelism over MPI processes (label "mpi", 8 ranks under mpiexec): OneFOneB and
-// Interleaved1F1B (2 virtual stages), under DDP and ZeRO-1, on the meshes {dp 2, pp 4},
+// Interleaved1F1B (2 virtual stages), under DDP and ZeRO-1 (and 1F1B under ZeRO-3, Interleaved1F1B under
+// ZeRO-2), on the meshes {dp 2, pp 4},
 // {tp 2, pp 4}, {dp 2, tp 2, pp 2} and {pp 8} of the whole world, with and without clipping,
 // against one-rank training that every process also runs locally (DESIGN.md invariant 3: fp32,
 // 1e-5 relative over 5 AdamW steps; each rank's weights against the matching one-rank
@@ -87,6 +88,14 @@ TEST_CASE("Interleaved1F1B (v = 2) with DDP over MPI processes trains the same m
 
 TEST_CASE("Interleaved1F1B (v = 2) with Zero<1> over MPI processes trains the same model as one rank") {
   check_meshes(Interleaved1F1B{.virtual_stages = 2}, Zero<1>{.bucket_bytes = 4096});
+}
+
+TEST_CASE("OneFOneB with Zero<3> over MPI processes trains the same model as one rank") {
+  check_meshes(OneFOneB{}, Zero<3>{});
+}
+
+TEST_CASE("Interleaved1F1B (v = 2) with Zero<2> over MPI processes trains the same model as one rank") {
+  check_meshes(Interleaved1F1B{.virtual_stages = 2}, Zero<2>{.bucket_bytes = 4096});
 }
 
 TEST_CASE("a training state saved over MPI processes on one mesh resumes on another and trains the same model") {

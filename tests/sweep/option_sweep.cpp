@@ -228,12 +228,9 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
     l.tp = pick(rng, std::vector{1, 1, 2, 2, 4});
     l.pp = pick(rng, std::vector{1, 1, 2, 2, 3});
   } while (l.ranks() > max_ranks);
-  if (l.pp > 1) {
-    l.schedule = pick(rng, std::vector<std::string>{"gpipe", "1f1b", "interleaved", "zb-h1"});
-    l.zero = pick(rng, std::vector{0, 0, 0, 1, 1, 2});  // 2: refused, which the sweep checks too
-  } else {
-    l.zero = l.dp > 1 ? pick(rng, std::vector{0, 1, 2, 3}) : pick(rng, std::vector{0, 0, 0, 1, 3});
-  }
+  if (l.pp > 1) l.schedule = pick(rng, std::vector<std::string>{"gpipe", "1f1b", "interleaved", "zb-h1"});
+  // Every ZeRO stage under every schedule, pipelines included.
+  l.zero = l.dp > 1 ? pick(rng, std::vector{0, 1, 2, 3}) : pick(rng, std::vector{0, 0, 0, 1, 3});
   // The micro-batch: a divisor of each rank's slice (batches of 12 and 24 divide by every dp
   // drawn), or now and then one that does not divide.
   const int slice = s.batch / l.dp;
@@ -277,8 +274,6 @@ Layout draw_layout(std::mt19937_64& rng, const Setup& s, int max_ranks) {
     why = "--tp must divide the heads";
   else if (micro_batches == 0)
     why = "the batch must divide by micro-batch x dp";
-  else if (l.pp > 1 && l.zero >= 2)
-    why = "ZeRO-2/3 under a pipeline schedule";
   else if (l.dp % l.zero_replicas != 0)
     why = "--zero-replicas must divide --dp";
   else if (l.pp > s.pipeline_layers())

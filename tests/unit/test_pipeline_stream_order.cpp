@@ -107,9 +107,11 @@ static_assert(Communicator<StreamOrderCommunicator>);
 //! parity_steps steps of schedule `S` on `shape` under NCCL's rules: "" when they match one
 //! rank's, else every rank's error or parity failure. A rank waiting longer than `timeout` for a
 //! peer fails (a deadlock). `erased`: the mesh is over an AnyCommunicator holding the
-//! communicator, whose type no longer says that point-to-point runs in issue order.
-template <class S>
-std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milliseconds timeout, bool erased = false) {
+//! communicator, whose type no longer says that point-to-point runs in issue order. `strategy`
+//! reduces over the data-parallel ranks (its collectives run in issue order too).
+template <class S, class St = DataParallel>
+std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milliseconds timeout, bool erased = false,
+                                 St strategy = DataParallel{.bucket_bytes = 4096}) {
   using Gpt = gpt2::Model<cpu, float>;
   const Gpt global_model(pipeline_config());
   const ParityRun& reference = pipeline_reference(0.0);  // before the rank threads: computed once
@@ -117,9 +119,9 @@ std::string stream_order_outcome(MeshShape shape, S schedule, std::chrono::milli
   std::string outcome;
   const auto train = [&](auto& mesh) {
     cpu be(1);
-    Trainer<Gpt, AdamW, S, DataParallel> trainer(be, mesh, Gpt(pipeline_config(), mesh.tensor_parallel()),
-                                                 AdamW({.weight_decay = 0.1}), parity_lr(), pipeline_options(0.0),
-                                                 DataParallel{.bucket_bytes = 4096}, schedule);
+    Trainer<Gpt, AdamW, S, St> trainer(be, mesh, Gpt(pipeline_config(), mesh.tensor_parallel()),
+                                       AdamW({.weight_decay = 0.1}), parity_lr(), pipeline_options(0.0), strategy,
+                                       schedule);
     const ParityRun run = train_steps(trainer, pipeline_global_batch, pipeline_seq);
     std::string failure = parity_failures(trainer, run, reference, global_model.layout());
     // evaluate() sends forward only, micro-batch by micro-batch: the one-rank model with the
@@ -195,6 +197,22 @@ TEST_CASE("under NCCL's ordering rules every pipeline schedule trains as one ran
   for (const MeshShape shape : {MeshShape{.dp = 1, .tp = 1, .pp = 2}, MeshShape{.dp = 2, .tp = 1, .pp = 2},
                                 MeshShape{.dp = 1, .tp = 2, .pp = 2}})
     trains_as_one_rank(shape, Interleaved1F1B{.virtual_stages = 2}, "interleaved v2");
+}
+
+TEST_CASE("under NCCL's ordering rules ZeRO-2 and ZeRO-3 train as one rank under every pipeline schedule") {
+  // The data-parallel ranks of a stage issue their gathers and reduce-scatters in one order
+  // between the stage's sends and receives; under ZeRO-3 the tied wte's unit is reduce-scattered
+  // once, after the exchange across the stages, and with 2 copies its piece is then summed across
+  // them.
+  const MeshShape shape{.dp = 2, .tp = 1, .pp = 2};
+  const auto trains_as_one_rank = [&](auto schedule, auto strategy, std::string name) {
+    CAPTURE(name);
+    const std::string outcome = stream_order_outcome(shape, schedule, stream_order_timeout(), false, strategy);
+    CHECK_MESSAGE(outcome.empty(), outcome);
+  };
+  trains_as_one_rank(OneFOneB{}, Zero<3>{}, "1F1B, Zero<3>");
+  trains_as_one_rank(ZeroBubbleH1{}, Zero<2>{.bucket_bytes = 4096}, "ZB-H1, Zero<2>");
+  trains_as_one_rank(Interleaved1F1B{.virtual_stages = 2}, Zero<3>{.replicas = 2}, "interleaved v2, Zero<3> x2");
 }
 
 namespace {

@@ -46,6 +46,12 @@ struct EngineContext {
   //! the fp32 sums after the layer's backward: layer_parameters less what the layer adds to the
   //! sums itself (TrainerOptions::fp32_gradient_fusion). Null: all of layer_parameters.
   const std::vector<std::vector<ElementRange>>* layer_drained = nullptr;
+  //! The layout ranges of tied parameters (PipelineStage::tied(): held by several pipeline
+  //! stages), whose gradients the Trainer sums across those stages after the step's last
+  //! backward, before it reports local layer 0's last backward. An engine that reduces
+  //! gradients in every micro-batch (ZeRO-2 and 3) keeps them whole until that report. Empty
+  //! without pipeline stages.
+  std::vector<ElementRange> tied;
 
   //! What the engine drains after `layer`'s backward (layer_drained, else layer_parameters).
   const std::vector<std::vector<ElementRange>>& drained() const noexcept {
@@ -70,7 +76,7 @@ template <class S>
 concept Strategy = requires { typename S::loom_strategy; } && std::copyable<S>;
 
 //! Whether strategy `S` runs under pipeline schedules: true unless its type opts out with
-//! `static constexpr bool supports_pipeline = false` (Zero<2>, Zero<3>).
+//! `static constexpr bool supports_pipeline = false` (every strategy of loom's runs under them).
 template <class S>
 inline constexpr bool supports_pipeline = !requires { requires !S::supports_pipeline; };
 

@@ -134,11 +134,9 @@ class Trainer {
   static_assert(StrategyEngine<Engine, scalar_type>,
                 "loom: the strategy's Engine does not offer the hooks the Trainer drives");
   static_assert(!pipelined_schedule<S> || supports_pipeline<St>,
-                "loom: this strategy cannot run under a pipeline schedule. Zero<2> and Zero<3> reduce-scatter "
-                "gradients (and Zero<3> gathers parameters) in every micro-batch's backward, which a pipeline "
-                "repeats for each of its micro-batches, and a tied parameter's gradient must be summed across "
-                "stages before it is sharded. Use DataParallel or Zero<1> with pipeline schedules (DeepSpeed "
-                "has the same rule), or GradientAccumulation without pipeline stages.");
+                "loom: this strategy cannot run under a pipeline schedule: its type says so "
+                "(supports_pipeline = false). Use one that can (SingleRank, DataParallel or Zero<1..3>), or "
+                "GradientAccumulation without pipeline stages.");
   static_assert(!splits_backward_schedule<S> || SplitBackwardModel<M>,
                 "loom: this schedule splits each backward into input- and weight-gradient passes (zero "
                 "bubble); the Model must provide stash_elements, backward_input and backward_weight "
@@ -510,7 +508,8 @@ class Trainer {
                                                        .seed = options.seed,
                                                        .layer_parameters = layer_parameters_,
                                                        .fp32_gradients = options.fp32_gradients,
-                                                       .layer_drained = &layer_drained_}),
+                                                       .layer_drained = &layer_drained_,
+                                                       .tied = tied_ranges_of(stage())}),
         tensor_state_(make_tensor_state(backend, stage().layout())) {}
 
   //! The optimizer's per-tensor state (a TensorwiseOptimizer's State), or nothing.
@@ -622,6 +621,12 @@ class Trainer {
     engine_.load_parameters(mine.data());
   }
 
+  //! The stage-layout ranges of the tied parameters (EngineContext::tied).
+  static std::vector<ElementRange> tied_ranges_of(const Stage& stage) {
+    std::vector<ElementRange> ranges;
+    for (const TiedParameter& t : stage.tied()) ranges.push_back({t.offset, t.offset + t.numel});
+    return ranges;
+  }
   static std::vector<std::vector<ElementRange>> layer_parameters_of(const Stage& stage) {
     std::vector<std::vector<ElementRange>> out;
     for (int l = 0; l < stage.num_layers(); ++l) out.push_back(stage.layer_parameters(l));

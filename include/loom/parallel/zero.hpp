@@ -98,6 +98,9 @@ struct ShardContext {
   //! Whether the layers write gradients of the parameters' type (EngineContext::
   //! layers_write_gradients): else the gradient holders keep only fp32 sums.
   bool narrow_grads = true;
+  //! Per unit, whether it holds part of a tied parameter (EngineContext::tied), whose gradient
+  //! the pipeline sums across stages only after the step's last backward.
+  std::vector<bool> tied_units;
 
   int layers() const noexcept { return static_cast<int>(layer_units.size()); }
   const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
@@ -373,6 +376,14 @@ class FullGradients {
 //! write (none where nothing is drained: ShardContext::narrow_grads); each layer's bf16 part is
 //! drained into it after the layer's backward, the fp32 buffer is reduce-scattered, and the
 //! shard is fp32.
+//!
+//! Under a pipeline schedule two things differ. A unit holding a tied parameter (GPT-2's wte on
+//! the first and last stages) stays open across the micro-batches and is reduce-scattered once,
+//! after the Trainer has summed the tied gradient across the stages, as Zero<1> does with every
+//! unit: those stages hold that unit's gradient whole through the step (Megatron-LM's embedding
+//! group does the same). And the layers of a rank's chunks (interleaved schedules) finish their
+//! micro-batches' backwards in any order, so a unit may be reopened while an earlier
+//! micro-batch's reduction of it is still on the way; its backward then waits for that first.
 template <class B, class T>
 class ShardedGradients {
  public:
@@ -383,14 +394,15 @@ class ShardedGradients {
       : c_(&c), fp32_(fp32), shard_(*c.backend, fp32 ? 0 : c.plan->shard_size(), MemoryCategory::gradients),
         wide_shard_(*c.backend, fp32 ? c.plan->shard_size() : 0, MemoryCategory::gradients),
         pool_(*c.backend, MemoryCategory::communication), wide_pool_(*c.backend, MemoryCategory::communication),
-        units_(c.plan->units().size()), overlap_(overlap) {
+        units_(c.plan->units().size()), overlap_(overlap), last_done_(static_cast<std::size_t>(c.layers()), false) {
     shard_.zero();
     wide_shard_.zero();
   }
   void begin_step() {
     shard_.zero();
     wide_shard_.zero();
-    last_micro_batch_ = false;
+    backward_over_ = false;
+    last_done_.assign(static_cast<std::size_t>(c_->layers()), false);
     started_last_.clear();
     handed_ = 0;
   }
@@ -398,6 +410,8 @@ class ShardedGradients {
   ParameterView<T> backward(int layer) {
     for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) {
       Unit& s = units_[static_cast<std::size_t>(u)];
+      // An earlier micro-batch's sum still on the way (another chunk's layers ran since).
+      while (s.state == State::reducing) accumulate_oldest();
       if (s.state != State::idle) continue;
       while (reducing_.size() >= max_reducing) accumulate_oldest();
       const std::int64_t length = c_->unit(u).piece * c_->plan->ranks();
@@ -419,14 +433,19 @@ class ShardedGradients {
               fp32_view(layer));
   }
   void after_backward(int layer, bool last_micro_batch) {
-    last_micro_batch_ = last_micro_batch;
+    if (last_micro_batch) last_done_[static_cast<std::size_t>(layer)] = true;
+    // Local layer 0's last backward is reported last, after the tied gradients' exchange.
+    backward_over_ = backward_over_ || (layer == 0 && last_micro_batch);
     drain(layer);
     while (!reducing_.empty() && units_[static_cast<std::size_t>(reducing_.front())].request.test()) accumulate_oldest();
     if (overlap_ || layer == 0) start_done(layer);
     if (layer == 0) drain_reductions();  // the micro-batch's backward is over
   }
-  void finish() { drain_reductions(); }
-  //! Calls `f(u)` for each unit whose reduce-scatter started in the step's last micro-batch since
+  void finish() {
+    backward_over_ = true;
+    drain_reductions();
+  }
+  //! Calls `f(u)` for each unit whose last reduce-scatter of the step has started since
   //! the last call, in start order, once this rank's piece is added to the shard: the shard's
   //! piece of the unit then holds the step's sum over the group.
   template <class F>
@@ -457,12 +476,14 @@ class ShardedGradients {
     c_->backend->fill_zero(b.data(), sizeof(U) * static_cast<std::size_t>(length));
     return b;
   }
-  //! Starts the open units (from the last) whose layers are all done. With fp32 gradients the
-  //! bf16 buffer holds nothing more (drained) and goes back to the pool at once.
+  //! Starts the open units (from the last) whose layers are all done, except those holding a
+  //! tied parameter until the step's backward is over. With fp32 gradients the bf16 buffer
+  //! holds nothing more (drained) and goes back to the pool at once.
   void start_done(int layer) {
     for (int u = static_cast<int>(units_.size()) - 1; u >= 0; --u) {
       Unit& s = units_[static_cast<std::size_t>(u)];
       if (s.state != State::open || c_->unit(u).first_layer < layer) continue;
+      if (!backward_over_ && c_->tied_units[static_cast<std::size_t>(u)]) continue;
       const ShardUnit& unit = c_->unit(u);
       if (fp32_) {
         if (narrow()) pool_.release(std::move(s.buffer));
@@ -472,8 +493,18 @@ class ShardedGradients {
       }
       s.state = State::reducing;
       reducing_.push_back(u);
-      if (last_micro_batch_) started_last_.push_back(u);
+      if (takes_last_sum(u)) started_last_.push_back(u);
     }
+  }
+  //! Whether every layer that reads unit `u` has had its last backward of the step: then this
+  //! reduction of it is the step's last.
+  bool takes_last_sum(int u) const {
+    for (int l = 0; l < c_->layers(); ++l) {
+      const std::vector<int>& units = c_->layer_units[static_cast<std::size_t>(l)];
+      if (!last_done_[static_cast<std::size_t>(l)] && std::find(units.begin(), units.end(), u) != units.end())
+        return false;
+    }
+    return true;
   }
   template <class U>
   Request reduce_scatter(U* full, const ShardUnit& unit) {
@@ -513,8 +544,9 @@ class ShardedGradients {
   std::vector<Unit> units_;
   std::vector<int> reducing_;  // units being reduced, oldest first
   bool overlap_;
-  bool last_micro_batch_ = false;
-  std::vector<int> started_last_;  // units whose reduction started in the last micro-batch, in order
+  bool backward_over_ = false;  // the step's last backward of local layer 0 reported: tied units may go
+  std::vector<bool> last_done_;   // per layer: its last backward of the step reported
+  std::vector<int> started_last_;  // units whose last reduction of the step has started, in order
   std::size_t handed_ = 0;         // how many of them hand_over_started has passed on
 };
 
@@ -708,8 +740,10 @@ class ZeroEngine {
 
  private:
   ShardContext<B> make_context(const EngineContext<B>& c) {
-    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, c.drained(), c.template layers_write_gradients<T>()};
+    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, c.drained(), c.template layers_write_gradients<T>(), {}};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
+    s.tied_units.assign(plan_.units().size(), false);
+    for (int u : plan_.units_of(c.tied)) s.tied_units[static_cast<std::size_t>(u)] = true;
     return s;
   }
   //! This rank's piece of every unit it owns part of, in unit order.
@@ -770,11 +804,6 @@ template <int Stage>
 struct Zero {
   static_assert(Stage >= 1 && Stage <= 3, "loom: Zero<Stage> is ZeRO stage 1, 2 or 3");
   using loom_strategy = void;
-  //! Stages 2 and 3 reduce-scatter gradients (and 3 gathers parameters) in every micro-batch's
-  //! backward: a pipeline would repeat that for each of its m micro-batches, and a tied
-  //! parameter's gradient could not be summed across stages before it is sharded.
-  static constexpr bool supports_pipeline = Stage == 1;
-
   std::size_t bucket_bytes = std::size_t{25} << 20;
   bool overlap = true;
   int prefetch = 1;  //!< stage 3: layers gathered ahead (0 = each just in time)
