@@ -18,7 +18,6 @@
 #include "loom/comm/threads.hpp"
 #include "loom/loom.hpp"
 #include "support/parity.hpp"
-#include "support/pipeline_parity.hpp"
 #include "support/training.hpp"
 
 namespace test_zero {
@@ -233,47 +232,6 @@ std::vector<Held> held_by_rank(int ranks, int replicas = 1) {
   return held;
 }
 }  // namespace
-
-TEST_CASE("Zero<3> on a pipeline: the tied wte is a unit of its own, gathered only by the layers that read it") {
-  // DP 2 x PP 2 under 1F1B with m micro-batches a step. Stage 0's embedding reads wte in its
-  // forward and its backward: 2 gathers a micro-batch. On the last stage the head reads it (kept
-  // from its forward to its backward, which follows at once): 1 gather a micro-batch. The last
-  // stage's first block owns wte there (its gradient is complete after that block's backward)
-  // but does not read it, so it gathers none.
-  const MeshShape shape{.dp = 2, .tp = 1, .pp = 2};
-  constexpr int steps = 2;
-  const std::int64_t micro_batches = pipeline_global_batch / shape.dp;
-  std::vector<std::vector<std::string>> logs(4);
-  std::vector<std::int64_t> tied_piece(4), first_layer_reads_tied(4, -1);
-  threads::run(shape.size(), [&](threads::Communicator& world) {
-    const auto r = static_cast<std::size_t>(world.rank());
-    Recording comm(std::move(world), logs[r], "world");
-    Mesh<Recording> mesh(comm, shape);
-    cpu be(1);
-    Trainer<Gpt, AdamW, OneFOneB, Zero<3>> trainer(be, mesh, Gpt(pipeline_config(), mesh.tensor_parallel()), AdamW(),
-                                                   ConstantLr{.lr = 1e-3}, {.micro_batch_size = 1});
-    REQUIRE(trainer.stage().tied().size() == 1);
-    const TiedParameter& tied = trainer.stage().tied()[0];
-    tied_piece[r] = (tied.numel + shape.dp - 1) / shape.dp;
-    const ElementRange wte{tied.offset, tied.offset + tied.numel};
-    const std::vector<ElementRange> reads = trainer.stage().layer_reads(0);
-    first_layer_reads_tied[r] = std::any_of(reads.begin(), reads.end(), [&](const ElementRange& e) {
-      return e.begin < wte.end && wte.begin < e.end;
-    });
-    logs[r].clear();  // the collectives of the steps alone
-    for (int step = 0; step < steps; ++step)
-      trainer.step(make_batch(step, pipeline_global_batch, pipeline_seq, pipeline_config().vocab_size));
-  });
-  for (std::size_t r = 0; r < logs.size(); ++r) {
-    CAPTURE(r);
-    const MeshCoordinates c = mesh_coordinates(shape, static_cast<int>(r));
-    const std::string gather = "all_gather(count=" + std::to_string(tied_piece[r]) + ",";
-    const auto gathers = std::count_if(logs[r].begin(), logs[r].end(),
-                                       [&](const std::string& line) { return line.find(gather) != std::string::npos; });
-    CHECK(first_layer_reads_tied[r] == (c.pp == 0 ? 1 : 0));
-    CHECK(gathers == steps * micro_batches * (c.pp == 0 ? 2 : 1));
-  }
-}
 
 TEST_CASE("memory per rank: the ZeRO formulas for fp32 AdamW, padding apart") {
   // Ψ parameters (stored, with GPT-2's padded vocabulary), N ranks; a padded full buffer has

@@ -52,16 +52,7 @@ struct EngineContext {
   //! gradients in every micro-batch (ZeRO-2 and 3) keeps them whole until that report. Empty
   //! without pipeline stages.
   std::vector<ElementRange> tied;
-  //! Per layer, the layout ranges its forward and backward read, where that is less than
-  //! layer_parameters (PipelineStage::layer_reads: the last stage's first block owns the tied
-  //! wte but does not read it), for strategies that gather parameters per layer. Null:
-  //! layer_parameters.
-  const std::vector<std::vector<ElementRange>>* layer_reads = nullptr;
 
-  //! What `layer`'s forward and backward read (layer_reads, else layer_parameters).
-  const std::vector<std::vector<ElementRange>>& reads() const noexcept {
-    return layer_reads != nullptr ? *layer_reads : layer_parameters;
-  }
   //! What the engine drains after `layer`'s backward (layer_drained, else layer_parameters).
   const std::vector<std::vector<ElementRange>>& drained() const noexcept {
     return layer_drained != nullptr ? *layer_drained : layer_parameters;

@@ -13,8 +13,7 @@
 //! layout, owned by its local layer 0, whose backward is the last of a step on the rank, and the
 //! Trainer sums the holders' gradients (tied_gradient_exchange) before the strategy reduces
 //! them. Equal gradients and equal optimizer state keep the copies identical (Megatron-LM's
-//! embedding group does the same). What a layer reads (layer_reads) can thus be less than what
-//! it lists (layer_parameters): a strategy that gathers parameters per layer gathers the former.
+//! embedding group does the same).
 
 #include <algorithm>
 #include <cstdint>
@@ -92,12 +91,6 @@ class PipelineStage {
     std::vector<ElementRange> out;
     for (const Piece& p : pieces_[static_cast<std::size_t>(layer)]) out.push_back({p.begin, p.end});
     return out;
-  }
-  //! The stage-layout ranges local `layer`'s forward and backward read: layer_parameters less the
-  //! tied parameters it owns without its model layer reading them (the last stage's first block
-  //! owns the tied wte, which only the head reads there).
-  std::vector<ElementRange> layer_reads(int layer) const {
-    return subtract_ranges(layer_parameters(layer), unread_[static_cast<std::size_t>(layer)]);
   }
   std::int64_t hidden_elements(MicroBatchShape s) const { return model_.hidden_elements(s); }
   std::int64_t activation_elements(int layer, MicroBatchShape s) const {
@@ -261,18 +254,14 @@ class PipelineStage {
     // Each local layer's pieces: the entries it owns here (tied ones for layer 0) and the
     // entries its model layer reads.
     pieces_.assign(static_cast<std::size_t>(num_layers()), {});
-    unread_.assign(static_cast<std::size_t>(num_layers()), {});
     for (int l = 0; l < num_layers(); ++l) {
       std::vector<Piece> pieces;
       for (std::size_t i = 0; i < order.size(); ++i) {
         const auto& mine = layout_.entries()[i];
-        bool model_reads = false;
+        bool reads_it = mine.spec.layer == l;
         for (const ElementRange& r : reads[static_cast<std::size_t>(global_layer(l))])
-          model_reads = model_reads || intersects(r, entries[order[i]]);
-        if (mine.spec.layer == l || model_reads)
-          pieces.push_back({mine.offset, mine.offset + mine.numel(), entries[order[i]].offset});
-        if (mine.spec.layer == l && !model_reads && mine.numel() > 0)
-          unread_[static_cast<std::size_t>(l)].push_back({mine.offset, mine.offset + mine.numel()});
+          reads_it = reads_it || intersects(r, entries[order[i]]);
+        if (reads_it) pieces.push_back({mine.offset, mine.offset + mine.numel(), entries[order[i]].offset});
       }
       // Merge pieces contiguous in both layouts (fewer view windows).
       std::vector<Piece>& merged = pieces_[static_cast<std::size_t>(l)];
@@ -317,7 +306,6 @@ class PipelineStage {
   std::vector<Segment> segments_;
   std::vector<TiedParameter> tied_;
   std::vector<std::vector<Piece>> pieces_;
-  std::vector<std::vector<ElementRange>> unread_;  // per layer: what it owns and its model layer does not read
 };
 
 }  // namespace loom

@@ -501,7 +501,6 @@ class Trainer {
         options_(options),
         layer_parameters_(layer_parameters_of(stage())),
         layer_drained_(layer_drained_of(stage(), layer_parameters_, options)),
-        layer_reads_(layer_reads_of(stage())),
         engine_(strategy_, EngineContext<backend_type>{.backend = (validate(options), backend),
                                                        .data_parallel = group,
                                                        .layout = stage().layout(),
@@ -510,8 +509,7 @@ class Trainer {
                                                        .layer_parameters = layer_parameters_,
                                                        .fp32_gradients = options.fp32_gradients,
                                                        .layer_drained = &layer_drained_,
-                                                       .tied = tied_ranges_of(stage()),
-                                                       .layer_reads = &layer_reads_}),
+                                                       .tied = tied_ranges_of(stage())}),
         tensor_state_(make_tensor_state(backend, stage().layout())) {}
 
   //! The optimizer's per-tensor state (a TensorwiseOptimizer's State), or nothing.
@@ -634,11 +632,6 @@ class Trainer {
     for (int l = 0; l < stage.num_layers(); ++l) out.push_back(stage.layer_parameters(l));
     return out;
   }
-  static std::vector<std::vector<ElementRange>> layer_reads_of(const Stage& stage) {
-    std::vector<std::vector<ElementRange>> out;
-    for (int l = 0; l < stage.num_layers(); ++l) out.push_back(stage.layer_reads(l));
-    return out;
-  }
   //! What fp32 gradients drain after each layer: what it reads, less what it adds to the fp32
   //! sums itself where the model fuses them (TrainerOptions::fp32_gradient_fusion).
   static std::vector<std::vector<ElementRange>> layer_drained_of(const Stage& stage,
@@ -745,7 +738,6 @@ class Trainer {
   TrainerOptions options_;
   std::vector<std::vector<ElementRange>> layer_parameters_;
   std::vector<std::vector<ElementRange>> layer_drained_;  // EngineContext::layer_drained
-  std::vector<std::vector<ElementRange>> layer_reads_;    // EngineContext::layer_reads
   Engine engine_;
   TensorState tensor_state_;
   std::int64_t step_ = 0;

@@ -91,9 +91,7 @@ struct ShardContext {
   B* backend;
   CommunicatorRef group;
   const ShardPlan* plan;
-  std::vector<std::vector<int>> layer_units;  //!< units each layer reads or owns (ShardPlan::units_of)
-  //! Units each layer's forward and backward read (EngineContext::reads()): what stage 3 gathers.
-  std::vector<std::vector<int>> gather_units;
+  std::vector<std::vector<int>> layer_units;  //!< units each layer reads (ShardPlan::units_of)
   //! Layout ranges each layer's drain covers (EngineContext::drained(): what it reads, less what
   //! it adds to fp32 sums itself).
   std::vector<std::vector<ElementRange>> layer_ranges;
@@ -106,12 +104,11 @@ struct ShardContext {
 
   int layers() const noexcept { return static_cast<int>(layer_units.size()); }
   const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
-  //! A view of `units` (layer_units[layer] unless given), each stored from `storage(u)`.
+  //! A view of the units a layer reads, each stored from `storage(u)`.
   template <class T, class Storage>
-  ParameterView<T> view(int layer, Storage&& storage, const std::vector<int>* units = nullptr) const {
+  ParameterView<T> view(int layer, Storage&& storage) const {
     ParameterView<T> v;
-    for (int u : units != nullptr ? *units : layer_units[static_cast<std::size_t>(layer)])
-      v.add(unit(u).begin, unit(u).begin + unit(u).size, storage(u));
+    for (int u : layer_units[static_cast<std::size_t>(layer)]) v.add(unit(u).begin, unit(u).begin + unit(u).size, storage(u));
     return v;
   }
   //! Drains the bf16 gradients of the elements layer_ranges lists for `layer`, as `part` stores
@@ -172,9 +169,7 @@ class FullParameters {
 
 //! Stage 3: only this rank's pieces persist. A layer's units are all-gathered into pooled
 //! buffers before its forward and backward (the next `prefetch` layers' gathers start early)
-//! and given back after, unless a layer about to run needs them. A layer gathers what it reads
-//! (ShardContext::gather_units), not what it only owns: on a pipeline's last stage the first
-//! block owns the tied wte, a unit of its own there, and only the head gathers it.
+//! and given back after, unless a layer about to run needs them.
 template <class B, class T>
 class ShardedParameters {
  public:
@@ -259,18 +254,18 @@ class ShardedParameters {
     g.present = false;
   }
   void start_gather(int layer) {
-    for (int u : c_->gather_units[static_cast<std::size_t>(layer)]) start_unit(u);
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) start_unit(u);
   }
   void gather(int layer) {
     start_gather(layer);
-    for (int u : c_->gather_units[static_cast<std::size_t>(layer)]) finish_unit(u);
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) finish_unit(u);
   }
   //! Gives back `layer`'s units that no layer in [first, last] reads.
   void release_unless_needed(int layer, int first, int last) {
-    for (int u : c_->gather_units[static_cast<std::size_t>(layer)]) {
+    for (int u : c_->layer_units[static_cast<std::size_t>(layer)]) {
       bool needed = false;
       for (int l = first; l <= last && !needed; ++l)
-        for (int v : c_->gather_units[static_cast<std::size_t>(l)]) needed = needed || v == u;
+        for (int v : c_->layer_units[static_cast<std::size_t>(l)]) needed = needed || v == u;
       if (!needed) release_unit(u);
     }
   }
@@ -278,9 +273,7 @@ class ShardedParameters {
     for (int u = 0; u < static_cast<int>(gathered_.size()); ++u) release_unit(u);
   }
   ParameterView<const T> view(int layer) const {
-    return c_->template view<const T>(
-        layer, [&](int u) { return gathered_[static_cast<std::size_t>(u)].buffer.data(); },
-        &c_->gather_units[static_cast<std::size_t>(layer)]);
+    return c_->template view<const T>(layer, [&](int u) { return gathered_[static_cast<std::size_t>(u)].buffer.data(); });
   }
 
   ShardContext<B>* c_;
@@ -566,8 +559,7 @@ class ZeroEngine {
   ZeroEngine(EngineContext<B> context, std::vector<GradientBucket> units, bool overlap, int replicas, const char* who,
              ParameterArgs... args)
       : groups_(context.data_parallel, replicas, who),
-        plan_(context.layout, split_at_ranges(std::move(units), context.tied), groups_.shard().size(),
-              groups_.shard().rank()),
+        plan_(context.layout, units, groups_.shard().size(), groups_.shard().rank()),
         context_(make_context(context)),
         layout_(&context.layout),
         state_(context.backend, plan_.shard_size() * context.state_slots, MemoryCategory::optimizer_state),
@@ -747,28 +739,9 @@ class ZeroEngine {
   }
 
  private:
-  //! `units` with each cut where a range of `ranges` begins or ends (the tied parameters: a unit
-  //! of their own, which only their readers gather and which is reduced once a step).
-  static std::vector<GradientBucket> split_at_ranges(std::vector<GradientBucket> units,
-                                                     const std::vector<ElementRange>& ranges) {
-    for (const ElementRange& r : ranges)
-      for (std::int64_t cut : {r.begin, r.end}) {
-        std::vector<GradientBucket> out;
-        for (const GradientBucket& u : units)
-          if (u.begin < cut && cut < u.end) {
-            out.push_back({u.first_layer, u.last_layer, u.begin, cut});
-            out.push_back({u.first_layer, u.last_layer, cut, u.end});
-          } else {
-            out.push_back(u);
-          }
-        units = std::move(out);
-      }
-    return units;
-  }
   ShardContext<B> make_context(const EngineContext<B>& c) {
-    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, {}, c.drained(), c.template layers_write_gradients<T>(), {}};
+    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, c.drained(), c.template layers_write_gradients<T>(), {}};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
-    for (const auto& ranges : c.reads()) s.gather_units.push_back(plan_.units_of(ranges));
     s.tied_units.assign(plan_.units().size(), false);
     for (int u : plan_.units_of(c.tied)) s.tied_units[static_cast<std::size_t>(u)] = true;
     return s;
