@@ -101,6 +101,8 @@ struct ShardContext {
   //! Per unit, whether it holds part of a tied parameter (EngineContext::tied), whose gradient
   //! the pipeline sums across stages only after the step's last backward.
   std::vector<bool> tied_units;
+  //! Per unit, the layers whose backward writes its gradient (those whose layer_units hold it).
+  std::vector<std::vector<int>> unit_layers;
 
   int layers() const noexcept { return static_cast<int>(layer_units.size()); }
   const ShardUnit& unit(int u) const noexcept { return plan->units()[static_cast<std::size_t>(u)]; }
@@ -499,12 +501,8 @@ class ShardedGradients {
   //! Whether every layer that reads unit `u` has had its last backward of the step: then this
   //! reduction of it is the step's last.
   bool takes_last_sum(int u) const {
-    for (int l = 0; l < c_->layers(); ++l) {
-      const std::vector<int>& units = c_->layer_units[static_cast<std::size_t>(l)];
-      if (!last_done_[static_cast<std::size_t>(l)] && std::find(units.begin(), units.end(), u) != units.end())
-        return false;
-    }
-    return true;
+    const std::vector<int>& layers = c_->unit_layers[static_cast<std::size_t>(u)];
+    return std::all_of(layers.begin(), layers.end(), [&](int l) { return last_done_[static_cast<std::size_t>(l)]; });
   }
   template <class U>
   Request reduce_scatter(U* full, const ShardUnit& unit) {
@@ -740,10 +738,13 @@ class ZeroEngine {
 
  private:
   ShardContext<B> make_context(const EngineContext<B>& c) {
-    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, c.drained(), c.template layers_write_gradients<T>(), {}};
+    ShardContext<B> s{&c.backend, groups_.shard(), &plan_, {}, c.drained(), c.template layers_write_gradients<T>(), {}, {}};
     for (const auto& ranges : c.layer_parameters) s.layer_units.push_back(plan_.units_of(ranges));
     s.tied_units.assign(plan_.units().size(), false);
     for (int u : plan_.units_of(c.tied)) s.tied_units[static_cast<std::size_t>(u)] = true;
+    s.unit_layers.resize(plan_.units().size());
+    for (int l = 0; l < s.layers(); ++l)
+      for (int u : s.layer_units[static_cast<std::size_t>(l)]) s.unit_layers[static_cast<std::size_t>(u)].push_back(l);
     return s;
   }
   //! This rank's piece of every unit it owns part of, in unit order.
